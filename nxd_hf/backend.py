@@ -1,0 +1,181 @@
+"""The one module that talks to ``torch.distributed``.
+
+Everything in nxd_hf that communicates goes through these functions, so gloo (CPU), nccl
+(CUDA) and xla (torch-xla) differ here only, and so the payload bytes of every collective can
+be counted in one place (``count_comm``; used by ``bench/comm_volume.py`` and the tests).
+
+Payload is the size of the tensor a rank hands to the collective: the whole tensor for
+all-reduce, broadcast and reduce-scatter, the local shard for all-gather. Collectives over a
+group of size 1 are skipped and not counted.
+"""
+
+import contextlib
+import dataclasses
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def default_backend() -> str:
+    """``xla`` when torch-xla is installed and an XLA device is requested, else nccl/gloo."""
+    requested = os.environ.get("NXD_HF_BACKEND")
+    if requested:
+        return requested
+    if os.environ.get("PJRT_DEVICE"):
+        return "xla"
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def default_device() -> torch.device:
+    """The device a rank computes on for the backend in use."""
+    backend = dist.get_backend() if dist.is_initialized() else default_backend()
+    if backend == "xla":
+        import torch_xla.core.xla_model as xm  # optional extra
+
+        return xm.xla_device()
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def init_process_group_from_env(timeout_s: float = 1800.0) -> None:
+    """Initialize the default group from the torchrun environment (RANK, WORLD_SIZE, ...)."""
+    if dist.is_initialized():
+        return
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        if var not in os.environ:
+            raise ValueError(
+                f"torch.distributed is not initialized and ${var} is not set: launch with "
+                "torchrun, or call torch.distributed.init_process_group() first"
+            )
+    backend = default_backend()
+    kwargs = {}
+    if backend == "xla":
+        import torch_xla.distributed.xla_backend  # noqa: F401  registers the backend
+
+        kwargs["init_method"] = "xla://"
+    elif backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def new_group(ranks: list[int]):
+    return dist.new_group(ranks)
+
+
+def destroy_group(group) -> None:
+    dist.destroy_process_group(group)
+
+
+SELF = "self"
+"""The group of this rank alone (what ``parallel_state`` hands out before initialization)."""
+
+
+def group_size(group) -> int:
+    if group is SELF or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+# torch >= 2.13 renamed the flat collectives; torch-xla's torch (2.9) has only the old names.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclasses.dataclass
+class CommRecord:
+    op: str
+    group_size: int
+    payload_bytes: int
+    tag: str
+
+
+_records: list[CommRecord] | None = None
+_tag = ""
+
+
+@contextlib.contextmanager
+def count_comm():
+    """Collect a ``CommRecord`` for every collective issued inside the block."""
+    global _records
+    previous, _records = _records, []
+    try:
+        yield _records
+    finally:
+        _records = previous
+
+
+@contextlib.contextmanager
+def comm_tag(tag: str):
+    """Label the collectives issued inside the block (shows up in ``CommRecord.tag``)."""
+    global _tag
+    previous, _tag = _tag, tag
+    try:
+        yield
+    finally:
+        _tag = previous
+
+
+def _record(op: str, tensor: torch.Tensor, group) -> None:
+    if _records is not None:
+        size = tensor.numel() * tensor.element_size()
+        _records.append(CommRecord(op, group_size(group), size, _tag))
+
+
+def all_reduce(tensor: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
+    """In-place all-reduce of ``tensor`` over ``group``; op is "sum", "max" or "min"."""
+    if group_size(group) == 1:
+        return tensor
+    _record("all_reduce", tensor, group)
+    reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+    dist.all_reduce(tensor, op=reduce_op, group=group)
+    return tensor
+
+
+def all_gather(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` along ``dim``, in group-rank order."""
+    size = group_size(group)
+    if size == 1:
+        return tensor
+    _record("all_gather", tensor, group)
+    moved = tensor.movedim(dim, 0).contiguous()
+    out = torch.empty((size * moved.shape[0], *moved.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    _all_gather_flat(out, moved, group=group)
+    return out.movedim(0, dim)
+
+
+def reduce_scatter(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Sum ``tensor`` over ``group`` and return this rank's chunk along ``dim``."""
+    size = group_size(group)
+    if size == 1:
+        return tensor
+    assert tensor.shape[dim] % size == 0, (tensor.shape, dim, size)
+    _record("reduce_scatter", tensor, group)
+    moved = tensor.movedim(dim, 0).contiguous()
+    out = torch.empty((moved.shape[0] // size, *moved.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    _reduce_scatter_flat(out, moved, group=group)
+    return out.movedim(0, dim)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group) -> torch.Tensor:
+    """In-place broadcast from global rank ``src`` to every rank of ``group``."""
+    if group_size(group) == 1:
+        return tensor
+    _record("broadcast", tensor, group)
+    dist.broadcast(tensor, src=src, group=group)
+    return tensor
+
+
+def barrier(group=None) -> None:
+    if dist.is_initialized():
+        dist.barrier(group=group)

@@ -1,0 +1,231 @@
+"""Sharded ``nn.Linear`` and ``nn.Embedding`` replacements (NxD's parallel layers).
+
+Weights are stored torch-style (``[out, in]``). With the same seed, a sharded layer's weight
+and bias equal the slices of the unsharded ``nn.Linear``/``nn.Embedding`` (its default init
+is used when ``init_method`` is None; NxD defaults to its own init instead). A sharded size
+that the TP size does not divide is padded at the end with zero rows that never reach outputs
+or gradients.
+"""
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nxd_hf.parallel_layers import mappings
+from nxd_hf.parallel_layers.utils import (
+    contiguous_shard_index, local_rows_mask, set_sequence_parallel_attribute,
+    set_tensor_model_parallel_attributes, shard_from_full, tp_coords,
+)
+from nxd_hf import parallel_state
+
+
+def linear_init_(weight: torch.Tensor, bias: torch.Tensor | None, init_method: Callable | None) -> None:
+    """``nn.Linear``'s own init when ``init_method`` is None; else ``init_method`` and zero bias."""
+    if init_method is None:
+        nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+        if bias is not None:
+            bound = 1 / math.sqrt(weight.shape[1]) if weight.shape[1] > 0 else 0
+            nn.init.uniform_(bias, -bound, bound)
+    else:
+        init_method(weight)
+        if bias is not None:
+            bias.zero_()
+
+
+def set_local_(module: nn.Module, name: str, local: torch.Tensor) -> None:
+    """Write ``local`` into parameter ``name``, materializing it first if it is on meta."""
+    param = getattr(module, name)
+    if param.is_meta:
+        new = nn.Parameter(local.to(param.dtype), requires_grad=param.requires_grad)
+        new.__dict__.update(param.__dict__)  # sharding metadata
+        setattr(module, name, new)
+    else:
+        with torch.no_grad():
+            param.copy_(local)
+
+
+def gather_order(logical_size: int, tp_size: int, stride: int) -> torch.Tensor | None:
+    """Where logical row j sits in the TP all-gather of every rank's shard, or None when the
+    gather is already in logical order (then only trailing padding is dropped)."""
+    gathered = torch.cat([contiguous_shard_index(logical_size, r, tp_size, stride) for r in range(tp_size)])
+    if torch.equal(gathered[:logical_size], torch.arange(logical_size)):
+        return None
+    return torch.argsort(torch.where(gathered < 0, gathered.numel(), gathered))[:logical_size]
+
+
+class ColumnParallelLinear(nn.Module):
+    """``Y = XA + b`` with ``A = [A_1 ... A_p]`` split by output columns; rank i computes
+    ``Y_i = X A_i + b_i``. Forward: copy (or, under SP, all-gather the sequence) of X, then
+    optionally all-gather of Y."""
+
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = True, gather_output: bool = True,
+        sequence_parallel_enabled: bool = False, dtype: torch.dtype = torch.float32, device=None,
+        init_method: Callable | None = None, stride: int = 1,
+    ):
+        super().__init__()
+        self.input_size, self.output_size = input_size, output_size
+        self.gather_output, self.sequence_parallel_enabled = gather_output, sequence_parallel_enabled
+        self.init_method, self.stride = init_method, stride
+        tp_rank, tp_size = tp_coords()
+        shard_index = contiguous_shard_index(output_size, tp_rank, tp_size, stride)
+        self.output_size_per_partition = len(shard_index)
+        self._gather_order = gather_order(output_size, tp_size, stride) if tp_size > 1 else None
+        self.weight = nn.Parameter(torch.empty(len(shard_index), input_size, dtype=dtype, device=device))
+        set_tensor_model_parallel_attributes(
+            self.weight, partition_dim=0, logical_size=output_size, shard_index=shard_index, stride=stride
+        )
+        if bias:
+            self.bias = nn.Parameter(torch.empty(len(shard_index), dtype=dtype, device=device))
+            set_tensor_model_parallel_attributes(
+                self.bias, partition_dim=0, logical_size=output_size, shard_index=shard_index, stride=stride
+            )
+        else:
+            self.register_parameter("bias", None)
+        if not self.weight.is_meta:
+            self.init_weight_cpu()
+
+    def init_weight_cpu(self) -> None:
+        """(Re-)initialize as the slice of an unsharded layer initialized on CPU."""
+        full_weight = torch.empty(self.output_size, self.input_size)
+        full_bias = torch.empty(self.output_size) if self.bias is not None else None
+        linear_init_(full_weight, full_bias, self.init_method)
+        set_local_(self, "weight", shard_from_full(full_weight, 0, self.weight.shard_index))
+        if full_bias is not None:
+            set_local_(self, "bias", shard_from_full(full_bias, 0, self.bias.shard_index))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel_enabled:
+            x = mappings.gather_from_sequence_parallel_region(x, to_model_parallel=True)  # [b, s, in]
+        else:
+            x = mappings.copy_to_tensor_model_parallel_region(x)
+        y = F.linear(x, self.weight, self.bias)  # [b, s, out/tp]
+        if not self.gather_output:
+            return y
+        y = mappings.gather_from_tensor_model_parallel_region(y)
+        if self._gather_order is not None:
+            return y.index_select(-1, self._gather_order.to(y.device))
+        return y[..., : self.output_size] if y.shape[-1] != self.output_size else y
+
+    def extra_repr(self) -> str:
+        return f"in={self.input_size}, out={self.output_size}, local_out={self.output_size_per_partition}"
+
+
+class RowParallelLinear(nn.Module):
+    """``Y = XA + b`` with ``A = [A_1; ...; A_p]`` split by input rows and ``X = [X_1 ... X_p]``:
+    ``Y = sum_i X_i A_i + b``. Forward: all-reduce of the partial sums (reduce-scatter along the
+    sequence under SP); ``b`` is replicated and added after the reduction."""
+
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = True, input_is_parallel: bool = False,
+        sequence_parallel_enabled: bool = False, dtype: torch.dtype = torch.float32, device=None,
+        init_method: Callable | None = None, stride: int = 1,
+    ):
+        super().__init__()
+        if sequence_parallel_enabled and not input_is_parallel:
+            raise ValueError("RowParallelLinear with sequence_parallel_enabled=True needs input_is_parallel=True")
+        self.input_size, self.output_size = input_size, output_size
+        self.input_is_parallel, self.sequence_parallel_enabled = input_is_parallel, sequence_parallel_enabled
+        self.init_method, self.stride = init_method, stride
+        tp_rank, tp_size = tp_coords()
+        shard_index = contiguous_shard_index(input_size, tp_rank, tp_size, stride)
+        self.input_size_per_partition = len(shard_index)
+        self.weight = nn.Parameter(torch.empty(output_size, len(shard_index), dtype=dtype, device=device))
+        set_tensor_model_parallel_attributes(
+            self.weight, partition_dim=1, logical_size=input_size, shard_index=shard_index, stride=stride
+        )
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype, device=device))
+            set_sequence_parallel_attribute(self.bias, sequence_parallel_enabled)
+        else:
+            self.register_parameter("bias", None)
+        self.set_input_padding(shard_index)
+        if not self.weight.is_meta:
+            self.init_weight_cpu()
+
+    def set_input_padding(self, shard_index: torch.Tensor) -> None:
+        """Zero the local input columns that are padding, so their weight columns get no grad."""
+        keep = local_rows_mask(shard_index)
+        self.register_buffer("input_keep_mask", None if keep is None else keep.float(), persistent=False)
+
+    def init_weight_cpu(self) -> None:
+        """(Re-)initialize as the slice of an unsharded layer initialized on CPU."""
+        full_weight = torch.empty(self.output_size, self.input_size)
+        full_bias = torch.empty(self.output_size) if self.bias is not None else None
+        linear_init_(full_weight, full_bias, self.init_method)
+        set_local_(self, "weight", shard_from_full(full_weight, 1, self.weight.shard_index))
+        if full_bias is not None:
+            set_local_(self, "bias", full_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            tp_size = parallel_state.get_tensor_model_parallel_size()
+            padded = self.input_size_per_partition * tp_size
+            x = F.pad(x, (0, padded - x.shape[-1])) if padded != x.shape[-1] else x
+            x = mappings.scatter_to_tensor_model_parallel_region(x)
+        if self.input_keep_mask is not None:
+            x = x * self.input_keep_mask.to(x.dtype)
+        y = F.linear(x, self.weight)  # [b, s, out], partial sum
+        if self.sequence_parallel_enabled:
+            mappings.check_sequence_divisible(y)
+            y = mappings.reduce_scatter_to_sequence_parallel_region(y)  # [b, s/tp, out]
+        else:
+            y = mappings.reduce_from_tensor_model_parallel_region(y)
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return f"in={self.input_size}, out={self.output_size}, local_in={self.input_size_per_partition}"
+
+
+class ParallelEmbedding(nn.Module):
+    """Embedding table ``E = [E_1; ...; E_p]`` split over the vocab (padded to a multiple of
+    the TP size). Rank i looks up the ids it owns, zeros elsewhere; the partial lookups are
+    summed by an all-reduce, or reduce-scattered along the sequence under SP."""
+
+    def __init__(
+        self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None,
+        init_method: Callable = nn.init.normal_, dtype: torch.dtype = torch.float32, device=None,
+        sequence_parallel_enabled: bool = False,
+    ):
+        super().__init__()
+        if padding_idx is not None and padding_idx < 0:
+            padding_idx += num_embeddings
+        self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
+        self.init_method, self.sequence_parallel_enabled = init_method, sequence_parallel_enabled
+        tp_rank, tp_size = tp_coords()
+        shard_index = contiguous_shard_index(num_embeddings, tp_rank, tp_size)
+        self.num_embeddings_per_partition = len(shard_index)
+        self.vocab_start_index = tp_rank * len(shard_index)
+        self.weight = nn.Parameter(torch.empty(len(shard_index), embedding_dim, dtype=dtype, device=device))
+        set_tensor_model_parallel_attributes(
+            self.weight, partition_dim=0, logical_size=num_embeddings, shard_index=shard_index
+        )
+        local_pad = None if padding_idx is None else padding_idx - self.vocab_start_index
+        self.local_padding_idx = local_pad if local_pad is not None and 0 <= local_pad < len(shard_index) else None
+        if not self.weight.is_meta:
+            self.init_weight_cpu()
+
+    def init_weight_cpu(self) -> None:
+        """(Re-)initialize as the slice of an unsharded ``nn.Embedding`` initialized on CPU."""
+        full = torch.empty(self.num_embeddings, self.embedding_dim)
+        self.init_method(full)
+        if self.padding_idx is not None:
+            full[self.padding_idx].zero_()
+        set_local_(self, "weight", shard_from_full(full, 0, self.weight.shard_index))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        start, local = self.vocab_start_index, self.num_embeddings_per_partition
+        outside = (input_ids < start) | (input_ids >= start + local)
+        local_ids = (input_ids - start).masked_fill(outside, 0)
+        out = F.embedding(local_ids, self.weight, self.local_padding_idx)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)  # [b, s, h], partial
+        if self.sequence_parallel_enabled:
+            mappings.check_sequence_divisible(out)
+            return mappings.reduce_scatter_to_sequence_parallel_region(out)
+        return mappings.reduce_from_tensor_model_parallel_region(out)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, local={self.num_embeddings_per_partition}"

@@ -1,0 +1,161 @@
+"""Ranks and process groups for tensor (TP), pipeline (PP) and data (DP) parallelism.
+
+Rank layout is [PP, DP, TP] with TP fastest: global rank = (pp_rank * dp + dp_rank) * tp + tp_rank,
+so the ranks of one TP group are contiguous (on one node when tp <= GPUs per node).
+Names follow NxD's ``neuronx_distributed.parallel_state``. When nothing is initialized, every
+getter answers as for a single process (tp = pp = dp = 1), so layers work without setup.
+"""
+
+import dataclasses
+
+from nxd_hf import backend
+
+
+@dataclasses.dataclass(kw_only=True)
+class _State:
+    tp_size: int
+    pp_size: int
+    dp_size: int
+    groups: dict  # kind -> this rank's group
+    ranks: dict  # kind -> this rank's index within its group of that kind
+    rank_lists: dict  # kind -> list of rank lists, one per group of that kind
+
+
+_state: _State | None = None
+
+
+def rank_lists(world_size: int, tp: int, pp: int) -> dict[str, list[list[int]]]:
+    """Every group of every kind for a [PP, DP, TP] layout (pure; unit-tested)."""
+    if tp < 1 or pp < 1 or world_size % (tp * pp) != 0:
+        raise ValueError(
+            f"world size {world_size} is not divisible by tensor_model_parallel_size ({tp}) x "
+            f"pipeline_model_parallel_size ({pp}); choose sizes whose product divides {world_size}"
+        )
+    dp = world_size // (tp * pp)
+
+    def rank(p, d, t):
+        return (p * dp + d) * tp + t
+
+    return {
+        "tensor": [[rank(p, d, t) for t in range(tp)] for p in range(pp) for d in range(dp)],
+        "data": [[rank(p, d, t) for d in range(dp)] for p in range(pp) for t in range(tp)],
+        "pipeline": [[rank(p, d, t) for p in range(pp)] for d in range(dp) for t in range(tp)],
+        # every rank holding a different part of one model replica: TP x PP
+        "model": [[rank(p, d, t) for p in range(pp) for t in range(tp)] for d in range(dp)],
+    }
+
+
+def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1) -> None:
+    """Create the TP, PP, DP and model-parallel groups; initializes torch.distributed from the
+    torchrun environment if needed. Calling it again first destroys the previous groups."""
+    global _state
+    backend.init_process_group_from_env()
+    if _state is not None:
+        destroy_model_parallel()
+    world = backend.world_size()
+    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    lists = rank_lists(world, tp, pp)
+    me = backend.rank()
+    groups, my_ranks = {}, {}
+    for kind, rank_groups in lists.items():
+        for ranks in rank_groups:  # every rank must create every group
+            group = backend.new_group(ranks)
+            if me in ranks:
+                groups[kind], my_ranks[kind] = group, ranks.index(me)
+    dp = world // (tp * pp)
+    _state = _State(tp_size=tp, pp_size=pp, dp_size=dp, groups=groups, ranks=my_ranks, rank_lists=lists)
+
+
+def destroy_model_parallel() -> None:
+    global _state
+    if _state is not None:
+        for group in _state.groups.values():
+            backend.destroy_group(group)
+    _state = None
+
+
+def model_parallel_is_initialized() -> bool:
+    return _state is not None
+
+
+def _rank_in(kind: str) -> int:
+    return _state.ranks[kind] if _state else 0
+
+
+def _group(kind: str, as_list: bool):
+    if _state is None:
+        return [[backend.rank()]] if as_list else backend.SELF
+    return _state.rank_lists[kind] if as_list else _state.groups[kind]
+
+
+# -- tensor parallel
+def get_tensor_model_parallel_size() -> int:
+    return _state.tp_size if _state else 1
+
+
+def get_tensor_model_parallel_rank() -> int:
+    return _rank_in("tensor")
+
+
+def get_tensor_model_parallel_group(as_list: bool = False):
+    return _group("tensor", as_list)
+
+
+def get_tensor_model_parallel_src_rank() -> int:
+    """Global rank of TP rank 0 in this rank's TP group."""
+    return backend.rank() - get_tensor_model_parallel_rank()
+
+
+# -- pipeline parallel
+def get_pipeline_model_parallel_size() -> int:
+    return _state.pp_size if _state else 1
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    return _rank_in("pipeline")
+
+
+def get_pipeline_model_parallel_group(as_list: bool = False):
+    return _group("pipeline", as_list)
+
+
+# -- data parallel
+def get_data_parallel_size() -> int:
+    return _state.dp_size if _state else 1
+
+
+def get_data_parallel_rank() -> int:
+    return _rank_in("data")
+
+
+def get_data_parallel_group(as_list: bool = False):
+    return _group("data", as_list)
+
+
+# -- model parallel (TP x PP: one replica)
+def get_model_parallel_group(as_list: bool = False):
+    return _group("model", as_list)
+
+
+def get_model_parallel_rank() -> int:
+    return _rank_in("model")
+
+
+# NxD spells some of these two ways; both work.
+get_tensor_parallel_size = get_tensor_model_parallel_size
+get_tensor_parallel_rank = get_tensor_model_parallel_rank
+get_tensor_parallel_group = get_tensor_model_parallel_group
+get_pipeline_parallel_size = get_pipeline_model_parallel_size
+get_pipeline_parallel_rank = get_pipeline_model_parallel_rank
+get_pipeline_parallel_group = get_pipeline_model_parallel_group
+get_data_parallel_world_size = get_data_parallel_size
+get_tensor_model_parallel_world_size = get_tensor_model_parallel_size
+get_pipeline_model_parallel_world_size = get_pipeline_model_parallel_size
+
+
+def rmsg(msg: str) -> str:
+    """Prefix ``msg`` with this rank's coordinates, for logs."""
+    return (
+        f"[rank {backend.rank()} tp {get_tensor_model_parallel_rank()} "
+        f"pp {get_pipeline_model_parallel_rank()} dp {get_data_parallel_rank()}] {msg}"
+    )

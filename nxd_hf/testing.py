@@ -1,0 +1,99 @@
+"""Run a function on N gloo ranks on CPU: the spawn helper behind nxd_hf's tests.
+
+``run_distributed(fn, world_size=4)`` starts one process per rank from a forkserver that has
+already imported torch and transformers (so a rank starts in well under a second), joins them
+through a TCPStore the parent owns (no port race), and returns every rank's return value. A
+failure on any rank raises ``DistributedTestError`` carrying that rank's traceback; a rank that
+does not finish within ``timeout_s`` is killed and reported, never left hanging.
+"""
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import time
+import traceback
+
+import torch.distributed as dist
+
+_PRELOAD = ["torch", "torch.distributed", "transformers", "nxd_hf"]
+_context = None
+
+
+class DistributedTestError(AssertionError):
+    pass
+
+
+def _get_context():
+    global _context
+    if _context is None:
+        _context = mp.get_context("forkserver")
+        _context.set_forkserver_preload(_PRELOAD)
+    return _context
+
+
+def _rank_main(fn, rank, world_size, port, results, args, kwargs):
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+    )
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=datetime.timedelta(seconds=60))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=120))
+        value = fn(*args, **kwargs)
+        from nxd_hf import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+        results.put((rank, "ok", value))
+    except BaseException:  # report everything, including assertion failures
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_distributed(fn, world_size: int, *args, timeout_s: float = 300.0, **kwargs) -> list:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return the per-rank results.
+
+    ``fn`` must be importable (module level) and its results picklable.
+    """
+    ctx = _get_context()
+    store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False)
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=_rank_main, args=(fn, r, world_size, store.port, results, args, kwargs), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    outcome, errors = {}, []
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(outcome) < world_size and not errors:
+            try:
+                rank, status, value = results.get(timeout=max(0.1, min(1.0, deadline - time.monotonic())))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in outcome]
+                if dead:
+                    errors.append(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
+                elif time.monotonic() > deadline:
+                    missing = sorted(set(range(world_size)) - set(outcome))
+                    errors.append(f"timed out after {timeout_s:.0f}s waiting for ranks {missing}")
+                continue
+            if status == "ok":
+                outcome[rank] = value
+            else:
+                errors.append(f"rank {rank} failed:\n{value}")
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 0.5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        del store
+    if errors:
+        raise DistributedTestError("\n".join(errors))
+    return [outcome[r] for r in range(world_size)]

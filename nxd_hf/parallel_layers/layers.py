@@ -16,7 +16,7 @@ from torch import nn
 
 from nxd_hf.parallel_layers import mappings
 from nxd_hf.parallel_layers.utils import (
-    contiguous_shard_index, local_rows_mask, set_sequence_parallel_attribute,
+    contiguous_shard_index, gather_logical, gather_positions, local_rows_mask, set_sequence_parallel_attribute,
     set_tensor_model_parallel_attributes, shard_from_full, tp_coords,
 )
 from nxd_hf import parallel_state
@@ -47,15 +47,6 @@ def set_local_(module: nn.Module, name: str, local: torch.Tensor) -> None:
             param.copy_(local)
 
 
-def gather_order(logical_size: int, tp_size: int, stride: int) -> torch.Tensor | None:
-    """Where logical row j sits in the TP all-gather of every rank's shard, or None when the
-    gather is already in logical order (then only trailing padding is dropped)."""
-    gathered = torch.cat([contiguous_shard_index(logical_size, r, tp_size, stride) for r in range(tp_size)])
-    if torch.equal(gathered[:logical_size], torch.arange(logical_size)):
-        return None
-    return torch.argsort(torch.where(gathered < 0, gathered.numel(), gathered))[:logical_size]
-
-
 class ColumnParallelLinear(nn.Module):
     """``Y = XA + b`` with ``A = [A_1 ... A_p]`` split by output columns; rank i computes
     ``Y_i = X A_i + b_i``. Forward: copy (or, under SP, all-gather the sequence) of X, then
@@ -64,16 +55,22 @@ class ColumnParallelLinear(nn.Module):
     def __init__(
         self, input_size: int, output_size: int, bias: bool = True, gather_output: bool = True,
         sequence_parallel_enabled: bool = False, dtype: torch.dtype = torch.float32, device=None,
-        init_method: Callable | None = None, stride: int = 1,
+        init_method: Callable | None = None, stride: int = 1, *, shard_index: torch.Tensor | None = None,
     ):
         super().__init__()
+        if gather_output and shard_index is not None:
+            raise ValueError("ColumnParallelLinear: a custom shard_index needs gather_output=False")
         self.input_size, self.output_size = input_size, output_size
         self.gather_output, self.sequence_parallel_enabled = gather_output, sequence_parallel_enabled
         self.init_method, self.stride = init_method, stride
         tp_rank, tp_size = tp_coords()
-        shard_index = contiguous_shard_index(output_size, tp_rank, tp_size, stride)
+        if shard_index is None:
+            all_indices = [contiguous_shard_index(output_size, r, tp_size, stride) for r in range(tp_size)]
+            shard_index = all_indices[tp_rank]
+        else:
+            all_indices = None  # a custom layout cannot gather: the caller owns it
         self.output_size_per_partition = len(shard_index)
-        self._gather_order = gather_order(output_size, tp_size, stride) if tp_size > 1 else None
+        self._gather_positions = None if all_indices is None else gather_positions(all_indices, output_size)
         self.weight = nn.Parameter(torch.empty(len(shard_index), input_size, dtype=dtype, device=device))
         set_tensor_model_parallel_attributes(
             self.weight, partition_dim=0, logical_size=output_size, shard_index=shard_index, stride=stride
@@ -105,10 +102,7 @@ class ColumnParallelLinear(nn.Module):
         y = F.linear(x, self.weight, self.bias)  # [b, s, out/tp]
         if not self.gather_output:
             return y
-        y = mappings.gather_from_tensor_model_parallel_region(y)
-        if self._gather_order is not None:
-            return y.index_select(-1, self._gather_order.to(y.device))
-        return y[..., : self.output_size] if y.shape[-1] != self.output_size else y
+        return gather_logical(y, self._gather_positions, self.output_size)
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, local_out={self.output_size_per_partition}"
@@ -122,7 +116,7 @@ class RowParallelLinear(nn.Module):
     def __init__(
         self, input_size: int, output_size: int, bias: bool = True, input_is_parallel: bool = False,
         sequence_parallel_enabled: bool = False, dtype: torch.dtype = torch.float32, device=None,
-        init_method: Callable | None = None, stride: int = 1,
+        init_method: Callable | None = None, stride: int = 1, *, shard_index: torch.Tensor | None = None,
     ):
         super().__init__()
         if sequence_parallel_enabled and not input_is_parallel:
@@ -131,7 +125,10 @@ class RowParallelLinear(nn.Module):
         self.input_is_parallel, self.sequence_parallel_enabled = input_is_parallel, sequence_parallel_enabled
         self.init_method, self.stride = init_method, stride
         tp_rank, tp_size = tp_coords()
-        shard_index = contiguous_shard_index(input_size, tp_rank, tp_size, stride)
+        if shard_index is None:
+            shard_index = contiguous_shard_index(input_size, tp_rank, tp_size, stride)
+        elif not input_is_parallel:
+            raise ValueError("RowParallelLinear: a custom shard_index needs input_is_parallel=True")
         self.input_size_per_partition = len(shard_index)
         self.weight = nn.Parameter(torch.empty(output_size, len(shard_index), dtype=dtype, device=device))
         set_tensor_model_parallel_attributes(

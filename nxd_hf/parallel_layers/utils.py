@@ -60,6 +60,30 @@ def shard_from_full(full: torch.Tensor, dim: int, shard_index: torch.Tensor) -> 
     return picked * (shard_index >= 0).view(keep_shape).to(full.dtype)
 
 
+def gather_positions(all_indices: list[torch.Tensor], logical_size: int) -> torch.Tensor | None:
+    """Where logical row j first appears in the TP all-gather of every rank's shard, or None
+    when the gather is already in logical order up to trailing padding."""
+    gathered = torch.cat(all_indices)
+    if torch.equal(gathered[:logical_size], torch.arange(logical_size)):
+        return None
+    positions = torch.full((logical_size,), -1, dtype=torch.long)
+    for p in reversed(range(len(gathered))):  # reversed: the first occurrence wins
+        if gathered[p] >= 0:
+            positions[gathered[p]] = p
+    assert bool((positions >= 0).all()), "every logical row must be held by some rank"
+    return positions
+
+
+def gather_logical(y: torch.Tensor, positions: torch.Tensor | None, logical_size: int) -> torch.Tensor:
+    """All-gather the last dim over TP and return it in logical order, padding dropped."""
+    from nxd_hf.parallel_layers import mappings
+
+    full = mappings.gather_from_tensor_model_parallel_region(y)
+    if positions is not None:
+        return full.index_select(-1, positions.to(y.device))
+    return full if full.shape[-1] == logical_size else full[..., :logical_size]
+
+
 def set_tensor_model_parallel_attributes(
     param: torch.Tensor, *, partition_dim: int, logical_size: int, shard_index: torch.Tensor,
     stride: int = 1, num_replicas: int = 1,

@@ -1,0 +1,1 @@
+"""One small declarative module per Hugging Face architecture, registered by ``model_type``."""

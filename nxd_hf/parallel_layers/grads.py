@@ -1,0 +1,107 @@
+"""Gradient synchronization and clipping for TP x PP x DP training.
+
+- ``sync_data_parallel_grads``: bucketed all-reduce-mean over the DP group (a few collectives
+  per step, not one per parameter).
+- ``allreduce_sequence_parallel_gradients``: under sequence parallelism, replicated parameters
+  (norm weights, row-parallel biases) see only their rank's sequence chunk; their grads are
+  summed over TP (bucketed).
+- ``clip_grad_norm``: the norm of the whole model's gradient, equal to
+  ``torch.nn.utils.clip_grad_norm_`` on the unsharded model: shards summed over TP and PP,
+  TP-replicated parameters counted once (on TP rank 0), each replicated K/V row once
+  (``num_replicas``), parameters marked ``count_in_grad_norm = False`` (a tied weight's second
+  copy on another pipeline stage) skipped, and DP replicas (identical after sync) not summed.
+"""
+
+from collections.abc import Iterable
+
+import torch
+
+from nxd_hf import backend, parallel_state
+from nxd_hf.parallel_layers.utils import is_sharded
+
+
+def _as_list(parameters) -> list[torch.Tensor]:
+    return [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+
+
+def _buckets(tensors: list[torch.Tensor], bucket_size_mb: float) -> list[list[torch.Tensor]]:
+    """Consecutive groups of same dtype/device whose total size stays under the bucket size."""
+    limit = bucket_size_mb * 1024 * 1024
+    buckets, current, current_bytes = [], [], 0
+    for t in tensors:
+        size = t.numel() * t.element_size()
+        if current and (current_bytes + size > limit or (t.dtype, t.device) != (current[0].dtype, current[0].device)):
+            buckets.append(current)
+            current, current_bytes = [], 0
+        current.append(t)
+        current_bytes += size
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def all_reduce_bucketed(tensors: list[torch.Tensor], group, *, scale: float = 1.0, bucket_size_mb: float = 25) -> None:
+    """Sum ``tensors`` in place over ``group`` (then multiply by ``scale``), one flat buffer per bucket."""
+    if backend.group_size(group) == 1 or not tensors:
+        return
+    for bucket in _buckets(tensors, bucket_size_mb):
+        flat = torch.cat([t.reshape(-1) for t in bucket])
+        backend.all_reduce(flat, group)
+        if scale != 1.0:
+            flat.mul_(scale)
+        offset = 0
+        for t in bucket:
+            t.copy_(flat[offset : offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+def sync_data_parallel_grads(parameters: Iterable[torch.Tensor], *, bucket_size_mb: float = 25) -> None:
+    """Average gradients over the data-parallel group, in buckets of ``bucket_size_mb``."""
+    grads = [p.grad for p in _as_list(parameters) if p.grad is not None]
+    dp_size = parallel_state.get_data_parallel_size()
+    all_reduce_bucketed(grads, parallel_state.get_data_parallel_group(), scale=1.0 / dp_size,
+                        bucket_size_mb=bucket_size_mb)
+
+
+def allreduce_sequence_parallel_gradients(parameters: Iterable[torch.Tensor], *, bucket_size_mb: float = 25) -> None:
+    """Sum over TP the grads of replicated parameters marked ``sequence_parallel_enabled``."""
+    grads = [
+        p.grad for p in _as_list(parameters)
+        if p.grad is not None and getattr(p, "sequence_parallel_enabled", False) and not is_sharded(p)
+    ]
+    all_reduce_bucketed(grads, parallel_state.get_tensor_model_parallel_group(), bucket_size_mb=bucket_size_mb)
+
+
+def get_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """The gradient norm of the whole (unsharded) model; see the module docstring."""
+    norm_type = float(norm_type)
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    counted = [
+        p for p in _as_list(parameters)
+        if p.grad is not None and getattr(p, "count_in_grad_norm", True) and (is_sharded(p) or tp_rank == 0)
+    ]
+    device = counted[0].grad.device if counted else backend.default_device()
+    if norm_type == float("inf"):
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        for p in counted:
+            total = torch.maximum(total, p.grad.detach().abs().max().float())
+        backend.all_reduce(total, parallel_state.get_model_parallel_group(), op="max")
+        return total
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for p in counted:
+        power = torch.linalg.vector_norm(p.grad.detach().float(), norm_type) ** norm_type
+        total = total + power / getattr(p, "num_replicas", 1)
+    backend.all_reduce(total, parallel_state.get_model_parallel_group())
+    return total ** (1.0 / norm_type)
+
+
+def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """Scale gradients so the whole model's norm is at most ``max_norm``; returns the norm before
+    clipping (as ``torch.nn.utils.clip_grad_norm_`` does, including its 1e-6 guard)."""
+    params = _as_list(parameters)
+    total = get_grad_norm(params, norm_type)
+    clip_coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for p in params:
+        if p.grad is not None:
+            p.grad.detach().mul_(clip_coef.to(p.grad.device, p.grad.dtype))
+    return total

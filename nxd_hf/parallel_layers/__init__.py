@@ -1,9 +1,17 @@
 """Sharded layers, their collectives, gradient sync and clipping (NxD's ``parallel_layers``)."""
 
 from nxd_hf import parallel_state
+from nxd_hf.parallel_layers import random
+from nxd_hf.parallel_layers.grads import (
+    allreduce_sequence_parallel_gradients, clip_grad_norm, get_grad_norm, sync_data_parallel_grads,
+)
 from nxd_hf.parallel_layers.layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
+from nxd_hf.parallel_layers.loss_functions import parallel_cross_entropy
+from nxd_hf.parallel_layers.pad import get_number_of_extra_heads, pad_model
 from nxd_hf.parallel_layers.utils import move_model_to_device
 
 __all__ = [
-    "ColumnParallelLinear", "ParallelEmbedding", "RowParallelLinear", "move_model_to_device", "parallel_state",
+    "ColumnParallelLinear", "ParallelEmbedding", "RowParallelLinear", "allreduce_sequence_parallel_gradients",
+    "clip_grad_norm", "get_grad_norm", "get_number_of_extra_heads", "move_model_to_device", "pad_model",
+    "parallel_cross_entropy", "parallel_state", "random", "sync_data_parallel_grads",
 ]

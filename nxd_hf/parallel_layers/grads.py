@@ -89,10 +89,19 @@ def get_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) ->
         return total
     total = torch.zeros((), dtype=torch.float32, device=device)
     for p in counted:
-        power = torch.linalg.vector_norm(p.grad.detach().float(), norm_type) ** norm_type
-        total = total + power / getattr(p, "num_replicas", 1)
+        total = total + _replica_weighted_power(p, norm_type)
     backend.all_reduce(total, parallel_state.get_model_parallel_group())
     return total ** (1.0 / norm_type)
+
+
+def _replica_weighted_power(p: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """sum |g|^p, each row divided by its number of copies across the TP group."""
+    grad = p.grad.detach().float()
+    replicas = getattr(p, "num_replicas", 1)
+    if isinstance(replicas, torch.Tensor):  # per row along partition_dim (fused Q + replicated K/V)
+        per_row = grad.abs().pow(norm_type).movedim(p.partition_dim, 0).reshape(grad.shape[p.partition_dim], -1)
+        return (per_row.sum(1) / replicas.to(per_row.device)).sum()
+    return torch.linalg.vector_norm(grad, norm_type) ** norm_type / replicas
 
 
 def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

@@ -1,0 +1,91 @@
+"""Cross-entropy over vocab-parallel logits (NxD's ``parallel_cross_entropy``).
+
+Never gathers the logits: three small collectives per call over the TP group (a max, then
+one all-reduce of the stacked sum-of-exp, target-logit and sum-of-logits terms).
+"""
+
+from typing import Literal
+
+import torch
+
+from nxd_hf import backend, parallel_state
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Forward: per-token ``lse(z) - (1 - eps) z_y - eps mean_c(z_c)`` over the real vocab,
+    all-reducing a max and three sums on the TP group. Backward: ``softmax - (1 - eps) onehot -
+    eps / C`` per local column, zero at padded columns and ignored tokens; no communication."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, label_smoothing, ignore_index, vocab_size):
+        group = parallel_state.get_tensor_model_parallel_group()
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        local_vocab = logits.shape[-1]
+        start = tp_rank * local_vocab
+        columns = torch.arange(start, start + local_vocab, device=logits.device)
+        real = columns < vocab_size  # padded vocab columns do not exist for the loss
+        z = logits.float().masked_fill(~real, float("-inf"))
+
+        z_max = z.max(dim=-1).values
+        backend.all_reduce(z_max, group, op="max")
+        shifted = z - z_max.unsqueeze(-1)  # [..., V/tp], -inf at padding
+        exp = shifted.exp()
+
+        ignored = labels == ignore_index
+        local_label = labels - start
+        owned = (local_label >= 0) & (local_label < local_vocab) & ~ignored
+        safe_label = local_label.masked_fill(~owned, 0)
+        target = shifted.gather(-1, safe_label.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0)
+        sums = torch.stack([exp.sum(-1), target, shifted.masked_fill(~real, 0.0).sum(-1)])
+        backend.all_reduce(sums, group)
+        sum_exp, target, sum_shifted = sums
+
+        log_sum_exp = sum_exp.log()
+        loss = log_sum_exp - (1.0 - label_smoothing) * target - label_smoothing * sum_shifted / vocab_size
+        loss = loss.masked_fill(ignored, 0.0)
+
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, safe_label, owned, ignored, real)
+        ctx.label_smoothing, ctx.vocab_size, ctx.dtype = label_smoothing, vocab_size, logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, safe_label, owned, ignored, real = ctx.saved_tensors
+        eps = ctx.label_smoothing
+        grad = softmax  # reused in place: saved tensors are not needed again
+        grad.scatter_add_(-1, safe_label.unsqueeze(-1), -(1.0 - eps) * owned.unsqueeze(-1).to(grad.dtype))
+        if eps:
+            grad.sub_(eps / ctx.vocab_size * real.to(grad.dtype))
+        grad.mul_((grad_loss.float() * (~ignored).to(grad.dtype)).unsqueeze(-1))
+        return grad.to(ctx.dtype), None, None, None, None
+
+
+def parallel_cross_entropy(
+    parallel_logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0,
+    ignore_index: int = -100, reduction: Literal["none", "mean", "sum"] = "none", *, vocab_size: int | None = None,
+) -> torch.Tensor:
+    """Cross-entropy of vocab-parallel logits ``[..., V/tp]`` against unsharded ``labels [...]``.
+
+    Equal to ``torch.nn.functional.cross_entropy`` on the gathered logits for every reduction:
+    "none" (NxD's default: per-token loss, 0 at ignored tokens), "mean" (over non-ignored
+    tokens) or "sum". Differences from NxD, on purpose: ``ignore_index`` is honoured, and label
+    smoothing follows torch (``(1 - eps) nll + eps * mean_c(-log p_c)``), not NxD's formula.
+    ``vocab_size`` (default: all columns) excludes padded vocab columns on the last ranks.
+    The input is never modified in place; the loss is computed in fp32.
+    """
+    if reduction not in ("none", "mean", "sum"):
+        raise ValueError(f"reduction must be 'none', 'mean' or 'sum', not {reduction!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    tp_size = parallel_state.get_tensor_model_parallel_size()
+    full_vocab = parallel_logits.shape[-1] * tp_size
+    vocab_size = full_vocab if vocab_size is None else vocab_size
+    if not full_vocab - parallel_logits.shape[-1] < vocab_size <= full_vocab:
+        raise ValueError(f"vocab_size={vocab_size} does not fit logits of {parallel_logits.shape[-1]} x tp {tp_size}")
+    loss = _VocabParallelCrossEntropy.apply(parallel_logits, labels, label_smoothing, ignore_index, vocab_size)
+    if reduction == "sum":
+        return loss.sum()
+    if reduction == "mean":
+        return loss.sum() / (labels != ignore_index).sum()
+    return loss

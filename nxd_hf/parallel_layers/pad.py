@@ -26,11 +26,14 @@ def get_number_of_extra_heads(n_head: int, tp_degree: int) -> int:
     return 0 if n_head % tp_degree == 0 else tp_degree - n_head % tp_degree
 
 
-def gather_full_tensor(param: torch.Tensor) -> torch.Tensor:
-    """The unsharded, unpadded tensor of a TP-sharded parameter (every rank gets it)."""
+def gather_full_tensor(param: torch.Tensor, tensor: torch.Tensor | None = None) -> torch.Tensor:
+    """The unsharded, unpadded ``tensor`` (default: ``param`` itself; e.g. ``param.grad``) laid
+    out as the TP-sharded ``param``; every rank gets it. Replicated rows (K/V copies) are equal,
+    so any copy serves."""
     group = parallel_state.get_tensor_model_parallel_group()
     dim = param.partition_dim
-    shards = backend.all_gather(param.detach(), dim, group).movedim(dim, 0)
+    tensor = param if tensor is None else tensor
+    shards = backend.all_gather(tensor.detach(), dim, group).movedim(dim, 0)
     rows = backend.all_gather(param.shard_index.to(shards.device), 0, group)
     full = shards.new_zeros((param.logical_size, *shards.shape[1:]))
     real = rows >= 0

@@ -1,0 +1,56 @@
+"""Shared checks for the layer tests: build a sharded layer and its unsharded twin from the
+same seed, run both, and compare outputs, input grads and gathered parameter grads."""
+
+import torch
+from torch import nn
+
+from nxd_hf import parallel_state
+from nxd_hf.parallel_layers import mappings
+from nxd_hf.parallel_layers.pad import gather_full_tensor
+
+TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+def tp_info():
+    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_size()
+
+
+def seq_chunk(x: torch.Tensor, sp: bool) -> torch.Tensor:
+    """This rank's sequence chunk of a full [b, s, ...] tensor under SP, else the tensor."""
+    if not sp:
+        return x
+    tp_rank, tp_size = tp_info()
+    s = x.shape[1] // tp_size
+    return x[:, tp_rank * s : (tp_rank + 1) * s]
+
+
+def last_dim_chunk(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Columns ``index`` of a full tensor (zeros for -1), as a sharded output holds them."""
+    picked = x.index_select(-1, index.clamp(min=0))
+    return picked * (index >= 0).to(x.dtype)
+
+
+def assert_grads_match(param: nn.Parameter, reference_grad: torch.Tensor, name: str) -> None:
+    if getattr(param, "tensor_model_parallel", False):
+        got = gather_full_tensor(param, param.grad)
+    else:
+        got = param.grad
+    torch.testing.assert_close(got, reference_grad, **TOL, msg=lambda m: f"{name}: {m}")
+
+
+def sharded_input(x_full: torch.Tensor, sp: bool) -> torch.Tensor:
+    x = seq_chunk(x_full, sp).detach().clone().requires_grad_(True)
+    return x
+
+
+def check_sp_sequence_error() -> None:
+    """An indivisible sequence under SP is a ValueError that names the fix."""
+    _, tp_size = tp_info()
+    if tp_size == 1:
+        return
+    try:
+        mappings.scatter_to_sequence_parallel_region(torch.zeros(1, tp_size + 1, 4))
+    except ValueError as error:
+        assert "pad_to_multiple_of" in str(error), error
+    else:
+        raise AssertionError("expected ValueError for a sequence not divisible by tp")

@@ -1,0 +1,194 @@
+"""parallel_state: the [PP, DP, TP] rank layout (pure), the uninitialized defaults, and every
+getter and group on 8 gloo ranks for many (tp, pp) layouts."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from nxd_hf import backend, parallel_state
+from nxd_hf.testing import run_distributed
+
+WORLD_SIZE = 8
+LAYOUTS = [(1, 1), (2, 1), (4, 1), (8, 1), (2, 2), (2, 4), (1, 2)]  # (tp, pp)
+
+
+# -- rank_lists: pure layout arithmetic
+
+
+def test_rank_lists_world8_tp2_pp2():
+    lists = parallel_state.rank_lists(8, 2, 2)
+    assert lists == {
+        "tensor": [[0, 1], [2, 3], [4, 5], [6, 7]],
+        "data": [[0, 2], [1, 3], [4, 6], [5, 7]],
+        "pipeline": [[0, 4], [1, 5], [2, 6], [3, 7]],
+        "model": [[0, 1, 4, 5], [2, 3, 6, 7]],
+    }
+
+
+def test_rank_lists_tp_only_and_dp_only():
+    assert parallel_state.rank_lists(4, 4, 1) == {
+        "tensor": [[0, 1, 2, 3]],
+        "data": [[0], [1], [2], [3]],
+        "pipeline": [[0], [1], [2], [3]],
+        "model": [[0, 1, 2, 3]],
+    }
+    assert parallel_state.rank_lists(4, 1, 1) == {
+        "tensor": [[0], [1], [2], [3]],
+        "data": [[0, 1, 2, 3]],
+        "pipeline": [[0], [1], [2], [3]],
+        "model": [[0], [1], [2], [3]],
+    }
+
+
+def test_rank_lists_pp_outermost_tp_contiguous():
+    lists = parallel_state.rank_lists(16, 2, 4)  # dp = 2
+    assert lists["tensor"] == [[2 * i, 2 * i + 1] for i in range(8)]
+    assert lists["pipeline"] == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
+    assert lists["data"] == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
+    assert lists["model"] == [[0, 1, 4, 5, 8, 9, 12, 13], [2, 3, 6, 7, 10, 11, 14, 15]]
+
+
+@pytest.mark.parametrize("world,tp,pp", [(8, 2, 2), (12, 3, 2), (6, 1, 3), (1, 1, 1), (24, 2, 3)])
+def test_rank_lists_every_kind_partitions_the_world(world, tp, pp):
+    dp = world // (tp * pp)
+    sizes = {"tensor": tp, "data": dp, "pipeline": pp, "model": tp * pp}
+    for kind, groups in parallel_state.rank_lists(world, tp, pp).items():
+        assert sorted(r for g in groups for r in g) == list(range(world)), kind
+        assert all(len(g) == sizes[kind] for g in groups), kind
+        assert len(groups) == world // sizes[kind], kind
+
+
+@pytest.mark.parametrize("world,tp,pp", [(8, 3, 1), (8, 2, 3), (6, 4, 1), (8, 16, 1)])
+def test_rank_lists_indivisible_world_raises(world, tp, pp):
+    with pytest.raises(ValueError, match=rf"world size {world}.*\({tp}\).*\({pp}\)"):
+        parallel_state.rank_lists(world, tp, pp)
+
+
+def test_rank_lists_zero_size_raises():
+    with pytest.raises(ValueError):
+        parallel_state.rank_lists(8, 0, 1)
+    with pytest.raises(ValueError):
+        parallel_state.rank_lists(8, 1, 0)
+
+
+# -- nothing initialized: a single process
+
+
+def test_getters_uninitialized_act_as_single_process():
+    assert not dist.is_initialized()
+    assert not parallel_state.model_parallel_is_initialized()
+    ps = parallel_state
+    for getter in (
+        ps.get_tensor_model_parallel_size, ps.get_tensor_parallel_size, ps.get_tensor_model_parallel_world_size,
+        ps.get_pipeline_model_parallel_size, ps.get_pipeline_parallel_size, ps.get_pipeline_model_parallel_world_size,
+        ps.get_data_parallel_size, ps.get_data_parallel_world_size,
+    ):
+        assert getter() == 1, getter.__name__
+    for getter in (
+        ps.get_tensor_model_parallel_rank, ps.get_tensor_parallel_rank, ps.get_pipeline_model_parallel_rank,
+        ps.get_pipeline_parallel_rank, ps.get_data_parallel_rank, ps.get_model_parallel_rank,
+        ps.get_tensor_model_parallel_src_rank,
+    ):
+        assert getter() == 0, getter.__name__
+    for getter in (
+        ps.get_tensor_model_parallel_group, ps.get_tensor_parallel_group, ps.get_pipeline_model_parallel_group,
+        ps.get_pipeline_parallel_group, ps.get_data_parallel_group, ps.get_model_parallel_group,
+    ):
+        group = getter()
+        assert group is backend.SELF and backend.group_size(group) == 1, getter.__name__
+        assert getter(as_list=True) == [[0]], getter.__name__
+    # collectives on the uninitialized groups are no-ops, not errors
+    t = torch.tensor([3.0])
+    assert backend.all_reduce(t, ps.get_data_parallel_group()) is t and t.item() == 3.0
+    assert ps.rmsg("hi") == "[rank 0 tp 0 pp 0 dp 0] hi"
+
+
+# -- every getter and group on 8 ranks
+
+
+def _expected(rank: int, tp: int, pp: int) -> dict:
+    """This rank's coordinates and groups, computed from the layout formula (not rank_lists)."""
+    dp = WORLD_SIZE // (tp * pp)
+    t, d, p = rank % tp, (rank // tp) % dp, rank // (tp * dp)
+
+    def at(p_, d_, t_):
+        return (p_ * dp + d_) * tp + t_
+
+    return {
+        "dp": dp, "tp_rank": t, "dp_rank": d, "pp_rank": p,
+        "tensor": [at(p, d, i) for i in range(tp)],
+        "data": [at(p, i, t) for i in range(dp)],
+        "pipeline": [at(i, d, t) for i in range(pp)],
+        "model": sorted(at(i, d, j) for i in range(pp) for j in range(tp)),
+        "all": {
+            "tensor": sorted(tuple(at(a, b, i) for i in range(tp)) for a in range(pp) for b in range(dp)),
+            "data": sorted(tuple(at(a, i, c) for i in range(dp)) for a in range(pp) for c in range(tp)),
+            "pipeline": sorted(tuple(at(i, b, c) for i in range(pp)) for b in range(dp) for c in range(tp)),
+            "model": sorted(tuple(sorted(at(i, b, j) for i in range(pp) for j in range(tp))) for b in range(dp)),
+        },
+    }
+
+
+def _members(group) -> list[int]:
+    """Which global ranks an all-reduce over ``group`` really sums (one-hot per rank)."""
+    onehot = torch.zeros(WORLD_SIZE)
+    onehot[dist.get_rank()] = 1.0
+    dist.all_reduce(onehot, group=group)
+    assert set(onehot.tolist()) <= {0.0, 1.0}, onehot
+    return [r for r in range(WORLD_SIZE) if onehot[r] == 1.0]
+
+
+def _check_all_layouts():
+    ps = parallel_state
+    rank = dist.get_rank()
+    coords = {}
+    for tp, pp in LAYOUTS:
+        ps.initialize_model_parallel(tp, pp)
+        assert ps.model_parallel_is_initialized()
+        exp = _expected(rank, tp, pp)
+        case = (tp, pp)
+        assert ps.get_tensor_model_parallel_size() == ps.get_tensor_parallel_size() == tp, case
+        assert ps.get_tensor_model_parallel_world_size() == tp, case
+        assert ps.get_pipeline_model_parallel_size() == ps.get_pipeline_parallel_size() == pp, case
+        assert ps.get_pipeline_model_parallel_world_size() == pp, case
+        assert ps.get_data_parallel_size() == ps.get_data_parallel_world_size() == exp["dp"], case
+        assert ps.get_tensor_model_parallel_rank() == ps.get_tensor_parallel_rank() == exp["tp_rank"], case
+        assert ps.get_pipeline_model_parallel_rank() == ps.get_pipeline_parallel_rank() == exp["pp_rank"], case
+        assert ps.get_data_parallel_rank() == exp["dp_rank"], case
+        assert ps.get_model_parallel_rank() == exp["model"].index(rank), case
+        assert ps.get_tensor_model_parallel_src_rank() == exp["tensor"][0], case
+        assert ps.rmsg("m") == f"[rank {rank} tp {exp['tp_rank']} pp {exp['pp_rank']} dp {exp['dp_rank']}] m"
+        getters = {
+            "tensor": (ps.get_tensor_model_parallel_group, ps.get_tensor_parallel_group),
+            "data": (ps.get_data_parallel_group,),
+            "pipeline": (ps.get_pipeline_model_parallel_group, ps.get_pipeline_parallel_group),
+            "model": (ps.get_model_parallel_group,),
+        }
+        for kind, spellings in getters.items():
+            for getter in spellings:
+                group = getter()
+                assert backend.group_size(group) == len(exp[kind]), (case, kind)
+                assert _members(group) == exp[kind], (case, kind, getter.__name__)
+                as_list = getter(as_list=True)
+                assert sorted(tuple(g) for g in as_list) == exp["all"][kind], (case, kind)
+                assert exp[kind] in [sorted(g) for g in as_list], (case, kind)
+        coords[case] = (exp["pp_rank"], exp["dp_rank"], exp["tp_rank"])
+
+    with pytest.raises(ValueError, match=r"world size 8.*\(3\)"):
+        ps.initialize_model_parallel(3, 1)
+    ps.initialize_model_parallel(2, 2)  # usable again after the error
+    assert _members(ps.get_data_parallel_group()) == _expected(rank, 2, 2)["data"]
+    ps.destroy_model_parallel()
+    assert not ps.model_parallel_is_initialized()
+    assert ps.get_tensor_model_parallel_size() == ps.get_data_parallel_size() == 1
+    assert ps.get_data_parallel_group() is backend.SELF
+    return coords
+
+
+def test_groups_and_getters_for_every_layout_world8():
+    results = run_distributed(_check_all_layouts, WORLD_SIZE)
+    for tp, pp in LAYOUTS:
+        dp = WORLD_SIZE // (tp * pp)
+        seen = sorted(r[(tp, pp)] for r in results)
+        # every (pp, dp, tp) coordinate is held by exactly one rank
+        assert seen == [(p, d, t) for p in range(pp) for d in range(dp) for t in range(tp)], (tp, pp)

@@ -30,7 +30,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script
 
-from bench.tp_block import BlockConfig, ReferenceBlock, TPBlock, kv_size_multiplier, load_from_reference_, local_part, unsharded_tensors  # noqa: E402
+from bench.tp_block import (  # noqa: E402
+    BlockConfig, ReferenceBlock, TPBlock, kv_size_multiplier, load_from_reference_, local_part, unsharded_tensors,
+)
 from nxd_hf import backend, parallel_state  # noqa: E402
 from nxd_hf.parallel_layers.grads import allreduce_sequence_parallel_gradients  # noqa: E402
 from nxd_hf.testing import run_distributed  # noqa: E402
@@ -206,8 +208,9 @@ def format_case(case: dict) -> str:
         lines.append(f"{row['phase']:<13} {row['op']:<15} {row['kind']:<11} {row['count']:>3} {row['bytes']:>11,} "
                      f"{row['theory_bytes']:>11,} {ratio:>6} {row['ring_bytes_per_rank']:>12,.0f}  {row['formula']}")
     t = case["total"]
+    ratio = "-" if t["ratio"] is None else f"{t['ratio']:.2f}"
     lines.append(f"{'total':<41} {t['count']:>3} {t['bytes']:>11,} {t['theory_bytes']:>11,} "
-                 f"{t['ratio']:>6.2f} {t['ring_bytes_per_rank']:>12,.0f}")
+                 f"{ratio:>6} {t['ring_bytes_per_rank']:>12,.0f}")
     extras = ", ".join(f"{e['phase']} {e['op']} {e['bytes']:,} B ({e['share_of_total']:.1%})"
                        for e in case["extra_terms"])
     lines.append(f"extra terms: {extras or 'none'}")

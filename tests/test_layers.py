@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from nxd_hf import parallel_state
-from nxd_hf.modules.qkv_linear import GQAQKVColumnParallelLinear, gqa_layout
+from nxd_hf.modules.qkv_linear import GQAQKVColumnParallelLinear, auto_kv_size_multiplier, gqa_layout
 from nxd_hf.parallel_layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear, move_model_to_device
 from nxd_hf.parallel_layers.utils import contiguous_shard_index
 from nxd_hf.testing import run_distributed
@@ -94,7 +94,7 @@ def check_embedding(vocab: int, padding_idx, sp: bool) -> None:
 def check_gqa(num_heads: int, num_kv_heads: int, fuse: bool, gather: bool, sp: bool) -> None:
     head_dim, bias = 4, True
     _, tp_size = tp_info()
-    m = next(k for k in range(1, tp_size + 1) if (num_kv_heads * k) % tp_size == 0)
+    m = auto_kv_size_multiplier(num_heads, num_kv_heads, tp_size)
     torch.manual_seed(13)
     q_ref, k_ref, v_ref = (nn.Linear(H, n * head_dim, bias=bias) for n in (num_heads, num_kv_heads, num_kv_heads))
     torch.manual_seed(13)
@@ -146,7 +146,7 @@ def _layer_cases(tp: int) -> None:
             check_row(in_size, bias, parallel, sp)
     for sp, padding_idx, vocab in itertools.product((False, True), (None, 0), (16, 11)):
         check_embedding(vocab, padding_idx, sp)
-    for (heads, kv_heads), fuse, gather, sp in itertools.product(((8, 2), (6, 2), (4, 4), (3, 1)), (True, False), (True, False), (False, True)):
+    for (heads, kv_heads), fuse, gather, sp in itertools.product(((8, 2), (6, 2), (4, 4), (3, 1), (6, 6)), (True, False), (True, False), (False, True)):
         check_gqa(heads, kv_heads, fuse, gather, sp)
 
 
@@ -166,7 +166,7 @@ def test_layers_without_distributed_are_tp1():
     check_embedding(11, 0, False)
 
 
-@pytest.mark.parametrize("heads,kv_heads,tp,m", [(6, 2, 4, 2), (8, 2, 4, 2), (12, 4, 8, 2), (4, 1, 4, 4), (8, 8, 4, 1)])
+@pytest.mark.parametrize("heads,kv_heads,tp,m", [(6, 2, 4, 2), (8, 2, 4, 2), (12, 4, 8, 2), (4, 1, 4, 4), (8, 8, 4, 1), (6, 6, 4, 1)])
 def test_gqa_layout_queries_read_their_kv_head(heads, kv_heads, tp, m):
     """Every real local query head's local K/V head (HF repeat_kv grouping) is its true K/V head."""
     group = heads // kv_heads
@@ -177,6 +177,7 @@ def test_gqa_layout_queries_read_their_kv_head(heads, kv_heads, tp, m):
         for j, q in enumerate(q_rows.tolist()):
             if q >= 0:
                 assert kv_rows[j // local_group] == q // group
+                assert heads != kv_heads or kv_rows[j] == q  # MHA: padded alike
                 seen.append(q)
         assert padded % tp == 0
     assert sorted(seen) == list(range(heads))

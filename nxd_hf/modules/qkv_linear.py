@@ -29,10 +29,21 @@ from nxd_hf.parallel_layers.utils import gather_logical, gather_positions, set_t
 
 def gqa_layout(num_heads: int, num_kv_heads: int, head_dim: int, kv_size_multiplier: int, tp_rank: int, tp_size: int):
     """(q_rows, kv_rows, padded_num_heads) for one rank: the logical Q and K/V row of each local
-    row (-1 for a padded Q row). Pure; unit-tested."""
+    row, -1 for a padded row. Multi-head attention (num_kv_heads == num_heads) with
+    kv_size_multiplier 1 pads Q, K and V alike with zero heads. Pure; unit-tested."""
     m = kv_size_multiplier
     if num_heads % num_kv_heads != 0:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    d = torch.arange(head_dim)
+
+    def rows(heads: torch.Tensor) -> torch.Tensor:
+        return torch.where(heads[:, None] >= 0, heads[:, None] * head_dim + d, -1).reshape(-1)
+
+    if num_kv_heads == num_heads and m == 1:  # MHA: pad every projection with zero heads
+        local = -(-num_heads // tp_size)
+        heads = torch.arange(tp_rank * local, (tp_rank + 1) * local)
+        heads = torch.where(heads < num_heads, heads, -1)
+        return rows(heads), rows(heads), local * tp_size
     if (num_kv_heads * m) % tp_size != 0:
         fits = next(k for k in range(1, tp_size + 1) if (num_kv_heads * k) % tp_size == 0)
         raise ValueError(
@@ -47,10 +58,15 @@ def gqa_layout(num_heads: int, num_kv_heads: int, head_dim: int, kv_size_multipl
     in_group = slots % padded_group
     q_heads = torch.where(in_group < group, slots // padded_group * group + in_group, -1)
     kv_heads = torch.arange(tp_rank * kv_local, (tp_rank + 1) * kv_local) // m
-    d = torch.arange(head_dim)
-    q_rows = torch.where(q_heads[:, None] >= 0, q_heads[:, None] * head_dim + d, -1).reshape(-1)
-    kv_rows = (kv_heads[:, None] * head_dim + d).reshape(-1)
-    return q_rows, kv_rows, padded_num_heads
+    return rows(q_heads), rows(kv_heads), padded_num_heads
+
+
+def auto_kv_size_multiplier(num_heads: int, num_kv_heads: int, tp_size: int) -> int:
+    """The smallest K/V replication that fits ``tp_size`` (1 for multi-head attention, which
+    pads its heads instead)."""
+    if num_heads == num_kv_heads:
+        return 1
+    return next(k for k in range(1, tp_size + 1) if (num_kv_heads * k) % tp_size == 0)
 
 
 class SumReplicaGrads(torch.autograd.Function):
@@ -97,7 +113,7 @@ class GQAQKVColumnParallelLinear(nn.Module):
         ]
         self.q_shard_index, self.kv_shard_index, padded_heads = layouts[tp_rank]
         self.num_heads_per_partition = padded_heads // tp_size
-        self.num_kv_heads_per_partition = kv_size // head_dim * kv_size_multiplier // tp_size
+        self.num_kv_heads_per_partition = len(self.kv_shard_index) // head_dim
         self._q_positions = gather_positions([lay[0] for lay in layouts], q_size)
         self._kv_positions = gather_positions([lay[1] for lay in layouts], kv_size)
         self._make_params(bias, dtype, device)

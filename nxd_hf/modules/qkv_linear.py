@@ -21,10 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nxd_hf import backend, parallel_state
 from nxd_hf.parallel_layers import mappings
 from nxd_hf.parallel_layers.layers import linear_init_, set_local_
-from nxd_hf.parallel_layers.utils import gather_logical, gather_positions, set_tensor_model_parallel_attributes, shard_from_full, tp_coords
+from nxd_hf.parallel_layers.utils import (
+    gather_logical, gather_positions, set_tensor_model_parallel_attributes, shard_from_full, tp_coords,
+)
 
 
 def gqa_layout(num_heads: int, num_kv_heads: int, head_dim: int, kv_size_multiplier: int, tp_rank: int, tp_size: int):
@@ -67,24 +68,6 @@ def auto_kv_size_multiplier(num_heads: int, num_kv_heads: int, tp_size: int) -> 
     if num_heads == num_kv_heads:
         return 1
     return next(k for k in range(1, tp_size + 1) if (num_kv_heads * k) % tp_size == 0)
-
-
-class SumReplicaGrads(torch.autograd.Function):
-    """Identity forward. Backward (on the TP group): scatter-add each local row's gradient into
-    its logical row of a ``[logical_rows, ...]`` buffer, all-reduce it, and hand every copy the
-    total, so each replicated copy's gradient equals the unreplicated one."""
-
-    @staticmethod
-    def forward(ctx, weight, rows, logical_rows):
-        ctx.rows, ctx.logical_rows = rows, logical_rows
-        return weight
-
-    @staticmethod
-    def backward(ctx, grad):
-        rows = ctx.rows.to(grad.device)
-        total = grad.new_zeros((ctx.logical_rows, *grad.shape[1:])).index_add_(0, rows, grad)
-        backend.all_reduce(total, parallel_state.get_tensor_model_parallel_group())
-        return total.index_select(0, rows), None, None
 
 
 class GQAQKVColumnParallelLinear(nn.Module):
@@ -185,9 +168,9 @@ class GQAQKVColumnParallelLinear(nn.Module):
         weights, biases = self._local_weights("weight"), self._local_weights("bias")
         if self.kv_size_multiplier > 1:
             rows = self.kv_shard_index
-            weights[1:] = [SumReplicaGrads.apply(w, rows, self.kv_size) for w in weights[1:]]
+            weights[1:] = [mappings.SumReplicaGrads.apply(w, rows, self.kv_size) for w in weights[1:]]
             if biases[0] is not None:
-                biases[1:] = [SumReplicaGrads.apply(b, rows, self.kv_size) for b in biases[1:]]
+                biases[1:] = [mappings.SumReplicaGrads.apply(b, rows, self.kv_size) for b in biases[1:]]
         q, k, v = (F.linear(x, w, b) for w, b in zip(weights, biases))
         if not self.gather_output:
             return q, k, v

@@ -50,19 +50,21 @@ def set_local_(module: nn.Module, name: str, local: torch.Tensor) -> None:
 class ColumnParallelLinear(nn.Module):
     """``Y = XA + b`` with ``A = [A_1 ... A_p]`` split by output columns; rank i computes
     ``Y_i = X A_i + b_i``. Forward: copy (or, under SP, all-gather the sequence) of X, then
-    optionally all-gather of Y."""
+    optionally all-gather of Y. A custom ``shard_index`` (e.g. an attention head layout) may
+    hold rows on several ranks; ``num_replicas`` > 1 then sums their gradients in backward."""
 
     def __init__(
         self, input_size: int, output_size: int, bias: bool = True, gather_output: bool = True,
         sequence_parallel_enabled: bool = False, dtype: torch.dtype = torch.float32, device=None,
         init_method: Callable | None = None, stride: int = 1, *, shard_index: torch.Tensor | None = None,
+        num_replicas: int = 1,
     ):
         super().__init__()
         if gather_output and shard_index is not None:
             raise ValueError("ColumnParallelLinear: a custom shard_index needs gather_output=False")
         self.input_size, self.output_size = input_size, output_size
         self.gather_output, self.sequence_parallel_enabled = gather_output, sequence_parallel_enabled
-        self.init_method, self.stride = init_method, stride
+        self.init_method, self.stride, self.num_replicas = init_method, stride, num_replicas
         tp_rank, tp_size = tp_coords()
         if shard_index is None:
             all_indices = [contiguous_shard_index(output_size, r, tp_size, stride) for r in range(tp_size)]
@@ -72,14 +74,12 @@ class ColumnParallelLinear(nn.Module):
         self.output_size_per_partition = len(shard_index)
         self._gather_positions = None if all_indices is None else gather_positions(all_indices, output_size)
         self.weight = nn.Parameter(torch.empty(len(shard_index), input_size, dtype=dtype, device=device))
-        set_tensor_model_parallel_attributes(
-            self.weight, partition_dim=0, logical_size=output_size, shard_index=shard_index, stride=stride
-        )
+        attrs = dict(partition_dim=0, logical_size=output_size, shard_index=shard_index, stride=stride,
+                     num_replicas=num_replicas)
+        set_tensor_model_parallel_attributes(self.weight, **attrs)
         if bias:
             self.bias = nn.Parameter(torch.empty(len(shard_index), dtype=dtype, device=device))
-            set_tensor_model_parallel_attributes(
-                self.bias, partition_dim=0, logical_size=output_size, shard_index=shard_index, stride=stride
-            )
+            set_tensor_model_parallel_attributes(self.bias, **attrs)
         else:
             self.register_parameter("bias", None)
         if not self.weight.is_meta:
@@ -99,7 +99,12 @@ class ColumnParallelLinear(nn.Module):
             x = mappings.gather_from_sequence_parallel_region(x, to_model_parallel=True)  # [b, s, in]
         else:
             x = mappings.copy_to_tensor_model_parallel_region(x)
-        y = F.linear(x, self.weight, self.bias)  # [b, s, out/tp]
+        weight, bias = self.weight, self.bias
+        if self.num_replicas > 1:  # rows held by several ranks (replicated K/V): sum their grads
+            rows, size = self.weight.shard_index, self.output_size
+            weight = mappings.SumReplicaGrads.apply(weight, rows, size)
+            bias = None if bias is None else mappings.SumReplicaGrads.apply(bias, rows, size)
+        y = F.linear(x, weight, bias)  # [b, s, out/tp]
         if not self.gather_output:
             return y
         return gather_logical(y, self._gather_positions, self.output_size)

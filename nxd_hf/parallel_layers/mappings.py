@@ -121,6 +121,26 @@ class ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
         return backend.all_gather(grad, SEQ_DIM, _tp_group())
 
 
+class SumReplicaGrads(torch.autograd.Function):
+    """Identity forward. Backward (on the TP group): scatter-add each local row's gradient into
+    its logical row of a ``[logical_rows, ...]`` buffer, all-reduce it, and hand every copy the
+    total, so each replicated copy's gradient equals the unreplicated one."""
+
+    @staticmethod
+    def forward(ctx, weight, rows, logical_rows):
+        ctx.rows, ctx.logical_rows = rows, logical_rows
+        return weight
+
+    @staticmethod
+    def backward(ctx, grad):
+        real = (ctx.rows >= 0).to(grad.device)
+        rows = ctx.rows.clamp(min=0).to(grad.device)  # padding rows (-1) carry zero gradient
+        total = grad.new_zeros((ctx.logical_rows, *grad.shape[1:])).index_add_(0, rows, grad)
+        backend.all_reduce(total, parallel_state.get_tensor_model_parallel_group())
+        keep = real.view(-1, *([1] * (grad.dim() - 1))).to(grad.dtype)
+        return total.index_select(0, rows) * keep, None, None
+
+
 def copy_to_tensor_model_parallel_region(x):
     return CopyToTensorParallelRegion.apply(x)
 

@@ -51,13 +51,15 @@ class ColumnParallelLinear(nn.Module):
     """``Y = XA + b`` with ``A = [A_1 ... A_p]`` split by output columns; rank i computes
     ``Y_i = X A_i + b_i``. Forward: copy (or, under SP, all-gather the sequence) of X, then
     optionally all-gather of Y. A custom ``shard_index`` (e.g. an attention head layout) may
-    hold rows on several ranks; ``num_replicas`` > 1 then sums their gradients in backward."""
+    hold rows on several ranks; ``num_replicas`` > 1 then sums their gradients in backward.
+    ``skip_input_collective``: the caller already copied X into the tensor-parallel region (or
+    gathered its sequence) once for several layers, as ``nxd_hf.tp`` does for HF modules."""
 
     def __init__(
         self, input_size: int, output_size: int, bias: bool = True, gather_output: bool = True,
         sequence_parallel_enabled: bool = False, dtype: torch.dtype = torch.float32, device=None,
         init_method: Callable | None = None, stride: int = 1, *, shard_index: torch.Tensor | None = None,
-        num_replicas: int = 1,
+        num_replicas: int = 1, skip_input_collective: bool = False,
     ):
         super().__init__()
         if gather_output and shard_index is not None:
@@ -65,6 +67,7 @@ class ColumnParallelLinear(nn.Module):
         self.input_size, self.output_size = input_size, output_size
         self.gather_output, self.sequence_parallel_enabled = gather_output, sequence_parallel_enabled
         self.init_method, self.stride, self.num_replicas = init_method, stride, num_replicas
+        self.skip_input_collective = skip_input_collective
         tp_rank, tp_size = tp_coords()
         if shard_index is None:
             all_indices = [contiguous_shard_index(output_size, r, tp_size, stride) for r in range(tp_size)]
@@ -95,7 +98,9 @@ class ColumnParallelLinear(nn.Module):
             set_local_(self, "bias", shard_from_full(full_bias, 0, self.bias.shard_index))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel_enabled:
+        if self.skip_input_collective:
+            pass  # the caller entered the tensor-parallel region once for several layers
+        elif self.sequence_parallel_enabled:
             x = mappings.gather_from_sequence_parallel_region(x, to_model_parallel=True)  # [b, s, in]
         else:
             x = mappings.copy_to_tensor_model_parallel_region(x)

@@ -1,0 +1,66 @@
+"""Gradient synchronization installed by ``parallelize``: once per backward, at its end.
+
+- Parameters marked ``sequence_parallel_enabled`` (replicated, partial gradient per TP rank)
+  get this backward's contribution summed over TP, bucketed. Only the new contribution is
+  summed, so gradient accumulation over several backwards stays correct.
+- Every gradient is averaged over the data-parallel group (bucketed), unless inside
+  ``model.no_sync()`` (accumulation micro-steps) or when the DP size is 1.
+"""
+
+import contextlib
+
+import torch
+from torch import nn
+
+from nxd_hf import parallel_state
+from nxd_hf.parallel_layers.grads import all_reduce_bucketed, sync_data_parallel_grads
+
+
+class GradSync:
+    """The hooks and state of one model's post-backward synchronization."""
+
+    def __init__(self, model: nn.Module, *, bucket_size_mb: float = 25):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.partial = [p for p in self.params if getattr(p, "sequence_parallel_enabled", False)]
+        self.bucket_size_mb = bucket_size_mb
+        self.sync_dp = True
+        self.enabled = True
+        self._in_backward = False
+        self._before = []
+        for p in self.params:
+            p.register_hook(self._on_grad)
+
+    def _on_grad(self, grad):
+        if self.enabled and not self._in_backward:  # first gradient of this backward
+            self._in_backward = True
+            self._before = [None if p.grad is None else p.grad.detach().clone() for p in self.partial]
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        return grad
+
+    def _end_of_backward(self) -> None:
+        self._in_backward = False
+        fresh = [(p, before) for p, before in zip(self.partial, self._before) if p.grad is not None]
+        deltas = [p.grad.detach() - (0 if before is None else before) for p, before in fresh]
+        all_reduce_bucketed(deltas, parallel_state.get_tensor_model_parallel_group(), bucket_size_mb=self.bucket_size_mb)
+        for (p, before), delta in zip(fresh, deltas):
+            p.grad.detach().copy_(delta if before is None else before + delta)
+        self._before = []
+        if self.sync_dp and parallel_state.get_data_parallel_size() > 1:
+            sync_data_parallel_grads(self.params, bucket_size_mb=self.bucket_size_mb)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Skip the data-parallel average for backwards inside the block (accumulation)."""
+        previous, self.sync_dp = self.sync_dp, False
+        try:
+            yield
+        finally:
+            self.sync_dp = previous
+
+
+def install_grad_sync(model: nn.Module, *, bucket_size_mb: float = 25) -> GradSync:
+    """Attach a ``GradSync`` to ``model`` and expose ``model.no_sync()`` as in DDP."""
+    sync = GradSync(model, bucket_size_mb=bucket_size_mb)
+    model._nxd_grad_sync = sync
+    model.no_sync = sync.no_sync
+    return sync

@@ -1,0 +1,163 @@
+"""Apply a ``ModelPatch``: swap an HF model's modules for parallel layers, in place.
+
+Parallel layers are built on the meta device; when the original module holds real weights,
+this rank's slice is copied from them, so a real model ends up sharded and a meta model stays
+meta (to be filled from files by ``nxd_hf.checkpoint.hf_safetensors``).
+"""
+
+import copy
+import re
+
+from torch import nn
+
+from nxd_hf.parallel_layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear, mappings
+from nxd_hf.parallel_layers.layers import set_local_
+from nxd_hf.parallel_layers.utils import is_sharded, set_sequence_parallel_attribute, shard_from_full
+from nxd_hf.tp import plan as P
+from nxd_hf.tp.heads import HeadLayout
+
+
+def _pattern(pattern: str) -> re.Pattern:
+    return re.compile(re.escape(pattern).replace(r"\*", r"[^.]+"))
+
+
+def match_plan(patch: P.ModelPatch, model: nn.Module) -> list[tuple[str, nn.Module, P.Style]]:
+    """(full name, module, style) for every module of ``model`` a plan entry names."""
+    prefix = patch.base_model_prefix if patch.base_model_prefix is not None else model.base_model_prefix
+    compiled = [(_pattern(p), style) for p, style in patch.plan.items()]
+    found = []
+    for name, module in model.named_modules():
+        relative = name[len(prefix) + 1 :] if prefix and name.startswith(prefix + ".") else name
+        for regex, style in compiled:
+            if regex.fullmatch(relative):
+                found.append((name, module, style))
+                break
+        if patch.lm_head and name == patch.lm_head:
+            found.append((name, module, P.LMHead()))
+    return found
+
+
+def _linear_shape(module: nn.Module) -> tuple[int, int, bool]:
+    """(in_features, out_features, is_conv1d) of an nn.Linear or HF Conv1D (weight [in, out])."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features, False
+    if type(module).__name__ == "Conv1D":
+        return module.weight.shape[0], module.weight.shape[1], True
+    raise ValueError(f"cannot shard {type(module).__name__}: a plan's Column/Row entry must name an nn.Linear or Conv1D")
+
+
+def _copy_sharded(new: nn.Module, old: nn.Module, transposed: bool) -> None:
+    """Fill ``new``'s parameters with this rank's slice of ``old``'s real weights."""
+    for name in ("weight", "bias"):
+        param, source = getattr(new, name, None), getattr(old, name, None)
+        if param is None or source is None:
+            continue
+        param.hf_transposed = transposed and name == "weight"
+        if source.is_meta:
+            continue
+        full = source.detach().t() if param.hf_transposed else source.detach()
+        local = shard_from_full(full, param.partition_dim, param.shard_index) if is_sharded(param) else full
+        set_local_(new, name, local)
+
+
+def _build(module: nn.Module, style: P.Style, layout: HeadLayout | None, sp: bool, in_region: bool) -> nn.Module:
+    dtype = next(module.parameters()).dtype
+    if isinstance(style, P.Embedding):  # full-sequence output: SP starts at the first decoder layer
+        return ParallelEmbedding(module.num_embeddings, module.embedding_dim, module.padding_idx, dtype=dtype,
+                                 device="meta")
+    in_features, out_features, conv1d = _linear_shape(module)
+    bias = module.bias is not None
+    if isinstance(style, P.LMHead):  # after the decoder layers: full sequence
+        return ColumnParallelLinear(in_features, out_features, bias, gather_output=False, dtype=dtype, device="meta")
+    rows, replicas = layout.rows(style.heads) if style.heads else (None, 1)
+    if isinstance(style, P.Column):
+        return ColumnParallelLinear(
+            in_features, out_features, bias, gather_output=style.gather_output, sequence_parallel_enabled=sp,
+            dtype=dtype, device="meta", stride=style.stride, shard_index=rows, num_replicas=replicas,
+            skip_input_collective=in_region,
+        )
+    return RowParallelLinear(
+        in_features, out_features, bias, input_is_parallel=style.input_is_parallel,
+        sequence_parallel_enabled=sp and style.input_is_parallel, dtype=dtype, device="meta", shard_index=rows,
+    )
+
+
+def _set_local_attrs(module: nn.Module, style: P.Attention, layout: HeadLayout) -> None:
+    for path, quantity in style.attrs:
+        target, *rest = path.split(".")
+        if rest:  # an attribute of the module's config: give the module its own copy
+            if not getattr(module, "_nxd_local_config", False):
+                module.config = copy.copy(module.config)
+                module._nxd_local_config = True
+            setattr(module.config, rest[0], layout.local[quantity])
+        elif hasattr(module, target):
+            setattr(module, target, layout.local[quantity])
+
+
+def _first_layer_hook(module, args, kwargs):
+    """Split the hidden states along the sequence on entry to the first decoder layer."""
+    if args:
+        return (mappings.scatter_to_sequence_parallel_region(args[0]), *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": mappings.scatter_to_sequence_parallel_region(kwargs["hidden_states"])}
+
+
+def _last_layer_hook(module, args, kwargs, output):
+    """Gather the sequence after the last decoder layer (split backward)."""
+    if isinstance(output, tuple):
+        return (mappings.gather_from_sequence_parallel_region(output[0], to_model_parallel=False), *output[1:])
+    return mappings.gather_from_sequence_parallel_region(output, to_model_parallel=False)
+
+
+def _install_sequence_parallel(model: nn.Module, patch: P.ModelPatch) -> None:
+    """Bracket the decoder layers with the SP split/gather; their replicated parameters
+    (norms, row-parallel biases) now see one sequence chunk, so their grads are partial."""
+    prefix = patch.base_model_prefix if patch.base_model_prefix is not None else model.base_model_prefix
+    layers = model.get_submodule(f"{prefix}.{patch.decoder_layers}" if prefix else patch.decoder_layers)
+    layers[0].register_forward_pre_hook(_first_layer_hook, with_kwargs=True)
+    layers[len(layers) - 1].register_forward_hook(_last_layer_hook, with_kwargs=True)
+    for p in layers.parameters():
+        if not is_sharded(p):
+            set_sequence_parallel_attribute(p, True)
+
+
+def _enter_region_hook(sequence_parallel: bool):
+    """Forward pre-hook: the module's hidden states (first positional or ``hidden_states``)
+    enter the tensor-parallel region once."""
+    def enter(x):
+        if sequence_parallel:
+            return mappings.gather_from_sequence_parallel_region(x, to_model_parallel=True)  # [b, s, h]
+        return mappings.copy_to_tensor_model_parallel_region(x)
+
+    def hook(module, args, kwargs):
+        if args:
+            return (enter(args[0]), *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": enter(kwargs["hidden_states"])}
+
+    return hook
+
+
+def apply_tensor_parallel(model: nn.Module, patch: P.ModelPatch, layout: HeadLayout | None, *, sequence_parallel: bool) -> None:
+    """Swap every planned module of ``model`` (in place) and mark partial-gradient parameters."""
+    embedding = None
+    matched = match_plan(patch, model)
+    regions = [name + "." for name, _, style in matched if isinstance(style, P.ParallelRegion)]
+    for name, module, style in matched:
+        if isinstance(style, P.ParallelRegion):
+            module.register_forward_pre_hook(_enter_region_hook(sequence_parallel), with_kwargs=True)
+            if isinstance(style, P.Attention):
+                _set_local_attrs(module, style, layout)
+        elif isinstance(style, P.PerHeadNorm):
+            for p in module.parameters():
+                set_sequence_parallel_attribute(p, True)  # partial over heads: summed over TP
+        else:
+            in_region = any(name.startswith(r) for r in regions)
+            new = _build(module, style, layout, sequence_parallel, in_region)
+            tied = isinstance(style, P.LMHead) and embedding is not None and module.weight is embedding[0].weight
+            _copy_sharded(new, module, transposed=type(module).__name__ == "Conv1D")
+            if tied:
+                new.weight = embedding[1].weight  # one parameter, gradients from both uses
+            if isinstance(style, P.Embedding):
+                embedding = (module, new)
+            model.set_submodule(name, new)
+    if sequence_parallel:
+        _install_sequence_parallel(model, patch)

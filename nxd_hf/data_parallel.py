@@ -20,18 +20,26 @@ class GradSync:
     """The hooks and state of one model's post-backward synchronization."""
 
     def __init__(self, model: nn.Module, *, bucket_size_mb: float = 25):
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.partial = [p for p in self.params if getattr(p, "sequence_parallel_enabled", False)]
+        self.model = model
+        self.params, self.partial = [], []
         self.bucket_size_mb = bucket_size_mb
         self.sync_dp = True
-        self.enabled = True
         self._in_backward = False
         self._before = []
-        for p in self.params:
+
+    def refresh(self, *_) -> None:
+        """(Re-)attach the gradient hooks when the parameters changed (loading replaces the
+        meta parameters), so the hooks always sit on the parameters being trained."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if [id(p) for p in params] == [id(p) for p in self.params]:
+            return
+        self.params = params
+        self.partial = [p for p in params if getattr(p, "sequence_parallel_enabled", False)]
+        for p in params:
             p.register_hook(self._on_grad)
 
     def _on_grad(self, grad):
-        if self.enabled and not self._in_backward:  # first gradient of this backward
+        if not self._in_backward:  # first gradient of this backward
             self._in_backward = True
             self._before = [None if p.grad is None else p.grad.detach().clone() for p in self.partial]
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
@@ -61,6 +69,7 @@ class GradSync:
 def install_grad_sync(model: nn.Module, *, bucket_size_mb: float = 25) -> GradSync:
     """Attach a ``GradSync`` to ``model`` and expose ``model.no_sync()`` as in DDP."""
     sync = GradSync(model, bucket_size_mb=bucket_size_mb)
+    model.register_forward_pre_hook(sync.refresh)
     model._nxd_grad_sync = sync
     model.no_sync = sync.no_sync
     return sync

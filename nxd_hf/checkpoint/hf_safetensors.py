@@ -1,0 +1,174 @@
+"""Load Hugging Face safetensors into a tensor-parallel model: each rank reads only its rows.
+
+For a sharded parameter, the rows named by its ``shard_index`` are read with safetensors'
+``get_slice`` in contiguous runs (padding rows become zeros, HF ``Conv1D`` weights are stored
+``[in, out]`` and transposed after reading); replicated parameters are read whole. Bytes read
+are counted (``LoadReport``), so tests can check that no rank reads more than its share.
+"""
+
+import dataclasses
+import json
+import os
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from nxd_hf.parallel_layers.utils import is_sharded
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+@dataclasses.dataclass
+class LoadReport:
+    bytes_read: int = 0
+    """Bytes of tensor data this rank read from the files."""
+    keys_read: int = 0
+    """Checkpoint tensors this rank opened."""
+
+
+class SafetensorsCheckpoint:
+    """The tensors of a HF checkpoint directory (single file or sharded with an index)."""
+
+    def __init__(self, path: str):
+        index = os.path.join(path, INDEX_FILE)
+        if os.path.exists(index):
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            self.files = {key: os.path.join(path, name) for key, name in weight_map.items()}
+        elif os.path.exists(os.path.join(path, SINGLE_FILE)):
+            single = os.path.join(path, SINGLE_FILE)
+            with safe_open(single, framework="pt") as f:
+                self.files = {key: single for key in f.keys()}
+        else:
+            raise ValueError(f"no {SINGLE_FILE} or {INDEX_FILE} in {path}: save the model with save_pretrained()")
+        self._handles = {}
+        self.report = LoadReport()
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.files
+
+    def _slice(self, key: str):
+        name = self.files[key]
+        if name not in self._handles:
+            self._handles[name] = safe_open(name, framework="pt")
+        self.report.keys_read += 1
+        return self._handles[name].get_slice(key)
+
+    def read(self, key: str) -> torch.Tensor:
+        tensor = self._slice(key)[:]
+        self.report.bytes_read += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def read_rows(self, key: str, dim: int, rows: torch.Tensor) -> torch.Tensor:
+        """Rows ``rows`` (-1: zeros) of tensor ``key`` along ``dim``, reading contiguous runs."""
+        view = self._slice(key)
+        shape = view.get_shape()
+        pieces, dtype = [], None
+        for start, stop, is_padding in _runs(rows):
+            index = [slice(None)] * len(shape)
+            if is_padding:
+                piece_shape = list(shape)
+                piece_shape[dim] = stop - start
+                pieces.append(("zeros", piece_shape))
+                continue
+            index[dim] = slice(start, stop)
+            piece = view[tuple(index)]
+            self.report.bytes_read += piece.numel() * piece.element_size()
+            dtype = piece.dtype
+            pieces.append(("data", piece))
+        dtype = dtype or torch.float32
+        return torch.cat([p if kind == "data" else torch.zeros(p, dtype=dtype) for kind, p in pieces], dim=dim)
+
+
+def _runs(rows: torch.Tensor) -> list[tuple[int, int, bool]]:
+    """Split ``rows`` into (start, stop, is_padding) runs of consecutive rows or of -1s."""
+    values = rows.tolist()
+    runs, i = [], 0
+    while i < len(values):
+        j = i + 1
+        if values[i] < 0:
+            while j < len(values) and values[j] < 0:
+                j += 1
+            runs.append((0, j - i, True))
+        else:
+            while j < len(values) and values[j] == values[j - 1] + 1:
+                j += 1
+            runs.append((values[i], values[j - 1] + 1, False))
+        i = j
+    return runs
+
+
+def _owners(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    """Every (module, attribute) holding each parameter: a tied weight has several."""
+    owners = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                owners.setdefault(id(param), []).append((module, name))
+    return owners
+
+
+def _checkpoint_key(checkpoint: SafetensorsCheckpoint, name: str, prefix: str) -> str | None:
+    if name in checkpoint:
+        return name
+    stripped = name[len(prefix) + 1 :] if prefix and name.startswith(prefix + ".") else None
+    return stripped if stripped in checkpoint else None
+
+
+def load_hf_safetensors(model: nn.Module, path: str) -> LoadReport:
+    """Fill every parameter and persistent buffer of a (parallelized) model from ``path``."""
+    checkpoint = SafetensorsCheckpoint(path)
+    owners = _owners(model)
+    prefix = getattr(model, "base_model_prefix", "")
+    missing = []
+    for name, param in list(model.named_parameters()):
+        key = _checkpoint_key(checkpoint, name, prefix)
+        if key is None:
+            missing.append(name)
+            continue
+        if is_sharded(param):
+            transposed = getattr(param, "hf_transposed", False)
+            dim = 1 - param.partition_dim if transposed else param.partition_dim
+            local = checkpoint.read_rows(key, dim, param.shard_index)
+            local = local.t() if transposed else local
+        else:
+            local = checkpoint.read(key)
+        new = nn.Parameter(local.to(param.dtype).contiguous(), requires_grad=param.requires_grad)
+        new.__dict__.update(param.__dict__)  # sharding metadata
+        for module, attr in owners[id(param)]:
+            setattr(module, attr, new)
+    if missing:
+        raise ValueError(f"{len(missing)} parameters are not in the checkpoint at {path}: {missing[:5]}")
+    _load_buffers(model, checkpoint, prefix)
+    return checkpoint.report
+
+
+def _load_buffers(model: nn.Module, checkpoint: SafetensorsCheckpoint, prefix: str) -> None:
+    """Persistent buffers come from the file; meta non-persistent ones (RoPE ``inv_freq``)
+    are recomputed by building their module again from the config."""
+    for module_name, module in model.named_modules():
+        for name, buffer in list(module._buffers.items()):
+            if buffer is None:
+                continue
+            full_name = f"{module_name}.{name}" if module_name else name
+            key = _checkpoint_key(checkpoint, full_name, prefix)
+            if key is not None and name not in module._non_persistent_buffers_set:
+                module._buffers[name] = checkpoint.read(key).to(buffer.dtype)
+            elif buffer.is_meta:
+                _rebuild_buffers(module, module_name)
+
+
+def _rebuild_buffers(module: nn.Module, module_name: str) -> None:
+    config = getattr(module, "config", None)
+    try:
+        fresh = type(module)(config=config)
+    except Exception as error:
+        raise ValueError(
+            f"buffers of {module_name} ({type(module).__name__}) are on the meta device and cannot be rebuilt "
+            "from the config: build the model with accelerate.init_empty_weights(include_buffers=False)"
+        ) from error
+    for name, buffer in fresh._buffers.items():
+        if buffer is not None:
+            module._buffers[name] = buffer

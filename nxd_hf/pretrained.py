@@ -1,0 +1,30 @@
+"""``nxd_hf.from_pretrained``: build on the meta device, parallelize, read only local slices."""
+
+import accelerate
+import torch
+import transformers
+
+from nxd_hf.checkpoint.hf_safetensors import load_hf_safetensors
+from nxd_hf.parallelize import parallelize
+
+
+def from_pretrained(path: str, *, auto_class=transformers.AutoModelForCausalLM, tensor_parallel_size: int = 1,
+                    pipeline_parallel_size: int = 1, dtype: torch.dtype | None = None, **parallelize_kwargs):
+    """Load a local HF checkpoint (``model.safetensors`` or sharded with an index) straight into
+    a parallelized model. No rank ever holds the full weights: the model is built on the meta
+    device (buffers such as RoPE ``inv_freq`` are computed normally), sharded, and each rank
+    reads its own rows of every tensor. ``dtype`` defaults to the checkpoint config's dtype.
+    Returns the model in eval mode, as transformers does; ``model.nxd_load_report`` holds the
+    bytes this rank read.
+    """
+    config = transformers.AutoConfig.from_pretrained(path)
+    dtype = dtype or getattr(config, "dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    with accelerate.init_empty_weights(include_buffers=False):
+        model = auto_class.from_config(config, dtype=dtype)
+    parallelize(model, tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+                **parallelize_kwargs)
+    model.nxd_load_report = load_hf_safetensors(model, path)
+    model.eval()
+    return model

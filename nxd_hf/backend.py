@@ -41,8 +41,12 @@ def default_device() -> torch.device:
 
 
 def init_process_group_from_env(timeout_s: float = 1800.0) -> None:
-    """Initialize the default group from the torchrun environment (RANK, WORLD_SIZE, ...)."""
+    """Initialize the default group from the torchrun environment (RANK, WORLD_SIZE, ...), or
+    as a world of one process when the script was started without torchrun."""
     if dist.is_initialized():
+        return
+    if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:  # plain `python script.py`
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         return
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         if var not in os.environ:

@@ -48,6 +48,12 @@ def _layout(model, patch: ModelPatch, pad_model, kv_size_multiplier):
     num_kv_heads = getattr(config, patch.num_kv_heads_attr, None) if patch.num_kv_heads_attr else None
     num_kv_heads = num_kv_heads or num_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    tp_size = parallel_state.get_tensor_model_parallel_size()
+    if tp_size > num_heads:
+        raise ValueError(
+            f"tensor_parallel_size={tp_size} exceeds the {num_heads} attention heads: some ranks would hold only "
+            f"padding heads. Use tensor_parallel_size <= {num_heads}"
+        )
     if pad_model not in ("auto", True, False):
         raise ValueError(f"pad_model must be 'auto', True or False, got {pad_model!r}")
     return head_layout(

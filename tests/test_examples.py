@@ -1,0 +1,21 @@
+"""End-to-end: the README's main job under torchrun."""
+
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_example(script: str, nproc: int, *args: str) -> str:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), script, *args]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+def test_parallelize_causal_lm_loss_falls():
+    out = run_example("examples/parallelize_causal_lm.py", 2, "--steps", "25")
+    first, last = map(float, re.search(r"loss fell from ([\d.]+) to ([\d.]+)", out).groups())
+    assert last < first - 1.0, out

@@ -91,6 +91,13 @@ def group_size(group) -> int:
     return dist.get_world_size(group)
 
 
+def group_rank(group) -> int:
+    """This rank's index within ``group``."""
+    if group is SELF or not dist.is_initialized():
+        return 0
+    return dist.get_rank(group)
+
+
 # torch >= 2.13 renamed the flat collectives; torch-xla's torch (2.9) has only the old names.
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -130,6 +137,13 @@ def comm_tag(tag: str):
         _tag = previous
 
 
+def _is_abstract(tensor: torch.Tensor) -> bool:
+    """Meta or fake tensors (shape propagation): collectives only compute the output shape."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return tensor.is_meta or is_fake(tensor)
+
+
 def _record(op: str, tensor: torch.Tensor, group) -> None:
     if _records is not None:
         size = tensor.numel() * tensor.element_size()
@@ -138,7 +152,7 @@ def _record(op: str, tensor: torch.Tensor, group) -> None:
 
 def all_reduce(tensor: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
     """In-place all-reduce of ``tensor`` over ``group``; op is "sum", "max" or "min"."""
-    if group_size(group) == 1:
+    if group_size(group) == 1 or _is_abstract(tensor):
         return tensor
     _record("all_reduce", tensor, group)
     reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
@@ -151,6 +165,8 @@ def all_gather(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
     size = group_size(group)
     if size == 1:
         return tensor
+    if _is_abstract(tensor):
+        return torch.cat([tensor] * size, dim=dim)
     _record("all_gather", tensor, group)
     moved = tensor.movedim(dim, 0).contiguous()
     out = torch.empty((size * moved.shape[0], *moved.shape[1:]), dtype=tensor.dtype, device=tensor.device)
@@ -164,6 +180,8 @@ def reduce_scatter(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
     if size == 1:
         return tensor
     assert tensor.shape[dim] % size == 0, (tensor.shape, dim, size)
+    if _is_abstract(tensor):
+        return tensor.narrow(dim, 0, tensor.shape[dim] // size).clone()
     _record("reduce_scatter", tensor, group)
     moved = tensor.movedim(dim, 0).contiguous()
     out = torch.empty((moved.shape[0] // size, *moved.shape[1:]), dtype=tensor.dtype, device=tensor.device)
@@ -171,9 +189,30 @@ def reduce_scatter(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
     return out.movedim(0, dim)
 
 
+def all_gather_into(out: torch.Tensor, tensor: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's 1-D ``tensor`` concatenated in group-rank order, written into the 1-D ``out``
+    (``group size x`` as long); a copy over a group of one."""
+    if group_size(group) == 1:
+        return out.copy_(tensor)
+    _record("all_gather", tensor, group)
+    _all_gather_flat(out, tensor, group=group)
+    return out
+
+
+def reduce_scatter_into(out: torch.Tensor, tensor: torch.Tensor, group) -> torch.Tensor:
+    """Sum the 1-D ``tensor`` over ``group`` and write this rank's 1/size chunk into the 1-D
+    ``out``; a copy over a group of one."""
+    if group_size(group) == 1:
+        return out.copy_(tensor)
+    assert tensor.numel() == out.numel() * group_size(group), (tensor.shape, out.shape)
+    _record("reduce_scatter", tensor, group)
+    _reduce_scatter_flat(out, tensor, group=group)
+    return out
+
+
 def broadcast(tensor: torch.Tensor, src: int, group) -> torch.Tensor:
     """In-place broadcast from global rank ``src`` to every rank of ``group``."""
-    if group_size(group) == 1:
+    if group_size(group) == 1 or _is_abstract(tensor):
         return tensor
     _record("broadcast", tensor, group)
     dist.broadcast(tensor, src=src, group=group)

@@ -25,6 +25,7 @@ class GradSync:
         self.bucket_size_mb = bucket_size_mb
         self.sync_dp = True
         self._in_backward = False
+        self.paused = False
         self._before = []
 
     def refresh(self, *_) -> None:
@@ -38,20 +39,34 @@ class GradSync:
         for p in params:
             p.register_hook(self._on_grad)
 
+    def begin(self, params: list[torch.Tensor]) -> list:
+        """Pause the per-backward hooks (a pipeline step runs many backwards) and snapshot the
+        partial grads of ``params``; ``finish_partial`` sums their new contribution over TP."""
+        self.paused = True
+        partial = [p for p in params if getattr(p, "sequence_parallel_enabled", False)]
+        return [(p, None if p.grad is None else p.grad.detach().clone()) for p in partial]
+
+    def finish_partial(self, snapshot: list) -> None:
+        self.paused = False
+        self._sum_partial_deltas(snapshot)
+
+    def _sum_partial_deltas(self, snapshot: list) -> None:
+        fresh = [(p, before) for p, before in snapshot if p.grad is not None]
+        deltas = [p.grad.detach() - (0 if before is None else before) for p, before in fresh]
+        all_reduce_bucketed(deltas, parallel_state.get_tensor_model_parallel_group(), bucket_size_mb=self.bucket_size_mb)
+        for (p, before), delta in zip(fresh, deltas):
+            p.grad.detach().copy_(delta if before is None else before + delta)
+
     def _on_grad(self, grad):
-        if not self._in_backward:  # first gradient of this backward
+        if not self._in_backward and not self.paused:  # first gradient of this backward
             self._in_backward = True
-            self._before = [None if p.grad is None else p.grad.detach().clone() for p in self.partial]
+            self._before = [(p, None if p.grad is None else p.grad.detach().clone()) for p in self.partial]
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         return grad
 
     def _end_of_backward(self) -> None:
         self._in_backward = False
-        fresh = [(p, before) for p, before in zip(self.partial, self._before) if p.grad is not None]
-        deltas = [p.grad.detach() - (0 if before is None else before) for p, before in fresh]
-        all_reduce_bucketed(deltas, parallel_state.get_tensor_model_parallel_group(), bucket_size_mb=self.bucket_size_mb)
-        for (p, before), delta in zip(fresh, deltas):
-            p.grad.detach().copy_(delta if before is None else before + delta)
+        self._sum_partial_deltas(self._before)
         self._before = []
         if self.sync_dp and parallel_state.get_data_parallel_size() > 1:
             sync_data_parallel_grads(self.params, bucket_size_mb=self.bucket_size_mb)

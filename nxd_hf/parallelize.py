@@ -6,7 +6,9 @@
 3. swap modules for parallel layers with head/vocab padding and K/V replication
    (``nxd_hf.tp.apply``), copying this rank's slices when the weights are real;
 4. install the output contract (vocab-parallel loss, gathered logits);
-5. install the post-backward gradient sync (SP partial grads over TP, DP average).
+5. install the post-backward gradient sync (SP partial grads over TP, DP average);
+6. with pipeline_parallel_size > 1, trace and partition into an ``NxDPPModel`` holding only
+   this rank's stages (see ``nxd_hf.pipeline``).
 """
 
 from nxd_hf import parallel_state
@@ -65,7 +67,7 @@ def _layout(model, patch: ModelPatch, pad_model, kv_size_multiplier):
 def parallelize(
     model, *, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, sequence_parallel: bool = False,
     pad_model: bool | str = "auto", kv_size_multiplier: int | str = "auto", gather_logits: bool = False,
-    bucket_size_mb: float = 25,
+    bucket_size_mb: float = 25, **pipeline_kwargs,
 ):
     """Shard a Hugging Face model (real or meta weights) in place and return it.
 
@@ -76,16 +78,19 @@ def parallelize(
     kv_size_multiplier: K/V copies across TP ("auto": the fewest that fit).
     gather_logits: also return full logits in training mode when labels are given.
     bucket_size_mb: bucket size of the post-backward gradient all-reduces.
+    pipeline_kwargs: with pipeline_parallel_size > 1, ``NxDPPModel`` arguments (num_microbatches,
+        schedule, virtual_pipeline_size, pipeline_cuts, activation_checkpoint_config, ...); the
+        result is then an ``NxDPPModel`` trained with ``run_train``.
     """
     _check_model(model)
     _init_parallel_state(tensor_parallel_size, pipeline_parallel_size)
-    if pipeline_parallel_size > 1:
-        raise ValueError("pipeline_parallel_size > 1 is not available yet in this version of nxd_hf; use 1")
+    if pipeline_kwargs and pipeline_parallel_size == 1:
+        raise ValueError(f"{sorted(pipeline_kwargs)} are pipeline options: they need pipeline_parallel_size > 1")
     patch = get_patch(model.config)
     if sequence_parallel and not patch.sequence_parallel:
         raise ValueError(
-            f"sequence_parallel=True is not supported for model_type {patch.model_type!r} (an encoder); "
-            "it is supported for decoder architectures. Use sequence_parallel=False"
+            f"sequence_parallel=True is not supported for model_type {patch.model_type!r}: "
+            "its plan gathers activations or it is an encoder. Use sequence_parallel=False"
         )
     layout = _layout(model, patch, pad_model, kv_size_multiplier)
     apply_tensor_parallel(model, patch, layout, sequence_parallel=sequence_parallel)
@@ -95,6 +100,10 @@ def parallelize(
     install_grad_sync(model, bucket_size_mb=bucket_size_mb)
     model._nxd_parallelized = True
     model._nxd_patch = patch
+    if pipeline_parallel_size > 1:
+        from nxd_hf.pipeline.model import NxDPPModel
+
+        return NxDPPModel(model, **pipeline_kwargs)
     return model
 
 

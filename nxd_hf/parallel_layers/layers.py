@@ -105,7 +105,8 @@ class ColumnParallelLinear(nn.Module):
         else:
             x = mappings.copy_to_tensor_model_parallel_region(x)
         weight, bias = self.weight, self.bias
-        if self.num_replicas > 1:  # rows held by several ranks (replicated K/V): sum their grads
+        # rows held by several ranks (replicated K/V; per row for a fused [q; k; v]): sum their grads
+        if bool((torch.as_tensor(self.num_replicas) > 1).any()):
             rows, size = self.weight.shard_index, self.output_size
             weight = mappings.SumReplicaGrads.apply(weight, rows, size)
             bias = None if bias is None else mappings.SumReplicaGrads.apply(bias, rows, size)

@@ -8,6 +8,7 @@ meta (to be filled from files by ``nxd_hf.checkpoint.hf_safetensors``).
 import copy
 import re
 
+import torch
 from torch import nn
 
 from nxd_hf.parallel_layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear, mappings
@@ -136,9 +137,18 @@ def _enter_region_hook(sequence_parallel: bool):
     return hook
 
 
+def _retie(model: nn.Module, swapped: dict[int, nn.Parameter]) -> None:
+    """Point every remaining reference to a swapped-out parameter at its replacement, keeping
+    HF's ties (BERT's ``cls.predictions.bias`` is ``cls.predictions.decoder.bias``)."""
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None and id(param) in swapped:
+                module._parameters[name] = swapped[id(param)]
+
+
 def apply_tensor_parallel(model: nn.Module, patch: P.ModelPatch, layout: HeadLayout | None, *, sequence_parallel: bool) -> None:
     """Swap every planned module of ``model`` (in place) and mark partial-gradient parameters."""
-    embedding = None
+    embedding, swapped = None, {}  # swapped: id(old param) -> new; `matched` keeps the old ones alive
     matched = match_plan(patch, model)
     regions = [name + "." for name, _, style in matched if isinstance(style, P.ParallelRegion)]
     for name, module, style in matched:
@@ -152,12 +162,17 @@ def apply_tensor_parallel(model: nn.Module, patch: P.ModelPatch, layout: HeadLay
         else:
             in_region = any(name.startswith(r) for r in regions)
             new = _build(module, style, layout, sequence_parallel, in_region)
-            tied = isinstance(style, P.LMHead) and embedding is not None and module.weight is embedding[0].weight
+            tied = (isinstance(style, (P.LMHead, P.Column)) and embedding is not None
+                    and module.weight is embedding[0].weight)
             _copy_sharded(new, module, transposed=type(module).__name__ == "Conv1D")
-            if tied:
+            if tied:  # same vocab rows as the embedding (BERT's MLM decoder is a Column)
+                assert torch.equal(new.weight.shard_index, embedding[1].weight.shard_index)
                 new.weight = embedding[1].weight  # one parameter, gradients from both uses
             if isinstance(style, P.Embedding):
                 embedding = (module, new)
+            swapped.update({id(getattr(module, n)): getattr(new, n) for n in ("weight", "bias")
+                            if getattr(module, n, None) is not None and getattr(new, n, None) is not None})
             model.set_submodule(name, new)
+    _retie(model, swapped)
     if sequence_parallel:
         _install_sequence_parallel(model, patch)

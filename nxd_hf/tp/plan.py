@@ -126,7 +126,7 @@ def get_patch(config) -> ModelPatch:
     if hf_plan:
         from nxd_hf.tp.derive import patch_from_hf_plan
 
-        return patch_from_hf_plan(config.model_type, hf_plan)
+        return patch_from_hf_plan(config.model_type, hf_plan, config=config)
     raise ValueError(
         f"no tensor-parallel patch for model_type {config.model_type!r} and its config has no "
         f"base_model_tp_plan. Supported: {', '.join(registered_model_types())}. Register one with "

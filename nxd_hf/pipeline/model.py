@@ -1,0 +1,147 @@
+"""``NxDPPModel``: NxD's pipeline-parallel wrapper on torch.distributed.pipelining.
+
+Construction: trace (``nxd_hf.pipeline.trace``), cut between transformer layers
+(``partition``), split into stage modules (``stages``), keep this rank's stages only,
+materialize their meta parameters (``param_init_fn``), tie weights shared across stages, and
+apply activation checkpointing. ``run_train`` then runs one step of the chosen schedule.
+"""
+
+import torch
+from torch import nn
+
+from nxd_hf import backend, parallel_state
+from nxd_hf.pipeline import partition as P
+from nxd_hf.pipeline.local import checkpoint_layers, materialize, tie_across_stages
+from nxd_hf.pipeline.runtime import SCHEDULES, build_schedule, check_schedule
+from nxd_hf.pipeline.stages import split_stages, value_kinds
+from nxd_hf.pipeline.trace import trace_hf
+from nxd_hf.pipeline.step import StepRunner
+
+
+def _layer_types(module: nn.Module, transformer_layer_cls) -> tuple[type, ...]:
+    if transformer_layer_cls is not None:
+        return tuple(transformer_layer_cls) if isinstance(transformer_layer_cls, (list, tuple)) else (transformer_layer_cls,)
+    names = set(getattr(module, "_no_split_modules", None) or [])
+    found = tuple({type(m) for m in module.modules() if type(m).__name__ in names})
+    if not found:
+        raise ValueError("pass transformer_layer_cls=<your decoder layer class>: it cannot be inferred for this model")
+    return found
+
+
+class NxDPPModel(nn.Module):
+    """Pipeline-parallel model (see the module docstring; arguments as NxD's, plus ``schedule``
+    — one of ``nxd_hf.pipeline.runtime.SCHEDULES`` — and ``activation_checkpoint_config``:
+    "full", a module class or list of classes, or None)."""
+
+    def __init__(
+        self, module: nn.Module, transformer_layer_cls=None, num_microbatches: int = 1, virtual_pipeline_size: int = 1,
+        output_loss_value_spec=None, return_mb_loss: bool = False, broadcast_and_average_loss: bool = False,
+        pipeline_cuts: list[str] | None = None, input_names: list[str] | None = None, leaf_module_cls=None,
+        autowrap_functions=None, autowrap_modules=None, tracer_cls=None, param_init_fn=None,
+        trace_file_path: str | None = None, use_zero1_optimizer: bool = False, auto_partition: bool = False,
+        deallocate_pipeline_outputs: bool = False, *, schedule: str | None = None,
+        activation_checkpoint_config=None,
+    ):
+        super().__init__()
+        if return_mb_loss and broadcast_and_average_loss:
+            raise ValueError("return_mb_loss and broadcast_and_average_loss cannot both be True")
+        if pipeline_cuts and auto_partition:
+            raise ValueError("pass either pipeline_cuts or auto_partition=True, not both")
+        if tracer_cls not in (None, "hf"):
+            raise ValueError("tracer_cls: only 'hf' (the HF-aware spine tracer, which also traces plain torch "
+                             "modules) is available")
+        if output_loss_value_spec is not None and hasattr(module, "loss_function"):
+            pass  # HF models: the loss comes from the model's own loss_function on the last stage
+        self.pp_size = parallel_state.get_pipeline_model_parallel_size()
+        self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        self.num_microbatches, self.virtual_pipeline_size = num_microbatches, virtual_pipeline_size
+        self.schedule_name = schedule or ("1f1b" if virtual_pipeline_size == 1 else "interleaved_1f1b")
+        check_schedule(self.schedule_name, self.pp_size, virtual_pipeline_size, num_microbatches)
+        self.return_mb_loss, self.broadcast_and_average_loss = return_mb_loss, broadcast_and_average_loss
+        self.use_zero1_optimizer = use_zero1_optimizer
+        self.input_names = list(input_names or ["input_ids", "attention_mask", "labels"])
+        self.config = getattr(module, "config", None)
+        self.transformer_layer_cls = _layer_types(module, transformer_layer_cls)
+        self._original = [module]  # not a submodule: only local stages are this module's children
+        self._deallocate = deallocate_pipeline_outputs
+
+        traced_inputs = [n for n in self.input_names if n != "labels"]
+        leaf_types = tuple(leaf_module_cls or ())
+        leaf_types = tuple(t for t in leaf_types if isinstance(t, type))
+        graph_module = trace_hf(module, traced_inputs, self.transformer_layer_cls, leaf_types)
+        if trace_file_path:
+            with open(trace_file_path, "w") as f:
+                f.write(str(graph_module.graph))
+        layers = [n.target for n in graph_module.graph.nodes
+                  if n.op == "call_module" and isinstance(graph_module.get_submodule(n.target), self.transformer_layer_cls)]
+        self.num_stages = self.pp_size * virtual_pipeline_size
+        cuts = pipeline_cuts or P.auto_cuts(layers, self.num_stages)
+        self.stage_of_layer = P.stage_of_layers(layers, cuts, self.num_stages)
+        self.pipeline_cuts = cuts
+        kinds = value_kinds(graph_module, self._example_inputs(traced_inputs))
+        all_stages = split_stages(graph_module, self.stage_of_layer, kinds)
+        placement = SCHEDULES[self.schedule_name][1]
+        self.stage_to_rank = P.stage_ranks(self.num_stages, self.pp_size, placement)
+        self.local_stage_ids = P.local_stages(self.num_stages, self.pp_size, self.pp_rank, placement)
+        self.stages = nn.ModuleDict({str(s): all_stages[s] for s in self.local_stage_ids})
+        self.tied = tie_across_stages(all_stages, self.stage_to_rank, self.local_stage_ids)
+        materialize(list(self.stages.values()), param_init_fn)
+        self.tied.sync_initial_values()
+        if activation_checkpoint_config is not None:
+            checkpoint_layers(list(self.stages.values()), activation_checkpoint_config, self.transformer_layer_cls)
+        self._runner = StepRunner(self)
+
+    def _example_inputs(self, names: list[str]) -> list[torch.Tensor]:
+        seq = 2 * parallel_state.get_tensor_model_parallel_size()  # any length SP can split
+        return [torch.ones(1, seq, dtype=torch.long) for _ in names]
+
+    # -- NxD's API
+    def run_train(self, **inputs):
+        """One training step over ``num_microbatches`` microbatches; returns the loss."""
+        return self._runner.run(inputs, train=True)
+
+    def run_eval(self, **inputs):
+        """Forward only; returns the loss (labels given) like ``run_train``."""
+        with torch.no_grad():
+            return self._runner.run(inputs, train=False)
+
+    def local_module(self):
+        """This rank's stage module (a list of them with several stages per rank)."""
+        modules = list(self.stages.values())
+        return modules[0] if len(modules) == 1 else modules
+
+    def local_named_parameters(self, *args, **kwargs):
+        seen = set()
+        for stage in self.stages.values():
+            for name, param in stage.named_parameters(*args, **kwargs):
+                if id(param) not in seen:
+                    seen.add(id(param))
+                    yield name, param
+
+    def local_parameters(self, *args, **kwargs):
+        for _, param in self.local_named_parameters(*args, **kwargs):
+            yield param
+
+    def local_named_modules(self, *args, **kwargs):
+        for stage in self.stages.values():
+            yield from stage.named_modules(*args, **kwargs)
+
+    named_parameters = local_named_parameters  # only local parameters exist on this rank
+    parameters = local_parameters
+
+    def move_model_to_device(self) -> "NxDPPModel":
+        from nxd_hf.parallel_layers.utils import move_model_to_device
+
+        move_model_to_device(self.stages, backend.default_device())
+        return self
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.local_parameters()).dtype
+
+    def build_schedule(self, loss_fn):
+        return build_schedule(
+            self.schedule_name, dict(zip(self.local_stage_ids, self.stages.values())), self.num_stages,
+            device=backend.default_device(), group=parallel_state.get_pipeline_model_parallel_group(),
+            num_microbatches=self.num_microbatches, loss_fn=loss_fn, deallocate_outputs=self._deallocate,
+        )

@@ -1,0 +1,103 @@
+"""Cut a traced model into pipeline stage modules.
+
+Every node runs on one stage: a transformer layer on the stage its cut assigns, any other node
+on the stage of the last layer before it (stage 0 before the first layer). A value made on one
+stage and used on a later one is passed along every stage in between. Values crossing a
+boundary are flattened to tensors — a tuple (RoPE's cos/sin) becomes its items, a None is not
+sent — using the value kinds found by shape propagation with fake tensors.
+"""
+
+import operator
+
+import torch
+import torch.fx as fx
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+
+def value_kinds(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> dict[str, object]:
+    """Node name -> "tensor", a tuple length, or None, from a fake-tensor run (no real compute,
+    no communication; parameters may be on the meta device)."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake_inputs = [mode.from_tensor(t) for t in example_inputs]
+    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fake_inputs)
+    kinds = {}
+    for node in gm.graph.nodes:
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            kinds[node.name] = "tensor"
+        elif isinstance(value, (tuple, list)) and all(isinstance(v, torch.Tensor) for v in value):
+            kinds[node.name] = len(value)
+        elif value is None:
+            kinds[node.name] = None
+        else:
+            kinds[node.name] = "other"
+    return kinds
+
+
+def assign_stages(gm: fx.GraphModule, stage_of_layer: dict[str, int]) -> dict[fx.Node, int]:
+    assignment, current = {}, 0
+    for node in gm.graph.nodes:
+        if node.op == "call_module" and node.target in stage_of_layer:
+            current = stage_of_layer[node.target]
+        assignment[node] = current if node.op != "output" else max(stage_of_layer.values())
+    return assignment
+
+
+def _make_tuple(*items):
+    return tuple(items)
+
+
+def split_stages(gm: fx.GraphModule, stage_of_layer: dict[str, int], kinds: dict[str, object]) -> list[fx.GraphModule]:
+    """One GraphModule per stage; stage s takes the flattened boundary values from stage s-1."""
+    assignment = assign_stages(gm, stage_of_layer)
+    num_stages = max(stage_of_layer.values()) + 1
+    nodes = list(gm.graph.nodes)
+
+    def crossing(boundary: int) -> list[fx.Node]:
+        """Values made at or before stage ``boundary`` and used after it."""
+        return [n for n in nodes if n.op != "output" and assignment[n] <= boundary
+                and any(assignment[u] > boundary for u in n.users)]
+
+    stages = []
+    for stage in range(num_stages):
+        graph, env = fx.Graph(), {}
+        if stage == 0:
+            inputs = [n for n in nodes if n.op == "placeholder"]
+        else:
+            inputs = crossing(stage - 1)
+        for node in inputs:
+            kind = kinds[node.name] if stage else "tensor"
+            if kind == "other":
+                raise ValueError(f"pipeline stage boundary would carry {node.name}, which is not a tensor")
+            if kind is None:
+                env[node] = None
+            elif kind == "tensor" or node.op == "placeholder":
+                env[node] = graph.placeholder(node.name)
+            else:
+                items = [graph.placeholder(f"{node.name}_{i}") for i in range(kind)]
+                env[node] = graph.call_function(_make_tuple, tuple(items))
+        for node in nodes:
+            if assignment[node] == stage and node.op not in ("placeholder", "output"):
+                env[node] = graph.node_copy(node, lambda n: env[n])
+        if stage == num_stages - 1:
+            output = next(n for n in nodes if n.op == "output")
+            graph.output(fx.map_arg(output.args[0], lambda n: env[n]))
+        else:
+            flat = []
+            for node in crossing(stage):
+                kind = kinds[node.name]
+                if kind == "tensor":
+                    flat.append(env[node])
+                elif isinstance(kind, int):
+                    flat.extend(graph.call_function(operator.getitem, (env[node], i)) for i in range(kind))
+            graph.output(tuple(flat))
+        targets = {n.target for n in graph.nodes if n.op in ("call_module", "get_attr")}
+        owned = {t: _lookup(gm, t) for t in targets}
+        stages.append(fx.GraphModule(owned, graph, class_name=f"Stage{stage}"))
+    return stages
+
+
+def _lookup(gm: fx.GraphModule, target: str):
+    owner, _, name = target.rpartition(".")
+    return getattr(gm.get_submodule(owner) if owner else gm, name)

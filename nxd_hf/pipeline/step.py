@@ -1,0 +1,98 @@
+"""One pipeline step: microbatches, the token-normalized loss, and the gradient syncs.
+
+Each microbatch's loss is its sum over non-ignored tokens divided by the step's count of
+non-ignored tokens across all microbatches and DP replicas (times the DP size, since DP
+gradients are averaged), so the gradients equal those of one large batch, padding included.
+"""
+
+import torch
+
+from nxd_hf import backend, parallel_state
+from nxd_hf.parallel_layers.grads import sync_data_parallel_grads
+
+
+class StepRunner:
+    """Runs ``run_train``/``run_eval`` for an ``NxDPPModel``; schedules cached per input shape."""
+
+    def __init__(self, pp_model):
+        self.model = pp_model
+        self.schedules = {}
+        self.num_items = None
+        self.train = True
+
+    def _loss_fn(self, logits, labels):
+        original = self.model._original[0]
+        if hasattr(original, "loss_function"):  # the model's own loss (vocab-parallel under TP)
+            return original.loss_function(logits=logits, labels=labels, vocab_size=original.config.vocab_size,
+                                          num_items_in_batch=self.num_items)
+        raise ValueError("NxDPPModel computes the loss with the model's loss_function (Hugging Face models)")
+
+    def _schedule(self, inputs: dict):
+        signature = tuple((k, tuple(v.shape), v.dtype) for k, v in sorted(inputs.items()))
+        if signature not in self.schedules:
+            self.schedules[signature] = self.model.build_schedule(self._loss_fn)
+        return self.schedules[signature]
+
+    def _check(self, inputs: dict) -> None:
+        unknown = set(inputs) - set(self.model.input_names)
+        if unknown or "input_ids" not in inputs:
+            raise ValueError(f"run_train/run_eval take the input_names {self.model.input_names}; got {sorted(inputs)}")
+        batch = inputs["input_ids"].shape[0]
+        if batch % self.model.num_microbatches:
+            fits = [m for m in range(1, batch + 1) if batch % m == 0]
+            raise ValueError(f"a batch of {batch} does not split into num_microbatches={self.model.num_microbatches}; "
+                             f"use a batch that is a multiple of it, or num_microbatches in {fits}")
+
+    def run(self, inputs: dict, *, train: bool):
+        self._check(inputs)
+        model = self.model
+        labels = inputs.get("labels")
+        if labels is None:
+            raise ValueError("run_train/run_eval need labels to compute the loss")
+        if "attention_mask" in model.input_names and "attention_mask" not in inputs:
+            inputs = {**inputs, "attention_mask": torch.ones_like(inputs["input_ids"])}
+        count = (labels[..., 1:] != -100).sum().to(torch.float32)
+        backend.all_reduce(count, parallel_state.get_data_parallel_group())
+        dp_size = parallel_state.get_data_parallel_size()
+        self.num_items = count / dp_size
+        args = [inputs[name] for name in model.input_names if name != "labels"]
+        schedule = self._schedule(inputs)
+        first, last = 0 in model.local_stage_ids, model.num_stages - 1 in model.local_stage_ids
+        losses = [] if last else None
+        step_args = args if first else []
+        step_kwargs = dict(target=labels, losses=losses) if last else {}
+        grad_sync = getattr(model._original[0], "_nxd_grad_sync", None)
+        if train:
+            snapshot = grad_sync.begin(list(model.local_parameters())) if grad_sync else None
+            schedule.step(*step_args, **step_kwargs)
+            self._after_backward(grad_sync, snapshot)
+        else:
+            schedule.eval(*step_args, **step_kwargs)
+        return self._reduce_losses(losses)
+
+    def _after_backward(self, grad_sync, snapshot) -> None:
+        model = self.model
+        params = list(model.local_parameters())
+        model.tied.sum_grads()
+        if grad_sync is not None:
+            grad_sync.finish_partial(snapshot)
+        if not model.use_zero1_optimizer:
+            sync_data_parallel_grads(params)
+
+    def _reduce_losses(self, losses):
+        model = self.model
+        device = backend.default_device()
+        if losses is not None:
+            mb_losses = torch.stack([l.detach().float() for l in losses])
+        else:
+            mb_losses = torch.zeros(model.num_microbatches, device=device)
+        if model.return_mb_loss:
+            return list(mb_losses) if losses is not None else None
+        loss = mb_losses.sum()
+        if not model.broadcast_and_average_loss:
+            return loss if losses is not None else None
+        last_rank = parallel_state.get_pipeline_model_parallel_group(as_list=True)
+        src = next(ranks for ranks in last_rank if backend.rank() in ranks)[model.stage_to_rank[-1]]
+        backend.broadcast(loss, src, parallel_state.get_pipeline_model_parallel_group())
+        backend.all_reduce(loss, parallel_state.get_data_parallel_group())
+        return loss / parallel_state.get_data_parallel_size()

@@ -1,0 +1,125 @@
+"""A ``ModelPatch`` derived from HF's ``config.base_model_tp_plan``, for architectures without a
+hand-written one in ``model_patches/``.
+
+HF's plan names only the sharded linears. The rest is inferred from module names: a colwise
+projection named like a query (``q_proj``, ``query``) or key/value shards by query or K/V heads
+and makes its parent the attention module (whose head counts change per rank, and whose rowwise
+child is the output projection, sharded by query heads); the parent of the other colwise layers
+is a ``ParallelRegion`` (the MLP); ``embed_tokens`` becomes a vocab-parallel embedding; the
+``X.*`` prefix of the entries is the decoder-layer list.
+"""
+
+from nxd_hf.tp.plan import Attention, Column, Embedding, ModelPatch, ParallelRegion, PerHeadNorm, Row
+
+Q_PROJECTIONS = {"q_proj", "query"}
+KV_PROJECTIONS = {"k_proj", "v_proj", "key", "value"}
+
+# Head-count attributes an attention module may read; set to local values where present.
+ATTENTION_ATTRS = (
+    ("num_key_value_groups", "num_kv_groups"), ("num_heads", "num_heads"), ("num_attention_heads", "num_heads"),
+    ("num_key_value_heads", "num_kv_heads"), ("num_kv_heads", "num_kv_heads"),
+)
+
+# Config flags that add q/k norms a plan may not name: e.g. Cohere's use_qk_norm holds one
+# weight row per head over all heads, Phi's qk_layernorm a head_dim norm with partial grads.
+QK_NORM_FLAGS = ("use_qk_norm", "qk_layernorm")
+
+_NO_MODULE_CHANGE = {"sequence_parallel", "replicate"}  # our SP already covers decoder layers
+_UNSUPPORTED = {
+    "packed_rowwise", "embedding_colwise", "mla_kv_a_proj", "all_reduce", "moe_tp_experts", "moe_identity_expert",
+    "local_params", "ep_dispatch_experts",
+}
+
+
+def _split(pattern: str) -> tuple[str, str]:
+    parent, _, leaf = pattern.rpartition(".")
+    return parent, leaf
+
+
+def _base_style(hf_style: str) -> str:
+    """HF's "local_X" variants (no DTensor wrapping) shard like "X"."""
+    if hf_style.startswith("local_") and hf_style != "local_params":
+        return hf_style[len("local_"):]
+    return hf_style
+
+
+def _style(pattern: str, hf_style: str, q_parents: set[str]):
+    """Our style for one HF plan entry (None: nothing to change)."""
+    parent, leaf = _split(pattern)
+    style = _base_style(hf_style)
+    if style == "colwise":
+        heads = "q" if leaf in Q_PROJECTIONS else "kv" if leaf in KV_PROJECTIONS else None
+        return Column(heads=heads)
+    if style == "rowwise":
+        return Row(heads="q" if parent in q_parents else None)
+    if style in ("colwise_rep", "colwise_gather_output", "gather"):
+        return Column(gather_output=True)
+    if style in ("rowwise_rep", "rowwise_split_input"):
+        return Row(input_is_parallel=False)
+    if style == "packed_colwise":
+        return Column(stride=2)
+    if style == "replicated_with_grad_allreduce":
+        return PerHeadNorm()
+    if style == "embedding_rowwise":
+        return Embedding()
+    if style in _NO_MODULE_CHANGE:
+        return None
+    if style in _UNSUPPORTED:
+        raise ValueError(
+            f"{pattern!r}: HF tensor-parallel style {hf_style!r} is not supported by nxd_hf; register a "
+            "hand-written patch with nxd_hf.register_patch(nxd_hf.tp.ModelPatch(model_type=..., plan={...}))"
+        )
+    raise ValueError(f"{pattern!r}: unknown HF tensor-parallel style {hf_style!r} in base_model_tp_plan")
+
+
+def _decoder_layers(model_type: str, hf_plan: dict[str, str]) -> str:
+    prefixes = {p.split(".*.", 1)[0] for p in hf_plan if ".*." in p}
+    if len(prefixes) != 1:
+        raise ValueError(
+            f"cannot tell the decoder layers of {model_type!r} from its base_model_tp_plan (entry prefixes before "
+            f"'.*.': {sorted(prefixes)}); register a hand-written patch with nxd_hf.register_patch"
+        )
+    return prefixes.pop()
+
+
+def _attention_modules(hf_plan: dict[str, str]) -> set[str]:
+    """Parents of head-sharded q projections (a gathered one keeps every head on each rank)."""
+    return {_split(p)[0] for p, s in hf_plan.items() if _split(p)[1] in Q_PROJECTIONS and _base_style(s) == "colwise"}
+
+
+def _check_config(model_type: str, hf_plan: dict[str, str], config) -> None:
+    names_norms = any(_base_style(s) == "replicated_with_grad_allreduce" for s in hf_plan.values())
+    for flag in QK_NORM_FLAGS:
+        if getattr(config, flag, False) and not names_norms:
+            raise ValueError(
+                f"config.{flag}=True adds q/k norms that {model_type!r}'s base_model_tp_plan does not shard; "
+                f"set {flag}=False, or register a hand-written patch with nxd_hf.register_patch"
+            )
+
+
+def patch_from_hf_plan(model_type: str, hf_plan: dict[str, str], *, config=None) -> ModelPatch:
+    """A ``ModelPatch`` for ``model_type`` from its HF ``base_model_tp_plan`` (see module doc).
+    ``config``, when given, is checked for features the plan does not cover."""
+    if config is not None:
+        _check_config(model_type, hf_plan, config)
+    decoder_layers = _decoder_layers(model_type, hf_plan)
+    q_parents = _attention_modules(hf_plan)
+    plan = {"embed_tokens": Embedding()}
+    plan.update({parent: Attention(attrs=ATTENTION_ATTRS) for parent in sorted(q_parents)})
+    for pattern, hf_style in hf_plan.items():
+        style = _style(pattern, hf_style, q_parents)
+        if style is None:
+            plan.pop(pattern, None)
+            continue
+        parent = _split(pattern)[0]
+        if isinstance(style, Column) and parent not in q_parents and parent not in ("", f"{decoder_layers}.*"):
+            plan.setdefault(parent, ParallelRegion())  # one input collective for the MLP's column layers
+        plan[pattern] = style
+    # A gathered output (or split input) is full-sequence under SP, where the residual stream is
+    # split, and replicated params after it see full data: no SP for such plans (OLMo-2).
+    gathered = any(isinstance(s, (Column, Row)) and not _splits_sequence(s) for s in plan.values())
+    return ModelPatch(model_type=model_type, plan=plan, decoder_layers=decoder_layers, sequence_parallel=not gathered)
+
+
+def _splits_sequence(style: Column | Row) -> bool:
+    return not style.gather_output if isinstance(style, Column) else style.input_is_parallel

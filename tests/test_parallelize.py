@@ -1,0 +1,117 @@
+"""parallelize() on every registered architecture: parity with the unpatched HF model (decoders
+with SP on and off, encoder task models), and GPT-2 training with dropout, in one world-4 spawn."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import transformers
+
+import hf_parity
+import nxd_hf
+from nxd_hf import parallel_state
+from nxd_hf.parallel_layers.random import model_parallel_manual_seed
+from nxd_hf.parallel_layers.utils import is_sharded
+from nxd_hf.testing import run_distributed
+from nxd_hf.tp import plan as P
+from nxd_hf.tp.derive import patch_from_hf_plan
+
+
+def check_dropout_training_keeps_tp_replicas_equal(model_type: str, tp: int, sp: bool) -> None:
+    """Two AdamW steps with dropout 0.1 everywhere: replicated parameters (norms, position
+    embeddings, row-parallel biases) stay bitwise equal across the TP group."""
+    parallel_state.destroy_model_parallel()
+    _, model = hf_parity.build_pair(model_type, resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)
+    nxd_hf.parallelize(model, tensor_parallel_size=tp, sequence_parallel=sp)
+    model_parallel_manual_seed(1234)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids, labels = hf_parity.batch()
+    model.train()
+    for _ in range(2):
+        loss = model(input_ids=ids, labels=labels).loss
+        assert torch.isfinite(loss)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    replicated = {name: p for name, p in model.named_parameters() if not is_sharded(p)}
+    assert "transformer.wpe.weight" in replicated and "transformer.h.0.ln_1.weight" in replicated
+    for name, param in replicated.items():
+        copies = [torch.empty_like(param) for _ in range(tp)]
+        dist.all_gather(copies, param.detach().contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+        assert all(torch.equal(c, copies[0]) for c in copies), f"{name} differs across TP ranks (sp={sp})"
+
+
+def run_parity_cases(tp_sizes) -> None:
+    for model_type in hf_parity.TINY:
+        for tp in tp_sizes:
+            for sp in (False, True):
+                hf_parity.check_parity(model_type, tp, sp)
+    for model_type, task_models in hf_parity.ENCODER_TASKS.items():
+        for tp in tp_sizes:
+            for model_cls in task_models:
+                hf_parity.check_encoder_parity(model_type, tp, model_cls)
+    for sp in (False, True):
+        check_dropout_training_keeps_tp_replicas_equal("gpt2", 2, sp)
+
+
+def test_parity_every_architecture_tp1_2_4():
+    run_distributed(run_parity_cases, 4, (1, 2, 4))
+
+
+# --- registry and plan derivation: single process ---
+
+
+def test_register_patch_duplicate_model_type_raises():
+    P.registered_model_types()  # bundled patches registered
+    with pytest.raises(ValueError, match="'llama' is already registered"):
+        nxd_hf.register_patch(nxd_hf.ModelPatch(model_type="llama", plan={}))
+
+
+def test_get_patch_unknown_model_type_without_hf_plan_lists_supported():
+    config = transformers.PretrainedConfig()
+    config.model_type = "made_up_arch"
+    with pytest.raises(ValueError, match="made_up_arch") as info:
+        P.get_patch(config)
+    assert "llama, " in str(info.value) and "qwen3" in str(info.value) and "register_patch" in str(info.value)
+
+
+def test_patch_from_hf_plan_unknown_style_raises():
+    with pytest.raises(ValueError, match="'diagonalwise'"):
+        patch_from_hf_plan("x", {"layers.*.mlp.up_proj": "diagonalwise"})
+
+
+def test_derived_phi_patch_maps_styles_by_module_name():
+    patch = P.get_patch(transformers.PhiConfig())
+    assert patch.decoder_layers == "layers"
+    assert patch.plan["embed_tokens"] == P.Embedding()
+    assert isinstance(patch.plan["layers.*.self_attn"], P.Attention)
+    assert patch.plan["layers.*.self_attn.q_proj"] == P.Column(heads="q")
+    assert patch.plan["layers.*.self_attn.v_proj"] == P.Column(heads="kv")
+    assert patch.plan["layers.*.self_attn.dense"] == P.Row(heads="q")  # output projection: sibling of q_proj
+    assert patch.plan["layers.*.mlp"] == P.ParallelRegion()
+    assert patch.plan["layers.*.mlp.fc1"] == P.Column() and patch.plan["layers.*.mlp.fc2"] == P.Row()
+
+
+def test_derived_patch_hf_style_variants():
+    plan = patch_from_hf_plan("x", {
+        "layers.*.attn.query": "local_colwise", "layers.*.attn.key": "colwise", "layers.*.attn.out": "local_rowwise",
+        "layers.*.norm": "sequence_parallel", "layers.*.attn.q_norm": "replicated_with_grad_allreduce",
+        "layers.*.mlp.gate_up_proj": "packed_colwise", "layers.*.mlp.down_proj": "rowwise_rep",
+        "layers.*.head": "colwise_rep",
+    }).plan
+    assert plan["layers.*.attn.query"] == P.Column(heads="q") and plan["layers.*.attn.key"] == P.Column(heads="kv")
+    assert plan["layers.*.attn.out"] == P.Row(heads="q")
+    assert "layers.*.norm" not in plan and plan["layers.*.attn.q_norm"] == P.PerHeadNorm()
+    assert plan["layers.*.mlp.gate_up_proj"] == P.Column(stride=2)
+    assert plan["layers.*.mlp.down_proj"] == P.Row(input_is_parallel=False)
+    assert plan["layers.*.head"] == P.Column(gather_output=True) and "layers.*" not in plan  # no region: the layer
+
+
+def test_derived_patch_with_gathered_projections_has_no_sequence_parallel():
+    # OLMo-2 gathers q/k/v (its q_norm spans all heads) and splits o_proj's input
+    assert patch_from_hf_plan("llama", transformers.LlamaConfig.base_model_tp_plan).sequence_parallel
+    assert not patch_from_hf_plan("olmo2", transformers.Olmo2Config.base_model_tp_plan).sequence_parallel
+
+
+def test_derived_cohere_with_per_head_qk_norm_raises():
+    with pytest.raises(ValueError, match="use_qk_norm=True"):
+        P.get_patch(transformers.CohereConfig(use_qk_norm=True))

@@ -87,6 +87,14 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 300.0, **kwar
                 outcome[rank] = value
             else:
                 errors.append(f"rank {rank} failed:\n{value}")
+                deadline = min(deadline, time.monotonic() + 3)  # collect the other ranks' errors too
+                while time.monotonic() < deadline:
+                    try:
+                        other, status, value = results.get(timeout=0.2)
+                    except queue.Empty:
+                        continue
+                    if status != "ok":
+                        errors.append(f"rank {other} failed:\n{value}")
     finally:
         for p in procs:
             p.join(timeout=5 if not errors else 0.5)
@@ -94,6 +102,7 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 300.0, **kwar
                 p.kill()
                 p.join()
         del store
-    if errors:
+    if errors:  # the root cause first: errors from a peer's failure mention the connection
+        errors.sort(key=lambda e: "Connection reset" in e or "Connection closed" in e)
         raise DistributedTestError("\n".join(errors))
     return [outcome[r] for r in range(world_size)]

@@ -57,7 +57,9 @@ class SafetensorsCheckpoint:
         return self._handles[name].get_slice(key)
 
     def read(self, key: str) -> torch.Tensor:
-        tensor = self._slice(key)[:]
+        # safetensors returns a view of the mapped file: copy it, or the parameter would keep the
+        # whole file mapped and alias it (as read_rows' torch.cat already copies)
+        tensor = self._slice(key)[:].clone()
         self.report.bytes_read += tensor.numel() * tensor.element_size()
         return tensor
 

@@ -13,7 +13,7 @@ from nxd_hf import backend, parallel_state
 from nxd_hf.pipeline import partition as P
 from nxd_hf.pipeline.local import checkpoint_layers, materialize, tie_across_stages
 from nxd_hf.pipeline.runtime import SCHEDULES, build_schedule, check_schedule
-from nxd_hf.pipeline.stages import split_stages, value_kinds
+from nxd_hf.pipeline.stages import boundaries, fake_propagate, flat_boundary_values, split_stages, value_kinds
 from nxd_hf.pipeline.trace import trace_hf
 from nxd_hf.pipeline.step import StepRunner
 
@@ -68,7 +68,8 @@ class NxDPPModel(nn.Module):
         traced_inputs = [n for n in self.input_names if n != "labels"]
         leaf_types = tuple(leaf_module_cls or ())
         leaf_types = tuple(t for t in leaf_types if isinstance(t, type))
-        graph_module = trace_hf(module, traced_inputs, self.transformer_layer_cls, leaf_types)
+        examples = self._example_inputs(traced_inputs)
+        graph_module = trace_hf(module, traced_inputs, self.transformer_layer_cls, leaf_types, examples)
         if trace_file_path:
             with open(trace_file_path, "w") as f:
                 f.write(str(graph_module.graph))
@@ -78,8 +79,10 @@ class NxDPPModel(nn.Module):
         cuts = pipeline_cuts or P.auto_cuts(layers, self.num_stages)
         self.stage_of_layer = P.stage_of_layers(layers, cuts, self.num_stages)
         self.pipeline_cuts = cuts
-        kinds = value_kinds(graph_module, self._example_inputs(traced_inputs))
-        all_stages = split_stages(graph_module, self.stage_of_layer, kinds)
+        self._kinds = value_kinds(graph_module, examples)
+        all_stages = split_stages(graph_module, self.stage_of_layer, self._kinds)
+        self._graph = [graph_module]  # the whole traced model, for per-shape stage metadata
+        self._boundaries = boundaries(graph_module, self.stage_of_layer)
         placement = SCHEDULES[self.schedule_name][1]
         self.stage_to_rank = P.stage_ranks(self.num_stages, self.pp_size, placement)
         self.local_stage_ids = P.local_stages(self.num_stages, self.pp_size, self.pp_rank, placement)
@@ -139,9 +142,29 @@ class NxDPPModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return next(self.local_parameters()).dtype
 
-    def build_schedule(self, loss_fn):
+    def stage_metadata(self, microbatch_inputs: list[torch.Tensor]) -> dict[int, tuple[list, list]]:
+        """(example inputs, example outputs) of each local stage for one microbatch shape, from a
+        fake run of the whole traced model: torch's stages then never infer shapes by running
+        a forward on unreceived buffers (which breaks on values such as GPT-2's output shape)."""
+        graph_module = self._graph[0]
+        fake_propagate(graph_module, microbatch_inputs)
+        output_node = next(n for n in graph_module.graph.nodes if n.op == "output")
+        flat = [flat_boundary_values(nodes, self._kinds) for nodes in self._boundaries]
+        meta = {}
+        for s in self.local_stage_ids:
+            inputs = microbatch_inputs if s == 0 else flat[s - 1]
+            outputs = [output_node.args[0].meta["val"]] if s == self.num_stages - 1 else flat[s]
+            meta[s] = ([_as_meta(t) for t in inputs], [_as_meta(t) for t in outputs])
+        return meta
+
+    def build_schedule(self, loss_fn, microbatch_inputs: list[torch.Tensor]):
         return build_schedule(
             self.schedule_name, dict(zip(self.local_stage_ids, self.stages.values())), self.num_stages,
             device=backend.default_device(), group=parallel_state.get_pipeline_model_parallel_group(),
             num_microbatches=self.num_microbatches, loss_fn=loss_fn, deallocate_outputs=self._deallocate,
+            stage_metadata=self.stage_metadata(microbatch_inputs),
         )
+
+
+def _as_meta(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device="meta").requires_grad_(t.requires_grad)

@@ -54,15 +54,19 @@ class DeallocatingStage(PipelineStage):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._sent: list[torch.Tensor] = []
+        self.freed_bytes = 0
 
     def _free_sent(self) -> None:
         for tensor in self._sent:
+            self.freed_bytes += tensor.untyped_storage().nbytes()
             tensor.untyped_storage().resize_(0)
         self._sent = []
 
     def get_fwd_send_ops(self, fwd_chunk_id: int):
         self._free_sent()
         ops = super().get_fwd_send_ops(fwd_chunk_id)
+        if self.is_last:  # nothing is sent; the outputs feed the loss
+            return ops
         outputs, inputs = self.fwd_cache[fwd_chunk_id]
         input_storages = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)}
         self._sent = [t for t in outputs if isinstance(t, torch.Tensor) and t.is_floating_point()
@@ -75,14 +79,19 @@ class DeallocatingStage(PipelineStage):
 
 
 def build_schedule(name: str, stage_modules: dict[int, torch.nn.Module], num_stages: int, *, device, group,
-                   num_microbatches: int, loss_fn, deallocate_outputs: bool):
-    """A torch schedule over this rank's stages (``stage_modules``: stage index -> module)."""
+                   num_microbatches: int, loss_fn, deallocate_outputs: bool, stage_metadata: dict):
+    """A torch schedule over this rank's stages (``stage_modules``: stage index -> module;
+    ``stage_metadata``: stage index -> (example inputs, example outputs), static shapes)."""
     schedule_cls, _, multi = SCHEDULES[name]
     if deallocate_outputs and name != "1f1b":
         warnings.warn(f"deallocate_pipeline_outputs is implemented for the '1f1b' schedule only; "
                       f"ignored with {name!r}", stacklevel=3)
         deallocate_outputs = False
     stage_cls = DeallocatingStage if deallocate_outputs else PipelineStage
-    stages = [stage_cls(module, index, num_stages, device, group=group) for index, module in sorted(stage_modules.items())]
+    stages = [
+        stage_cls(module, index, num_stages, device, input_args=tuple(stage_metadata[index][0]),
+                  output_args=tuple(stage_metadata[index][1]), group=group)
+        for index, module in sorted(stage_modules.items())
+    ]
     kwargs = dict(n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=False)
     return schedule_cls(stages if multi else stages[0], **kwargs)

@@ -4,23 +4,36 @@ Every node runs on one stage: a transformer layer on the stage its cut assigns, 
 on the stage of the last layer before it (stage 0 before the first layer). A value made on one
 stage and used on a later one is passed along every stage in between. Values crossing a
 boundary are flattened to tensors — a tuple (RoPE's cos/sin) becomes its items, a None is not
-sent — using the value kinds found by shape propagation with fake tensors.
+sent, a shape (an int or tuple of ints, e.g. GPT-2's output shape) travels as an int64 tensor —
+using the value kinds found by shape propagation with fake tensors.
 """
 
 import operator
 
 import torch
 import torch.fx as fx
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 
-def value_kinds(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> dict[str, object]:
-    """Node name -> "tensor", a tuple length, or None, from a fake-tensor run (no real compute,
-    no communication; parameters may be on the meta device)."""
+def fake_propagate(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> None:
+    """Record every node's fake value in ``node.meta["val"]`` (no real compute, no
+    communication; parameters may be on the meta device)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake_inputs = [mode.from_tensor(t) for t in example_inputs]
-    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fake_inputs)
+    with mode, torch.enable_grad():  # unlike FakeTensorProp, keeps requires_grad
+        _RecordingInterpreter(gm).run(*fake_inputs)
+
+
+class _RecordingInterpreter(fx.Interpreter):
+    def run_node(self, node: fx.Node):
+        value = super().run_node(node)
+        node.meta["val"] = value
+        return value
+
+
+def value_kinds(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> dict[str, object]:
+    """Node name -> "tensor", a tuple length, None, "int" or "ints", from a fake-tensor run."""
+    fake_propagate(gm, example_inputs)
     kinds = {}
     for node in gm.graph.nodes:
         value = node.meta.get("val")
@@ -30,6 +43,10 @@ def value_kinds(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> dict[
             kinds[node.name] = len(value)
         elif value is None:
             kinds[node.name] = None
+        elif isinstance(value, int):
+            kinds[node.name] = "int"
+        elif isinstance(value, (tuple, list)) and all(isinstance(v, int) for v in value):
+            kinds[node.name] = "ints"
         else:
             kinds[node.name] = "other"
     return kinds
@@ -48,16 +65,50 @@ def _make_tuple(*items):
     return tuple(items)
 
 
+def _shape_to_tensor(value) -> torch.Tensor:
+    return torch.tensor(value, dtype=torch.long)
+
+
+def _tensor_to_ints(t: torch.Tensor) -> tuple[int, ...]:
+    return tuple(t.tolist())
+
+
+def _tensor_to_int(t: torch.Tensor) -> int:
+    return int(t.item())
+
+
+def boundaries(gm: fx.GraphModule, stage_of_layer: dict[str, int]) -> list[list[fx.Node]]:
+    """For each boundary s|s+1, the values made at or before stage s and used after it."""
+    assignment = assign_stages(gm, stage_of_layer)
+    num_stages = max(stage_of_layer.values()) + 1
+    nodes = list(gm.graph.nodes)
+    return [[n for n in nodes if n.op != "output" and assignment[n] <= boundary
+             and any(assignment[u] > boundary for u in n.users)] for boundary in range(num_stages - 1)]
+
+
+def flat_boundary_values(nodes: list[fx.Node], kinds: dict[str, object]) -> list[torch.Tensor]:
+    """The tensors a boundary carries, from the nodes' fake values (``fake_propagate``)."""
+    flat = []
+    for node in nodes:
+        kind, value = kinds[node.name], node.meta["val"]
+        if kind == "tensor":
+            flat.append(value)
+        elif kind in ("int", "ints"):
+            flat.append(torch.empty(() if kind == "int" else (len(value),), dtype=torch.long))
+        elif kind is not None:
+            flat.extend(value)
+    return flat
+
+
 def split_stages(gm: fx.GraphModule, stage_of_layer: dict[str, int], kinds: dict[str, object]) -> list[fx.GraphModule]:
     """One GraphModule per stage; stage s takes the flattened boundary values from stage s-1."""
     assignment = assign_stages(gm, stage_of_layer)
     num_stages = max(stage_of_layer.values()) + 1
     nodes = list(gm.graph.nodes)
+    crossings = boundaries(gm, stage_of_layer)
 
     def crossing(boundary: int) -> list[fx.Node]:
-        """Values made at or before stage ``boundary`` and used after it."""
-        return [n for n in nodes if n.op != "output" and assignment[n] <= boundary
-                and any(assignment[u] > boundary for u in n.users)]
+        return crossings[boundary]
 
     stages = []
     for stage in range(num_stages):
@@ -74,6 +125,9 @@ def split_stages(gm: fx.GraphModule, stage_of_layer: dict[str, int], kinds: dict
                 env[node] = None
             elif kind == "tensor" or node.op == "placeholder":
                 env[node] = graph.placeholder(node.name)
+            elif kind in ("int", "ints"):
+                decode = _tensor_to_int if kind == "int" else _tensor_to_ints
+                env[node] = graph.call_function(decode, (graph.placeholder(node.name),))
             else:
                 items = [graph.placeholder(f"{node.name}_{i}") for i in range(kind)]
                 env[node] = graph.call_function(_make_tuple, tuple(items))
@@ -89,7 +143,9 @@ def split_stages(gm: fx.GraphModule, stage_of_layer: dict[str, int], kinds: dict
                 kind = kinds[node.name]
                 if kind == "tensor":
                     flat.append(env[node])
-                elif isinstance(kind, int):
+                elif kind in ("int", "ints"):
+                    flat.append(graph.call_function(_shape_to_tensor, (env[node],)))
+                elif isinstance(kind, int) and not isinstance(kind, bool):
                     flat.extend(graph.call_function(operator.getitem, (env[node], i)) for i in range(kind))
             graph.output(tuple(flat))
         targets = {n.target for n in graph.nodes if n.op in ("call_module", "get_attr")}

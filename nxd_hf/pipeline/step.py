@@ -27,10 +27,11 @@ class StepRunner:
                                           num_items_in_batch=self.num_items)
         raise ValueError("NxDPPModel computes the loss with the model's loss_function (Hugging Face models)")
 
-    def _schedule(self, inputs: dict):
-        signature = tuple((k, tuple(v.shape), v.dtype) for k, v in sorted(inputs.items()))
+    def _schedule(self, args: list[torch.Tensor]):
+        signature = tuple((tuple(a.shape), a.dtype) for a in args)
         if signature not in self.schedules:
-            self.schedules[signature] = self.model.build_schedule(self._loss_fn)
+            microbatch = [a.chunk(self.model.num_microbatches)[0] for a in args]
+            self.schedules[signature] = self.model.build_schedule(self._loss_fn, microbatch)
         return self.schedules[signature]
 
     def _check(self, inputs: dict) -> None:
@@ -56,7 +57,7 @@ class StepRunner:
         dp_size = parallel_state.get_data_parallel_size()
         self.num_items = count / dp_size
         args = [inputs[name] for name in model.input_names if name != "labels"]
-        schedule = self._schedule(inputs)
+        schedule = self._schedule(args)
         first, last = 0 in model.local_stage_ids, model.num_stages - 1 in model.local_stage_ids
         losses = [] if last else None
         step_args = args if first else []

@@ -12,6 +12,9 @@ layers — and treats everything else as a leaf:
 - HF mask builders (``create_causal_mask`` and friends) become leaf function calls that always
   return a materialized mask (``allow_is_causal_skip=False``), so a stage boundary never carries
   a value that is a tensor on one batch and None on the next;
+- proxies carry a fake-tensor value, so the metadata HF code branches on (``ndim``,
+  ``dtype``, ``device``, ``dim()``) is concrete, while shapes stay symbolic (a traced model
+  runs any sequence length);
 - the model is traced without labels: the pipeline's last stage applies the model's own
   ``loss_function`` to the logits (see ``nxd_hf.pipeline.model``).
 """
@@ -23,6 +26,7 @@ import sys
 import torch
 import torch.fx as fx
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 MASK_BUILDERS = (
     "create_causal_mask", "create_sliding_window_causal_mask", "create_bidirectional_mask",
@@ -46,6 +50,65 @@ class MaskBuilder(nn.Module):
         return self.builder(*args, **kwargs)
 
 
+class MetaProxy(fx.Proxy):
+    """A proxy whose rank, dtype and device are known (from its fake value), so Python control
+    flow on them traces; anything else stays symbolic."""
+
+    def _value(self):
+        value = self.node.meta.get("val")
+        if not isinstance(value, torch.Tensor):
+            raise fx.proxy.TraceError(f"no tensor metadata for {self.node.name}: cannot use it in control flow")
+        return value
+
+    @property
+    def ndim(self) -> int:
+        return self._value().ndim
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._value().dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._value().device
+
+    def dim(self) -> int:
+        return self._value().dim()
+
+
+def _fake_value(kind: str, target, args, kwargs, root: nn.Module, mode: FakeTensorMode):
+    """The fake result of one traced operation, or None when it cannot be computed."""
+    def unwrap(a):
+        return a.node.meta.get("val") if isinstance(a, fx.Proxy) else a
+
+    args, kwargs = fx.node.map_aggregate(args, unwrap), fx.node.map_aggregate(kwargs, unwrap)
+    try:
+        with mode, _untraced_module_calls():
+            if kind == "call_function":
+                return target(*args, **kwargs)
+            if kind == "call_method":
+                return getattr(args[0], target)(*args[1:], **kwargs)
+            if kind == "call_module":
+                return root.get_submodule(target)(*args, **kwargs)
+    except Exception:
+        return None
+    return None
+
+
+@contextlib.contextmanager
+def _untraced_module_calls():
+    """Run modules normally inside a trace (fx patches ``nn.Module.__call__``/``__getattr__``
+    while tracing)."""
+    from torch.fx import _symbolic_trace as st
+
+    patched_call, patched_getattr = nn.Module.__call__, nn.Module.__getattr__
+    nn.Module.__call__, nn.Module.__getattr__ = st._orig_module_call, st._orig_module_getattr
+    try:
+        yield
+    finally:
+        nn.Module.__call__, nn.Module.__getattr__ = patched_call, patched_getattr
+
+
 class HFSpineTracer(fx.Tracer):
     """Traces only modules that contain a transformer layer (see the module docstring)."""
 
@@ -53,6 +116,21 @@ class HFSpineTracer(fx.Tracer):
         super().__init__(**kwargs)
         self.layer_types, self.leaf_types = layer_types, leaf_types
         self._spine: set[int] = set()
+        self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self.example_inputs: dict[str, torch.Tensor] = {}
+        self.extra_modules: dict[str, nn.Module] = {}
+
+    def proxy(self, node: fx.Node) -> MetaProxy:
+        return MetaProxy(node, self)
+
+    def create_proxy(self, kind, target, args, kwargs, *rest, **named):
+        proxy = super().create_proxy(kind, target, args, kwargs, *rest, **named)
+        if kind == "placeholder":
+            proxy.node.meta["val"] = self.fake_mode.from_tensor(self.example_inputs[target])
+        elif kind in ("call_function", "call_method", "call_module"):
+            root = _ExtraModules(self.root, self.extra_modules)
+            proxy.node.meta["val"] = _fake_value(kind, target, args, kwargs, root, self.fake_mode)
+        return proxy
 
     def mark_spine(self, root: nn.Module) -> None:
         """Remember every module that has a transformer layer below it."""
@@ -92,6 +170,7 @@ def _patched_mask_builders(tracer: fx.Tracer, root: nn.Module, leaves: dict[str,
             def record(*args, _builder=builder, **kwargs):
                 target = f"nxd_{_builder.__name__}_{len(leaves)}"
                 leaves[target] = MaskBuilder(_builder, kwargs.pop("config"))
+                tracer.extra_modules[target] = leaves[target]
                 return tracer.create_proxy("call_module", target, args, kwargs)
 
             patched.append((module, name, builder))
@@ -124,12 +203,25 @@ class _TraceRoot(nn.Module):
         return logits if logits is not None else out[0]
 
 
+class _ExtraModules:
+    """``get_submodule`` over the traced root plus the tracer's own leaf modules."""
+
+    def __init__(self, root: nn.Module, extra: dict[str, nn.Module]):
+        self.root, self.extra = root, extra
+
+    def get_submodule(self, target: str) -> nn.Module:
+        return self.extra[target] if target in self.extra else self.root.get_submodule(target)
+
+
 def trace_hf(model: nn.Module, input_names: list[str], layer_types: tuple[type, ...],
-             leaf_types: tuple[type, ...] = ()) -> fx.GraphModule:
+             leaf_types: tuple[type, ...] = (), example_inputs: list[torch.Tensor] | None = None) -> fx.GraphModule:
     """Trace ``model`` called with ``input_names`` (labels excluded) into a GraphModule whose
-    submodules keep the model's own names (``model.layers.0``, ...)."""
+    submodules keep the model's own names (``model.layers.0``, ...). ``example_inputs`` give
+    the placeholders' dtype and rank (default: int64 ``[1, 8]`` each)."""
     root = _TraceRoot(model, input_names)
     tracer = HFSpineTracer(layer_types, leaf_types)
+    examples = example_inputs or [torch.ones(1, 8, dtype=torch.long) for _ in input_names]
+    tracer.example_inputs = dict(zip(input_names, examples))
     tracer.mark_spine(root)
     tracer._spine.add(id(root))
     # positional placeholders named after the inputs

@@ -201,11 +201,19 @@ def all_gather_into(out: torch.Tensor, tensor: torch.Tensor, group) -> torch.Ten
 
 def reduce_scatter_into(out: torch.Tensor, tensor: torch.Tensor, group) -> torch.Tensor:
     """Sum the 1-D ``tensor`` over ``group`` and write this rank's 1/size chunk into the 1-D
-    ``out``; a copy over a group of one."""
-    if group_size(group) == 1:
+    ``out``; a copy over a group of one. ``tensor`` is scratch: it may be overwritten.
+
+    On gloo this is an in-place all-reduce and a copy: gloo's reduce-scatter copies its input
+    into temporaries (2-5x the input) and is slower than its all-reduce (25 MB over 2 ranks:
+    ~40 ms against ~22 ms), though a ring reduce-scatter moves half the bytes."""
+    size = group_size(group)
+    if size == 1:
         return out.copy_(tensor)
-    assert tensor.numel() == out.numel() * group_size(group), (tensor.shape, out.shape)
+    assert tensor.numel() == out.numel() * size, (tensor.shape, out.shape)
     _record("reduce_scatter", tensor, group)
+    if dist.get_backend(group) == "gloo":
+        dist.all_reduce(tensor, group=group)
+        return out.copy_(tensor.view(size, -1)[group_rank(group)])
     _reduce_scatter_flat(out, tensor, group=group)
     return out
 

@@ -86,3 +86,55 @@ def run_pp2_cases() -> None:
 
 def test_pipeline_pp2():
     run_distributed(run_pp2_cases, 2)
+
+
+def check_meta_init_allocates_only_local_stages() -> None:
+    """NxD's path: a meta model, NxDPPModel with cuts and param_init_fn: only this rank's stage
+    is materialized; every other parameter stays on the meta device."""
+    import transformers
+
+    from nxd_hf.parallel_layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
+    from nxd_hf.pipeline import NxDPPModel
+    from nxd_hf.utils import init_on_device
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(1, 2)
+    config_cls, model_cls, kwargs = hf_parity.TINY["llama"]
+    with init_on_device(torch.device("meta")):
+        model = model_cls(config_cls(**{**kwargs, "num_hidden_layers": 4}))
+
+    def init_weights(module):
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelEmbedding)):
+            module.init_weight_cpu()
+        elif isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+            torch.nn.init.normal_(module.weight, std=0.02)
+            if getattr(module, "bias", None) is not None:
+                torch.nn.init.zeros_(module.bias)
+        elif hasattr(module, "weight") and isinstance(module.weight, torch.nn.Parameter):
+            torch.nn.init.ones_(module.weight)
+
+    pp_model = NxDPPModel(model, transformer_layer_cls=transformers.models.llama.modeling_llama.LlamaDecoderLayer,
+                          num_microbatches=2, pipeline_cuts=["model.layers.1"], param_init_fn=init_weights)
+    local = {name for name, _ in pp_model.local_named_parameters()}
+    assert all(not p.is_meta for _, p in pp_model.local_named_parameters())
+    for name, param in model.named_parameters():
+        assert param.is_meta == (name not in local), name  # the original model keeps meta non-local weights
+    expected_layers = {"model.layers.0", "model.layers.1"} if pp_model.pp_rank == 0 else {"model.layers.2", "model.layers.3"}
+    assert {".".join(n.split(".")[:3]) for n in local if ".layers." in n} == expected_layers
+    ids, labels, attention_mask = _pp_batch()
+    loss = pp_model.run_train(input_ids=ids, attention_mask=attention_mask, labels=labels)
+    assert pp_model.pp_rank == 0 or torch.isfinite(loss)
+
+
+def run_pp_world4_cases() -> None:
+    check_pipeline("llama", pp=4, num_microbatches=4)
+    check_pipeline("llama", tp=2, pp=2)  # TP x PP
+    check_pipeline("gpt2", tp=2, pp=2)  # tied embedding across stages, with TP
+    check_pipeline("llama", pp=2, steps=2)  # DP 2 x PP 2 (each DP rank gets half the batch)
+    for model_type in ("mistral", "qwen3", "phi3", "gpt_neox", "cohere", "phi"):
+        check_pipeline(model_type, tp=2, pp=2)
+    check_meta_init_allocates_only_local_stages()
+
+
+def test_pipeline_world4_layouts_and_architectures():
+    run_distributed(run_pp_world4_cases, 4)

@@ -16,12 +16,21 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 
 def fake_propagate(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> None:
-    """Record every node's fake value in ``node.meta["val"]`` (no real compute, no
-    communication; parameters may be on the meta device)."""
+    """Record every node's fake value in ``node.meta["val"]``: no real compute, no
+    communication. Parameters and buffers are replaced by fake tensors on the inputs' device,
+    so a model whose non-local stages are still on the meta device propagates too."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
     mode = FakeTensorMode(allow_non_fake_inputs=True)
+    device = example_inputs[0].device
     fake_inputs = [mode.from_tensor(t) for t in example_inputs]
     with mode, torch.enable_grad():  # unlike FakeTensorProp, keeps requires_grad
-        _RecordingInterpreter(gm).run(*fake_inputs)
+        state = {
+            name: torch.empty(t.shape, dtype=t.dtype, device=device).requires_grad_(t.requires_grad)
+            for name, t in [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]
+        }
+        with _reparametrize_module(gm, state, strict=False):
+            _RecordingInterpreter(gm).run(*fake_inputs)
 
 
 class _RecordingInterpreter(fx.Interpreter):

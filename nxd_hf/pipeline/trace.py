@@ -13,8 +13,8 @@ layers — and treats everything else as a leaf:
   return a materialized mask (``allow_is_causal_skip=False``), so a stage boundary never carries
   a value that is a tensor on one batch and None on the next;
 - proxies carry a fake-tensor value, so the metadata HF code branches on (``ndim``,
-  ``dtype``, ``device``, ``dim()``) is concrete, while shapes stay symbolic (a traced model
-  runs any sequence length);
+  ``dtype``, ``dim()``) is concrete, while shapes and devices stay symbolic (a traced model
+  runs any sequence length, on any device);
 - the model is traced without labels: the pipeline's last stage applies the model's own
   ``loss_function`` to the logits (see ``nxd_hf.pipeline.model``).
 """
@@ -51,8 +51,8 @@ class MaskBuilder(nn.Module):
 
 
 class MetaProxy(fx.Proxy):
-    """A proxy whose rank, dtype and device are known (from its fake value), so Python control
-    flow on them traces; anything else stays symbolic."""
+    """A proxy whose rank and dtype are known (from its fake value), so Python control flow on
+    them traces; anything else stays symbolic."""
 
     def _value(self):
         value = self.node.meta.get("val")
@@ -67,10 +67,6 @@ class MetaProxy(fx.Proxy):
     @property
     def dtype(self) -> torch.dtype:
         return self._value().dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self._value().device
 
     def dim(self) -> int:
         return self._value().dim()

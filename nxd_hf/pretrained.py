@@ -14,17 +14,20 @@ def from_pretrained(path: str, *, auto_class=transformers.AutoModelForCausalLM, 
     a parallelized model. No rank ever holds the full weights: the model is built on the meta
     device (buffers such as RoPE ``inv_freq`` are computed normally), sharded, and each rank
     reads its own rows of every tensor. ``dtype`` defaults to the checkpoint config's dtype.
-    Returns the model in eval mode, as transformers does; ``model.nxd_load_report`` holds the
-    bytes this rank read.
+    With ``pipeline_parallel_size`` > 1 it returns an ``NxDPPModel`` and each rank reads only
+    the weights of its own stages. Returns the model in eval mode, as transformers does;
+    ``model.nxd_load_report`` holds the bytes this rank read.
     """
     config = transformers.AutoConfig.from_pretrained(path)
     dtype = dtype or getattr(config, "dtype", None) or torch.float32
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     with accelerate.init_empty_weights(include_buffers=False):
-        model = auto_class.from_config(config, dtype=dtype)
-    parallelize(model, tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
-                **parallelize_kwargs)
-    model.nxd_load_report = load_hf_safetensors(model, path)
+        hf_model = auto_class.from_config(config, dtype=dtype)
+    if pipeline_parallel_size > 1:  # stages stay on meta until this rank's weights are read
+        parallelize_kwargs["_materialize"] = False
+    model = parallelize(hf_model, tensor_parallel_size=tensor_parallel_size,
+                        pipeline_parallel_size=pipeline_parallel_size, **parallelize_kwargs)
+    model.nxd_load_report = load_hf_safetensors(model, path, hf_model=hf_model)
     model.eval()
     return model

@@ -6,6 +6,7 @@ import torch
 import hf_parity
 import nxd_hf
 from nxd_hf import parallel_state
+from nxd_hf.parallel_layers.utils import is_sharded
 from nxd_hf.testing import run_distributed
 
 TOL = hf_parity.TOL
@@ -126,7 +127,28 @@ def check_meta_init_allocates_only_local_stages() -> None:
     assert pp_model.pp_rank == 0 or torch.isfinite(loss)
 
 
-def run_pp_world4_cases() -> None:
+def check_from_pretrained_reads_only_local_stages(path: str) -> None:
+    """nxd_hf.from_pretrained at tp 2 x pp 2: each rank reads exactly its stage's rows, and
+    run_eval's loss equals the single-process model loaded from the same files."""
+    import transformers
+
+    parallel_state.destroy_model_parallel()
+    pp_model = nxd_hf.from_pretrained(path, tensor_parallel_size=2, pipeline_parallel_size=2, num_microbatches=2,
+                                      broadcast_and_average_loss=True)
+    expected = 0
+    for _, param in pp_model.local_named_parameters():
+        rows = int((param.shard_index >= 0).sum()) if is_sharded(param) else param.shape[0]
+        expected += rows * (param.numel() // param.shape[param.partition_dim if is_sharded(param) else 0]) * 4
+    assert pp_model.nxd_load_report.bytes_read == expected, (pp_model.nxd_load_report.bytes_read, expected)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    ids, labels, attention_mask = _pp_batch()
+    with torch.no_grad():
+        ref_loss = reference(input_ids=ids, attention_mask=attention_mask, labels=labels).loss
+    loss = pp_model.run_eval(input_ids=ids, attention_mask=attention_mask, labels=labels)
+    torch.testing.assert_close(loss, ref_loss, **TOL)
+
+
+def run_pp_world4_cases(path: str) -> None:
     check_pipeline("llama", pp=4, num_microbatches=4)
     check_pipeline("llama", tp=2, pp=2)  # TP x PP
     check_pipeline("gpt2", tp=2, pp=2)  # tied embedding across stages, with TP
@@ -134,7 +156,10 @@ def run_pp_world4_cases() -> None:
     for model_type in ("mistral", "qwen3", "phi3", "gpt_neox", "cohere", "phi"):
         check_pipeline(model_type, tp=2, pp=2)
     check_meta_init_allocates_only_local_stages()
+    check_from_pretrained_reads_only_local_stages(path)
 
 
-def test_pipeline_world4_layouts_and_architectures():
-    run_distributed(run_pp_world4_cases, 4)
+def test_pipeline_world4_layouts_and_architectures(tmp_path):
+    reference, _ = hf_parity.build_pair("qwen2", num_hidden_layers=4)  # tied embeddings across stages
+    reference.save_pretrained(tmp_path, max_shard_size="30KB")
+    run_distributed(run_pp_world4_cases, 4, str(tmp_path))

@@ -9,6 +9,7 @@ are counted (``LoadReport``), so tests can check that no rank reads more than it
 import dataclasses
 import json
 import os
+import re
 
 import torch
 from safetensors import safe_open
@@ -112,21 +113,59 @@ def _owners(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
     return owners
 
 
-def _checkpoint_key(checkpoint: SafetensorsCheckpoint, name: str, prefix: str) -> str | None:
-    if name in checkpoint:
-        return name
-    stripped = name[len(prefix) + 1 :] if prefix and name.startswith(prefix + ".") else None
-    return stripped if stripped in checkpoint else None
+def _checkpoint_key(checkpoint: SafetensorsCheckpoint, name: str, prefix: str, renamed: dict[str, str],
+                    tied: dict[str, str]) -> str | None:
+    """The checkpoint key holding parameter ``name``: the same name, HF's load-time renames
+    (e.g. GPT-NeoX ``embed_out`` -> ``lm_head``), the name without the base-model prefix, or
+    for a tied weight the key of the weight it is tied to."""
+    for candidate in (name, tied.get(name)):
+        if candidate is None:
+            continue
+        if candidate in checkpoint:
+            return candidate
+        if candidate in renamed:
+            return renamed[candidate]
+        if prefix and candidate.startswith(prefix + "."):
+            stripped = candidate[len(prefix) + 1 :]
+            if stripped in checkpoint:
+                return stripped
+    return None
 
 
-def load_hf_safetensors(model: nn.Module, path: str) -> LoadReport:
-    """Fill every parameter and persistent buffer of a (parallelized) model from ``path``."""
+def _hf_renames(hf_model: nn.Module | None, keys) -> dict[str, str]:
+    """Model name -> checkpoint key for HF's registered plain renames of this model type."""
+    if hf_model is None or not hasattr(hf_model, "config"):
+        return {}
+    from transformers.conversion_mapping import extract_weight_conversions_for_model
+    from transformers.core_model_loading import WeightRenaming
+
+    renames = [t for t in extract_weight_conversions_for_model(hf_model) or [] if isinstance(t, WeightRenaming)]
+    mapping = {}
+    for key in keys:
+        name = key
+        for rename in renames:
+            for source, target in zip(rename.source_patterns, rename.target_patterns):
+                name = re.sub(source, target, name)
+        if name != key:
+            mapping[name] = key
+    return mapping
+
+
+def load_hf_safetensors(model: nn.Module, path: str, *, hf_model: nn.Module | None = None) -> LoadReport:
+    """Fill every parameter and persistent buffer of a (parallelized) model from ``path``.
+    ``hf_model``: the HF model ``model`` was made from (default: ``model``), for its renames,
+    tied-weight keys and base-model prefix."""
     checkpoint = SafetensorsCheckpoint(path)
     owners = _owners(model)
-    prefix = getattr(model, "base_model_prefix", "")
+    hf_model = hf_model if hf_model is not None else model
+    prefix = getattr(hf_model, "base_model_prefix", "")
+    renamed = _hf_renames(hf_model, checkpoint.files)
+    tied = getattr(hf_model, "_tied_weights_keys", None) or {}
+    ties_embeddings = getattr(getattr(hf_model, "config", None), "tie_word_embeddings", False)
+    tied = tied if isinstance(tied, dict) and ties_embeddings else {}
     missing = []
     for name, param in list(model.named_parameters()):
-        key = _checkpoint_key(checkpoint, name, prefix)
+        key = _checkpoint_key(checkpoint, name, prefix, renamed, tied)
         if key is None:
             missing.append(name)
             continue
@@ -143,11 +182,11 @@ def load_hf_safetensors(model: nn.Module, path: str) -> LoadReport:
             setattr(module, attr, new)
     if missing:
         raise ValueError(f"{len(missing)} parameters are not in the checkpoint at {path}: {missing[:5]}")
-    _load_buffers(model, checkpoint, prefix)
+    _load_buffers(model, checkpoint, prefix, renamed)
     return checkpoint.report
 
 
-def _load_buffers(model: nn.Module, checkpoint: SafetensorsCheckpoint, prefix: str) -> None:
+def _load_buffers(model: nn.Module, checkpoint: SafetensorsCheckpoint, prefix: str, renamed: dict[str, str]) -> None:
     """Persistent buffers come from the file; meta non-persistent ones (RoPE ``inv_freq``)
     are recomputed by building their module again from the config."""
     for module_name, module in model.named_modules():
@@ -155,7 +194,7 @@ def _load_buffers(model: nn.Module, checkpoint: SafetensorsCheckpoint, prefix: s
             if buffer is None:
                 continue
             full_name = f"{module_name}.{name}" if module_name else name
-            key = _checkpoint_key(checkpoint, full_name, prefix)
+            key = _checkpoint_key(checkpoint, full_name, prefix, renamed, {})
             if key is not None and name not in module._non_persistent_buffers_set:
                 module._buffers[name] = checkpoint.read(key).to(buffer.dtype)
             elif buffer.is_meta:

@@ -23,12 +23,16 @@ import torch
 
 from nxd_hf import backend, parallel_state
 from nxd_hf.optim.flat import FlatGroup, build_flat_groups
+from nxd_hf.optim.groups import resolve_group
 
 ELEMENTWISE_OPTIMIZERS = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
     torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.Adadelta, torch.optim.ASGD, torch.optim.Rprop,
 )
 """torch optimizers whose update of each element depends only on that element's history."""
+
+OPTIMIZER_CHUNK_NUMEL = 1 << 18
+"""fp32 elements per inner-optimizer param on CPU (1 MiB: a step's temporaries stay in L2)."""
 
 
 def _check_elementwise(optimizer_class, elementwise: bool) -> None:
@@ -42,28 +46,6 @@ def _check_elementwise(optimizer_class, elementwise: bool) -> None:
         f"factors, Muon's orthogonalization) would compute them on a slice. Supported: {names}. If "
         f"{optimizer_class.__name__} is element-wise, pass elementwise=True"
     )
-
-
-def _resolve_group(spec, kind: str):
-    """A process group from None (parallel_state's group of ``kind``), a group, or NxD's
-    ``as_list`` form (every group's rank list; every rank must pass the same lists)."""
-    getters = {
-        "data": parallel_state.get_data_parallel_group, "tensor": parallel_state.get_tensor_model_parallel_group,
-        "pipeline": parallel_state.get_pipeline_model_parallel_group, "model": parallel_state.get_model_parallel_group,
-    }
-    if spec is None:
-        return getters[kind]()
-    if not isinstance(spec, (list, tuple)):
-        return spec
-    rank_lists = [list(ranks) for ranks in spec]
-    for getter in getters.values():
-        if getter(as_list=True) == rank_lists:
-            return getter()
-    mine = [ranks for ranks in rank_lists if backend.rank() in ranks]
-    if len(mine) != 1:
-        raise ValueError(f"rank {backend.rank()} must be in exactly one of the groups {rank_lists}")
-    created = [backend.new_group(ranks) for ranks in rank_lists]  # collective: every rank creates every group
-    return created[rank_lists.index(mine[0])]
 
 
 class NeuronZero1Optimizer(torch.optim.Optimizer):
@@ -97,8 +79,8 @@ class NeuronZero1Optimizer(torch.optim.Optimizer):
         self._layout_done = False
         super().__init__(params, defaults)
         self.max_norm, self.norm_type, self.pin_layout = max_norm, float(norm_type), pin_layout
-        self.sharding_group = _resolve_group(sharding_groups, "data")
-        self.grad_norm_group = _resolve_group(grad_norm_groups, "model")
+        self.sharding_group = resolve_group(sharding_groups, "data")
+        self.grad_norm_group = resolve_group(grad_norm_groups, "model")
         self.dp_size, self.dp_rank = backend.group_size(self.sharding_group), backend.group_rank(self.sharding_group)
         if self.dp_size == 1:
             warnings.warn(
@@ -113,7 +95,7 @@ class NeuronZero1Optimizer(torch.optim.Optimizer):
         self._layout_done = True
         self.masters = [self._new_master(fg) for fg in self.flat_groups]
         self.optimizer = optimizer_class(
-            [{**self._options(fg.group_index), "params": [m]} for fg, m in zip(self.flat_groups, self.masters)],
+            [{**self._options(fg.group_index), "params": self._chunks(m)} for fg, m in zip(self.flat_groups, self.masters)],
             **defaults)
         for fg, inner in zip(self.flat_groups, self.optimizer.param_groups):  # show the inner defaults too
             for key, value in inner.items():
@@ -141,8 +123,19 @@ class NeuronZero1Optimizer(torch.optim.Optimizer):
     def _options(self, group_index: int) -> dict:
         return {k: v for k, v in self.param_groups[group_index].items() if k != "params"}
 
+    def _chunks(self, master: torch.Tensor) -> list[torch.Tensor]:
+        """The inner optimizer's params: views of the master slice (and of its gradient) of
+        ``OPTIMIZER_CHUNK_NUMEL`` elements on CPU, where an element-wise step over a cache-sized
+        piece at a time runs ~4x faster than over one long tensor; the whole slice elsewhere."""
+        size = OPTIMIZER_CHUNK_NUMEL if master.device.type == "cpu" else master.numel()
+        chunks = list(master.split(size))
+        for chunk, grad in zip(chunks, master.grad.split(size)):
+            chunk.grad = grad
+        return chunks
+
     def _new_master(self, fg: FlatGroup) -> torch.Tensor:
         master = torch.empty(fg.shard_numel, dtype=torch.float32, device=fg.device)
+        master.grad = torch.zeros_like(master)  # filled by the reduce-scatter
         if fg.dtype == torch.float32:
             fg.read(fg.shard_start, fg.shard_start + fg.shard_numel, master, lambda p: p)
         else:
@@ -179,8 +172,6 @@ class NeuronZero1Optimizer(torch.optim.Optimizer):
         return self._staging_buffers[key]
 
     def _reduce_scatter_grads(self, fg: FlatGroup, master: torch.Tensor) -> None:
-        if master.grad is None:
-            master.grad = torch.empty_like(master)
         staging = self._staging(fg)
         for c0, c1 in fg.buckets():
             width = c1 - c0
@@ -230,16 +221,18 @@ class NeuronZero1Optimizer(torch.optim.Optimizer):
         """Bytes of this rank's per-element state: the fp32 master slices plus every state
         tensor of the master slices' size (Adam's exp_avg, exp_avg_sq; not scalar step counts)."""
         total = sum(m.numel() * m.element_size() for m in self.masters)
-        for master in self.masters:
-            for value in self.optimizer.state[master].values():
-                if isinstance(value, torch.Tensor) and value.numel() == master.numel():
-                    total += value.numel() * value.element_size()
+        for group in self.optimizer.param_groups:
+            for chunk in group["params"]:
+                for value in self.optimizer.state[chunk].values():
+                    if isinstance(value, torch.Tensor) and value.numel() == chunk.numel():
+                        total += value.numel() * value.element_size()
         return total
 
     def layout(self) -> dict:
         """What a saved shard must match to be loaded here."""
         return {
             "dp_size": self.dp_size, "dp_rank": self.dp_rank,
+            "chunks": [len(group["params"]) for group in self.optimizer.param_groups],
             "groups": [{"group_index": fg.group_index, "dtype": str(fg.dtype), "numel": fg.numel,
                         "shard_numel": fg.shard_numel, "shapes": [list(p.shape) for p in fg.params]}
                        for fg in self.flat_groups],

@@ -60,7 +60,7 @@ class TiedParameters:
     broadcast from the first holder at setup, and only the first holder counts in the norm."""
 
     def __init__(self):
-        self.local: list[tuple[str, int, object]] = []  # (name, first holder's global rank, group)
+        self.local: list[tuple] = []  # (name, first holder's global rank, group, local stages holding it)
 
     def _param(self, stages, name):
         return dict(p for stage in stages for p in stage.named_parameters(remove_duplicate=False))[name]

@@ -40,7 +40,7 @@ class NxDPPModel(nn.Module):
         autowrap_functions=None, autowrap_modules=None, tracer_cls=None, param_init_fn=None,
         trace_file_path: str | None = None, use_zero1_optimizer: bool = False, auto_partition: bool = False,
         deallocate_pipeline_outputs: bool = False, *, schedule: str | None = None,
-        activation_checkpoint_config=None,
+        activation_checkpoint_config=None, _materialize: bool = True,
     ):
         super().__init__()
         if return_mb_loss and broadcast_and_average_loss:
@@ -88,8 +88,9 @@ class NxDPPModel(nn.Module):
         self.local_stage_ids = P.local_stages(self.num_stages, self.pp_size, self.pp_rank, placement)
         self.stages = nn.ModuleDict({str(s): all_stages[s] for s in self.local_stage_ids})
         self.tied = tie_across_stages(all_stages, self.stage_to_rank, self.local_stage_ids)
-        materialize(list(self.stages.values()), param_init_fn)
-        self.tied.sync_initial_values()
+        if _materialize:  # (nxd_hf.from_pretrained reads the local weights from files instead)
+            materialize(list(self.stages.values()), param_init_fn)
+            self.tied.sync_initial_values()
         if activation_checkpoint_config is not None:
             checkpoint_layers(list(self.stages.values()), activation_checkpoint_config, self.transformer_layer_cls)
         self._runner = StepRunner(self)

@@ -1,0 +1,257 @@
+"""ZeRO-1 (NeuronZero1Optimizer): ten AdamW steps with active gradient clipping, an lr schedule
+and two param groups, against single-process torch.optim.AdamW + clip_grad_norm_, at tp2 x dp2,
+dp4 with gradient accumulation and tp4 (dp1, replicated K/V; phi3's fused QKV); state bytes, collective counts,
+state_dict and sharded save/load round trips. PP x DP is not covered: nxd_hf has no pipeline yet."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import hf_parity
+import nxd_hf
+from nxd_hf import backend, parallel_state
+from nxd_hf.optim import NeuronZero1Optimizer, zero1
+from nxd_hf.parallel_layers.pad import gather_full_tensor
+from nxd_hf.parallel_layers.utils import is_sharded
+from nxd_hf.testing import run_distributed
+
+TOL = dict(rtol=1e-4, atol=1e-5)
+STEPS = 10
+MAX_NORM = 0.5  # the gradient norm of the tiny llama stays above 1: clipping acts every step
+LR = 1e-3  # see tests/test_hf_training.py: Adam turns rounding of near-zero gradients into ~lr steps
+BUCKET_MB = 0.02  # several buckets per flat group
+ADAMW_BYTES_PER_ELEMENT = 3 * 4  # exp_avg + exp_avg_sq + fp32 master
+
+
+def _param_groups(model):
+    """NxD's decay / no-decay split."""
+    named = list(model.named_parameters())
+    no_decay = [p for n, p in named if "norm" in n or "bias" in n]
+    return [{"params": [p for n, p in named if not ("norm" in n or "bias" in n)], "weight_decay": 0.1},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _batches(b=8, s=8):
+    out = []
+    for step in range(STEPS):
+        ids, labels = hf_parity.batch(seed=10 + step, b=b, s=s)
+        g = torch.Generator().manual_seed(100 + step)
+        labels[torch.rand(labels.shape, generator=g) < 0.2] = -100  # ignored tokens on every row
+        out.append((ids, labels))
+    return out
+
+
+def _lr_lambda(step):
+    return 1.0 / (1.0 + 0.2 * step)
+
+
+def _train_step(model, optimizer, ids, labels, *, dp_rank=0, dp_size=1, accumulate=1):
+    """One step on this DP rank's slice of the batch; the loss is normalized by the global
+    token count (``num_items_in_batch`` x dp, the DP mean divides it back)."""
+    num_items = (labels[:, 1:] != -100).sum() / dp_size
+    local_ids, local_labels = ids.chunk(dp_size)[dp_rank], labels.chunk(dp_size)[dp_rank]
+    total = 0.0
+    for micro, (mb_ids, mb_labels) in enumerate(zip(local_ids.chunk(accumulate), local_labels.chunk(accumulate))):
+        context = model.no_sync() if micro < accumulate - 1 and hasattr(model, "no_sync") else torch.enable_grad()
+        with context:
+            loss = model(input_ids=mb_ids, labels=mb_labels, num_items_in_batch=num_items).loss
+            loss.backward()
+        total += loss.detach()
+    if isinstance(optimizer, NeuronZero1Optimizer):
+        optimizer.step()
+        norm = optimizer.grad_norm
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        optimizer.step()
+    optimizer.zero_grad()
+    return total, norm
+
+
+def reference_run():
+    reference, _ = hf_parity.build_pair("llama", attention_bias=False)
+    optimizer = torch.optim.AdamW(_param_groups(reference), lr=LR)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda)
+    losses, norms = [], []
+    for ids, labels in _batches():
+        loss, norm = _train_step(reference, optimizer, ids, labels)
+        schedule.step()
+        losses.append(loss)
+        norms.append(norm)
+    assert min(norms) > MAX_NORM, "clipping must be active"
+    return torch.stack(losses), torch.stack(norms), dict(reference.named_parameters())
+
+
+def _expected_per_step(optimizer, model):
+    """(reduce-scatters, all-gathers, norm all-reduces) one step() issues, from the model alone."""
+    dp = parallel_state.get_data_parallel_size()
+    elements_per_bucket = int(BUCKET_MB * 1024 * 1024) // (dp * 4)
+    buckets = 0
+    for group in _param_groups(model):
+        shard = -(-sum(p.numel() for p in group["params"]) // dp)
+        buckets += -(-shard // elements_per_bucket)
+    num_norm = (dp > 1) + (parallel_state.get_tensor_model_parallel_size() > 1)
+    return (buckets, buckets, num_norm) if dp > 1 else (0, 0, num_norm)
+
+
+def _check_state_bytes(optimizer, model):
+    dp = parallel_state.get_data_parallel_size()
+    expected = 0
+    for group in _param_groups(model):
+        numel = sum(p.numel() for p in group["params"])  # this TP rank's full AdamW state: 12 B/element
+        shard = -(-numel // dp)
+        expected += ADAMW_BYTES_PER_ELEMENT * shard
+        assert 0 <= shard * dp - numel < dp  # padding only
+    assert optimizer.optimizer_state_bytes() == expected, (optimizer.optimizer_state_bytes(), expected)
+
+
+def check_zero1_matches(reference, tp: int, accumulate: int) -> None:
+    ref_losses, ref_norms, ref_params = reference
+    parallel_state.destroy_model_parallel()
+    _, model = hf_parity.build_pair("llama", attention_bias=False)
+    nxd_hf.parallelize(model, tensor_parallel_size=tp)
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_size()
+    groups = {}
+    if tp == 1:  # NxD's spelling: every group's rank list
+        groups = dict(sharding_groups=parallel_state.get_data_parallel_group(as_list=True),
+                      grad_norm_groups=parallel_state.get_tensor_model_parallel_group(as_list=True))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        optimizer = NeuronZero1Optimizer(_param_groups(model), torch.optim.AdamW, lr=LR, max_norm=MAX_NORM,
+                                         bucket_size_mb=BUCKET_MB, model=model, **groups)
+    assert any("nothing to shard" in str(w.message) for w in caught) == (dp_size == 1)
+    assert not model._nxd_grad_sync.sync_dp
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_lambda)
+    losses, norms = [], []
+    for step, (ids, labels) in enumerate(_batches()):
+        with backend.count_comm() as records:
+            loss, norm = _train_step(model, optimizer, ids, labels, dp_rank=dp_rank, dp_size=dp_size,
+                                     accumulate=accumulate)
+        step_ops = [r.op for r in records if r.tag == "zero1"]
+        if step == 0:
+            got = tuple(step_ops.count(op) for op in ("reduce_scatter", "all_gather", "all_reduce"))
+            assert got == _expected_per_step(optimizer, model), (got, _expected_per_step(optimizer, model))
+        schedule.step()
+        losses.append(loss)
+        norms.append(norm)
+    assert optimizer.optimizer.param_groups[0]["lr"] == pytest.approx(LR * _lr_lambda(STEPS - 1))
+    losses = torch.stack(losses)
+    torch.distributed.all_reduce(losses, group=parallel_state.get_data_parallel_group())
+    torch.testing.assert_close(losses / dp_size, ref_losses, **TOL)
+    torch.testing.assert_close(torch.stack(norms), ref_norms, **TOL)
+    for name, param in model.named_parameters():
+        full = gather_full_tensor(param) if is_sharded(param) else param.detach()
+        torch.testing.assert_close(full, ref_params[name].detach(), **TOL, msg=lambda m: f"tp={tp} {name}: {m}")
+    _check_state_bytes(optimizer, model)
+
+
+def _continue(model, optimizer, params_before, batches, dp_rank, dp_size):
+    with torch.no_grad():
+        for p, saved in zip(model.parameters(), params_before):
+            p.copy_(saved)
+    losses = [_train_step(model, optimizer, ids, labels, dp_rank=dp_rank, dp_size=dp_size)[0] for ids, labels in batches]
+    return torch.stack(losses), [p.detach().clone() for p in model.parameters()]
+
+
+def check_round_trips(tmp_dir: str) -> None:
+    """Two steps after restoring from state_dict / save_sharded_state_dict equal two steps of
+    the optimizer that was saved, bit for bit."""
+    parallel_state.destroy_model_parallel()
+    _, model = hf_parity.build_pair("llama", attention_bias=False)
+    nxd_hf.parallelize(model, tensor_parallel_size=2)
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_size()
+
+    def new_optimizer():
+        return NeuronZero1Optimizer(_param_groups(model), torch.optim.AdamW, lr=LR, max_norm=MAX_NORM,
+                                    bucket_size_mb=BUCKET_MB, model=model)
+
+    optimizer = new_optimizer()
+    batches = _batches()
+    for ids, labels in batches[:3]:
+        _train_step(model, optimizer, ids, labels, dp_rank=dp_rank, dp_size=dp_size)
+    saved = copy.deepcopy(optimizer.state_dict())
+    optimizer.save_sharded_state_dict(tmp_dir)
+    params_before = [p.detach().clone() for p in model.parameters()]
+    expected = _continue(model, optimizer, params_before, batches[3:5], dp_rank, dp_size)
+    restored = new_optimizer()
+    restored.load_state_dict(saved)
+    got = _continue(model, restored, params_before, batches[3:5], dp_rank, dp_size)
+    from_disk = new_optimizer()
+    from_disk.load_sharded_state_dict(tmp_dir, num_workers_per_step=1)
+    got_disk = _continue(model, from_disk, params_before, batches[3:5], dp_rank, dp_size)
+    for losses, params in (got, got_disk):
+        assert torch.equal(losses, expected[0])
+        assert all(torch.equal(a, b) for a, b in zip(params, expected[1]))
+    parallel_state.destroy_model_parallel()
+    nxd_hf.parallel_state.initialize_model_parallel(4)  # another layout: a clear error
+    other = NeuronZero1Optimizer([torch.nn.Parameter(torch.zeros(3))], torch.optim.AdamW)
+    with pytest.raises(ValueError, match="another layout"):
+        other.load_state_dict(saved)
+
+
+def check_grad_norm_fused_qkv() -> None:
+    """Per-row ``num_replicas`` (phi3's fused qkv_proj with K/V copied over tp 4) in the norm."""
+    parallel_state.destroy_model_parallel()
+    reference, model = hf_parity.build_pair("phi3")
+    nxd_hf.parallelize(model, tensor_parallel_size=4)
+    assert any(isinstance(getattr(p, "num_replicas", 1), torch.Tensor) for p in model.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # dp 1
+        optimizer = NeuronZero1Optimizer(model.parameters(), torch.optim.SGD, lr=0.0, max_norm=1e9)
+    ids, labels = hf_parity.batch()
+    model(input_ids=ids, labels=labels).loss.backward()
+    reference(input_ids=ids, labels=labels).loss.backward()
+    optimizer.step()
+    torch.testing.assert_close(optimizer.grad_norm, torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9), **TOL)
+
+
+def run_cases(tmp_dir: str) -> None:
+    zero1.OPTIMIZER_CHUNK_NUMEL = 1000  # several inner-optimizer chunks per shard
+    reference = reference_run()
+    check_zero1_matches(reference, tp=2, accumulate=1)  # tp2 x dp2
+    check_zero1_matches(reference, tp=1, accumulate=2)  # dp4, no_sync on the first micro-step
+    check_zero1_matches(reference, tp=4, accumulate=1)  # dp1 (warns), replicated K/V in the grad norm
+    check_grad_norm_fused_qkv()
+    check_round_trips(tmp_dir)
+
+
+def test_zero1_matches_adamw_with_clipping(tmp_path):
+    run_distributed(run_cases, 4, str(tmp_path))
+
+
+def test_non_elementwise_optimizer_is_a_clear_error():
+    params = [torch.nn.Parameter(torch.zeros(4))]
+    for optimizer_class in (torch.optim.LBFGS, torch.optim.Adafactor):
+        with pytest.raises(ValueError, match="element-wise"):
+            NeuronZero1Optimizer(params, optimizer_class)
+    with pytest.warns(UserWarning, match="nothing to shard"):  # dp 1 (no parallel_state); opted in
+        NeuronZero1Optimizer(params, torch.optim.Adafactor, elementwise=True)
+
+
+def test_dp1_steps_like_the_inner_optimizer(monkeypatch):
+    """At DP 1 (a warning) the step is the inner optimizer's, with bf16 + fp32 params in one group."""
+    monkeypatch.setattr(zero1, "OPTIMIZER_CHUNK_NUMEL", 7)  # chunk boundaries inside params
+    parallel_state.destroy_model_parallel()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3).to(torch.bfloat16))
+    reference = copy.deepcopy(model)
+    with pytest.warns(UserWarning, match="nothing to shard"):
+        optimizer = NeuronZero1Optimizer(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9)
+    assert len(optimizer.flat_groups) == 2  # one per dtype
+    masters = [p.detach().float().clone().requires_grad_() for p in reference.parameters()]
+    ref_optimizer = torch.optim.SGD(masters, lr=0.1, momentum=0.9)
+    x = torch.randn(4, 6)
+    for _ in range(3):
+        model[1](model[0](x).bfloat16()).float().square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        for master, p in zip(masters, reference.parameters()):
+            p.data.copy_(master.data)
+        reference[1](reference[0](x).bfloat16()).float().square().sum().backward()
+        for master, p in zip(masters, reference.parameters()):
+            master.grad = p.grad.float()
+            p.grad = None
+        ref_optimizer.step()
+    for p, master in zip(model.parameters(), masters):
+        assert torch.equal(p, master.to(p.dtype))

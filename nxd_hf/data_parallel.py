@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from nxd_hf import parallel_state
+from nxd_hf.optim.mixed_precision import accumulated_grad
 from nxd_hf.parallel_layers.grads import all_reduce_bucketed, sync_data_parallel_grads
 
 
@@ -44,23 +45,23 @@ class GradSync:
         partial grads of ``params``; ``finish_partial`` sums their new contribution over TP."""
         self.paused = True
         partial = [p for p in params if getattr(p, "sequence_parallel_enabled", False)]
-        return [(p, None if p.grad is None else p.grad.detach().clone()) for p in partial]
+        return _snapshot(partial)
 
     def finish_partial(self, snapshot: list) -> None:
         self.paused = False
         self._sum_partial_deltas(snapshot)
 
     def _sum_partial_deltas(self, snapshot: list) -> None:
-        fresh = [(p, before) for p, before in snapshot if p.grad is not None]
-        deltas = [p.grad.detach() - (0 if before is None else before) for p, before in fresh]
+        fresh = [(accumulated_grad(p), before) for p, before in snapshot if accumulated_grad(p) is not None]
+        deltas = [grad.detach() - (0 if before is None else before) for grad, before in fresh]
         all_reduce_bucketed(deltas, parallel_state.get_tensor_model_parallel_group(), bucket_size_mb=self.bucket_size_mb)
-        for (p, before), delta in zip(fresh, deltas):
-            p.grad.detach().copy_(delta if before is None else before + delta)
+        for (grad, before), delta in zip(fresh, deltas):
+            grad.detach().copy_(delta if before is None else before + delta)
 
     def _on_grad(self, grad):
         if not self._in_backward and not self.paused:  # first gradient of this backward
             self._in_backward = True
-            self._before = [(p, None if p.grad is None else p.grad.detach().clone()) for p in self.partial]
+            self._before = _snapshot(self.partial)
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         return grad
 
@@ -79,6 +80,15 @@ class GradSync:
             yield
         finally:
             self.sync_dp = previous
+
+
+def _snapshot(params: list[torch.Tensor]) -> list:
+    """(param, copy of its accumulated gradient or None) before a backward adds to it."""
+    result = []
+    for p in params:
+        grad = accumulated_grad(p)
+        result.append((p, None if grad is None else grad.detach().clone()))
+    return result
 
 
 def install_grad_sync(model: nn.Module, *, bucket_size_mb: float = 25) -> GradSync:

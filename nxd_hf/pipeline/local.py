@@ -70,11 +70,13 @@ class TiedParameters:
             backend.broadcast(self._param(stages, name).data, src, group)
 
     def sum_grads(self) -> None:
+        from nxd_hf.optim.mixed_precision import accumulated_grad
+
         for name, _, group, stages in self.local:
             param = self._param(stages, name)
-            if param.grad is None:
+            if accumulated_grad(param) is None:
                 param.grad = torch.zeros_like(param)
-            backend.all_reduce(param.grad, group)
+            backend.all_reduce(accumulated_grad(param), group)
 
 
 def tie_across_stages(all_stages: list[nn.Module], stage_to_rank: list[int], local_ids: list[int]) -> TiedParameters:

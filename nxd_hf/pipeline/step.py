@@ -3,6 +3,8 @@
 Each microbatch's loss is its sum over non-ignored tokens divided by the step's count of
 non-ignored tokens across all microbatches and DP replicas (times the DP size, since DP
 gradients are averaged), so the gradients equal those of one large batch, padding included.
+``run_train(num_items_in_batch=N)`` gives that count for a step accumulated over several calls
+(N summed over the calls and DP ranks); by default it is this call's count.
 """
 
 import torch
@@ -45,6 +47,8 @@ class StepRunner:
                              f"use a batch that is a multiple of it, or num_microbatches in {fits}")
 
     def run(self, inputs: dict, *, train: bool):
+        inputs = dict(inputs)
+        step_count = inputs.pop("num_items_in_batch", None)
         self._check(inputs)
         model = self.model
         labels = inputs.get("labels")
@@ -52,10 +56,11 @@ class StepRunner:
             raise ValueError("run_train/run_eval need labels to compute the loss")
         if "attention_mask" in model.input_names and "attention_mask" not in inputs:
             inputs = {**inputs, "attention_mask": torch.ones_like(inputs["input_ids"])}
-        count = (labels[..., 1:] != -100).sum().to(torch.float32)
-        backend.all_reduce(count, parallel_state.get_data_parallel_group())
+        if step_count is None:  # this call's tokens over the DP ranks
+            step_count = (labels[..., 1:] != -100).sum().to(torch.float32)
+            backend.all_reduce(step_count, parallel_state.get_data_parallel_group())
         dp_size = parallel_state.get_data_parallel_size()
-        self.num_items = count / dp_size
+        self.num_items = torch.as_tensor(step_count, dtype=torch.float32) / dp_size
         args = [inputs[name] for name in model.input_names if name != "labels"]
         schedule = self._schedule(args)
         first, last = 0 in model.local_stage_ids, model.num_stages - 1 in model.local_stage_ids

@@ -1,0 +1,155 @@
+"""NxD's configuration API: ``neuronx_distributed_config`` and its sub-configs.
+
+Plain dicts are accepted for every sub-config, as in NxD; an unknown key or a value of the
+wrong type is a ValueError naming the key and the accepted ones. Differences from NxD, on
+purpose: ``pad_model`` defaults to "auto" (pad heads only when tp does not divide them;
+False forbids padding).
+"""
+
+import dataclasses
+import typing
+from collections.abc import Callable
+from typing import Any, Literal
+
+from nxd_hf import parallel_state
+
+
+@dataclasses.dataclass(kw_only=True)
+class OptimizerConfig:
+    zero_one_enabled: bool = False
+    """Shard optimizer state over data-parallel ranks (``NeuronZero1Optimizer``)."""
+    grad_clipping: bool = True
+    """Clip the global gradient norm in ``optimizer.step()``."""
+    max_grad_norm: float = 1.0
+    """The norm to clip to."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class ModelInitConfig:
+    sequential_move_factor: int = 11
+    """At most this many ranks of a node build their model at the same time (host memory); 1-32."""
+    meta_device_init: bool = False
+    """Build the model on the meta device; ``param_init_fn`` then initializes the local part."""
+    param_init_fn: Callable | None = None
+    """``fn(module)`` initializing a module's own parameters (needed with meta_device_init)."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class MixedPrecisionConfig:
+    use_master_weights: bool = True
+    """Keep fp32 master copies of low-precision (bf16/fp16) parameters in the optimizer."""
+    use_fp32_grad_acc: bool = True
+    """Accumulate gradients of low-precision parameters in fp32 (``param.main_grad``)."""
+    use_master_weights_in_ckpt: bool = False
+    """Save the fp32 master weights in checkpoints instead of the low-precision ones."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class NxDConfig:
+    tensor_parallel_size: int = 1
+    """Tensor-parallel degree."""
+    pipeline_parallel_size: int = 1
+    """Pipeline-parallel degree."""
+    pipeline_config: dict = dataclasses.field(default_factory=dict)
+    """``NxDPPModel`` keyword arguments (num_microbatches, schedule, pipeline_cuts, ...)."""
+    optimizer_config: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    """ZeRO-1 and gradient clipping."""
+    activation_checkpoint_config: Any = None
+    """None, "full" (every transformer layer) or a module class / list of classes to recompute."""
+    pad_model: bool | Literal["auto"] = "auto"
+    """Pad attention heads: "auto"/True when tp does not divide them; False forbids it."""
+    sequence_parallel: bool = False
+    """Split activations along the sequence between tensor-parallel regions."""
+    model_init_config: ModelInitConfig = dataclasses.field(default_factory=ModelInitConfig)
+    """How ranks build the model."""
+    lora_config: Any = None
+    """LoRA adapters (not available in this version: must be None)."""
+    mixed_precision_config: MixedPrecisionConfig = dataclasses.field(default_factory=MixedPrecisionConfig)
+    """Master weights and fp32 gradient accumulation for bf16/fp16 models."""
+
+    def __getitem__(self, key: str):  # NxD hands the config around as a dict
+        return getattr(self, key)
+
+
+def _check_type(owner: str, key: str, value, annotation) -> None:
+    origin = typing.get_origin(annotation)
+    if annotation is Any or (origin is None and annotation is Callable):
+        return
+    allowed = typing.get_args(annotation) if origin in (typing.Union, type(int | None)) else (annotation,)
+    ok = False
+    for option in allowed:
+        if typing.get_origin(option) is Literal:
+            ok = ok or value in typing.get_args(option)
+        elif option is type(None):
+            ok = ok or value is None
+        elif option is float:
+            ok = ok or (isinstance(value, (int, float)) and not isinstance(value, bool))
+        elif option is Callable or typing.get_origin(option) is Callable:
+            ok = ok or callable(value)
+        elif option is int:
+            ok = ok or (isinstance(value, int) and not isinstance(value, bool))
+        else:
+            ok = ok or isinstance(value, typing.get_origin(option) or option)
+    if not ok:
+        raise ValueError(f"{owner}[{key!r}] = {value!r} has the wrong type: expected {annotation}")
+
+
+def _build(cls, value, owner: str):
+    """A ``cls`` from a dict (or an instance), checking keys and types."""
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError(f"{owner} must be a dict, got {type(value).__name__}")
+    hints = typing.get_type_hints(cls)
+    unknown = sorted(set(value) - set(hints))
+    if unknown:
+        raise ValueError(f"unknown {owner} key(s) {unknown}; accepted: {sorted(hints)}")
+    for key, item in value.items():
+        _check_type(owner, key, item, hints[key])
+    return cls(**value)
+
+
+def neuronx_distributed_config(
+    tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, pipeline_config: dict | None = None,
+    optimizer_config: dict | None = None, activation_checkpoint_config=None, pad_model: bool | str = "auto",
+    sequence_parallel: bool = False, model_init_config: dict | None = None, lora_config=None,
+    mixed_precision_config: dict | None = None,
+) -> NxDConfig:
+    """Validate the training configuration and initialize model parallelism (see ``NxDConfig``)."""
+    config = NxDConfig(
+        tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+        pipeline_config=dict(pipeline_config or {}),
+        optimizer_config=_build(OptimizerConfig, optimizer_config, "optimizer_config"),
+        activation_checkpoint_config=activation_checkpoint_config, pad_model=pad_model,
+        sequence_parallel=sequence_parallel,
+        model_init_config=_build(ModelInitConfig, model_init_config, "model_init_config"),
+        lora_config=lora_config,
+        mixed_precision_config=_build(MixedPrecisionConfig, mixed_precision_config, "mixed_precision_config"),
+    )
+    hints = typing.get_type_hints(NxDConfig)
+    for key in ("tensor_parallel_size", "pipeline_parallel_size", "pad_model", "sequence_parallel"):
+        _check_type("neuronx_distributed_config", key, getattr(config, key), hints[key])
+    _check_pipeline_config(config.pipeline_config)
+    if not 1 <= config.model_init_config.sequential_move_factor <= 32:
+        raise ValueError("model_init_config['sequential_move_factor'] must be in 1..32")
+    if config.model_init_config.meta_device_init and config.model_init_config.param_init_fn is None:
+        raise ValueError("model_init_config: meta_device_init=True needs a param_init_fn")
+    if lora_config is not None:
+        raise ValueError("lora_config: LoRA is not available in this version of nxd_hf; pass lora_config=None")
+    if config.pipeline_config and pipeline_parallel_size == 1:
+        raise ValueError("pipeline_config is given but pipeline_parallel_size is 1: set pipeline_parallel_size > 1")
+    parallel_state.initialize_model_parallel(tensor_parallel_size, pipeline_parallel_size)
+    return config
+
+
+def _check_pipeline_config(pipeline_config: dict) -> None:
+    import inspect
+
+    from nxd_hf.pipeline.model import NxDPPModel
+
+    accepted = set(inspect.signature(NxDPPModel.__init__).parameters) - {"self", "module", "_materialize"}
+    unknown = sorted(set(pipeline_config) - accepted)
+    if unknown:
+        raise ValueError(f"unknown pipeline_config key(s) {unknown}; accepted: {sorted(accepted)}")

@@ -1,0 +1,163 @@
+"""``initialize_parallel_model``: build the user's model the way ``nxd_config`` says and wrap
+it in ``NxDModel``, which looks like the unwrapped model on this rank."""
+
+import contextlib
+import math
+import os
+import time
+
+import torch
+from torch import nn
+
+from nxd_hf import backend, parallel_state
+from nxd_hf.optim.mixed_precision import install_fp32_grad_accumulation
+from nxd_hf.parallelize import parallelize
+from nxd_hf.pipeline.local import checkpoint_layers, materialize
+from nxd_hf.pipeline.model import NxDPPModel, _layer_types
+from nxd_hf.trainer.config import NxDConfig
+from nxd_hf.utils import init_on_device
+
+
+class NxDModel(nn.Module):
+    """A parallelized model: ``run_train(**inputs)`` runs forward and backward (the pipeline
+    schedule with PP) and returns the loss; parameter, buffer and module iterators cover this
+    rank's part only, under the original model's names; ``config`` and ``dtype`` pass through.
+
+    Loss: tokens are weighted over the whole step. Pass ``num_items_in_batch`` — the step's
+    count of non-ignored label tokens summed over data-parallel ranks and micro-steps — when
+    accumulating; by default it is this call's count over DP ranks. ``run_train`` returns this
+    call's share of the step's mean loss (micro-steps' values add up to it), the same on every
+    rank."""
+
+    def __init__(self, module: nn.Module, nxd_config: NxDConfig):
+        super().__init__()
+        self.module, self.nxd_config = module, nxd_config
+        self.pipelined = isinstance(module, NxDPPModel)
+
+    def local_module(self):
+        return self.module.local_module() if self.pipelined else self.module
+
+    def forward(self, *args, **kwargs):
+        if self.pipelined:
+            raise ValueError("a pipeline-parallel model runs through run_train/run_eval, not forward")
+        return self.module(*args, **kwargs)
+
+    def run_train(self, **inputs):
+        if self.pipelined:
+            return self.module.run_train(**inputs)
+        labels = inputs["labels"]
+        num_items = inputs.pop("num_items_in_batch", None)
+        if num_items is None:
+            num_items = (labels[..., 1:] != -100).sum().float()
+            backend.all_reduce(num_items, parallel_state.get_data_parallel_group())
+        dp_size = parallel_state.get_data_parallel_size()
+        # DP gradients are averaged, so each rank normalizes by the global count / dp
+        loss = self.module(**inputs, num_items_in_batch=torch.as_tensor(num_items, dtype=torch.float32) / dp_size).loss
+        loss.backward()
+        share = loss.detach() / dp_size
+        backend.all_reduce(share, parallel_state.get_data_parallel_group())
+        return share
+
+    def run_eval(self, **inputs):
+        if self.pipelined:
+            return self.module.run_eval(**inputs)
+        with torch.no_grad():
+            return self.module(**inputs).loss
+
+    # this rank's parameters, buffers and modules, under the original names
+    def named_parameters(self, *args, **kwargs):
+        if self.pipelined:
+            return self.module.local_named_parameters(*args, **kwargs)
+        return self.module.named_parameters(*args, **kwargs)
+
+    def parameters(self, *args, **kwargs):
+        for _, param in self.named_parameters(*args, **kwargs):
+            yield param
+
+    def named_buffers(self, *args, **kwargs):
+        for stage in self._local_roots():
+            yield from stage.named_buffers(*args, **kwargs)
+
+    def buffers(self, *args, **kwargs):
+        for _, buffer in self.named_buffers(*args, **kwargs):
+            yield buffer
+
+    def named_modules(self, *args, **kwargs):
+        for stage in self._local_roots():
+            yield from stage.named_modules(*args, **kwargs)
+
+    def modules(self):
+        for _, module in self.named_modules():
+            yield module
+
+    def named_children(self):
+        for stage in self._local_roots():
+            yield from stage.named_children()
+
+    def children(self):
+        for _, child in self.named_children():
+            yield child
+
+    def _local_roots(self) -> list[nn.Module]:
+        return list(self.module.stages.values()) if self.pipelined else [self.module]
+
+    @property
+    def config(self):
+        return self.module.config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+
+def _build_in_waves(factor: int, build):
+    """Run ``build()`` on at most ``factor`` ranks of this node at a time (waves separated by
+    barriers); returns its result and this rank's (start, end) wall-clock times."""
+    local_rank = int(os.environ.get("LOCAL_RANK", backend.rank()))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", backend.world_size()))
+    result, interval = None, None
+    for wave in range(math.ceil(local_world / factor)):
+        if local_rank // factor == wave:
+            start = time.time()
+            result = build()
+            interval = (start, time.time())
+        backend.barrier()
+    return result, interval
+
+
+def initialize_parallel_model(nxd_config: NxDConfig, model_fn, *model_args, **model_kwargs) -> NxDModel:
+    """``model_fn(*model_args, **model_kwargs)``, built by at most ``sequential_move_factor``
+    ranks of a node at a time (on the meta device with ``meta_device_init``), then tensor-,
+    sequence- and pipeline-parallelized as configured, with activation checkpointing and fp32
+    gradient accumulation for low-precision parameters. The optimizer from
+    ``initialize_parallel_optimizer`` does the data-parallel reduction."""
+    init = nxd_config.model_init_config
+
+    def build():
+        with init_on_device(torch.device("meta")) if init.meta_device_init else contextlib.nullcontext():
+            return model_fn(*model_args, **model_kwargs)
+
+    model, build_interval = _build_in_waves(init.sequential_move_factor, build)
+    pp = nxd_config.pipeline_parallel_size
+    pipeline_kwargs = {}
+    if pp > 1:
+        pipeline_kwargs = {"broadcast_and_average_loss": True, **nxd_config.pipeline_config,
+                           "use_zero1_optimizer": True,  # the optimizer reduces DP
+                           "activation_checkpoint_config": nxd_config.activation_checkpoint_config,
+                           "param_init_fn": init.param_init_fn}
+    wrapped = parallelize(
+        model, tensor_parallel_size=nxd_config.tensor_parallel_size, pipeline_parallel_size=pp,
+        sequence_parallel=nxd_config.sequence_parallel, pad_model=nxd_config.pad_model, **pipeline_kwargs,
+    )
+    model._nxd_grad_sync.sync_dp = False  # initialize_parallel_optimizer's step reduces over DP
+    if pp == 1:
+        if init.meta_device_init:
+            materialize([model], init.param_init_fn)
+        if nxd_config.activation_checkpoint_config is not None:
+            checkpoint_layers([model], nxd_config.activation_checkpoint_config, _layer_types(model, None))
+    nxd_model = NxDModel(wrapped, nxd_config)
+    if nxd_config.mixed_precision_config.use_fp32_grad_acc:
+        install_fp32_grad_accumulation(nxd_model.parameters())
+    nxd_model.build_interval = build_interval  # (start, end) of this rank's model_fn call
+    return nxd_model
+

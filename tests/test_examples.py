@@ -19,3 +19,10 @@ def test_parallelize_causal_lm_loss_falls():
     out = run_example("examples/parallelize_causal_lm.py", 2, "--steps", "25")
     first, last = map(float, re.search(r"loss fell from ([\d.]+) to ([\d.]+)", out).groups())
     assert last < first - 1.0, out
+
+
+def test_train_with_config_api_pp2_zero1_loss_falls():
+    out = run_example("examples/train_with_config_api.py", 4, "--pp", "2", "--zero1", "--steps", "12")
+    assert "tp 1 x pp 2 x dp 2, zero1=True" in out, out
+    first, last = map(float, re.search(r"loss fell from ([\d.]+) to ([\d.]+)", out).groups())
+    assert last < first - 1.0, out

@@ -33,7 +33,7 @@ def _dp_slice(t):
     return t.chunk(dp_size)[dp_rank]
 
 
-def check_pipeline(model_type: str, *, tp=1, pp=2, steps=1, seqs=(8,), **pp_kwargs) -> None:
+def check_pipeline(model_type: str, *, tp=1, pp=2, steps=1, seqs=(8,), sequence_parallel=False, **pp_kwargs):
     """Loss and gathered grads after each run_train equal the single-process model; with
     ``steps`` > 1, SGD steps in between (the losses of every step compared)."""
     parallel_state.destroy_model_parallel()
@@ -41,7 +41,7 @@ def check_pipeline(model_type: str, *, tp=1, pp=2, steps=1, seqs=(8,), **pp_kwar
     reference, model = hf_parity.build_pair(model_type, **overrides)
     pp_kwargs.setdefault("num_microbatches", 2)
     pp_model = nxd_hf.parallelize(model, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                                  broadcast_and_average_loss=True, **pp_kwargs)
+                                  sequence_parallel=sequence_parallel, broadcast_and_average_loss=True, **pp_kwargs)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     opt = torch.optim.SGD(pp_model.local_parameters(), lr=0.1)
     ref_params = dict(reference.named_parameters(remove_duplicate=False))  # tied: both names
@@ -151,6 +151,7 @@ def check_from_pretrained_reads_only_local_stages(path: str) -> None:
 def run_pp_world4_cases(path: str) -> None:
     check_pipeline("llama", pp=4, num_microbatches=4)
     check_pipeline("llama", tp=2, pp=2)  # TP x PP
+    check_pipeline("qwen3", tp=2, pp=2, sequence_parallel=True)  # TP x PP with SP and per-head norms
     check_pipeline("gpt2", tp=2, pp=2)  # tied embedding across stages, with TP
     check_pipeline("llama", pp=2, steps=2)  # DP 2 x PP 2 (each DP rank gets half the batch)
     for model_type in ("mistral", "qwen3", "phi3", "gpt_neox", "cohere", "phi"):

@@ -1,7 +1,8 @@
 """ZeRO-1 (NeuronZero1Optimizer): ten AdamW steps with active gradient clipping, an lr schedule
 and two param groups, against single-process torch.optim.AdamW + clip_grad_norm_, at tp2 x dp2,
 dp4 with gradient accumulation and tp4 (dp1, replicated K/V; phi3's fused QKV); state bytes, collective counts,
-state_dict and sharded save/load round trips. PP x DP is not covered: nxd_hf has no pipeline yet."""
+state_dict and sharded save/load round trips. PP x DP with ZeRO-1 is exercised through the
+trainer API (tests/test_trainer_api.py), not here."""
 
 import copy
 import warnings
@@ -255,3 +256,18 @@ def test_dp1_steps_like_the_inner_optimizer(monkeypatch):
         ref_optimizer.step()
     for p, master in zip(model.parameters(), masters):
         assert torch.equal(p, master.to(p.dtype))
+
+
+def test_grad_source_reduces_fp32_main_grad():
+    """``grad_source`` (the trainer's fp32 ``main_grad`` of a bf16 param) is reduced in fp32, and
+    zero_grad clears it."""
+    parallel_state.destroy_model_parallel()
+    param = torch.nn.Parameter(torch.ones(5, dtype=torch.bfloat16))
+    param.main_grad = torch.full((5,), 0.1)
+    with pytest.warns(UserWarning, match="nothing to shard"):
+        optimizer = NeuronZero1Optimizer([param], torch.optim.SGD, lr=1.0, grad_source=lambda p: p.main_grad)
+    optimizer.step()
+    assert torch.equal(optimizer.masters[0], torch.ones(5) - torch.full((5,), 0.1))  # no bf16 rounding of the grad
+    assert torch.equal(param, optimizer.masters[0].bfloat16())
+    optimizer.zero_grad()
+    assert param.main_grad is None and param.grad is None

@@ -3,8 +3,8 @@
 Each DP rank keeps an fp32 master copy and the optimizer state of only its 1/dp slice of the
 flat parameters (``nxd_hf.optim.flat``). One ``step()``:
 
-1. reduce-scatter the gradients over the sharding (DP) group, bucketed, and divide by dp: each
-   rank gets the DP-mean gradient of its slice;
+1. reduce-scatter the gradients over the sharding (DP) group, bucketed, and divide by dp (in
+   one pass with the clipping): each rank gets the DP-mean gradient of its slice;
 2. if ``max_norm`` is set, clip on the norm of the whole model's gradient: slice norms summed
    over DP, then over the grad-norm (TP x PP) group, counting TP-replicated parameters once
    (on TP rank 0) and replicated K/V rows once, as ``parallel_layers.grads.get_grad_norm``;
@@ -24,6 +24,7 @@ import torch
 from nxd_hf import backend, parallel_state
 from nxd_hf.optim.flat import FlatGroup, build_flat_groups
 from nxd_hf.optim.groups import resolve_group
+from nxd_hf.optim.zero1_state import Zero1StateMixin
 
 ELEMENTWISE_OPTIMIZERS = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
@@ -48,7 +49,7 @@ def _check_elementwise(optimizer_class, elementwise: bool) -> None:
     )
 
 
-class NeuronZero1Optimizer(torch.optim.Optimizer):
+class NeuronZero1Optimizer(Zero1StateMixin, torch.optim.Optimizer):
     """``optimizer_class`` with its state sharded over data parallelism.
 
     params: parameters or param groups, as for any torch optimizer (frozen params are ignored).
@@ -61,6 +62,8 @@ class NeuronZero1Optimizer(torch.optim.Optimizer):
     bucket_size_mb: reduce-scatter / all-gather input size per collective.
     elementwise: assert that an optimizer outside ``ELEMENTWISE_OPTIMIZERS`` is element-wise.
     model: a model from ``nxd_hf.parallelize`` whose DP gradient all-reduce to turn off.
+    grad_source: ``param -> accumulated gradient or None``; default ``param.grad`` (e.g. an fp32
+        ``main_grad``: gradients are reduced in the dtype it returns).
     defaults: ``optimizer_class``'s options (lr, weight_decay, ...).
 
     ``param_groups`` are this object's (lr schedulers work on it); their options are copied to
@@ -70,7 +73,7 @@ class NeuronZero1Optimizer(torch.optim.Optimizer):
 
     def __init__(self, params, optimizer_class, *, sharding_groups=None, grad_norm_groups=None, pin_layout=True,
                  max_norm: float | None = None, norm_type: float = 2.0, bucket_size_mb: float = 25,
-                 elementwise: bool = False, model=None, **defaults):
+                 elementwise: bool = False, model=None, grad_source=None, **defaults):
         _check_elementwise(optimizer_class, elementwise)
         if max_norm is not None and max_norm <= 0:
             raise ValueError(f"max_norm must be positive or None (no clipping), got {max_norm}")
@@ -79,6 +82,7 @@ class NeuronZero1Optimizer(torch.optim.Optimizer):
         self._layout_done = False
         super().__init__(params, defaults)
         self.max_norm, self.norm_type, self.pin_layout = max_norm, float(norm_type), pin_layout
+        self.grad_source = grad_source or (lambda p: p.grad)
         self.sharding_group = resolve_group(sharding_groups, "data")
         self.grad_norm_group = resolve_group(grad_norm_groups, "model")
         self.dp_size, self.dp_rank = backend.group_size(self.sharding_group), backend.group_rank(self.sharding_group)
@@ -155,37 +159,49 @@ class NeuronZero1Optimizer(torch.optim.Optimizer):
             inner.update(self._options(fg.group_index))
         with backend.comm_tag("zero1"):
             for fg, master in zip(self.flat_groups, self.masters):
-                self._reduce_scatter_grads(fg, master)
+                self._reduce_scatter_grads(fg, master)  # DP sums
             if self.max_norm is not None:
-                self.grad_norm = self._clip_grad_norm()
+                self.grad_norm = self._clip_grad_norm(scale=1.0 / self.dp_size)  # one pass: mean and clip
+            elif self.dp_size > 1:
+                for master in self.masters:
+                    master.grad.div_(self.dp_size)
             self.optimizer.step()
             for fg, master in zip(self.flat_groups, self.masters):
                 self._all_gather_params(fg, master)
         return loss
 
-    def _staging(self, fg: FlatGroup) -> torch.Tensor:
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the parameters' gradients and fp32 ``main_grad`` accumulators (Megatron's name)."""
+        super().zero_grad(set_to_none)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if getattr(p, "main_grad", None) is not None:
+                    p.main_grad = None if set_to_none else p.main_grad.zero_()
+
+    def _staging(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """One bucket's collective buffer per (dtype, device), kept across steps."""
-        key = (fg.dtype, fg.device)
-        numel = max(g.dp_size * g.bucket_numel for g in self.flat_groups if (g.dtype, g.device) == key)
-        if key not in self._staging_buffers:
-            self._staging_buffers[key] = torch.empty(numel, dtype=fg.dtype, device=fg.device)
-        return self._staging_buffers[key]
+        numel = max(g.dp_size * g.bucket_numel for g in self.flat_groups)
+        if (dtype, device) not in self._staging_buffers:
+            self._staging_buffers[(dtype, device)] = torch.empty(numel, dtype=dtype, device=device)
+        return self._staging_buffers[(dtype, device)]
 
     def _reduce_scatter_grads(self, fg: FlatGroup, master: torch.Tensor) -> None:
-        staging = self._staging(fg)
+        grads = [self.grad_source(p) for p in fg.params]
+        dtype = next((g.dtype for g in grads if g is not None), fg.dtype)
+        source = dict(zip(map(id, fg.params), grads))
+        staging = self._staging(dtype, fg.device)
         for c0, c1 in fg.buckets():
             width = c1 - c0
             for j in range(fg.dp_size):  # row j of the [dp, shard] view: rank j's columns c0:c1
                 start = j * fg.shard_numel + c0
-                fg.read(start, start + width, staging[j * width : (j + 1) * width], lambda p: p.grad)
-            out = master.grad[c0:c1] if fg.dtype == torch.float32 else torch.empty(width, dtype=fg.dtype, device=fg.device)
+                fg.read(start, start + width, staging[j * width : (j + 1) * width], lambda p: source[id(p)])
+            out = master.grad[c0:c1] if dtype == torch.float32 else torch.empty(width, dtype=dtype, device=fg.device)
             backend.reduce_scatter_into(out, staging[: fg.dp_size * width], self.sharding_group)
             if out.dtype != torch.float32:
                 master.grad[c0:c1].copy_(out)
-        master.grad.div_(fg.dp_size)
 
     def _all_gather_params(self, fg: FlatGroup, master: torch.Tensor) -> None:
-        staging = self._staging(fg)
+        staging = self._staging(fg.dtype, fg.device)
         for c0, c1 in fg.buckets():
             width = c1 - c0
             backend.all_gather_into(staging[: fg.dp_size * width], master[c0:c1].to(fg.dtype), self.sharding_group)
@@ -193,8 +209,9 @@ class NeuronZero1Optimizer(torch.optim.Optimizer):
                 start = j * fg.shard_numel + c0
                 fg.write_params(start, start + width, staging[j * width : (j + 1) * width])
 
-    def _clip_grad_norm(self) -> torch.Tensor:
-        """The whole model's gradient norm (before clipping); scales the slices' gradients."""
+    def _clip_grad_norm(self, *, scale: float) -> torch.Tensor:
+        """The norm of the whole model's gradient ``scale x`` the slices' (before clipping);
+        multiplies the slices by ``scale`` and the clipping coefficient."""
         p = self.norm_type
         device = self.masters[0].device
         total = torch.zeros((), dtype=torch.float32, device=device)
@@ -210,68 +227,8 @@ class NeuronZero1Optimizer(torch.optim.Optimizer):
         op = "max" if p == float("inf") else "sum"
         backend.all_reduce(total, self.sharding_group, op=op)
         backend.all_reduce(total, self.grad_norm_group, op=op)
-        norm = total if p == float("inf") else total ** (1.0 / p)
+        norm = (total if p == float("inf") else total ** (1.0 / p)) * scale
         clip_coef = (self.max_norm / (norm + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_
         for master in self.masters:
-            master.grad.mul_(clip_coef)
+            master.grad.mul_(clip_coef * scale)
         return norm
-
-    # -- state
-    def optimizer_state_bytes(self) -> int:
-        """Bytes of this rank's per-element state: the fp32 master slices plus every state
-        tensor of the master slices' size (Adam's exp_avg, exp_avg_sq; not scalar step counts)."""
-        total = sum(m.numel() * m.element_size() for m in self.masters)
-        for group in self.optimizer.param_groups:
-            for chunk in group["params"]:
-                for value in self.optimizer.state[chunk].values():
-                    if isinstance(value, torch.Tensor) and value.numel() == chunk.numel():
-                        total += value.numel() * value.element_size()
-        return total
-
-    def layout(self) -> dict:
-        """What a saved shard must match to be loaded here."""
-        return {
-            "dp_size": self.dp_size, "dp_rank": self.dp_rank,
-            "chunks": [len(group["params"]) for group in self.optimizer.param_groups],
-            "groups": [{"group_index": fg.group_index, "dtype": str(fg.dtype), "numel": fg.numel,
-                        "shard_numel": fg.shard_numel, "shapes": [list(p.shape) for p in fg.params]}
-                       for fg in self.flat_groups],
-        }
-
-    def state_dict(self) -> dict:
-        """This rank's shard: inner optimizer state, fp32 master slices, param group options
-        and the layout they belong to."""
-        return {
-            "layout": self.layout(),
-            "param_groups": [self._options(i) for i in range(len(self.param_groups))],
-            "masters": [m.detach().clone() for m in self.masters],
-            "inner": self.optimizer.state_dict(),
-        }
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        saved, here = state_dict["layout"], self.layout()
-        if saved != here:
-            diff = [k for k in here if saved.get(k) != here[k]]
-            raise ValueError(
-                f"this ZeRO-1 shard was saved for another layout (differs in {diff}): load it with the same "
-                "data/tensor/pipeline parallel sizes, parameters and param groups it was saved with")
-        self.optimizer.load_state_dict(state_dict["inner"])
-        for master, saved_master in zip(self.masters, state_dict["masters"]):
-            master.copy_(saved_master)
-        for group, options in zip(self.param_groups, state_dict["param_groups"]):
-            group.update(options)
-
-    def save_sharded_state_dict(self, output_dir: str, save_serially: bool = True) -> None:
-        """Every rank writes its shard to ``output_dir`` (one file per rank); ``save_serially``:
-        one DP rank at a time."""
-        from nxd_hf.checkpoint.zero1_shards import save_zero1_shard
-
-        save_zero1_shard(self.state_dict(), output_dir, group=self.sharding_group, dp_rank=self.dp_rank,
-                         dp_size=self.dp_size, save_serially=save_serially)
-
-    def load_sharded_state_dict(self, output_dir: str, num_workers_per_step: int = 8) -> None:
-        """Every rank reads its shard from ``output_dir``, at most ``num_workers_per_step`` ranks at a time."""
-        from nxd_hf.checkpoint.zero1_shards import load_zero1_shard
-
-        self.load_state_dict(load_zero1_shard(output_dir, dp_rank=self.dp_rank, device=self.masters[0].device,
-                                              num_workers_per_step=num_workers_per_step))

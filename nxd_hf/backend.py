@@ -109,6 +109,8 @@ class CommRecord:
     group_size: int
     payload_bytes: int
     tag: str
+    ranks: tuple[int, ...] = ()
+    """Global ranks of the group."""
 
 
 _records: list[CommRecord] | None = None
@@ -147,7 +149,8 @@ def _is_abstract(tensor: torch.Tensor) -> bool:
 def _record(op: str, tensor: torch.Tensor, group) -> None:
     if _records is not None:
         size = tensor.numel() * tensor.element_size()
-        _records.append(CommRecord(op, group_size(group), size, _tag))
+        ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(world_size()))
+        _records.append(CommRecord(op, group_size(group), size, _tag, ranks))
 
 
 def all_reduce(tensor: torch.Tensor, group, op: str = "sum") -> torch.Tensor:

@@ -7,7 +7,7 @@ import torch
 
 import hf_parity
 import nxd_hf
-from nxd_hf import parallel_state
+from nxd_hf import backend, parallel_state
 from nxd_hf.parallel_layers.pad import gather_full_tensor
 from nxd_hf.parallel_layers.utils import is_sharded
 from nxd_hf.testing import run_distributed
@@ -54,8 +54,13 @@ def _train(nxd_config, *, accumulate=1, dtype=torch.float32, steps=STEPS):
         step_tokens = (labels[:, 1:] != -100).sum()  # over the global batch: every micro-step's share
         local_ids, local_labels = ids.chunk(dp_size)[dp_rank], labels.chunk(dp_size)[dp_rank]
         loss = 0.0
-        for mb_ids, mb_labels in zip(local_ids.chunk(accumulate), local_labels.chunk(accumulate)):
-            loss = loss + model.run_train(input_ids=mb_ids, labels=mb_labels, num_items_in_batch=step_tokens)
+        with backend.count_comm() as records:
+            for mb_ids, mb_labels in zip(local_ids.chunk(accumulate), local_labels.chunk(accumulate)):
+                loss = loss + model.run_train(input_ids=mb_ids, labels=mb_labels, num_items_in_batch=step_tokens)
+        # micro-steps send no gradients over DP (only the scalar loss share): that is step()'s job
+        dp_ranks = tuple(next(g for g in parallel_state.get_data_parallel_group(as_list=True)
+                              if torch.distributed.get_rank() in g))
+        assert all(r.payload_bytes <= 8 for r in records if r.ranks == dp_ranks and dp_size > 1), records
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss)

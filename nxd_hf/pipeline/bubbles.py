@@ -10,7 +10,9 @@ them and waits on communication instead), so they are not counted.
 Unit costs (``SLOT_COSTS``): forward = input-gradient = weight-gradient = 1 slot (the
 zero-bubble paper's assumption), a full backward = 2. Under them 1F1B and GPipe idle
 (P-1)(F+B) = 3(P-1) slots per rank out of 3(M+P-1), and interleaved 1F1B with V chunks per
-rank 3(P-1) out of 3(VM+P-1): the closed forms (P-1)/(M+P-1) and (P-1)/(VM+P-1).
+rank 3(P-1) out of 3(VM+P-1): the closed forms (P-1)/(M+P-1) and (P-1)/(VM+P-1). The
+zero-bubble schedules fill all but P-1 slots with weight gradients (out of 3VM+P-1; ZBV needs
+M >= 2P-1 microbatches for that and idles 2(P-1) with M = P).
 """
 
 from types import SimpleNamespace

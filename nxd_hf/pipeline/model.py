@@ -6,7 +6,11 @@ materialize their meta parameters (``param_init_fn``), tie weights shared across
 apply activation checkpointing. ``run_train`` then runs one step of the chosen schedule.
 """
 
+import math
+import warnings
+
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from nxd_hf import backend, parallel_state
@@ -14,8 +18,28 @@ from nxd_hf.pipeline import partition as P
 from nxd_hf.pipeline.local import checkpoint_layers, materialize, tie_across_stages
 from nxd_hf.pipeline.runtime import SCHEDULES, build_schedule, check_schedule
 from nxd_hf.pipeline.stages import boundaries, fake_propagate, flat_boundary_values, split_stages, value_kinds
-from nxd_hf.pipeline.trace import trace_hf
+from nxd_hf.pipeline.trace import make_tracer, trace_hf
 from nxd_hf.pipeline.step import StepRunner
+
+
+def _all_tensors(graph_module) -> dict[str, str]:
+    """Value kinds of a plain module's graph, whose input dtypes are unknown before the first
+    step: every value crossing a stage boundary must then be a tensor."""
+    return {node.name: "tensor" for node in graph_module.graph.nodes}
+
+
+def _resolve_classes(module: nn.Module, classes) -> tuple[type, ...]:
+    """Module classes given as classes or as class names (NxD's guide passes ``__name__``)."""
+    by_name = {type(m).__name__: type(m) for m in module.modules()}
+    resolved = []
+    for c in classes:
+        if isinstance(c, type):
+            resolved.append(c)
+        elif c in by_name:
+            resolved.append(by_name[c])
+        else:
+            raise ValueError(f"leaf_module_cls {c!r} is not a class of this model's modules")
+    return tuple(resolved)
 
 
 def _layer_types(module: nn.Module, transformer_layer_cls) -> tuple[type, ...]:
@@ -47,11 +71,11 @@ class NxDPPModel(nn.Module):
             raise ValueError("return_mb_loss and broadcast_and_average_loss cannot both be True")
         if pipeline_cuts and auto_partition:
             raise ValueError("pass either pipeline_cuts or auto_partition=True, not both")
-        if tracer_cls not in (None, "hf"):
-            raise ValueError("tracer_cls: only 'hf' (the HF-aware spine tracer, which also traces plain torch "
-                             "modules) is available")
-        if output_loss_value_spec is not None and hasattr(module, "loss_function"):
-            pass  # HF models: the loss comes from the model's own loss_function on the last stage
+        self.is_hf = hasattr(module, "loss_function") and hasattr(module, "config")
+        if output_loss_value_spec is not None and self.is_hf:
+            warnings.warn("output_loss_value_spec is ignored for Hugging Face models: the last stage applies the "
+                          "model's own loss_function to the logits", stacklevel=2)
+        self.output_loss_value_spec = output_loss_value_spec
         self.pp_size = parallel_state.get_pipeline_model_parallel_size()
         self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
         self.num_microbatches, self.virtual_pipeline_size = num_microbatches, virtual_pipeline_size
@@ -65,11 +89,16 @@ class NxDPPModel(nn.Module):
         self._original = [module]  # not a submodule: only local stages are this module's children
         self._deallocate = deallocate_pipeline_outputs
 
-        traced_inputs = [n for n in self.input_names if n != "labels"]
-        leaf_types = tuple(leaf_module_cls or ())
-        leaf_types = tuple(t for t in leaf_types if isinstance(t, type))
+        traced_inputs = [n for n in self.input_names if n != "labels" or not self.is_hf]
+        leaf_types = _resolve_classes(module, leaf_module_cls or ())
+        tracer_kwargs = {}
+        if autowrap_modules:
+            tracer_kwargs["autowrap_modules"] = (math, *autowrap_modules)
+        if autowrap_functions:
+            tracer_kwargs["autowrap_functions"] = tuple(autowrap_functions)
+        tracer = make_tracer(tracer_cls, self.transformer_layer_cls, leaf_types, **tracer_kwargs)
         examples = self._example_inputs(traced_inputs)
-        graph_module = trace_hf(module, traced_inputs, self.transformer_layer_cls, leaf_types, examples)
+        graph_module = trace_hf(module, traced_inputs, self.transformer_layer_cls, leaf_types, examples, tracer)
         if trace_file_path:
             with open(trace_file_path, "w") as f:
                 f.write(str(graph_module.graph))
@@ -79,7 +108,7 @@ class NxDPPModel(nn.Module):
         cuts = pipeline_cuts or P.auto_cuts(layers, self.num_stages)
         self.stage_of_layer = P.stage_of_layers(layers, cuts, self.num_stages)
         self.pipeline_cuts = cuts
-        self._kinds = value_kinds(graph_module, examples)
+        self._kinds = value_kinds(graph_module, examples) if self.is_hf else _all_tensors(graph_module)
         all_stages = split_stages(graph_module, self.stage_of_layer, self._kinds)
         self._graph = [graph_module]  # the whole traced model, for per-shape stage metadata
         self._boundaries = boundaries(graph_module, self.stage_of_layer)
@@ -154,7 +183,10 @@ class NxDPPModel(nn.Module):
         meta = {}
         for s in self.local_stage_ids:
             inputs = microbatch_inputs if s == 0 else flat[s - 1]
-            outputs = [output_node.args[0].meta["val"]] if s == self.num_stages - 1 else flat[s]
+            if s == self.num_stages - 1:
+                outputs = pytree.tree_leaves(torch.fx.node.map_arg(output_node.args[0], lambda n: n.meta["val"]))
+            else:
+                outputs = flat[s]
             meta[s] = ([_as_meta(t) for t in inputs], [_as_meta(t) for t in outputs])
         return meta
 

@@ -13,6 +13,18 @@ from nxd_hf import backend, parallel_state
 from nxd_hf.parallel_layers.grads import sync_data_parallel_grads
 
 
+def _select_loss(output, spec):
+    """The loss in a module's output: ``spec`` marks it (NxD's output_loss_value_spec, a tuple
+    or dict of bools); default the output itself or its first item."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if spec is None:
+        return output[0]
+    if isinstance(spec, dict):
+        return next(output[k] for k, is_loss in spec.items() if is_loss)
+    return next(value for value, is_loss in zip(output, spec) if is_loss)
+
+
 class StepRunner:
     """Runs ``run_train``/``run_eval`` for an ``NxDPPModel``; schedules cached per input shape."""
 
@@ -22,12 +34,13 @@ class StepRunner:
         self.num_items = None
         self.train = True
 
-    def _loss_fn(self, logits, labels):
+    def _loss_fn(self, output, labels):
         original = self.model._original[0]
-        if hasattr(original, "loss_function"):  # the model's own loss (vocab-parallel under TP)
-            return original.loss_function(logits=logits, labels=labels, vocab_size=original.config.vocab_size,
+        if self.model.is_hf:  # the model's own loss (vocab-parallel under TP) on the logits
+            return original.loss_function(logits=output, labels=labels, vocab_size=original.config.vocab_size,
                                           num_items_in_batch=self.num_items)
-        raise ValueError("NxDPPModel computes the loss with the model's loss_function (Hugging Face models)")
+        # a plain module returns its loss (picked by output_loss_value_spec), a microbatch mean
+        return _select_loss(output, self.model.output_loss_value_spec) / self.model.num_microbatches
 
     def _schedule(self, args: list[torch.Tensor]):
         signature = tuple((tuple(a.shape), a.dtype) for a in args)
@@ -38,9 +51,10 @@ class StepRunner:
 
     def _check(self, inputs: dict) -> None:
         unknown = set(inputs) - set(self.model.input_names)
-        if unknown or "input_ids" not in inputs:
+        first = self.model.input_names[0]
+        if unknown or first not in inputs:
             raise ValueError(f"run_train/run_eval take the input_names {self.model.input_names}; got {sorted(inputs)}")
-        batch = inputs["input_ids"].shape[0]
+        batch = inputs[first].shape[0]
         if batch % self.model.num_microbatches:
             fits = [m for m in range(1, batch + 1) if batch % m == 0]
             raise ValueError(f"a batch of {batch} does not split into num_microbatches={self.model.num_microbatches}; "
@@ -52,16 +66,20 @@ class StepRunner:
         self._check(inputs)
         model = self.model
         labels = inputs.get("labels")
-        if labels is None:
+        if labels is None and model.is_hf:
             raise ValueError("run_train/run_eval need labels to compute the loss")
-        if "attention_mask" in model.input_names and "attention_mask" not in inputs:
+        if not model.is_hf:  # the loss is in the traced graph; the schedule still wants a target
+            labels = torch.zeros(inputs[model.input_names[0]].shape[0])
+        if model.is_hf and "attention_mask" in model.input_names and "attention_mask" not in inputs:
             inputs = {**inputs, "attention_mask": torch.ones_like(inputs["input_ids"])}
-        if step_count is None:  # this call's tokens over the DP ranks
+        if not model.is_hf:
+            step_count = 1.0
+        elif step_count is None:  # this call's tokens over the DP ranks
             step_count = (labels[..., 1:] != -100).sum().to(torch.float32)
             backend.all_reduce(step_count, parallel_state.get_data_parallel_group())
         dp_size = parallel_state.get_data_parallel_size()
         self.num_items = torch.as_tensor(step_count, dtype=torch.float32) / dp_size
-        args = [inputs[name] for name in model.input_names if name != "labels"]
+        args = [inputs[name] for name in model.input_names if name != "labels" or not model.is_hf]
         schedule = self._schedule(args)
         first, last = 0 in model.local_stage_ids, model.num_stages - 1 in model.local_stage_ids
         losses = [] if last else None
@@ -70,10 +88,10 @@ class StepRunner:
         grad_sync = getattr(model._original[0], "_nxd_grad_sync", None)
         if train:
             snapshot = grad_sync.begin(list(model.local_parameters())) if grad_sync else None
-            schedule.step(*step_args, **step_kwargs)
+            schedule.step(*step_args, return_outputs=False, **step_kwargs)
             self._after_backward(grad_sync, snapshot)
         else:
-            schedule.eval(*step_args, **step_kwargs)
+            schedule.eval(*step_args, return_outputs=False, **step_kwargs)
         return self._reduce_losses(losses)
 
     def _after_backward(self, grad_sync, snapshot) -> None:

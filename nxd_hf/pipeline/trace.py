@@ -178,9 +178,38 @@ def _patched_mask_builders(tracer: fx.Tracer, root: nn.Module, leaves: dict[str,
             setattr(module, name, builder)
 
 
+class LayerLeafTracer(fx.Tracer):
+    """Plain ``torch.fx`` tracing with the transformer layers (and ``leaf_types``) as leaves:
+    NxD's ``tracer_cls="torch"``, for plain torch modules."""
+
+    def __init__(self, layer_types: tuple[type, ...], leaf_types: tuple[type, ...] = (), **kwargs):
+        super().__init__(**kwargs)
+        self.leaf_types = layer_types + leaf_types
+
+    def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
+        return isinstance(module, self.leaf_types) or super().is_leaf_module(module, qualified_name)
+
+
+def make_tracer(tracer_cls, layer_types: tuple[type, ...], leaf_types: tuple[type, ...], **kwargs) -> fx.Tracer:
+    """The tracer for NxD's ``tracer_cls``: None/"hf" (``HFSpineTracer``), "torch"
+    (``LayerLeafTracer``) or a user ``fx.Tracer`` subclass, which gets the layers as leaves too."""
+    if tracer_cls in (None, "hf"):
+        return HFSpineTracer(layer_types, leaf_types, **kwargs)
+    if tracer_cls == "torch":
+        return LayerLeafTracer(layer_types, leaf_types, **kwargs)
+    if isinstance(tracer_cls, type) and issubclass(tracer_cls, fx.Tracer):
+        leaves = layer_types + leaf_types
+
+        def is_leaf_module(self, module, qualified_name):
+            return isinstance(module, leaves) or tracer_cls.is_leaf_module(self, module, qualified_name)
+
+        return type(f"Layers{tracer_cls.__name__}", (tracer_cls,), {"is_leaf_module": is_leaf_module})(**kwargs)
+    raise ValueError(f"tracer_cls must be 'hf', 'torch' or a torch.fx.Tracer subclass, not {tracer_cls!r}")
+
+
 class _TraceRoot(nn.Module):
     """Calls the model's undecorated forward with the traced inputs as keywords and returns its
-    logits (or the first output): the graph the pipeline splits."""
+    logits for an HF model, else its output as is: the graph the pipeline splits."""
 
     def __init__(self, model: nn.Module, input_names: list[str]):
         super().__init__()
@@ -193,10 +222,15 @@ class _TraceRoot(nn.Module):
         if hasattr(self.model, "config"):  # an HF model: no cache, output object
             kwargs.setdefault("use_cache", False)
         out = forward(self.model, **kwargs)
-        if isinstance(out, torch.Tensor):
+        if isinstance(out, torch.Tensor) or not hasattr(self.model, "loss_function"):
             return out
         logits = getattr(out, "logits", None)
         return logits if logits is not None else out[0]
+
+
+@contextlib.contextmanager
+def _no_patch(*_):
+    yield
 
 
 class _ExtraModules:
@@ -210,16 +244,19 @@ class _ExtraModules:
 
 
 def trace_hf(model: nn.Module, input_names: list[str], layer_types: tuple[type, ...],
-             leaf_types: tuple[type, ...] = (), example_inputs: list[torch.Tensor] | None = None) -> fx.GraphModule:
+             leaf_types: tuple[type, ...] = (), example_inputs: list[torch.Tensor] | None = None,
+             tracer: fx.Tracer | None = None) -> fx.GraphModule:
     """Trace ``model`` called with ``input_names`` (labels excluded) into a GraphModule whose
     submodules keep the model's own names (``model.layers.0``, ...). ``example_inputs`` give
-    the placeholders' dtype and rank (default: int64 ``[1, 8]`` each)."""
+    the placeholders' dtype and rank (default: int64 ``[1, 8]`` each); ``tracer`` defaults to
+    an ``HFSpineTracer``."""
     root = _TraceRoot(model, input_names)
-    tracer = HFSpineTracer(layer_types, leaf_types)
-    examples = example_inputs or [torch.ones(1, 8, dtype=torch.long) for _ in input_names]
-    tracer.example_inputs = dict(zip(input_names, examples))
-    tracer.mark_spine(root)
-    tracer._spine.add(id(root))
+    tracer = tracer or HFSpineTracer(layer_types, leaf_types)
+    if isinstance(tracer, HFSpineTracer):
+        examples = example_inputs or [torch.ones(1, 8, dtype=torch.long) for _ in input_names]
+        tracer.example_inputs = dict(zip(input_names, examples))
+        tracer.mark_spine(root)
+        tracer._spine.add(id(root))
     # positional placeholders named after the inputs
     code = f"def forward(self, {', '.join(input_names)}):\n    return _TraceRoot.forward(self, {', '.join(input_names)})\n"
     namespace = {"_TraceRoot": _TraceRoot}
@@ -227,7 +264,8 @@ def trace_hf(model: nn.Module, input_names: list[str], layer_types: tuple[type, 
     root_cls = type("TracedModel", (_TraceRoot,), {"forward": namespace["forward"]})
     root.__class__ = root_cls
     leaves: dict[str, nn.Module] = {}
-    with _patched_mask_builders(tracer, model, leaves):
+    patch = _patched_mask_builders if isinstance(tracer, HFSpineTracer) else _no_patch
+    with patch(tracer, model, leaves):
         graph = tracer.trace(root)
     root.__class__ = _TraceRoot
     modules = {}

@@ -67,6 +67,7 @@ class ColumnParallelLinear(nn.Module):
         self.input_size, self.output_size = input_size, output_size
         self.gather_output, self.sequence_parallel_enabled = gather_output, sequence_parallel_enabled
         self.init_method, self.stride, self.num_replicas = init_method, stride, num_replicas
+        self._has_replicas = bool((torch.as_tensor(num_replicas) > 1).any())  # int, or per row
         self.skip_input_collective = skip_input_collective
         tp_rank, tp_size = tp_coords()
         if shard_index is None:
@@ -106,7 +107,7 @@ class ColumnParallelLinear(nn.Module):
             x = mappings.copy_to_tensor_model_parallel_region(x)
         weight, bias = self.weight, self.bias
         # rows held by several ranks (replicated K/V; per row for a fused [q; k; v]): sum their grads
-        if bool((torch.as_tensor(self.num_replicas) > 1).any()):
+        if self._has_replicas:
             rows, size = self.weight.shard_index, self.output_size
             weight = mappings.SumReplicaGrads.apply(weight, rows, size)
             bias = None if bias is None else mappings.SumReplicaGrads.apply(bias, rows, size)

@@ -176,7 +176,7 @@ class RowParallelLinear(nn.Module):
             x = F.pad(x, (0, padded - x.shape[-1])) if padded != x.shape[-1] else x
             x = mappings.scatter_to_tensor_model_parallel_region(x)
         if self.input_keep_mask is not None:
-            x = x * self.input_keep_mask.to(x.dtype)
+            x = x * self.input_keep_mask.to(device=x.device, dtype=x.dtype)
         y = F.linear(x, self.weight)  # [b, s, out], partial sum
         if self.sequence_parallel_enabled:
             mappings.check_sequence_divisible(y)

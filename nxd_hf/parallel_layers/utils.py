@@ -54,6 +54,7 @@ def contiguous_shard_index(logical_size: int, tp_rank: int, tp_size: int, stride
 
 def shard_from_full(full: torch.Tensor, dim: int, shard_index: torch.Tensor) -> torch.Tensor:
     """Select ``shard_index`` rows of ``full`` along ``dim``; -1 rows become zeros."""
+    shard_index = shard_index.to(full.device)
     picked = full.index_select(dim, shard_index.clamp(min=0))
     keep_shape = [1] * full.dim()
     keep_shape[dim] = -1

@@ -200,3 +200,10 @@ def test_idle_slots_zero_bubble_one_stage_per_rank():
     # ZB-H1: interleaved_zero_bubble with V = 1 idles P - 1 slots against 1F1B's 3(P - 1)
     for pp_size in (2, 4, 8):
         assert bubbles.idle_slots("interleaved_zero_bubble", pp_size, 2 * pp_size) == [pp_size - 1] * pp_size
+
+
+def test_replay_per_stage_costs():
+    # 1F1B, P = 2, M = 2, the last stage's forward twice as long: rank 0 F0 F1 . . . B0 . . B1,
+    # rank 1 . F0 F0 B0 B0 F1 F1 B1 B1 -> 11 slots
+    costs = {**bubbles.SLOT_COSTS, (1, "F"): 2}
+    assert bubbles.replay(bubbles.action_lists("1f1b", 2, 2), 2, costs) == ([6, 8], 11)

@@ -1,0 +1,414 @@
+"""Pipeline bubbles and step time of ``nxd_hf``'s automatic pipeline against theory and against a
+hand-split ``torch.distributed.pipelining`` pipeline of the same model.
+
+One *process* per rank (``nxd_hf.testing.run_distributed``: gloo on CPU, ``torch.set_num_threads(1)``),
+not one thread: threads would share one interpreter lock, processes give each rank a core. A
+Llama-shaped HF model (``MODEL``; one microbatch's forward through the whole model takes
+>= 50 ms on one core) is built with the same seed on every rank. For every schedule of
+``nxd_hf.pipeline.runtime.SCHEDULES`` (V = 2 where it runs several stages per rank) and each
+number of microbatches M:
+
+- ours: ``nxd_hf.parallelize(model, pipeline_parallel_size=P, num_microbatches=M, schedule=...)``
+  and ``run_train`` (time to partition = the ``parallelize`` call: trace, cut, split);
+- hand: the same layers split by hand into ``PipelineStage`` modules (embedding + layers /
+  layers / layers + norm + lm_head, each computing RoPE itself, causal attention without a
+  mask tensor) run by the same torch schedule class with the same loss — the ceiling for an
+  automatic partitioner.
+
+Both are warmed up, then timed alternately (ours, hand, hand, ours, ...) so that drift in the
+machine's load hits both alike; medians over the timed steps. Busy time per rank is the sum of
+its stages' ``forward_one_chunk``/``backward_one_chunk``/``backward_weight_one_chunk`` calls
+and the loss; step time is the slowest rank's wall time from a barrier; a rank's bubble is
+1 - busy / step time, averaged over ranks. Theory: (P-1)/(M+P-1) for 1F1B and GPipe,
+(P-1)/(VM+P-1) for interleaved 1F1B and looped BFS, the replayed action lists
+(``nxd_hf.pipeline.bubbles``, F = I = W) for the zero-bubble schedules; "replay" is the same
+replay with the measured per-stage action times instead of unit costs.
+
+Targets (P = 2): bubble within max(10% relative, 2 points) of theory; ours' step time <= 1.05x
+the hand split. P = 4 runs 4 ranks on this machine's 2 cores: printed, marked oversubscribed,
+no target.
+
+Both see the same batch and weights; their first losses must agree (checked). Gradients are
+zeroed in place between steps. Per step, the machine's CPU use by other processes is recorded
+("other"); rows where it reaches ``QUIET_CORES`` are marked noisy, and ``--quiet-wait S`` makes
+each case wait up to S seconds for a quiet machine first.
+
+Run from the repo root: ``python bench/pipeline.py [--out PATH] [--pp 2 4] [--microbatches 4 8]
+[--oversubscribed-microbatches 8] [--schedules ...] [--steps N] [--quiet-wait S]``.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script
+
+import nxd_hf  # noqa: E402
+from nxd_hf import parallel_state  # noqa: E402
+from nxd_hf.pipeline import bubbles  # noqa: E402
+from nxd_hf.pipeline.partition import local_stages  # noqa: E402
+from nxd_hf.pipeline.runtime import SCHEDULES  # noqa: E402
+from nxd_hf.testing import run_distributed  # noqa: E402
+
+MODEL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
+             num_key_value_heads=8, vocab_size=1024, tie_word_embeddings=False)
+SEQ, MICROBATCH = 128, 1  # tokens per sequence, sequences per microbatch
+BUBBLE_REL, BUBBLE_ABS, STEP_SLACK = 0.10, 0.02, 1.05
+QUIET_CORES = 0.2  # other processes' CPU use (cores) below which the machine counts as quiet
+
+
+def build_model():
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**MODEL))
+
+
+def make_batch(num_microbatches: int):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, MODEL["vocab_size"], (num_microbatches * MICROBATCH, SEQ), generator=g)
+    return ids, ids.clone()  # HF shifts the labels
+
+
+# ---------------------------------------------------------------- the hand split
+
+class HandStage(nn.Module):
+    """Layers ``layer_ids`` of a Llama model, with the embedding on the first stage and norm +
+    lm_head on the last; RoPE from the positions, causal attention without a mask tensor."""
+
+    def __init__(self, model, layer_ids: list[int], first: bool, last: bool):
+        super().__init__()
+        self.embed_tokens = model.model.embed_tokens if first else None
+        self.layers = nn.ModuleList(model.model.layers[i] for i in layer_ids)
+        self.rotary_emb = model.model.rotary_emb
+        self.norm = model.model.norm if last else None
+        self.lm_head = model.lm_head if last else None
+
+    def forward(self, x):
+        hidden = self.embed_tokens(x) if self.embed_tokens is not None else x
+        position_ids = torch.arange(hidden.shape[1]).unsqueeze(0)
+        position_embeddings = self.rotary_emb(hidden, position_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, attention_mask=None, position_ids=position_ids,
+                           position_embeddings=position_embeddings)
+        return self.lm_head(self.norm(hidden)) if self.lm_head is not None else hidden
+
+
+def build_hand(name: str, pp_size: int, num_microbatches: int, virtual: int, labels):
+    """(step function, local stages, schedule, local parameters) of the hand-split pipeline."""
+    from torch.distributed.pipelining import PipelineStage
+
+    schedule_cls, placement, multi = SCHEDULES[name]
+    model = build_model()
+    num_stages, num_layers = pp_size * virtual, MODEL["num_hidden_layers"]
+    per_stage = num_layers // num_stages
+    hidden = torch.empty(MICROBATCH, SEQ, MODEL["hidden_size"], device="meta", requires_grad=True)
+    ids = torch.empty(MICROBATCH, SEQ, dtype=torch.long, device="meta")
+    logits = torch.empty(MICROBATCH, SEQ, MODEL["vocab_size"], device="meta", requires_grad=True)
+    stages = []
+    for s in local_stages(num_stages, pp_size, dist.get_rank(), placement):
+        first, last = s == 0, s == num_stages - 1
+        module = HandStage(model, list(range(s * per_stage, (s + 1) * per_stage)), first, last)
+        stages.append(PipelineStage(module, s, num_stages, torch.device("cpu"), input_args=(ids if first else hidden,),
+                                    output_args=(logits if last else hidden,)))
+    count = (labels[..., 1:] != -100).sum().to(torch.float32)
+
+    def loss_fn(output, target):
+        return model.loss_function(logits=output, labels=target, vocab_size=MODEL["vocab_size"],
+                                   num_items_in_batch=count)
+
+    schedule = schedule_cls(stages if multi else stages[0], n_microbatches=num_microbatches, loss_fn=loss_fn,
+                            scale_grads=False)
+    has_first, has_last = any(s.is_first for s in stages), any(s.is_last for s in stages)
+
+    def step(ids):
+        """The step's loss on the rank holding the last stage, None elsewhere (like ``run_train``)."""
+        losses = [] if has_last else None
+        schedule.step(*([ids] if has_first else []), **(dict(target=labels, losses=losses) if has_last else {}))
+        return torch.stack(losses).sum() if has_last else None
+
+    params = [p for stage in stages for p in stage.submod.parameters()]
+    return step, stages, schedule, params
+
+
+# ---------------------------------------------------------------- measuring one rank
+
+class BusyClock:
+    """Sums the time a rank spends in its stages' compute calls and the loss; keeps each call's
+    duration under (stage, kind) — F forward (+ loss), B full backward, I input grad, W weight grad."""
+
+    def __init__(self, stages, schedule):
+        self.busy, self.calls, self.cpu = 0.0, defaultdict(list), defaultdict(list)
+        for stage in stages:
+            for method, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", None),
+                                 ("backward_weight_one_chunk", "W")):
+                setattr(stage, method, self._timed(getattr(stage, method), stage.stage_index, kind))
+        last = stages[0].num_stages - 1
+        schedule._compute_loss = self._timed(schedule._compute_loss, last, "loss")
+
+    def _timed(self, fn, stage_index: int, kind):
+        def timed(*args, **kwargs):
+            start, start_cpu = time.perf_counter(), time.thread_time()
+            out = fn(*args, **kwargs)
+            elapsed = time.perf_counter() - start
+            self.busy += elapsed
+            key = (stage_index, kind or ("B" if kwargs.get("full_backward", True) else "I"))
+            self.calls[key].append(elapsed)
+            self.cpu[key].append(time.thread_time() - start_cpu)
+            return out
+        return timed
+
+
+def _zero_grads(params) -> None:
+    """In place (``zero_grad(set_to_none=False)``): fresh gradient buffers every step cost page
+    faults that depend on the heap's state, not on the pipeline, and blur the comparison."""
+    for p in params:
+        if p.grad is not None:
+            p.grad.zero_()
+
+
+def machine_busy_s() -> float:
+    """CPU seconds the whole machine has spent busy (all cores, all processes): /proc/stat."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_until_quiet(max_wait_s: float) -> float:
+    """Rank 0 waits (at most ``max_wait_s``) until the machine's other processes use less than
+    ``QUIET_CORES`` (this run's ranks sit in a barrier meanwhile); returns the seconds waited."""
+    waited = 0.0
+    if dist.get_rank() == 0:
+        while waited < max_wait_s:
+            before = machine_busy_s()
+            time.sleep(0.5)
+            waited += 0.5
+            if (machine_busy_s() - before) / 0.5 < QUIET_CORES:
+                break
+    dist.barrier()
+    return waited
+
+
+def _timed_step(step, params, clock: BusyClock) -> tuple[float, float, float, float]:
+    """(wall s, busy s, CPU s of this process, CPU s of the whole machine) of one step."""
+    _zero_grads(params)
+    clock.busy = 0.0
+    dist.barrier()
+    start, start_cpu, start_machine = time.perf_counter(), time.process_time(), machine_busy_s()
+    step()
+    wall = time.perf_counter() - start
+    return wall, clock.busy, time.process_time() - start_cpu, machine_busy_s() - start_machine
+
+
+def _forward_ms() -> float:
+    """One microbatch's forward through the whole model, single process, median of 3."""
+    model = build_model()
+    ids, _ = make_batch(1)
+    times = []
+    with torch.no_grad():
+        for _ in range(4):
+            start = time.perf_counter()
+            model(input_ids=ids[:MICROBATCH])
+            times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times[1:])
+
+
+def measure_case(name: str, num_microbatches: int, virtual: int, warmup: int, steps: int,
+                 quiet_wait_s: float) -> dict:
+    """This rank's records for one (schedule, M): per timed step (``_timed_step``) of each
+    implementation, median action times (wall and CPU), time to partition, first-step time."""
+    pp_size = dist.get_world_size()
+    parallel_state.destroy_model_parallel()
+    model = build_model()
+    waited = wait_until_quiet(quiet_wait_s)
+    start = time.perf_counter()
+    pp_model = nxd_hf.parallelize(model, pipeline_parallel_size=pp_size, num_microbatches=num_microbatches,
+                                  schedule=name, virtual_pipeline_size=virtual)
+    partition_s = time.perf_counter() - start
+    ids, labels = make_batch(num_microbatches)
+    mask = torch.ones_like(ids)
+    ours_params = list(pp_model.local_parameters())
+    hand_step, hand_stages, hand_schedule, hand_params = build_hand(name, pp_size, num_microbatches, virtual, labels)
+    steps_of = {"ours": lambda: pp_model.run_train(input_ids=ids, attention_mask=mask, labels=labels),
+                "hand": lambda: hand_step(ids)}
+    params_of = {"ours": ours_params, "hand": hand_params}
+    first_step, first_loss = {}, {}
+    for impl, step in steps_of.items():
+        for i in range(warmup):
+            _zero_grads(params_of[impl])
+            dist.barrier()
+            start = time.perf_counter()
+            loss = step()
+            if i == 0:
+                first_step[impl] = time.perf_counter() - start
+                first_loss[impl] = None if loss is None else float(loss.detach())
+    (ours_schedule,) = pp_model._runner.schedules.values()
+    ours_stages = ours_schedule._stages if SCHEDULES[name][2] else [ours_schedule._stage]
+    clocks = {"ours": BusyClock(ours_stages, ours_schedule), "hand": BusyClock(hand_stages, hand_schedule)}
+    timed = {"ours": [], "hand": []}
+    for i in range(steps):
+        for impl in (("ours", "hand") if i % 2 == 0 else ("hand", "ours")):
+            timed[impl].append(_timed_step(steps_of[impl], params_of[impl], clocks[impl]))
+    calls = {impl: {f"{s}:{k}": statistics.median(v) for (s, k), v in clock.calls.items()}
+             for impl, clock in clocks.items()}
+    cpu = {impl: {f"{s}:{k}": statistics.median(v) for (s, k), v in clock.cpu.items()}
+           for impl, clock in clocks.items()}
+    parallel_state.destroy_model_parallel()
+    return dict(timed=timed, calls=calls, cpu=cpu, partition_s=partition_s, first_step_s=first_step,
+                first_loss=first_loss, quiet_wait_s=waited)
+
+
+def run_cases(cases: list[tuple[str, int, int]], warmup: int, steps: int, quiet_wait_s: float) -> dict:
+    """Worker: every case on this rank, plus the forward time of one microbatch."""
+    wait_until_quiet(quiet_wait_s)
+    forward_ms = _forward_ms()
+    return dict(forward_ms=forward_ms,
+                cases=[measure_case(name, m, v, warmup, steps, quiet_wait_s) for name, m, v in cases])
+
+
+# ---------------------------------------------------------------- summarizing (parent)
+
+def _replayed_bubble(name: str, pp_size: int, num_microbatches: int, virtual: int, per_rank_calls: list) -> float:
+    """Bubble of the schedule's action lists replayed with the measured median action times."""
+    costs = {}
+    for calls in per_rank_calls:
+        for key, seconds in calls.items():
+            stage, kind = key.split(":")
+            costs[(int(stage), kind)] = seconds
+    last = pp_size * virtual - 1
+    costs[(last, "F")] = costs.get((last, "F"), 0.0) + costs.pop((last, "loss"), 0.0)
+    busy, span = bubbles.replay(bubbles.action_lists(name, pp_size, num_microbatches, virtual), pp_size * virtual,
+                                costs)
+    return sum(span - b for b in busy) / (len(busy) * span)
+
+
+def _summarize_impl(name: str, pp_size: int, num_microbatches: int, virtual: int, impl: str,
+                    per_rank: list[dict]) -> dict:
+    steps = [[r["timed"][impl][i] for r in per_rank] for i in range(len(per_rank[0]["timed"][impl]))]
+    step_s = [max(rank[0] for rank in step) for step in steps]  # the slowest rank's wall time
+    rank_bubbles = [statistics.median(1 - step[r][1] / wall for step, wall in zip(steps, step_s))
+                    for r in range(pp_size)]
+    # other processes' CPU use during the step, in cores: the machine's minus this run's ranks'
+    foreign = [max(0.0, (step[0][3] - sum(rank[2] for rank in step)) / wall) for step, wall in zip(steps, step_s)]
+    return dict(
+        step_s=statistics.median(step_s), step_s_all=step_s,
+        bubble=statistics.mean(rank_bubbles), bubble_per_rank=rank_bubbles,
+        replay=_replayed_bubble(name, pp_size, num_microbatches, virtual, [r["calls"][impl] for r in per_rank]),
+        replay_cpu=_replayed_bubble(name, pp_size, num_microbatches, virtual, [r["cpu"][impl] for r in per_rank]),
+        cpu_s=statistics.median(max(rank[2] for rank in step) for step in steps),
+        foreign_cores=statistics.median(foreign), foreign_cores_all=foreign,
+        first_step_s=max(r["first_step_s"][impl] for r in per_rank),
+        action_ms={k: 1e3 * v for r in per_rank for k, v in sorted(r["calls"][impl].items())},
+        action_cpu_ms={k: 1e3 * v for r in per_rank for k, v in sorted(r["cpu"][impl].items())},
+    )
+
+
+def summarize(name: str, pp_size: int, num_microbatches: int, virtual: int, per_rank: list[dict]) -> dict:
+    row = dict(schedule=name, pp=pp_size, microbatches=num_microbatches, virtual=virtual,
+               oversubscribed=pp_size > (os.cpu_count() or 1),
+               theory=bubbles.theoretical_bubble_fraction(name, pp_size, num_microbatches, virtual),
+               partition_s=max(r["partition_s"] for r in per_rank),
+               quiet_wait_s=per_rank[0]["quiet_wait_s"])
+    # the same model: the first step's loss (on the last stage's rank) agrees
+    (losses,) = [r["first_loss"] for r in per_rank if r["first_loss"]["ours"] is not None]
+    row["loss"] = losses
+    assert abs(losses["ours"] - losses["hand"]) <= 1e-4 * abs(losses["hand"]), losses
+    for impl in ("ours", "hand"):
+        row[impl] = _summarize_impl(name, pp_size, num_microbatches, virtual, impl, per_rank)
+    row["step_ratio"] = row["ours"]["step_s"] / row["hand"]["step_s"]
+    row["cpu_ratio"] = row["ours"]["cpu_s"] / row["hand"]["cpu_s"]
+    row["noisy"] = max(row["ours"]["foreign_cores"], row["hand"]["foreign_cores"]) >= QUIET_CORES
+    if not row["oversubscribed"]:
+        tolerance = max(BUBBLE_REL * row["theory"], BUBBLE_ABS)
+        row["bubble_ok"] = abs(row["ours"]["bubble"] - row["theory"]) <= tolerance
+        row["step_ok"] = row["step_ratio"] <= STEP_SLACK
+    return row
+
+
+def format_rows(rows: list[dict]) -> str:
+    cols = (f"{'P':>2} {'M':>2} {'V':>1} {'schedule':<23} {'theory':>6} {'ours':>6} {'replay':>6} {'hand':>6} "
+            f"{'ours s':>6} {'hand s':>6} {'ratio':>5} {'cpu':>5} {'other':>5} {'part s':>6}  targets")
+    lines = [cols, "-" * len(cols)]
+    for r in rows:
+        if r["oversubscribed"]:
+            verdict = "oversubscribed, no target"
+        else:
+            verdict = f"bubble {'ok' if r['bubble_ok'] else 'MISS'}, step {'ok' if r['step_ok'] else 'MISS'}"
+        if r["noisy"]:
+            verdict += " (noisy)"
+        other = max(r["ours"]["foreign_cores"], r["hand"]["foreign_cores"])
+        lines.append(
+            f"{r['pp']:>2} {r['microbatches']:>2} {r['virtual']:>1} {r['schedule']:<23} {r['theory']:>6.1%} "
+            f"{r['ours']['bubble']:>6.1%} {r['ours']['replay']:>6.1%} {r['hand']['bubble']:>6.1%} "
+            f"{r['ours']['step_s']:>6.3f} {r['hand']['step_s']:>6.3f} {r['step_ratio']:>5.2f} {r['cpu_ratio']:>5.2f} "
+            f"{other:>5.2f} {r['partition_s']:>6.2f}  {verdict}")
+    return "\n".join(lines)
+
+
+LEGEND = """theory: bubble fraction of the schedule (see the module docstring); ours/hand: measured bubble;
+replay: ours' action lists replayed with its measured action times; ours s/hand s: median step
+time; ratio: ours/hand step time; cpu: ours/hand CPU seconds per step (slowest rank); other:
+cores used by other processes during the steps (median; noisy at >= {quiet}); part s: time to
+partition (nxd_hf.parallelize)."""
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                                      "pipeline.json"))
+    parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--oversubscribed-microbatches", type=int, nargs="+", default=[8],
+                        help="M for the P that exceed the core count (their rows have no target)")
+    parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=list(SCHEDULES))
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--quiet-wait", type=float, default=0.0,
+                        help="before each case, wait up to this many seconds for other processes to go quiet")
+    args = parser.parse_args(argv)
+    started, load_before = time.perf_counter(), os.getloadavg()
+    rows, forward_ms = [], {}
+    for pp_size in args.pp:
+        oversubscribed = pp_size > (os.cpu_count() or 1)
+        microbatches = args.oversubscribed_microbatches if oversubscribed else args.microbatches
+        cases = [(name, m, 2 if SCHEDULES[name][2] else 1) for m in microbatches for name in args.schedules]
+        per_rank = run_distributed(run_cases, pp_size, cases, args.warmup, args.steps, args.quiet_wait,
+                                   timeout_s=3600)
+        forward_ms[pp_size] = per_rank[0]["forward_ms"]
+        for i, (name, m, v) in enumerate(cases):
+            rows.append(summarize(name, pp_size, m, v, [r["cases"][i] for r in per_rank]))
+    load_after = os.getloadavg()
+    print(f"one process per rank (nxd_hf.testing.run_distributed: gloo, CPU, 1 thread each), not threads; "
+          f"{os.cpu_count()} cores\nmodel {MODEL}, microbatch {MICROBATCH}x{SEQ} tokens; one microbatch's forward "
+          "through the whole model: " + ", ".join(f"{ms:.0f} ms (with {p} ranks up)" for p, ms in forward_ms.items()))
+    print(f"{args.warmup} warm-up + {args.steps} timed steps per implementation, alternating, medians; "
+          f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after\n")
+    print(format_rows(rows))
+    print("\n" + LEGEND.format(quiet=QUIET_CORES))
+    checked = [r for r in rows if not r["oversubscribed"]]
+    all_pass = all(r["bubble_ok"] and r["step_ok"] for r in checked)
+    print(f"\ntargets (P=2): bubble within max({BUBBLE_REL:.0%} rel, {BUBBLE_ABS:.0%} abs) of theory, "
+          f"step <= {STEP_SLACK}x hand: {'all met' if all_pass else 'MISSED'}; "
+          f"{sum(r['noisy'] for r in rows)} of {len(rows)} rows noisy; total {time.perf_counter() - started:.0f} s")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(dict(model=MODEL, seq=SEQ, microbatch=MICROBATCH, ranks_as="processes", threads_per_rank=1,
+                       cpu_count=os.cpu_count(), forward_ms=forward_ms, warmup=args.warmup, steps=args.steps,
+                       load_average=dict(before=load_before, after=load_after), quiet_cores=QUIET_CORES,
+                       targets=dict(bubble=f"|ours - theory| <= max({BUBBLE_REL} x theory, {BUBBLE_ABS}) (P=2)",
+                                    step=f"ours <= {STEP_SLACK} x hand (P=2)"),
+                       rows=rows, all_pass=all_pass), f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

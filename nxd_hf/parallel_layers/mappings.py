@@ -141,20 +141,25 @@ class SumReplicaGrads(torch.autograd.Function):
         return total.index_select(0, rows) * keep, None, None
 
 
+def _tp_is_one() -> bool:
+    return parallel_state.get_tensor_model_parallel_size() == 1
+
+
+# The wrappers skip the autograd Function entirely at tp = 1 (no collective, no graph node).
 def copy_to_tensor_model_parallel_region(x):
-    return CopyToTensorParallelRegion.apply(x)
+    return x if _tp_is_one() else CopyToTensorParallelRegion.apply(x)
 
 
 def reduce_from_tensor_model_parallel_region(x):
-    return ReduceFromTensorParallelRegion.apply(x)
+    return x if _tp_is_one() else ReduceFromTensorParallelRegion.apply(x)
 
 
 def scatter_to_tensor_model_parallel_region(x):
-    return ScatterToTensorParallelRegion.apply(x)
+    return x if _tp_is_one() else ScatterToTensorParallelRegion.apply(x)
 
 
 def gather_from_tensor_model_parallel_region(x):
-    return GatherFromTensorParallelRegion.apply(x)
+    return x if _tp_is_one() else GatherFromTensorParallelRegion.apply(x)
 
 
 def check_sequence_divisible(x: torch.Tensor) -> None:
@@ -170,12 +175,12 @@ def check_sequence_divisible(x: torch.Tensor) -> None:
 
 def scatter_to_sequence_parallel_region(x):
     check_sequence_divisible(x)
-    return ScatterToSequenceParallelRegion.apply(x)
+    return x if _tp_is_one() else ScatterToSequenceParallelRegion.apply(x)
 
 
 def gather_from_sequence_parallel_region(x, to_model_parallel: bool = True):
-    return GatherFromSequenceParallelRegion.apply(x, to_model_parallel)
+    return x if _tp_is_one() else GatherFromSequenceParallelRegion.apply(x, to_model_parallel)
 
 
 def reduce_scatter_to_sequence_parallel_region(x):
-    return ReduceScatterToSequenceParallelRegion.apply(x)
+    return x if _tp_is_one() else ReduceScatterToSequenceParallelRegion.apply(x)

@@ -80,6 +80,18 @@ def check_mlp(sp: bool) -> None:
     torch.testing.assert_close(mlp.down.bias.grad, ref.down.bias.grad, **TOL)
 
 
+def _check_block_outputs_and_input_grads(block, ref, *, seed: int) -> None:
+    """Same input through both blocks: equal outputs and input gradients (loss: sum of squares)."""
+    x_full = torch.randn(B, S, H, generator=torch.Generator().manual_seed(seed)).requires_grad_(True)
+    y_ref = ref(x_full)
+    y_ref.square().sum().backward()
+    x = x_full.detach().clone().requires_grad_(True)
+    y = block(x)
+    torch.testing.assert_close(y, y_ref.detach(), **TOL)
+    y.square().sum().backward()
+    torch.testing.assert_close(x.grad, x_full.grad, **TOL)
+
+
 def check_padded_attention(num_heads: int) -> None:
     """Heads not divisible by tp: pad_model re-lays q/k/v/o and the block equals the original,
     gradients included, and padded weights get exactly zero gradient."""
@@ -89,14 +101,7 @@ def check_padded_attention(num_heads: int) -> None:
     block = Attention(H, num_heads, parallel=True)
     _, tp_size = tp_info()
     pad_model(block, tp_size, num_heads)
-    x_full = torch.randn(B, S, H, generator=torch.Generator().manual_seed(2)).requires_grad_(True)
-    y_ref = ref(x_full)
-    y_ref.square().sum().backward()
-    x = x_full.detach().clone().requires_grad_(True)
-    y = block(x)
-    torch.testing.assert_close(y, y_ref.detach(), **TOL)
-    y.square().sum().backward()
-    torch.testing.assert_close(x.grad, x_full.grad, **TOL)
+    _check_block_outputs_and_input_grads(block, ref, seed=2)
     for name in "qkvo":
         layer, ref_layer = getattr(block, name), getattr(ref, name)
         assert_grads_match(layer.weight, ref_layer.weight.grad, f"{name} weight")
@@ -141,14 +146,7 @@ def check_gqa_attention(num_heads: int, num_kv_heads: int) -> None:
     ref = GQAAttention(H, num_heads, num_kv_heads, parallel=False)
     torch.manual_seed(6)  # same draws: q, k, v, o in order
     block = GQAAttention(H, num_heads, num_kv_heads, parallel=True)
-    x_full = torch.randn(B, S, H, generator=torch.Generator().manual_seed(5)).requires_grad_(True)
-    y_ref = ref(x_full)
-    y_ref.square().sum().backward()
-    x = x_full.detach().clone().requires_grad_(True)
-    y = block(x)
-    torch.testing.assert_close(y, y_ref.detach(), **TOL)
-    y.square().sum().backward()
-    torch.testing.assert_close(x.grad, x_full.grad, **TOL)
+    _check_block_outputs_and_input_grads(block, ref, seed=5)
     full_qkv = [torch.cat([ref.q.weight.grad, ref.k.weight.grad, ref.v.weight.grad]),
                 torch.cat([ref.q.bias.grad, ref.k.bias.grad, ref.v.bias.grad])]
     assert_grads_match(block.qkv.weight_qkv, full_qkv[0], "qkv weight")

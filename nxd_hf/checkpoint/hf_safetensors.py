@@ -4,6 +4,9 @@ For a sharded parameter, the rows named by its ``shard_index`` are read with saf
 ``get_slice`` in contiguous runs (padding rows become zeros, HF ``Conv1D`` weights are stored
 ``[in, out]`` and transposed after reading); replicated parameters are read whole. Bytes read
 are counted (``LoadReport``), so tests can check that no rank reads more than its share.
+A tensor read whole, or a shard that is one contiguous run of rows, stays what safetensors
+returns, a copy-on-write view of the memory-mapped file (as transformers keeps its weights):
+its pages are shared page cache until training writes them. Other shards are copied.
 """
 
 import dataclasses
@@ -58,9 +61,7 @@ class SafetensorsCheckpoint:
         return self._handles[name].get_slice(key)
 
     def read(self, key: str) -> torch.Tensor:
-        # safetensors returns a view of the mapped file: copy it, or the parameter would keep the
-        # whole file mapped and alias it (as read_rows' torch.cat already copies)
-        tensor = self._slice(key)[:].clone()
+        tensor = self._slice(key)[:]
         self.report.bytes_read += tensor.numel() * tensor.element_size()
         return tensor
 
@@ -81,6 +82,8 @@ class SafetensorsCheckpoint:
             self.report.bytes_read += piece.numel() * piece.element_size()
             dtype = piece.dtype
             pieces.append(("data", piece))
+        if len(pieces) == 1 and pieces[0][0] == "data":
+            return pieces[0][1]  # one run: keep the (copy-on-write) view of the mapped file
         dtype = dtype or torch.float32
         return torch.cat([p if kind == "data" else torch.zeros(p, dtype=dtype) for kind, p in pieces], dim=dim)
 

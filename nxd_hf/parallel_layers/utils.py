@@ -6,6 +6,8 @@ covers plain, strided (fused), padded and K/V-replicated layouts, so initializat
 gathering and checkpointing all use the same code.
 """
 
+import functools
+
 import torch
 from torch import nn
 
@@ -32,8 +34,10 @@ def padded_size(size: int, multiple: int) -> int:
     return -(-size // multiple) * multiple
 
 
+@functools.lru_cache(maxsize=4096)
 def contiguous_shard_index(logical_size: int, tp_rank: int, tp_size: int, stride: int = 1) -> torch.Tensor:
     """Rows of a contiguously sharded dim, padded at the end to a multiple of ``tp_size``.
+    Cached: every layer of the same shape shares one (never modified) index tensor.
 
     With ``stride`` s the dim is s fused sub-tensors ``[A_1; ...; A_s]``, each split over the
     ranks, so rank r holds ``[A_1,r; ...; A_s,r]`` (Megatron's strided layout); no padding then.

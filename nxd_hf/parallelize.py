@@ -83,6 +83,8 @@ def parallelize(
         result is then an ``NxDPPModel`` trained with ``run_train``.
     """
     _check_model(model)
+    if bucket_size_mb <= 0:
+        raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
     _init_parallel_state(tensor_parallel_size, pipeline_parallel_size)
     if pipeline_kwargs and pipeline_parallel_size == 1:
         raise ValueError(f"{sorted(pipeline_kwargs)} are pipeline options: they need pipeline_parallel_size > 1")

@@ -41,3 +41,15 @@ def test_batch_not_divisible_by_microbatches():
 def test_unknown_inputs_are_named():
     with pytest.raises(ValueError, match="input_names"):
         _runner()._check({"input_ids": torch.zeros(4, 8, dtype=torch.long), "pixel_values": torch.zeros(1)})
+
+
+def test_microbatch_and_bucket_sizes_must_be_positive():
+    import hf_parity
+    import nxd_hf
+    from nxd_hf.pipeline import NxDPPModel
+
+    _, model = hf_parity.build_pair("llama")
+    with pytest.raises(ValueError, match="num_microbatches"):
+        NxDPPModel(model, num_microbatches=0)
+    with pytest.raises(ValueError, match="bucket_size_mb"):
+        nxd_hf.parallelize(model, bucket_size_mb=0)

@@ -67,6 +67,9 @@ class NxDPPModel(nn.Module):
         activation_checkpoint_config=None, _materialize: bool = True,
     ):
         super().__init__()
+        if num_microbatches < 1 or virtual_pipeline_size < 1:
+            raise ValueError(f"num_microbatches ({num_microbatches}) and virtual_pipeline_size "
+                             f"({virtual_pipeline_size}) must be >= 1")
         if return_mb_loss and broadcast_and_average_loss:
             raise ValueError("return_mb_loss and broadcast_and_average_loss cannot both be True")
         if pipeline_cuts and auto_partition:

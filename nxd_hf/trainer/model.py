@@ -70,33 +70,30 @@ class NxDModel(nn.Module):
             return self.module.local_named_parameters(*args, **kwargs)
         return self.module.named_parameters(*args, **kwargs)
 
-    def parameters(self, *args, **kwargs):
-        for _, param in self.named_parameters(*args, **kwargs):
-            yield param
-
     def named_buffers(self, *args, **kwargs):
-        for stage in self._local_roots():
-            yield from stage.named_buffers(*args, **kwargs)
-
-    def buffers(self, *args, **kwargs):
-        for _, buffer in self.named_buffers(*args, **kwargs):
-            yield buffer
+        return self._over_local_roots("named_buffers", *args, **kwargs)
 
     def named_modules(self, *args, **kwargs):
-        for stage in self._local_roots():
-            yield from stage.named_modules(*args, **kwargs)
-
-    def modules(self):
-        for _, module in self.named_modules():
-            yield module
+        return self._over_local_roots("named_modules", *args, **kwargs)
 
     def named_children(self):
-        for stage in self._local_roots():
-            yield from stage.named_children()
+        return self._over_local_roots("named_children")
+
+    def parameters(self, *args, **kwargs):
+        return (value for _, value in self.named_parameters(*args, **kwargs))
+
+    def buffers(self, *args, **kwargs):
+        return (value for _, value in self.named_buffers(*args, **kwargs))
+
+    def modules(self):
+        return (value for _, value in self.named_modules())
 
     def children(self):
-        for _, child in self.named_children():
-            yield child
+        return (value for _, value in self.named_children())
+
+    def _over_local_roots(self, method: str, *args, **kwargs):
+        for root in self._local_roots():
+            yield from getattr(root, method)(*args, **kwargs)
 
     def _local_roots(self) -> list[nn.Module]:
         return list(self.module.stages.values()) if self.pipelined else [self.module]

@@ -193,3 +193,27 @@ def test_move_model_to_device_keeps_sharding_metadata():
     moved = move_model_to_device(nn.Sequential(layer), torch.device("cpu"))
     assert moved[0].weight.tensor_model_parallel and moved[0].weight.partition_dim == 0
     assert torch.equal(moved[0].weight.shard_index, torch.arange(6))
+
+
+def test_shard_index_runs_match_a_row_by_row_scan():
+    """The loader reads contiguous runs of a shard's rows; padding (-1) runs become zeros."""
+    from nxd_hf.checkpoint.hf_safetensors import _runs
+
+    def scan(values):
+        runs = []
+        for v in values:
+            if runs and v < 0 and runs[-1][2]:
+                runs[-1] = (0, runs[-1][1] + 1, True)
+            elif runs and v >= 0 and not runs[-1][2] and runs[-1][1] == v:
+                runs[-1] = (runs[-1][0], v + 1, False)
+            else:
+                runs.append((0, 1, True) if v < 0 else (v, v + 1, False))
+        return runs
+
+    g = torch.Generator().manual_seed(0)
+    cases = [[], [-1], [5], [0, 1, 2, -1, -1], [3, 4, 0, 1, -1, 7, 8], [2, 2, 3]]
+    cases += [torch.randint(-1, 6, (int(n),), generator=g).tolist() for n in torch.randint(0, 12, (200,), generator=g)]
+    for shard_index in [contiguous_shard_index(10, r, 4) for r in range(4)]:
+        cases.append(shard_index.tolist())
+    for values in cases:
+        assert _runs(torch.tensor(values, dtype=torch.long)) == scan(values), values

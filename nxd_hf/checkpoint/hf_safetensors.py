@@ -89,20 +89,19 @@ class SafetensorsCheckpoint:
 
 
 def _runs(rows: torch.Tensor) -> list[tuple[int, int, bool]]:
-    """Split ``rows`` into (start, stop, is_padding) runs of consecutive rows or of -1s."""
-    values = rows.tolist()
-    runs, i = [], 0
-    while i < len(values):
-        j = i + 1
-        if values[i] < 0:
-            while j < len(values) and values[j] < 0:
-                j += 1
-            runs.append((0, j - i, True))
-        else:
-            while j < len(values) and values[j] == values[j - 1] + 1:
-                j += 1
-            runs.append((values[i], values[j - 1] + 1, False))
-        i = j
+    """Split ``rows`` into (start, stop, is_padding) runs of consecutive rows or of -1s.
+    Vectorized: a Python list of every row (32k ints for a vocab) would cost a MiB of memory."""
+    if len(rows) == 0:
+        return []
+    padding = rows < 0
+    both_padding = padding[1:] & padding[:-1]
+    consecutive = ~padding[1:] & ~padding[:-1] & (rows[1:] == rows[:-1] + 1)
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), (~(both_padding | consecutive)).nonzero().flatten() + 1])
+    stops = torch.cat([starts[1:], torch.tensor([len(rows)])])
+    runs = []
+    for i, j in zip(starts.tolist(), stops.tolist()):
+        first = int(rows[i])
+        runs.append((0, j - i, True) if first < 0 else (first, first + j - i, False))
     return runs
 
 
@@ -116,42 +115,57 @@ def _owners(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
     return owners
 
 
-def _checkpoint_key(checkpoint: SafetensorsCheckpoint, name: str, prefix: str, renamed: dict[str, str],
+def _checkpoint_key(checkpoint: SafetensorsCheckpoint, name: str, prefix: str, renamed: "HFRenames",
                     tied: dict[str, str]) -> str | None:
-    """The checkpoint key holding parameter ``name``: the same name, HF's load-time renames
-    (e.g. GPT-NeoX ``embed_out`` -> ``lm_head``), the name without the base-model prefix, or
-    for a tied weight the key of the weight it is tied to."""
-    for candidate in (name, tied.get(name)):
-        if candidate is None:
-            continue
+    """The checkpoint key holding parameter ``name``: the same name, the name without the
+    base-model prefix, for a tied weight the key of the weight it is tied to, or else one of
+    HF's load-time renames (e.g. GPT-NeoX ``embed_out`` -> ``lm_head``)."""
+    candidates = [c for c in (name, tied.get(name)) if c is not None]
+    for candidate in candidates:
         if candidate in checkpoint:
             return candidate
-        if candidate in renamed:
-            return renamed[candidate]
         if prefix and candidate.startswith(prefix + "."):
             stripped = candidate[len(prefix) + 1 :]
             if stripped in checkpoint:
                 return stripped
+    for candidate in candidates:
+        key = renamed.get(candidate)
+        if key is not None:
+            return key
     return None
 
 
-def _hf_renames(hf_model: nn.Module | None, keys) -> dict[str, str]:
-    """Model name -> checkpoint key for HF's registered plain renames of this model type."""
-    if hf_model is None or not hasattr(hf_model, "config"):
-        return {}
-    from transformers.conversion_mapping import extract_weight_conversions_for_model
-    from transformers.core_model_loading import WeightRenaming
+class HFRenames:
+    """Model name -> checkpoint key for HF's registered plain renames of this model type.
+    Built on the first lookup: transformers then builds its conversion table for every
+    architecture (~1 MiB of objects and compiled patterns), which a checkpoint saved under the
+    current names never needs."""
 
-    renames = [t for t in extract_weight_conversions_for_model(hf_model) or [] if isinstance(t, WeightRenaming)]
-    mapping = {}
-    for key in keys:
-        name = key
-        for rename in renames:
-            for source, target in zip(rename.source_patterns, rename.target_patterns):
-                name = re.sub(source, target, name)
-        if name != key:
-            mapping[name] = key
-    return mapping
+    def __init__(self, hf_model: nn.Module | None, keys):
+        self._hf_model, self._keys, self._mapping = hf_model, keys, None
+
+    def get(self, name: str) -> str | None:
+        if self._mapping is None:
+            self._mapping = self._build()
+        return self._mapping.get(name)
+
+    def _build(self) -> dict[str, str]:
+        if self._hf_model is None or not hasattr(self._hf_model, "config"):
+            return {}
+        from transformers.conversion_mapping import extract_weight_conversions_for_model
+        from transformers.core_model_loading import WeightRenaming
+
+        conversions = extract_weight_conversions_for_model(self._hf_model) or []
+        renames = [t for t in conversions if isinstance(t, WeightRenaming)]
+        mapping = {}
+        for key in self._keys:
+            name = key
+            for rename in renames:
+                for source, target in zip(rename.source_patterns, rename.target_patterns):
+                    name = re.sub(source, target, name)
+            if name != key:
+                mapping[name] = key
+        return mapping
 
 
 def load_hf_safetensors(model: nn.Module, path: str, *, hf_model: nn.Module | None = None) -> LoadReport:
@@ -162,7 +176,7 @@ def load_hf_safetensors(model: nn.Module, path: str, *, hf_model: nn.Module | No
     owners = _owners(model)
     hf_model = hf_model if hf_model is not None else model
     prefix = getattr(hf_model, "base_model_prefix", "")
-    renamed = _hf_renames(hf_model, checkpoint.files)
+    renamed = HFRenames(hf_model, checkpoint.files)
     tied = getattr(hf_model, "_tied_weights_keys", None) or {}
     ties_embeddings = getattr(getattr(hf_model, "config", None), "tie_word_embeddings", False)
     tied = tied if isinstance(tied, dict) and ties_embeddings else {}
@@ -189,7 +203,7 @@ def load_hf_safetensors(model: nn.Module, path: str, *, hf_model: nn.Module | No
     return checkpoint.report
 
 
-def _load_buffers(model: nn.Module, checkpoint: SafetensorsCheckpoint, prefix: str, renamed: dict[str, str]) -> None:
+def _load_buffers(model: nn.Module, checkpoint: SafetensorsCheckpoint, prefix: str, renamed: HFRenames) -> None:
     """Persistent buffers come from the file; meta non-persistent ones (RoPE ``inv_freq``)
     are recomputed by building their module again from the config."""
     for module_name, module in model.named_modules():
@@ -197,8 +211,9 @@ def _load_buffers(model: nn.Module, checkpoint: SafetensorsCheckpoint, prefix: s
             if buffer is None:
                 continue
             full_name = f"{module_name}.{name}" if module_name else name
-            key = _checkpoint_key(checkpoint, full_name, prefix, renamed, {})
-            if key is not None and name not in module._non_persistent_buffers_set:
+            persistent = name not in module._non_persistent_buffers_set
+            key = _checkpoint_key(checkpoint, full_name, prefix, renamed, {}) if persistent else None
+            if key is not None:
                 module._buffers[name] = checkpoint.read(key).to(buffer.dtype)
             elif buffer.is_meta:
                 _rebuild_buffers(module, module_name)

@@ -70,13 +70,13 @@ class ColumnParallelLinear(nn.Module):
         self._has_replicas = bool((torch.as_tensor(num_replicas) > 1).any())  # int, or per row
         self.skip_input_collective = skip_input_collective
         tp_rank, tp_size = tp_coords()
+        self._gather_positions = None  # a plain contiguous gather is in logical order up to trailing padding
         if shard_index is None:
-            all_indices = [contiguous_shard_index(output_size, r, tp_size, stride) for r in range(tp_size)]
-            shard_index = all_indices[tp_rank]
-        else:
-            all_indices = None  # a custom layout cannot gather: the caller owns it
+            shard_index = contiguous_shard_index(output_size, tp_rank, tp_size, stride)
+            if stride > 1 and gather_output:
+                all_indices = [contiguous_shard_index(output_size, r, tp_size, stride) for r in range(tp_size)]
+                self._gather_positions = gather_positions(all_indices, output_size)
         self.output_size_per_partition = len(shard_index)
-        self._gather_positions = None if all_indices is None else gather_positions(all_indices, output_size)
         self.weight = nn.Parameter(torch.empty(len(shard_index), input_size, dtype=dtype, device=device))
         attrs = dict(partition_dim=0, logical_size=output_size, shard_index=shard_index, stride=stride,
                      num_replicas=num_replicas)

@@ -34,7 +34,6 @@ def padded_size(size: int, multiple: int) -> int:
     return -(-size // multiple) * multiple
 
 
-@functools.lru_cache(maxsize=4096)
 def contiguous_shard_index(logical_size: int, tp_rank: int, tp_size: int, stride: int = 1) -> torch.Tensor:
     """Rows of a contiguously sharded dim, padded at the end to a multiple of ``tp_size``.
     Cached: every layer of the same shape shares one (never modified) index tensor.
@@ -42,6 +41,11 @@ def contiguous_shard_index(logical_size: int, tp_rank: int, tp_size: int, stride
     With ``stride`` s the dim is s fused sub-tensors ``[A_1; ...; A_s]``, each split over the
     ranks, so rank r holds ``[A_1,r; ...; A_s,r]`` (Megatron's strided layout); no padding then.
     """
+    return _contiguous_shard_index(logical_size, tp_rank, tp_size, stride)  # one cache key per layout
+
+
+@functools.lru_cache(maxsize=4096)
+def _contiguous_shard_index(logical_size: int, tp_rank: int, tp_size: int, stride: int) -> torch.Tensor:
     if stride > 1:
         if logical_size % (stride * tp_size) != 0:
             raise ValueError(
@@ -52,8 +56,10 @@ def contiguous_shard_index(logical_size: int, tp_rank: int, tp_size: int, stride
         starts = [(k * tp_size + tp_rank) * piece for k in range(stride)]
         return torch.cat([torch.arange(s, s + piece) for s in starts])
     local = padded_size(logical_size, tp_size) // tp_size
-    index = torch.arange(tp_rank * local, (tp_rank + 1) * local)
-    return torch.where(index < logical_size, index, -1)
+    start, stop = tp_rank * local, (tp_rank + 1) * local
+    if stop <= logical_size:
+        return torch.arange(start, stop)
+    return torch.cat([torch.arange(start, max(start, logical_size)), torch.full((stop - max(start, logical_size),), -1)])
 
 
 def shard_from_full(full: torch.Tensor, dim: int, shard_index: torch.Tensor) -> torch.Tensor:

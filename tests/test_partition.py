@@ -207,3 +207,43 @@ def test_replay_per_stage_costs():
     # rank 1 . F0 F0 B0 B0 F1 F1 B1 B1 -> 11 slots
     costs = {**bubbles.SLOT_COSTS, (1, "F"): 2}
     assert bubbles.replay(bubbles.action_lists("1f1b", 2, 2), 2, costs) == ([6, 8], 11)
+
+
+# -- values every stage recomputes instead of receiving
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2", "gpt_neox", "phi3", "qwen3"])
+def test_boundaries_carry_only_hidden_states(model_type):
+    """Position ids, the attention mask and RoPE's cos/sin are recomputed on every stage from
+    the attention mask and the incoming hidden state; the stages in sequence are the model,
+    with and without padding (the mask is then None: HF's unmasked causal attention)."""
+    from nxd_hf.pipeline.model import _layer_types
+    from nxd_hf.pipeline.replicate import allow_unmasked_attention, metadata_substitutes, replicable_nodes
+    from nxd_hf.pipeline.stages import boundaries
+
+    reference, model = hf_parity.build_pair(model_type, num_hidden_layers=3)
+    reference.eval(), model.eval()
+    examples = [torch.ones(1, 8, dtype=torch.long)] * 2
+    layer_types = _layer_types(model, None)
+    graph_module = trace_hf(model, ["input_ids", "attention_mask"], layer_types, (), examples)
+    kinds = value_kinds(graph_module, examples)
+    layers = [n.target for n in graph_module.graph.nodes
+              if n.op == "call_module" and isinstance(graph_module.get_submodule(n.target), layer_types)]
+    stage_of_layer = stage_of_layers(layers, layers[:2], 3)
+    replicated, sources = replicable_nodes(graph_module, ["input_ids", "attention_mask"], set(layers))
+    crossings = boundaries(graph_module, stage_of_layer, replicated)
+    substitutes = metadata_substitutes(crossings, sources, kinds)
+    assert substitutes is not None
+    assert [[n.target for n in crossing] for crossing in crossings] == [layers[:1], layers[1:2]]
+    allow_unmasked_attention(graph_module, replicated)
+    assert any(getattr(m, "allow_skip", False) for m in graph_module.modules())
+    stages = split_stages(graph_module, stage_of_layer, kinds, replicated, substitutes)
+    ids, _ = hf_parity.batch(seed=4, b=2, s=8)
+    for pad in (0, 2):
+        attention_mask = torch.ones_like(ids)
+        attention_mask[1, :pad] = 0  # left padding: a materialized mask on every stage
+        with torch.no_grad():
+            expected = reference(input_ids=ids, attention_mask=attention_mask).logits
+            values = stages[0](input_ids=ids, attention_mask=attention_mask)
+            for stage in stages[1:]:
+                values = stage(*values, input_ids=ids, attention_mask=attention_mask)
+        torch.testing.assert_close(values, expected, rtol=1e-5, atol=1e-6)

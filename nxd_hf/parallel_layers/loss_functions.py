@@ -7,6 +7,7 @@ one all-reduce of the stacked sum-of-exp, target-logit and sum-of-logits terms).
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 
 from nxd_hf import backend, parallel_state
 
@@ -83,7 +84,12 @@ def parallel_cross_entropy(
     vocab_size = full_vocab if vocab_size is None else vocab_size
     if not full_vocab - parallel_logits.shape[-1] < vocab_size <= full_vocab:
         raise ValueError(f"vocab_size={vocab_size} does not fit logits of {parallel_logits.shape[-1]} x tp {tp_size}")
-    loss = _VocabParallelCrossEntropy.apply(parallel_logits, labels, label_smoothing, ignore_index, vocab_size)
+    if tp_size == 1:  # nothing to reduce across ranks: torch's fused kernel, same semantics
+        logits = parallel_logits[..., :vocab_size].float()  # padded columns get no loss and zero grads
+        loss = F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=ignore_index,
+                               reduction="none", label_smoothing=label_smoothing).view(labels.shape)
+    else:
+        loss = _VocabParallelCrossEntropy.apply(parallel_logits, labels, label_smoothing, ignore_index, vocab_size)
     if reduction == "sum":
         return loss.sum()
     if reduction == "mean":

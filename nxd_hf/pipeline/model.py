@@ -17,6 +17,7 @@ from nxd_hf import backend, parallel_state
 from nxd_hf.pipeline import partition as P
 from nxd_hf.pipeline.local import checkpoint_layers, materialize, tie_across_stages
 from nxd_hf.pipeline.runtime import SCHEDULES, build_schedule, check_schedule
+from nxd_hf.pipeline.replicate import allow_unmasked_attention, metadata_substitutes, replicable_nodes
 from nxd_hf.pipeline.stages import boundaries, fake_propagate, flat_boundary_values, split_stages, value_kinds
 from nxd_hf.pipeline.trace import make_tracer, trace_hf
 from nxd_hf.pipeline.step import StepRunner
@@ -112,9 +113,12 @@ class NxDPPModel(nn.Module):
         self.stage_of_layer = P.stage_of_layers(layers, cuts, self.num_stages)
         self.pipeline_cuts = cuts
         self._kinds = value_kinds(graph_module, examples) if self.is_hf else _all_tensors(graph_module)
-        all_stages = split_stages(graph_module, self.stage_of_layer, self._kinds)
+        self._replicated, substitutes = self._replication(graph_module, traced_inputs, set(layers))
+        # the inputs reach every stage as keywords when stages recompute values from them
+        self.keyword_inputs = list(traced_inputs) if self._replicated else []
+        all_stages = split_stages(graph_module, self.stage_of_layer, self._kinds, self._replicated, substitutes)
         self._graph = [graph_module]  # the whole traced model, for per-shape stage metadata
-        self._boundaries = boundaries(graph_module, self.stage_of_layer)
+        self._boundaries = boundaries(graph_module, self.stage_of_layer, self._replicated)
         placement = SCHEDULES[self.schedule_name][1]
         self.stage_to_rank = P.stage_ranks(self.num_stages, self.pp_size, placement)
         self.local_stage_ids = P.local_stages(self.num_stages, self.pp_size, self.pp_rank, placement)
@@ -126,6 +130,19 @@ class NxDPPModel(nn.Module):
         if activation_checkpoint_config is not None:
             checkpoint_layers(list(self.stages.values()), activation_checkpoint_config, self.transformer_layer_cls)
         self._runner = StepRunner(self)
+
+    def _replication(self, graph_module, traced_inputs: list[str], layer_targets: set[str]):
+        """(nodes every stage recomputes, per-boundary metadata stand-ins); none for a plain
+        module, or when some boundary has no stand-in (see ``nxd_hf.pipeline.replicate``)."""
+        if not self.is_hf:
+            return frozenset(), None
+        replicated, sources = replicable_nodes(graph_module, traced_inputs, layer_targets)
+        crossings = boundaries(graph_module, self.stage_of_layer, replicated)
+        substitutes = metadata_substitutes(crossings, sources, self._kinds)
+        if substitutes is None:
+            return frozenset(), None
+        allow_unmasked_attention(graph_module, replicated)
+        return replicated, substitutes
 
     def _example_inputs(self, names: list[str]) -> list[torch.Tensor]:
         seq = 2 * parallel_state.get_tensor_model_parallel_size()  # any length SP can split
@@ -185,7 +202,8 @@ class NxDPPModel(nn.Module):
         flat = [flat_boundary_values(nodes, self._kinds) for nodes in self._boundaries]
         meta = {}
         for s in self.local_stage_ids:
-            inputs = microbatch_inputs if s == 0 else flat[s - 1]
+            num_positional = len(microbatch_inputs) - len(self.keyword_inputs)
+            inputs = microbatch_inputs[:num_positional] if s == 0 else flat[s - 1]
             if s == self.num_stages - 1:
                 outputs = pytree.tree_leaves(torch.fx.node.map_arg(output_node.args[0], lambda n: n.meta["val"]))
             else:

@@ -86,11 +86,13 @@ def _tensor_to_int(t: torch.Tensor) -> int:
     return int(t.item())
 
 
-def boundaries(gm: fx.GraphModule, stage_of_layer: dict[str, int]) -> list[list[fx.Node]]:
-    """For each boundary s|s+1, the values made at or before stage s and used after it."""
+def boundaries(gm: fx.GraphModule, stage_of_layer: dict[str, int],
+               replicated: set[fx.Node] = frozenset()) -> list[list[fx.Node]]:
+    """For each boundary s|s+1, the values made at or before stage s and used after it, except
+    those every stage recomputes (``replicated``, see ``nxd_hf.pipeline.replicate``)."""
     assignment = assign_stages(gm, stage_of_layer)
     num_stages = max(stage_of_layer.values()) + 1
-    nodes = list(gm.graph.nodes)
+    nodes = [n for n in gm.graph.nodes if n not in replicated]
     return [[n for n in nodes if n.op != "output" and assignment[n] <= boundary
              and any(assignment[u] > boundary for u in n.users)] for boundary in range(num_stages - 1)]
 
@@ -109,12 +111,18 @@ def flat_boundary_values(nodes: list[fx.Node], kinds: dict[str, object]) -> list
     return flat
 
 
-def split_stages(gm: fx.GraphModule, stage_of_layer: dict[str, int], kinds: dict[str, object]) -> list[fx.GraphModule]:
-    """One GraphModule per stage; stage s takes the flattened boundary values from stage s-1."""
+def split_stages(gm: fx.GraphModule, stage_of_layer: dict[str, int], kinds: dict[str, object],
+                 replicated: set[fx.Node] = frozenset(),
+                 substitutes: list[dict[fx.Node, fx.Node]] | None = None) -> list[fx.GraphModule]:
+    """One GraphModule per stage; stage s takes the flattened boundary values from stage s-1
+    and, when nodes are ``replicated``, the model inputs those read as keyword arguments.
+    ``substitutes[s]``: for each value replicated nodes read only for its metadata, the
+    boundary s|s+1 tensor that stands in for it."""
     assignment = assign_stages(gm, stage_of_layer)
     num_stages = max(stage_of_layer.values()) + 1
     nodes = list(gm.graph.nodes)
-    crossings = boundaries(gm, stage_of_layer)
+    crossings = boundaries(gm, stage_of_layer, replicated)
+    shared = [n for n in nodes if n.op == "placeholder" and n in replicated]
 
     def crossing(boundary: int) -> list[fx.Node]:
         return crossings[boundary]
@@ -126,6 +134,14 @@ def split_stages(gm: fx.GraphModule, stage_of_layer: dict[str, int], kinds: dict
             inputs = [n for n in nodes if n.op == "placeholder"]
         else:
             inputs = crossing(stage - 1)
+
+        def local(node: fx.Node, stage=stage, graph=graph, env=env) -> fx.Node:
+            """This stage's copy of ``node``: made here, received, or recomputed on demand."""
+            if node not in env:
+                if node not in replicated:  # read for its metadata only: the incoming stand-in
+                    return env[substitutes[stage - 1][node]]
+                env[node] = graph.node_copy(node, local)
+            return env[node]
         for node in inputs:
             kind = kinds[node.name] if stage else "tensor"
             if kind == "other":
@@ -140,12 +156,14 @@ def split_stages(gm: fx.GraphModule, stage_of_layer: dict[str, int], kinds: dict
             else:
                 items = [graph.placeholder(f"{node.name}_{i}") for i in range(kind)]
                 env[node] = graph.call_function(_make_tuple, tuple(items))
+        if stage:
+            env.update({node: graph.placeholder(node.name) for node in shared})
         for node in nodes:
-            if assignment[node] == stage and node.op not in ("placeholder", "output"):
-                env[node] = graph.node_copy(node, lambda n: env[n])
+            if assignment[node] == stage and node.op not in ("placeholder", "output") and node not in env:
+                env[node] = graph.node_copy(node, local)
         if stage == num_stages - 1:
             output = next(n for n in nodes if n.op == "output")
-            graph.output(fx.map_arg(output.args[0], lambda n: env[n]))
+            graph.output(fx.map_arg(output.args[0], local))
         else:
             flat = []
             for node in crossing(stage):

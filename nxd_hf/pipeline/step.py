@@ -79,12 +79,14 @@ class StepRunner:
             backend.all_reduce(step_count, parallel_state.get_data_parallel_group())
         dp_size = parallel_state.get_data_parallel_size()
         self.num_items = torch.as_tensor(step_count, dtype=torch.float32) / dp_size
-        args = [inputs[name] for name in model.input_names if name != "labels" or not model.is_hf]
-        schedule = self._schedule(args)
+        names = [name for name in model.input_names if name != "labels" or not model.is_hf]
+        schedule = self._schedule([inputs[name] for name in names])  # keyword inputs last, as traced
         first, last = 0 in model.local_stage_ids, model.num_stages - 1 in model.local_stage_ids
         losses = [] if last else None
-        step_args = args if first else []
-        step_kwargs = dict(target=labels, losses=losses) if last else {}
+        step_args = [inputs[name] for name in names if name not in model.keyword_inputs] if first else []
+        step_kwargs = {name: inputs[name] for name in model.keyword_inputs}  # to every stage
+        if last:
+            step_kwargs.update(target=labels, losses=losses)
         grad_sync = getattr(model._original[0], "_nxd_grad_sync", None)
         if train:
             snapshot = grad_sync.begin(list(model.local_parameters())) if grad_sync else None

@@ -9,9 +9,10 @@ layers — and treats everything else as a leaf:
   proxies;
 - transformer layers, parallel layers, embeddings, norms, rotary embeddings — every module that
   does not contain a transformer layer — are leaves (called, not traced);
-- HF mask builders (``create_causal_mask`` and friends) become leaf function calls that always
-  return a materialized mask (``allow_is_causal_skip=False``), so a stage boundary never carries
-  a value that is a tensor on one batch and None on the next;
+- HF mask builders (``create_causal_mask`` and friends) become leaf function calls that return
+  a materialized mask (``allow_is_causal_skip=False``), so a stage boundary never carries a
+  value that is a tensor on one batch and None on the next, unless every stage recomputes the
+  mask itself (``nxd_hf.pipeline.replicate``);
 - proxies carry a fake-tensor value, so the metadata HF code branches on (``ndim``,
   ``dtype``, ``dim()``) is concrete, while shapes and devices stay symbolic (a traced model
   runs any sequence length, on any device);
@@ -26,7 +27,7 @@ import sys
 import torch
 import torch.fx as fx
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 MASK_BUILDERS = (
     "create_causal_mask", "create_sliding_window_causal_mask", "create_bidirectional_mask",
@@ -35,18 +36,22 @@ MASK_BUILDERS = (
 
 
 class MaskBuilder(nn.Module):
-    """A leaf module calling an HF mask builder with the model's config and the sdpa shortcut
-    (None for an all-ones mask) turned off. Holding the config here keeps it out of the graph."""
+    """A leaf module calling an HF mask builder with the model's config. Holding the config here
+    keeps it out of the graph. The sdpa shortcut (None for an all-ones mask) is off unless
+    ``allow_skip`` is set, which ``nxd_hf.pipeline.replicate`` does when the mask never
+    crosses a stage boundary; it is always off on fake tensors (shape propagation)."""
 
     def __init__(self, builder, config):
         super().__init__()
         self.builder, self.config = builder, config
         self.accepts_skip = "allow_is_causal_skip" in inspect.signature(builder).parameters
+        self.allow_skip = False
 
     def forward(self, *args, **kwargs):
         kwargs["config"] = self.config
         if self.accepts_skip:
-            kwargs["allow_is_causal_skip"] = False
+            fake = any(isinstance(v, FakeTensor) for v in [*args, *kwargs.values()])
+            kwargs["allow_is_causal_skip"] = self.allow_skip and not fake
         return self.builder(*args, **kwargs)
 
 

@@ -150,7 +150,9 @@ class NxDPPModel(nn.Module):
 
     # -- NxD's API
     def run_train(self, **inputs):
-        """One training step over ``num_microbatches`` microbatches; returns the loss."""
+        """One training step over ``num_microbatches`` microbatches; returns the loss. Every PP
+        rank passes the same full inputs (as in NxD): each stage recomputes the attention mask
+        and positions from them."""
         return self._runner.run(inputs, train=True)
 
     def run_eval(self, **inputs):

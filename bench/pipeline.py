@@ -4,7 +4,9 @@ hand-split ``torch.distributed.pipelining`` pipeline of the same model.
 One *process* per rank (``nxd_hf.testing.run_distributed``: gloo on CPU, ``torch.set_num_threads(1)``),
 not one thread: threads would share one interpreter lock, processes give each rank a core. A
 Llama-shaped HF model (``MODEL``; one microbatch's forward through the whole model takes
->= 50 ms on one core) is built with the same seed on every rank. For every schedule of
+~370 ms on one core, well above the 50 ms floor, so that the runtime's fixed cost per action,
+~1-2 ms of p2p and Python here, weighs little) is built with the same seed on every rank. For
+every schedule of
 ``nxd_hf.pipeline.runtime.SCHEDULES`` (V = 2 where it runs several stages per rank) and each
 number of microbatches M:
 
@@ -58,8 +60,8 @@ from nxd_hf.pipeline.partition import local_stages  # noqa: E402
 from nxd_hf.pipeline.runtime import SCHEDULES  # noqa: E402
 from nxd_hf.testing import run_distributed  # noqa: E402
 
-MODEL = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
-             num_key_value_heads=8, vocab_size=1024, tie_word_embeddings=False)
+MODEL = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+             num_key_value_heads=16, vocab_size=1024, tie_word_embeddings=False)
 SEQ, MICROBATCH = 128, 1  # tokens per sequence, sequences per microbatch
 BUBBLE_REL, BUBBLE_ABS, STEP_SLACK = 0.10, 0.02, 1.05
 QUIET_CORES = 0.2  # other processes' CPU use (cores) below which the machine counts as quiet

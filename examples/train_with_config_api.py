@@ -68,6 +68,8 @@ def main():
             print(f"step {step:3d}  loss {losses[-1]:.4f}", flush=True)
     if rank0:
         print(f"loss fell from {losses[0]:.4f} to {losses[-1]:.4f}")
+    parallel_state.destroy_model_parallel()  # gloo's threads must not outlive the interpreter
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ Run from the repo root: ``python bench/pipeline.py [--out PATH] [--pp 2 4] [--mi
 """
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -229,6 +230,7 @@ def measure_case(name: str, num_microbatches: int, virtual: int, warmup: int, st
     """This rank's records for one (schedule, M): per timed step (``_timed_step``) of each
     implementation, median action times (wall and CPU), time to partition, first-step time."""
     pp_size = dist.get_world_size()
+    gc.collect()  # the previous case's models sit in reference cycles (hooks): free them first
     parallel_state.destroy_model_parallel()
     model = build_model()
     waited = wait_until_quiet(quiet_wait_s)
@@ -274,7 +276,16 @@ def run_cases(cases: list[tuple[str, int, int]], warmup: int, steps: int, quiet_
     wait_until_quiet(quiet_wait_s)
     forward_ms = _forward_ms()
     return dict(forward_ms=forward_ms,
-                cases=[measure_case(name, m, v, warmup, steps, quiet_wait_s) for name, m, v in cases])
+                cases=[_logged(measure_case, name, m, v, warmup, steps, quiet_wait_s) for name, m, v in cases])
+
+
+def _logged(measure, name: str, num_microbatches: int, *args) -> dict:
+    start = time.perf_counter()
+    record = measure(name, num_microbatches, *args)
+    if dist.get_rank() == 0:
+        print(f"  P={dist.get_world_size()} M={num_microbatches} {name}: {time.perf_counter() - start:.0f} s",
+              file=sys.stderr, flush=True)
+    return record
 
 
 # ---------------------------------------------------------------- summarizing (parent)

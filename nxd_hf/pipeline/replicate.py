@@ -20,7 +20,7 @@ recomputes it:
 import torch.fx as fx
 from torch import nn
 
-from nxd_hf.pipeline.trace import MaskBuilder
+from nxd_hf.pipeline.trace import MaskBuilder, _get_attr
 
 METADATA_ATTRS = ("shape", "device", "dtype")
 METADATA_METHODS = ("size", "dim")
@@ -46,11 +46,6 @@ def _arguments(node: fx.Node):
         fx.node.map_arg(value, found.append)
         for arg in found:
             yield key, arg
-
-
-def _get_attr(gm: fx.GraphModule, target: str):
-    owner, _, name = target.rpartition(".")
-    return getattr(gm.get_submodule(owner) if owner else gm, name)
 
 
 def replicable_nodes(gm: fx.GraphModule, shared_inputs: list[str],

@@ -209,6 +209,13 @@ def test_replay_per_stage_costs():
     assert bubbles.replay(bubbles.action_lists("1f1b", 2, 2), 2, costs) == ([6, 8], 11)
 
 
+def test_replay_per_action_costs_override_per_stage():
+    # as above, but microbatch 0's forward on stage 1 takes 3 slots (the per-stage 2 elsewhere):
+    # rank 1 . F0 F0 F0 B0 B0 F1 F1 B1 B1, rank 0 F0 F1 . . . . B0 B0 . . B1 B1 -> 12 slots
+    costs = {**bubbles.SLOT_COSTS, (1, "F"): 2, (1, "F", 0): 3}
+    assert bubbles.replay(bubbles.action_lists("1f1b", 2, 2), 2, costs) == ([6, 9], 12)
+
+
 # -- values every stage recomputes instead of receiving
 
 @pytest.mark.parametrize("model_type", ["llama", "gpt2", "gpt_neox", "phi3", "qwen3"])

@@ -73,6 +73,40 @@ def check_deallocation() -> None:
         assert freed == 0
 
 
+def check_first_stage_split_backward() -> None:
+    """Zero-bubble schedules: the first stage's I step computes the gradient down to the
+    hidden state entering its first layer and leaves the weights alone; its W step then fills
+    in every weight gradient (the parity check compares them with the reference)."""
+    from nxd_hf.pipeline.runtime import SplitBackwardFirstStage
+
+    pp_model = check_pipeline("gpt2", schedule="zbv", virtual_pipeline_size=2, num_microbatches=4)  # wte + wpe, tied
+    ids, labels, attention_mask = _pp_batch()
+    if 0 not in pp_model.local_stage_ids:
+        pp_model.run_train(input_ids=ids, attention_mask=attention_mask, labels=labels)
+        return
+    (schedule,) = pp_model._runner.schedules.values()
+    (stage,) = [s for s in schedule._stages if s.stage_index == 0]
+    assert isinstance(stage, SplitBackwardFirstStage)
+    weights = list(stage.submod.parameters())
+    seen = []
+
+    def input_step(chunk, **kwargs):
+        before = [None if w.grad is None else w.grad.clone() for w in weights]
+        stage_backward(chunk, **kwargs)
+        assert not kwargs.get("full_backward", True)
+        for w, g in zip(weights, before):
+            assert (w.grad is None and g is None) or torch.equal(w.grad, g)
+        leaves = stage._weight_steps[chunk][2]
+        assert all(leaf.grad is not None for leaf in leaves)
+        seen.append(tuple(leaf.shape for leaf in leaves))
+
+    stage_backward, stage.backward_one_chunk = stage.backward_one_chunk, input_step
+    pp_model.run_train(input_ids=ids, attention_mask=attention_mask, labels=labels)
+    # one leaf per microbatch: the hidden state (wte + wpe) entering the first layer, [2, 8, 48]
+    assert seen == [(torch.Size([2, 8, 48]),)] * 4, seen
+    assert not stage._weight_steps and not stage._cuts
+
+
 def run_pp2_cases() -> None:
     for model_type in ("llama", "qwen2", "gpt2"):
         check_pipeline(model_type)
@@ -82,6 +116,9 @@ def run_pp2_cases() -> None:
     for schedule in ("interleaved_1f1b", "zbv", "looped_bfs", "interleaved_zero_bubble"):
         check_pipeline("llama", schedule=schedule, virtual_pipeline_size=2)
     check_pipeline("llama", activation_checkpoint_config="full")
+    check_pipeline("qwen2", schedule="interleaved_zero_bubble", virtual_pipeline_size=2,
+                   activation_checkpoint_config="full", steps=2)
+    check_first_stage_split_backward()
     check_deallocation()
     check_plain_torch_module()
 
@@ -154,6 +191,7 @@ def run_pp_world4_cases(path: str) -> None:
     check_pipeline("llama", tp=2, pp=2)  # TP x PP
     check_pipeline("qwen3", tp=2, pp=2, sequence_parallel=True)  # TP x PP with SP and per-head norms
     check_pipeline("gpt2", tp=2, pp=2)  # tied embedding across stages, with TP
+    check_pipeline("qwen3", tp=2, pp=2, sequence_parallel=True, schedule="zbv", virtual_pipeline_size=2)
     check_pipeline("llama", pp=2, steps=2)  # DP 2 x PP 2 (each DP rank gets half the batch)
     for model_type in ("mistral", "qwen3", "phi3", "gpt_neox", "cohere", "phi"):
         check_pipeline(model_type, tp=2, pp=2)

@@ -80,7 +80,9 @@ def _needs(stage: int, kind: str, microbatch: int, num_stages: int) -> list[tupl
 def replay(actions: dict[int, list[Action]], num_stages: int, costs: dict = SLOT_COSTS) -> tuple[list, float]:
     """(busy time per rank, step length): each rank runs its actions in order, each as soon as
     the rank is free and its inputs exist (communication takes no time). ``costs`` maps a kind,
-    or a (stage, kind) pair for per-stage costs such as measured times, to its duration."""
+    a (stage, kind) pair for per-stage costs, or a (stage, kind, microbatch) action for
+    per-action costs such as the measured times of one step, to its duration; the most
+    specific key present wins."""
     ready, clock = {}, dict.fromkeys(actions, 0)
     busy, position = dict.fromkeys(actions, 0), dict.fromkeys(actions, 0)
     progressed = True
@@ -92,7 +94,8 @@ def replay(actions: dict[int, list[Action]], num_stages: int, costs: dict = SLOT
                 needs = _needs(stage, kind, microbatch, num_stages)
                 if any(n not in ready for n in needs):
                     break
-                cost = costs[(stage, kind)] if (stage, kind) in costs else costs[kind]
+                key = next(k for k in ((stage, kind, microbatch), (stage, kind), kind) if k in costs)
+                cost = costs[key]
                 clock[rank] = max([clock[rank], *(ready[n] for n in needs)]) + cost
                 busy[rank] += cost
                 ready[(_MADE[kind], stage, microbatch)] = clock[rank]

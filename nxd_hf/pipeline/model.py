@@ -218,7 +218,7 @@ class NxDPPModel(nn.Module):
             self.schedule_name, dict(zip(self.local_stage_ids, self.stages.values())), self.num_stages,
             device=backend.default_device(), group=parallel_state.get_pipeline_model_parallel_group(),
             num_microbatches=self.num_microbatches, loss_fn=loss_fn, deallocate_outputs=self._deallocate,
-            stage_metadata=self.stage_metadata(microbatch_inputs),
+            stage_metadata=self.stage_metadata(microbatch_inputs), layer_types=self.transformer_layer_cls,
         )
 
 

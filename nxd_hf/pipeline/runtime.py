@@ -5,14 +5,19 @@ torch's ``PipelineStage`` infers the shapes of the values it sends from the firs
 and keeps them; a batch of another sequence length needs new stages. So stages and schedule
 are built per input signature (shapes and dtypes) and cached — the one thing written here
 instead of taken from torch. The runtime's own gradient scaling is off: the loss is already
-normalized by the step's global token count.
+normalized by the step's global token count. Two stage subclasses change what torch's stage
+does: ``DeallocatingStage`` (frees sent activations) and ``SplitBackwardFirstStage`` (gives the
+first stage a real input-gradient step for the zero-bubble schedules).
 """
 
 import warnings
 
 import torch
+from torch import fx
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as S
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+from torch.utils._pytree import tree_map
 
 SCHEDULES = {
     "1f1b": (S.Schedule1F1B, "looped", False),
@@ -23,6 +28,9 @@ SCHEDULES = {
     "zbv": (S.ScheduleZBVZeroBubble, "v_shape", True),
 }
 """name -> (torch schedule class, stage placement, runs several stages per rank)."""
+
+SPLIT_BACKWARD = frozenset({"interleaved_zero_bubble", "zbv"})
+"""Schedules that split each backward into an input-gradient (I) and a weight-gradient (W) step."""
 
 
 def check_schedule(name: str, pp_size: int, virtual_pipeline_size: int, num_microbatches: int) -> None:
@@ -78,20 +86,113 @@ class DeallocatingStage(PipelineStage):
         return super().backward_one_chunk(*args, **kwargs)
 
 
+class SplitBackwardFirstStage(PipelineStage):
+    """The first stage of a zero-bubble schedule, with a real input-gradient step.
+
+    torch's first stage has no input that needs a gradient (token ids), so its I step is empty
+    and its W step runs the whole backward: 0 and 2 units of work where the schedule plans 1
+    and 1, which opens bubbles the schedule does not plan for. Here the tensors entering the
+    stage's first transformer layer (the hidden state) are detached into leaves during
+    forward. I propagates the gradient through the layers down to those leaves, the same
+    activation-gradient chain every other stage's I computes. W then computes the layers'
+    weight gradients from the saved intermediates and backpropagates the leaves' gradients
+    through what precedes the first layer (the embeddings). The gradients are those of the
+    undivided backward. Relies on ``PipelineStage`` internals (``fwd_cache``, ``dw_runner``,
+    ``bwd_cache``, ``_retrieve_recv_grads``) as of torch 2.13; torch notes the same split as a
+    TODO in ``backward_weight_one_chunk``."""
+
+    def __init__(self, *args, first_layer: torch.nn.Module, **kwargs):
+        super().__init__(*args, **kwargs)
+        assert self.is_first and not self.is_last
+        self._first_layer = first_layer
+        self._cuts: dict[int, tuple[list, list]] = {}  # chunk -> (tensors entering the first layer, their leaves)
+        self._weight_steps: dict[int, tuple] = {}
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
+        roots, leaves = cut = [], []
+
+        def to_leaf(value):
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                roots.append(value)
+                leaves.append(value.detach().requires_grad_())
+                return leaves[-1]
+            return value
+
+        def detach_inputs(module, layer_args, layer_kwargs):
+            return tree_map(to_leaf, layer_args), tree_map(to_leaf, layer_kwargs)
+
+        handle = self._first_layer.register_forward_pre_hook(detach_inputs, with_kwargs=True)
+        try:
+            output = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        finally:
+            handle.remove()
+        if leaves:
+            self._cuts[fwd_chunk_id] = cut
+        return output
+
+    def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward=False):
+        roots, leaves = self._cuts.pop(bwd_chunk_id, ([], []))
+        if full_backward or not leaves:
+            super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=full_backward,
+                                       last_backward=last_backward)
+            if full_backward:
+                _backward_from_leaves(roots, leaves)
+            return
+        stage_output, _ = self.fwd_cache.pop(bwd_chunk_id)
+        output_grads = self._retrieve_recv_grads(bwd_chunk_id)
+        # only outputs that carry a gradient: torch detaches the outputs it is given in place,
+        # which fails on views such as passed-on position ids
+        carried = [i for i, t in enumerate(stage_output) if isinstance(t, torch.Tensor) and t.requires_grad]
+        _, param_groups = stage_backward_input([stage_output[i] for i in carried], [output_grads[i] for i in carried],
+                                               leaves, self.submod.parameters())
+        self._weight_steps[bwd_chunk_id] = (param_groups, roots, leaves)
+        self.dw_runner[bwd_chunk_id] = lambda: None  # torch's W step checks that I ran
+        self.bwd_cache[bwd_chunk_id] = ()  # the first stage sends no gradient
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward=False):
+        if bwd_chunk_id not in self._weight_steps:
+            return super().backward_weight_one_chunk(bwd_chunk_id, last_backward=last_backward)
+        self.dw_runner.pop(bwd_chunk_id)
+        param_groups, roots, leaves = self._weight_steps.pop(bwd_chunk_id)
+        stage_backward_weight(self.submod.parameters(), param_groups)
+        _backward_from_leaves(roots, leaves)
+
+
+def _backward_from_leaves(roots: list[torch.Tensor], leaves: list[torch.Tensor]) -> None:
+    """Backpropagate the leaves' gradients into the graph the leaves were detached from."""
+    pairs = [(root, leaf.grad) for root, leaf in zip(roots, leaves) if leaf.grad is not None]
+    if pairs:
+        torch.autograd.backward([root for root, _ in pairs], [grad for _, grad in pairs])
+
+
+def _first_layer(stage_module: torch.nn.Module, layer_types: tuple[type, ...]) -> torch.nn.Module | None:
+    """The first transformer layer the stage calls: in graph order for an FX stage, else in
+    registration order."""
+    if isinstance(stage_module, fx.GraphModule):
+        modules = (stage_module.get_submodule(n.target) for n in stage_module.graph.nodes if n.op == "call_module")
+    else:
+        modules = stage_module.modules()
+    return next((m for m in modules if isinstance(m, layer_types)), None)
+
+
 def build_schedule(name: str, stage_modules: dict[int, torch.nn.Module], num_stages: int, *, device, group,
-                   num_microbatches: int, loss_fn, deallocate_outputs: bool, stage_metadata: dict):
+                   num_microbatches: int, loss_fn, deallocate_outputs: bool, stage_metadata: dict,
+                   layer_types: tuple[type, ...] = ()):
     """A torch schedule over this rank's stages (``stage_modules``: stage index -> module;
-    ``stage_metadata``: stage index -> (example inputs, example outputs), static shapes)."""
+    ``stage_metadata``: stage index -> (example inputs, example outputs), static
+    shapes; ``layer_types``: the transformer layer classes)."""
     schedule_cls, _, multi = SCHEDULES[name]
     if deallocate_outputs and name != "1f1b":
         warnings.warn(f"deallocate_pipeline_outputs is implemented for the '1f1b' schedule only; "
                       f"ignored with {name!r}", stacklevel=3)
         deallocate_outputs = False
-    stage_cls = DeallocatingStage if deallocate_outputs else PipelineStage
-    stages = [
-        stage_cls(module, index, num_stages, device, input_args=tuple(stage_metadata[index][0]),
-                  output_args=tuple(stage_metadata[index][1]), group=group)
-        for index, module in sorted(stage_modules.items())
-    ]
+    stages = []
+    for index, module in sorted(stage_modules.items()):
+        stage_cls, extra = DeallocatingStage if deallocate_outputs else PipelineStage, {}
+        first_layer = _first_layer(module, layer_types) if index == 0 and name in SPLIT_BACKWARD else None
+        if first_layer is not None and num_stages > 1:
+            stage_cls, extra = SplitBackwardFirstStage, dict(first_layer=first_layer)
+        stages.append(stage_cls(module, index, num_stages, device, input_args=tuple(stage_metadata[index][0]),
+                                output_args=tuple(stage_metadata[index][1]), group=group, **extra))
     kwargs = dict(n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=False)
     return schedule_cls(stages if multi else stages[0], **kwargs)

@@ -12,10 +12,11 @@ number of microbatches M:
 
 - ours: ``nxd_hf.parallelize(model, pipeline_parallel_size=P, num_microbatches=M, schedule=...)``
   and ``run_train`` (time to partition = the ``parallelize`` call: trace, cut, split);
-- hand: the same layers split by hand into ``PipelineStage`` modules (embedding + layers /
-  layers / layers + norm + lm_head, each computing RoPE itself, causal attention without a
-  mask tensor) run by the same torch schedule class with the same loss — the ceiling for an
-  automatic partitioner.
+- hand: the same layers split by hand into stage modules (embedding + layers / layers /
+  layers + norm + lm_head, each computing RoPE itself, causal attention without a mask
+  tensor) run by the same runtime (``nxd_hf.pipeline.runtime.build_schedule``: torch's stages
+  and schedule class, with the first stage's backward split for the zero-bubble schedules)
+  with the same loss — the ceiling for an automatic partitioner.
 
 Both are warmed up, then timed alternately (ours, hand, hand, ours, ...) so that drift in the
 machine's load hits both alike; medians over the timed steps. Busy time per rank is the sum of
@@ -24,7 +25,10 @@ and the loss; step time is the slowest rank's wall time from a barrier; a rank's
 1 - busy / step time, averaged over ranks. Theory: (P-1)/(M+P-1) for 1F1B and GPipe,
 (P-1)/(VM+P-1) for interleaved 1F1B and looped BFS, the replayed action lists
 (``nxd_hf.pipeline.bubbles``, F = I = W) for the zero-bubble schedules; "replay" is the same
-replay with the measured per-stage action times instead of unit costs.
+replay with the measured per-stage action times instead of unit costs, "exact" replays each
+step with that step's measured time of every action. Exact replay minus theory is what the
+action times themselves cost (stages of unequal cost, ranks slowed at random by the VM);
+measured minus exact replay is the runtime's cost between actions (p2p, Python).
 
 Targets (P = 2): bubble within max(10% relative, 2 points) of theory; ours' step time <= 1.05x
 the hand split. P = 4 runs 4 ranks on this machine's 2 cores: printed, marked oversubscribed,
@@ -58,7 +62,7 @@ import nxd_hf  # noqa: E402
 from nxd_hf import parallel_state  # noqa: E402
 from nxd_hf.pipeline import bubbles  # noqa: E402
 from nxd_hf.pipeline.partition import local_stages  # noqa: E402
-from nxd_hf.pipeline.runtime import SCHEDULES  # noqa: E402
+from nxd_hf.pipeline.runtime import SCHEDULES, build_schedule  # noqa: E402
 from nxd_hf.testing import run_distributed  # noqa: E402
 
 MODEL = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
@@ -107,29 +111,29 @@ class HandStage(nn.Module):
 
 def build_hand(name: str, pp_size: int, num_microbatches: int, virtual: int, labels):
     """(step function, local stages, schedule, local parameters) of the hand-split pipeline."""
-    from torch.distributed.pipelining import PipelineStage
-
-    schedule_cls, placement, multi = SCHEDULES[name]
+    _, placement, multi = SCHEDULES[name]
     model = build_model()
     num_stages, num_layers = pp_size * virtual, MODEL["num_hidden_layers"]
     per_stage = num_layers // num_stages
     hidden = torch.empty(MICROBATCH, SEQ, MODEL["hidden_size"], device="meta", requires_grad=True)
     ids = torch.empty(MICROBATCH, SEQ, dtype=torch.long, device="meta")
     logits = torch.empty(MICROBATCH, SEQ, MODEL["vocab_size"], device="meta", requires_grad=True)
-    stages = []
+    modules, metadata = {}, {}
     for s in local_stages(num_stages, pp_size, dist.get_rank(), placement):
         first, last = s == 0, s == num_stages - 1
-        module = HandStage(model, list(range(s * per_stage, (s + 1) * per_stage)), first, last)
-        stages.append(PipelineStage(module, s, num_stages, torch.device("cpu"), input_args=(ids if first else hidden,),
-                                    output_args=(logits if last else hidden,)))
+        modules[s] = HandStage(model, list(range(s * per_stage, (s + 1) * per_stage)), first, last)
+        metadata[s] = ((ids if first else hidden,), (logits if last else hidden,))
     count = (labels[..., 1:] != -100).sum().to(torch.float32)
 
     def loss_fn(output, target):
         return model.loss_function(logits=output, labels=target, vocab_size=MODEL["vocab_size"],
                                    num_items_in_batch=count)
 
-    schedule = schedule_cls(stages if multi else stages[0], n_microbatches=num_microbatches, loss_fn=loss_fn,
-                            scale_grads=False)
+    # the same runtime as ours (torch's stages and schedules, plus nxd_hf's first-stage I/W split)
+    schedule = build_schedule(name, modules, num_stages, device=torch.device("cpu"), group=None,
+                              num_microbatches=num_microbatches, loss_fn=loss_fn, deallocate_outputs=False,
+                              stage_metadata=metadata, layer_types=(type(model.model.layers[0]),))
+    stages = schedule._stages if multi else [schedule._stage]
     has_first, has_last = any(s.is_first for s in stages), any(s.is_last for s in stages)
 
     def step(ids):
@@ -146,10 +150,12 @@ def build_hand(name: str, pp_size: int, num_microbatches: int, virtual: int, lab
 
 class BusyClock:
     """Sums the time a rank spends in its stages' compute calls and the loss; keeps each call's
-    duration under (stage, kind) — F forward (+ loss), B full backward, I input grad, W weight grad."""
+    duration under (stage, kind) — F forward (+ loss), B full backward, I input grad, W weight
+    grad — and, for the current step, each action's duration under "stage:kind:microbatch"."""
 
     def __init__(self, stages, schedule):
-        self.busy, self.calls, self.cpu = 0.0, defaultdict(list), defaultdict(list)
+        self.busy, self.calls, self.cpu, self.actions = 0.0, defaultdict(list), defaultdict(list), {}
+        self._last_forward = None
         for stage in stages:
             for method, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", None),
                                  ("backward_weight_one_chunk", "W")):
@@ -166,6 +172,12 @@ class BusyClock:
             key = (stage_index, kind or ("B" if kwargs.get("full_backward", True) else "I"))
             self.calls[key].append(elapsed)
             self.cpu[key].append(time.thread_time() - start_cpu)
+            if kind == "loss":  # follows the last stage's forward of the same microbatch
+                self.actions[self._last_forward] += elapsed
+            else:
+                action = f"{key[0]}:{key[1]}:{args[0]}"  # the chunk id is the first argument
+                self.actions[action] = elapsed
+                self._last_forward = action
             return out
         return timed
 
@@ -201,15 +213,16 @@ def wait_until_quiet(max_wait_s: float) -> float:
     return waited
 
 
-def _timed_step(step, params, clock: BusyClock) -> tuple[float, float, float, float]:
-    """(wall s, busy s, CPU s of this process, CPU s of the whole machine) of one step."""
+def _timed_step(step, params, clock: BusyClock) -> tuple[float, float, float, float, dict]:
+    """(wall s, busy s, CPU s of this process, CPU s of the whole machine, each action's s) of
+    one step."""
     _zero_grads(params)
-    clock.busy = 0.0
+    clock.busy, clock.actions = 0.0, {}
     dist.barrier()
     start, start_cpu, start_machine = time.perf_counter(), time.process_time(), machine_busy_s()
     step()
     wall = time.perf_counter() - start
-    return wall, clock.busy, time.process_time() - start_cpu, machine_busy_s() - start_machine
+    return wall, clock.busy, time.process_time() - start_cpu, machine_busy_s() - start_machine, clock.actions
 
 
 def _forward_ms() -> float:
@@ -304,6 +317,23 @@ def _replayed_bubble(name: str, pp_size: int, num_microbatches: int, virtual: in
     return sum(span - b for b in busy) / (len(busy) * span)
 
 
+def _exact_replay(name: str, pp_size: int, num_microbatches: int, virtual: int, steps: list) -> list[float]:
+    """Per step: the bubble of the schedule's action lists replayed with that step's measured
+    time of every action and no time between actions. What is left of the measured bubble
+    is the runtime's (communication, Python between actions)."""
+    actions = bubbles.action_lists(name, pp_size, num_microbatches, virtual)
+    fractions = []
+    for step in steps:
+        costs = {}
+        for rank in step:
+            for key, seconds in rank[4].items():
+                stage, kind, microbatch = key.split(":")
+                costs[(int(stage), kind, int(microbatch))] = seconds
+        busy, span = bubbles.replay(actions, pp_size * virtual, costs)
+        fractions.append(sum(span - b for b in busy) / (len(busy) * span))
+    return fractions
+
+
 def _summarize_impl(name: str, pp_size: int, num_microbatches: int, virtual: int, impl: str,
                     per_rank: list[dict]) -> dict:
     steps = [[r["timed"][impl][i] for r in per_rank] for i in range(len(per_rank[0]["timed"][impl]))]
@@ -312,11 +342,13 @@ def _summarize_impl(name: str, pp_size: int, num_microbatches: int, virtual: int
                     for r in range(pp_size)]
     # other processes' CPU use during the step, in cores: the machine's minus this run's ranks'
     foreign = [max(0.0, (step[0][3] - sum(rank[2] for rank in step)) / wall) for step, wall in zip(steps, step_s)]
+    exact = _exact_replay(name, pp_size, num_microbatches, virtual, steps)
     return dict(
         step_s=statistics.median(step_s), step_s_all=step_s,
         bubble=statistics.mean(rank_bubbles), bubble_per_rank=rank_bubbles,
         replay=_replayed_bubble(name, pp_size, num_microbatches, virtual, [r["calls"][impl] for r in per_rank]),
         replay_cpu=_replayed_bubble(name, pp_size, num_microbatches, virtual, [r["cpu"][impl] for r in per_rank]),
+        exact_replay=statistics.median(exact), exact_replay_all=exact,
         cpu_s=statistics.median(max(rank[2] for rank in step) for step in steps),
         foreign_cores=statistics.median(foreign), foreign_cores_all=foreign,
         first_step_s=max(r["first_step_s"][impl] for r in per_rank),
@@ -343,12 +375,15 @@ def summarize(name: str, pp_size: int, num_microbatches: int, virtual: int, per_
     if not row["oversubscribed"]:
         tolerance = max(BUBBLE_REL * row["theory"], BUBBLE_ABS)
         row["bubble_ok"] = abs(row["ours"]["bubble"] - row["theory"]) <= tolerance
+        # would a runtime with no time between actions have met it, given these action times?
+        row["exact_replay_ok"] = abs(row["ours"]["exact_replay"] - row["theory"]) <= tolerance
         row["step_ok"] = row["step_ratio"] <= STEP_SLACK
     return row
 
 
 def format_rows(rows: list[dict]) -> str:
-    cols = (f"{'P':>2} {'M':>2} {'V':>1} {'schedule':<23} {'theory':>6} {'ours':>6} {'replay':>6} {'hand':>6} "
+    cols = (f"{'P':>2} {'M':>2} {'V':>1} {'schedule':<23} {'theory':>6} {'ours':>6} {'replay':>6} {'exact':>6} "
+            f"{'hand':>6} "
             f"{'ours s':>6} {'hand s':>6} {'ratio':>5} {'cpu':>5} {'other':>5} {'part s':>6}  targets")
     lines = [cols, "-" * len(cols)]
     for r in rows:
@@ -356,22 +391,27 @@ def format_rows(rows: list[dict]) -> str:
             verdict = "oversubscribed, no target"
         else:
             verdict = f"bubble {'ok' if r['bubble_ok'] else 'MISS'}, step {'ok' if r['step_ok'] else 'MISS'}"
+            if not r["bubble_ok"]:
+                verdict += f" (exact replay {'ok' if r['exact_replay_ok'] else 'MISS'})"
         if r["noisy"]:
             verdict += " (noisy)"
         other = max(r["ours"]["foreign_cores"], r["hand"]["foreign_cores"])
         lines.append(
             f"{r['pp']:>2} {r['microbatches']:>2} {r['virtual']:>1} {r['schedule']:<23} {r['theory']:>6.1%} "
-            f"{r['ours']['bubble']:>6.1%} {r['ours']['replay']:>6.1%} {r['hand']['bubble']:>6.1%} "
+            f"{r['ours']['bubble']:>6.1%} {r['ours']['replay']:>6.1%} {r['ours']['exact_replay']:>6.1%} "
+            f"{r['hand']['bubble']:>6.1%} "
             f"{r['ours']['step_s']:>6.3f} {r['hand']['step_s']:>6.3f} {r['step_ratio']:>5.2f} {r['cpu_ratio']:>5.2f} "
             f"{other:>5.2f} {r['partition_s']:>6.2f}  {verdict}")
     return "\n".join(lines)
 
 
 LEGEND = """theory: bubble fraction of the schedule (see the module docstring); ours/hand: measured bubble;
-replay: ours' action lists replayed with its measured action times; ours s/hand s: median step
-time; ratio: ours/hand step time; cpu: ours/hand CPU seconds per step (slowest rank); other:
-cores used by other processes during the steps (median; noisy at >= {quiet}); part s: time to
-partition (nxd_hf.parallelize)."""
+replay: ours' action lists replayed with its median action times per stage; exact: replayed per
+step with that step's time of every action and nothing between actions (median over steps), the
+bubble a runtime without overhead would measure; "exact replay MISS": the action times alone
+miss the target; ours s/hand s: median step time; ratio: ours/hand step time; cpu: ours/hand CPU
+seconds per step (slowest rank); other: cores used by other processes during the steps (median;
+noisy at >= {quiet}); part s: time to partition (nxd_hf.parallelize)."""
 
 
 def main(argv: list[str] | None = None) -> None:

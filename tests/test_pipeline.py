@@ -35,7 +35,8 @@ def _dp_slice(t):
 
 def check_pipeline(model_type: str, *, tp=1, pp=2, steps=1, seqs=(8,), sequence_parallel=False, **pp_kwargs):
     """Loss and gathered grads after each run_train equal the single-process model; with
-    ``steps`` > 1, SGD steps in between (the losses of every step compared)."""
+    ``steps`` > 1, SGD steps in between (the losses of every step compared); then run_eval's
+    loss with the trained weights."""
     parallel_state.destroy_model_parallel()
     overrides = dict(num_hidden_layers=4) if model_type != "gpt2" else dict(n_layer=4)
     reference, model = hf_parity.build_pair(model_type, **overrides)
@@ -58,6 +59,12 @@ def check_pipeline(model_type: str, *, tp=1, pp=2, steps=1, seqs=(8,), sequence_
         opt.step()
         ref_opt.zero_grad()
         opt.zero_grad()
+    ids, labels, attention_mask = _pp_batch(seed=steps)  # run_eval with the trained weights
+    with torch.no_grad():
+        ref_loss = reference(input_ids=ids, attention_mask=attention_mask, labels=labels).loss
+    loss = pp_model.run_eval(input_ids=_dp_slice(ids), attention_mask=_dp_slice(attention_mask),
+                             labels=_dp_slice(labels))
+    torch.testing.assert_close(loss, ref_loss, **TOL, msg=lambda m: f"{model_type} run_eval loss: {m}")
     return pp_model
 
 

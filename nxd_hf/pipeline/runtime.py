@@ -7,7 +7,8 @@ are built per input signature (shapes and dtypes) and cached — the one thing w
 instead of taken from torch. The runtime's own gradient scaling is off: the loss is already
 normalized by the step's global token count. Two stage subclasses change what torch's stage
 does: ``DeallocatingStage`` (frees sent activations) and ``SplitBackwardFirstStage`` (gives the
-first stage a real input-gradient step for the zero-bubble schedules).
+first stage a real input-gradient step for the zero-bubble schedules); their base ``Stage``
+fixes torch's ``eval`` for V-shaped schedules.
 """
 
 import warnings
@@ -52,7 +53,20 @@ def check_schedule(name: str, pp_size: int, virtual_pipeline_size: int, num_micr
         )
 
 
-class DeallocatingStage(PipelineStage):
+class Stage(PipelineStage):
+    """torch's stage, fixed for ``eval`` under V-shaped schedules: torch 2.13's ``eval`` runs the
+    schedule's backward actions as no-ops but still hands gradients between a rank's adjacent
+    stages, which asserts on a stage without backward. Here that hand-over is a no-op too."""
+
+    def get_local_bwd_output(self, mb_index: int):
+        return super().get_local_bwd_output(mb_index) if self.has_backward else ()
+
+    def set_local_bwd_input(self, next_stage_bwd_outputs, mb_index: int) -> None:
+        if self.has_backward:
+            super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
+
+
+class DeallocatingStage(Stage):
     """A stage that frees the storage of each sent activation once its send has completed
     (Megatron's deallocate_pipeline_outputs). Autograd keeps the tensor's metadata and
     ``grad_fn``, which is all the stage's backward needs. Schedule1F1B completes a chunk's send
@@ -86,7 +100,7 @@ class DeallocatingStage(PipelineStage):
         return super().backward_one_chunk(*args, **kwargs)
 
 
-class SplitBackwardFirstStage(PipelineStage):
+class SplitBackwardFirstStage(Stage):
     """The first stage of a zero-bubble schedule, with a real input-gradient step.
 
     torch's first stage has no input that needs a gradient (token ids), so its I step is empty
@@ -188,7 +202,7 @@ def build_schedule(name: str, stage_modules: dict[int, torch.nn.Module], num_sta
         deallocate_outputs = False
     stages = []
     for index, module in sorted(stage_modules.items()):
-        stage_cls, extra = DeallocatingStage if deallocate_outputs else PipelineStage, {}
+        stage_cls, extra = DeallocatingStage if deallocate_outputs else Stage, {}
         first_layer = _first_layer(module, layer_types) if index == 0 and name in SPLIT_BACKWARD else None
         if first_layer is not None and num_stages > 1:
             stage_cls, extra = SplitBackwardFirstStage, dict(first_layer=first_layer)

@@ -50,179 +50,21 @@ import os
 import statistics
 import sys
 import time
-from collections import defaultdict
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script
 
 import nxd_hf  # noqa: E402
+from bench.pipeline_hand import MICROBATCH, MODEL, SEQ, build_hand, build_model, make_batch  # noqa: E402
+from bench.pipeline_timing import QUIET_CORES, BusyClock, timed_step, wait_until_quiet, zero_grads  # noqa: E402
 from nxd_hf import parallel_state  # noqa: E402
 from nxd_hf.pipeline import bubbles  # noqa: E402
-from nxd_hf.pipeline.partition import local_stages  # noqa: E402
-from nxd_hf.pipeline.runtime import SCHEDULES, build_schedule  # noqa: E402
+from nxd_hf.pipeline.runtime import SCHEDULES  # noqa: E402
 from nxd_hf.testing import run_distributed  # noqa: E402
 
-MODEL = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
-             num_key_value_heads=16, vocab_size=1024, tie_word_embeddings=False)
-SEQ, MICROBATCH = 128, 1  # tokens per sequence, sequences per microbatch
 BUBBLE_REL, BUBBLE_ABS, STEP_SLACK = 0.10, 0.02, 1.05
-QUIET_CORES = 0.2  # other processes' CPU use (cores) below which the machine counts as quiet
-
-
-def build_model():
-    import transformers
-
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**MODEL))
-
-
-def make_batch(num_microbatches: int):
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, MODEL["vocab_size"], (num_microbatches * MICROBATCH, SEQ), generator=g)
-    return ids, ids.clone()  # HF shifts the labels
-
-
-# ---------------------------------------------------------------- the hand split
-
-class HandStage(nn.Module):
-    """Layers ``layer_ids`` of a Llama model, with the embedding on the first stage and norm +
-    lm_head on the last; RoPE from the positions, causal attention without a mask tensor."""
-
-    def __init__(self, model, layer_ids: list[int], first: bool, last: bool):
-        super().__init__()
-        self.embed_tokens = model.model.embed_tokens if first else None
-        self.layers = nn.ModuleList(model.model.layers[i] for i in layer_ids)
-        self.rotary_emb = model.model.rotary_emb
-        self.norm = model.model.norm if last else None
-        self.lm_head = model.lm_head if last else None
-
-    def forward(self, x):
-        hidden = self.embed_tokens(x) if self.embed_tokens is not None else x
-        position_ids = torch.arange(hidden.shape[1]).unsqueeze(0)
-        position_embeddings = self.rotary_emb(hidden, position_ids)
-        for layer in self.layers:
-            hidden = layer(hidden, attention_mask=None, position_ids=position_ids,
-                           position_embeddings=position_embeddings)
-        return self.lm_head(self.norm(hidden)) if self.lm_head is not None else hidden
-
-
-def build_hand(name: str, pp_size: int, num_microbatches: int, virtual: int, labels):
-    """(step function, local stages, schedule, local parameters) of the hand-split pipeline."""
-    _, placement, multi = SCHEDULES[name]
-    model = build_model()
-    num_stages, num_layers = pp_size * virtual, MODEL["num_hidden_layers"]
-    per_stage = num_layers // num_stages
-    hidden = torch.empty(MICROBATCH, SEQ, MODEL["hidden_size"], device="meta", requires_grad=True)
-    ids = torch.empty(MICROBATCH, SEQ, dtype=torch.long, device="meta")
-    logits = torch.empty(MICROBATCH, SEQ, MODEL["vocab_size"], device="meta", requires_grad=True)
-    modules, metadata = {}, {}
-    for s in local_stages(num_stages, pp_size, dist.get_rank(), placement):
-        first, last = s == 0, s == num_stages - 1
-        modules[s] = HandStage(model, list(range(s * per_stage, (s + 1) * per_stage)), first, last)
-        metadata[s] = ((ids if first else hidden,), (logits if last else hidden,))
-    count = (labels[..., 1:] != -100).sum().to(torch.float32)
-
-    def loss_fn(output, target):
-        return model.loss_function(logits=output, labels=target, vocab_size=MODEL["vocab_size"],
-                                   num_items_in_batch=count)
-
-    # the same runtime as ours (torch's stages and schedules, plus nxd_hf's first-stage I/W split)
-    schedule = build_schedule(name, modules, num_stages, device=torch.device("cpu"), group=None,
-                              num_microbatches=num_microbatches, loss_fn=loss_fn, deallocate_outputs=False,
-                              stage_metadata=metadata, layer_types=(type(model.model.layers[0]),))
-    stages = schedule._stages if multi else [schedule._stage]
-    has_first, has_last = any(s.is_first for s in stages), any(s.is_last for s in stages)
-
-    def step(ids):
-        """The step's loss on the rank holding the last stage, None elsewhere (like ``run_train``)."""
-        losses = [] if has_last else None
-        schedule.step(*([ids] if has_first else []), **(dict(target=labels, losses=losses) if has_last else {}))
-        return torch.stack(losses).sum() if has_last else None
-
-    params = [p for stage in stages for p in stage.submod.parameters()]
-    return step, stages, schedule, params
-
-
-# ---------------------------------------------------------------- measuring one rank
-
-class BusyClock:
-    """Sums the time a rank spends in its stages' compute calls and the loss; keeps each call's
-    duration under (stage, kind) — F forward (+ loss), B full backward, I input grad, W weight
-    grad — and, for the current step, each action's duration under "stage:kind:microbatch"."""
-
-    def __init__(self, stages, schedule):
-        self.busy, self.calls, self.cpu, self.actions = 0.0, defaultdict(list), defaultdict(list), {}
-        self._last_forward = None
-        for stage in stages:
-            for method, kind in (("forward_one_chunk", "F"), ("backward_one_chunk", None),
-                                 ("backward_weight_one_chunk", "W")):
-                setattr(stage, method, self._timed(getattr(stage, method), stage.stage_index, kind))
-        last = stages[0].num_stages - 1
-        schedule._compute_loss = self._timed(schedule._compute_loss, last, "loss")
-
-    def _timed(self, fn, stage_index: int, kind):
-        def timed(*args, **kwargs):
-            start, start_cpu = time.perf_counter(), time.thread_time()
-            out = fn(*args, **kwargs)
-            elapsed = time.perf_counter() - start
-            self.busy += elapsed
-            key = (stage_index, kind or ("B" if kwargs.get("full_backward", True) else "I"))
-            self.calls[key].append(elapsed)
-            self.cpu[key].append(time.thread_time() - start_cpu)
-            if kind == "loss":  # follows the last stage's forward of the same microbatch
-                self.actions[self._last_forward] += elapsed
-            else:
-                action = f"{key[0]}:{key[1]}:{args[0]}"  # the chunk id is the first argument
-                self.actions[action] = elapsed
-                self._last_forward = action
-            return out
-        return timed
-
-
-def _zero_grads(params) -> None:
-    """In place (``zero_grad(set_to_none=False)``): fresh gradient buffers every step cost page
-    faults that depend on the heap's state, not on the pipeline, and blur the comparison."""
-    for p in params:
-        if p.grad is not None:
-            p.grad.zero_()
-
-
-def machine_busy_s() -> float:
-    """CPU seconds the whole machine has spent busy (all cores, all processes): /proc/stat."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    idle = fields[3] + fields[4]  # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
-def wait_until_quiet(max_wait_s: float) -> float:
-    """Rank 0 waits (at most ``max_wait_s``) until the machine's other processes use less than
-    ``QUIET_CORES`` (this run's ranks sit in a barrier meanwhile); returns the seconds waited."""
-    waited = 0.0
-    if dist.get_rank() == 0:
-        while waited < max_wait_s:
-            before = machine_busy_s()
-            time.sleep(0.5)
-            waited += 0.5
-            if (machine_busy_s() - before) / 0.5 < QUIET_CORES:
-                break
-    dist.barrier()
-    return waited
-
-
-def _timed_step(step, params, clock: BusyClock) -> tuple[float, float, float, float, dict]:
-    """(wall s, busy s, CPU s of this process, CPU s of the whole machine, each action's s) of
-    one step."""
-    _zero_grads(params)
-    clock.busy, clock.actions = 0.0, {}
-    dist.barrier()
-    start, start_cpu, start_machine = time.perf_counter(), time.process_time(), machine_busy_s()
-    step()
-    wall = time.perf_counter() - start
-    return wall, clock.busy, time.process_time() - start_cpu, machine_busy_s() - start_machine, clock.actions
 
 
 def _forward_ms() -> float:
@@ -261,7 +103,7 @@ def measure_case(name: str, num_microbatches: int, virtual: int, warmup: int, st
     first_step, first_loss = {}, {}
     for impl, step in steps_of.items():
         for i in range(warmup):
-            _zero_grads(params_of[impl])
+            zero_grads(params_of[impl])
             dist.barrier()
             start = time.perf_counter()
             loss = step()
@@ -274,7 +116,7 @@ def measure_case(name: str, num_microbatches: int, virtual: int, warmup: int, st
     timed = {"ours": [], "hand": []}
     for i in range(steps):
         for impl in (("ours", "hand") if i % 2 == 0 else ("hand", "ours")):
-            timed[impl].append(_timed_step(steps_of[impl], params_of[impl], clocks[impl]))
+            timed[impl].append(timed_step(steps_of[impl], params_of[impl], clocks[impl]))
     calls = {impl: {f"{s}:{k}": statistics.median(v) for (s, k), v in clock.calls.items()}
              for impl, clock in clocks.items()}
     cpu = {impl: {f"{s}:{k}": statistics.median(v) for (s, k), v in clock.cpu.items()}

@@ -147,7 +147,7 @@ def param_accounting(model, loader: str, path: str, tp: int) -> dict:
     """Local parameter bytes, and the ideal of this loader's plan from the unsharded shapes."""
     from torch.distributed.tensor import DTensor, Shard
 
-    from nxd_hf.parallel_layers.utils import is_sharded
+    from nxd_hf.parallel_layers.sharding import is_sharded
 
     numels = checkpoint_numels(path)
     local_bytes, sharded_full, replicated_full = 0, 0, 0

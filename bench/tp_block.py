@@ -19,7 +19,7 @@ from torch import nn
 from nxd_hf import parallel_state
 from nxd_hf.modules.qkv_linear import GQAQKVColumnParallelLinear
 from nxd_hf.parallel_layers.layers import ColumnParallelLinear, RowParallelLinear
-from nxd_hf.parallel_layers.utils import is_sharded, set_sequence_parallel_attribute, shard_from_full
+from nxd_hf.parallel_layers.sharding import is_sharded, set_sequence_parallel_attribute, shard_from_full
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -14,7 +14,7 @@
 from nxd_hf import parallel_state
 from nxd_hf.data_parallel import install_grad_sync
 from nxd_hf.tp.apply import apply_tensor_parallel
-from nxd_hf.tp.heads import head_layout
+from nxd_hf.parallel_layers.heads import head_layout
 from nxd_hf.tp.outputs import install_output_contract
 from nxd_hf.tp.plan import ModelPatch, get_patch
 

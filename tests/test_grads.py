@@ -13,7 +13,7 @@ from nxd_hf.modules.qkv_linear import GQAQKVColumnParallelLinear
 from nxd_hf.parallel_layers.grads import allreduce_sequence_parallel_gradients, clip_grad_norm, sync_data_parallel_grads
 from nxd_hf.parallel_layers.layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
 from nxd_hf.parallel_layers.pad import gather_full_tensor
-from nxd_hf.parallel_layers.utils import (
+from nxd_hf.parallel_layers.sharding import (
     copy_tensor_model_parallel_attributes, is_sharded, set_sequence_parallel_attribute, shard_from_full,
 )
 from nxd_hf.testing import run_distributed

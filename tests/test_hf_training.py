@@ -11,7 +11,7 @@ import hf_parity
 import nxd_hf
 from nxd_hf import parallel_state
 from nxd_hf.parallel_layers.pad import gather_full_tensor
-from nxd_hf.parallel_layers.utils import is_sharded
+from nxd_hf.parallel_layers.sharding import is_sharded
 from nxd_hf.testing import run_distributed
 
 TOL = hf_parity.TOL

@@ -8,9 +8,10 @@ import torch
 from torch import nn
 
 from nxd_hf import parallel_state
-from nxd_hf.modules.qkv_linear import GQAQKVColumnParallelLinear, auto_kv_size_multiplier, gqa_layout
+from nxd_hf.modules.qkv_linear import GQAQKVColumnParallelLinear
+from nxd_hf.parallel_layers.heads import auto_kv_size_multiplier, gqa_layout
 from nxd_hf.parallel_layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear, move_model_to_device
-from nxd_hf.parallel_layers.utils import contiguous_shard_index
+from nxd_hf.parallel_layers.sharding import contiguous_shard_index
 from nxd_hf.testing import run_distributed
 
 from layer_cases import TOL, assert_grads_match, check_sp_sequence_error, last_dim_chunk, seq_chunk, sharded_input, tp_info

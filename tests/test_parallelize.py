@@ -10,7 +10,7 @@ import hf_parity
 import nxd_hf
 from nxd_hf import parallel_state
 from nxd_hf.parallel_layers.random import model_parallel_manual_seed
-from nxd_hf.parallel_layers.utils import is_sharded
+from nxd_hf.parallel_layers.sharding import is_sharded
 from nxd_hf.testing import run_distributed
 from nxd_hf.tp import plan as P
 from nxd_hf.tp.derive import patch_from_hf_plan

@@ -15,7 +15,7 @@ import nxd_hf
 from nxd_hf import backend, parallel_state
 from nxd_hf.optim import NeuronZero1Optimizer, zero1
 from nxd_hf.parallel_layers.pad import gather_full_tensor
-from nxd_hf.parallel_layers.utils import is_sharded
+from nxd_hf.parallel_layers.sharding import is_sharded
 from nxd_hf.testing import run_distributed
 
 TOL = dict(rtol=1e-4, atol=1e-5)

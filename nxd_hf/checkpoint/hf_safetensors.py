@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from nxd_hf.parallel_layers.utils import is_sharded
+from nxd_hf.parallel_layers.sharding import is_sharded
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

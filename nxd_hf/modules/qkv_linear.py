@@ -1,18 +1,10 @@
 """Fused Q/K/V projection for grouped-query attention, sharded over TP (NxD's
-``modules.qkv_linear.GQAQKVColumnParallelLinear``).
-
-Layout, for ``num_heads`` query heads and ``num_kv_heads`` K/V heads of ``head_dim``:
-
-- K and V are replicated ``kv_size_multiplier`` (m) times, each head copied m times in a row
-  (``k0 k0 k1 k1`` for m = 2), then sharded contiguously: rank i holds ``num_kv_heads * m / tp``
-  copies. Unlike NxD, which tiles the copies, this keeps Q contiguously sharded: the copies on
-  rank i are exactly the K/V heads its query heads read (HF's ``repeat_kv`` works locally).
-- Q is sharded contiguously by heads. When ``tp`` does not divide ``num_heads``, each K/V group
-  of query heads is padded with zero heads up to a multiple of m; ``q_shard_index`` names the
-  real rows so the output projection can mask the padded ones (pass it as
-  ``RowParallelLinear(..., shard_index=layer.q_shard_index)``).
-- Backward sums the gradients of all copies of a K/V row over the TP group, so every copy's
-  gradient equals the gradient of the unreplicated K/V weight.
+``modules.qkv_linear.GQAQKVColumnParallelLinear``), laid out as ``nxd_hf.parallel_layers.heads``
+describes: K/V replicated ``kv_size_multiplier`` times head by head, Q sharded contiguously and
+padded with zero heads where needed. ``q_shard_index`` names the real query rows so the output
+projection can mask the padded ones (pass it as ``RowParallelLinear(..., shard_index=layer.q_shard_index)``).
+Backward sums the gradients of all copies of a K/V row over the TP group, so every copy's
+gradient equals the gradient of the unreplicated K/V weight.
 """
 
 from collections.abc import Callable
@@ -22,52 +14,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from nxd_hf.parallel_layers import mappings
+from nxd_hf.parallel_layers.heads import gqa_layout
 from nxd_hf.parallel_layers.layers import linear_init_, set_local_
-from nxd_hf.parallel_layers.utils import (
+from nxd_hf.parallel_layers.sharding import (
     gather_logical, gather_positions, set_tensor_model_parallel_attributes, shard_from_full, tp_coords,
 )
-
-
-def gqa_layout(num_heads: int, num_kv_heads: int, head_dim: int, kv_size_multiplier: int, tp_rank: int, tp_size: int):
-    """(q_rows, kv_rows, padded_num_heads) for one rank: the logical Q and K/V row of each local
-    row, -1 for a padded row. Multi-head attention (num_kv_heads == num_heads) with
-    kv_size_multiplier 1 pads Q, K and V alike with zero heads. Pure; unit-tested."""
-    m = kv_size_multiplier
-    if num_heads % num_kv_heads != 0:
-        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-    d = torch.arange(head_dim)
-
-    def rows(heads: torch.Tensor) -> torch.Tensor:
-        return torch.where(heads[:, None] >= 0, heads[:, None] * head_dim + d, -1).reshape(-1)
-
-    if num_kv_heads == num_heads and m == 1:  # MHA: pad every projection with zero heads
-        local = -(-num_heads // tp_size)
-        heads = torch.arange(tp_rank * local, (tp_rank + 1) * local)
-        heads = torch.where(heads < num_heads, heads, -1)
-        return rows(heads), rows(heads), local * tp_size
-    if (num_kv_heads * m) % tp_size != 0:
-        fits = next(k for k in range(1, tp_size + 1) if (num_kv_heads * k) % tp_size == 0)
-        raise ValueError(
-            f"num_kv_heads ({num_kv_heads}) x kv_size_multiplier ({m}) must be divisible by the tensor "
-            f"parallel size ({tp_size}); use kv_size_multiplier={fits} (or a multiple of it)"
-        )
-    group = num_heads // num_kv_heads
-    padded_group = -(-group // m) * m
-    padded_num_heads = num_kv_heads * padded_group
-    q_local, kv_local = padded_num_heads // tp_size, num_kv_heads * m // tp_size
-    slots = torch.arange(tp_rank * q_local, (tp_rank + 1) * q_local)
-    in_group = slots % padded_group
-    q_heads = torch.where(in_group < group, slots // padded_group * group + in_group, -1)
-    kv_heads = torch.arange(tp_rank * kv_local, (tp_rank + 1) * kv_local) // m
-    return rows(q_heads), rows(kv_heads), padded_num_heads
-
-
-def auto_kv_size_multiplier(num_heads: int, num_kv_heads: int, tp_size: int) -> int:
-    """The smallest K/V replication that fits ``tp_size`` (1 for multi-head attention, which
-    pads its heads instead)."""
-    if num_heads == num_kv_heads:
-        return 1
-    return next(k for k in range(1, tp_size + 1) if (num_kv_heads * k) % tp_size == 0)
 
 
 class GQAQKVColumnParallelLinear(nn.Module):

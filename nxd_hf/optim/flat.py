@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from nxd_hf.parallel_layers.utils import is_sharded
+from nxd_hf.parallel_layers.sharding import is_sharded
 
 
 @dataclasses.dataclass(kw_only=True)

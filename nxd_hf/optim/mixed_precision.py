@@ -10,7 +10,7 @@ fp32 master weights.
 
 import torch
 
-from nxd_hf.parallel_layers.utils import copy_tensor_model_parallel_attributes
+from nxd_hf.parallel_layers.sharding import copy_tensor_model_parallel_attributes
 
 
 def accumulated_grad(param: torch.Tensor) -> torch.Tensor | None:

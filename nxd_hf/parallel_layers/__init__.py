@@ -8,7 +8,7 @@ from nxd_hf.parallel_layers.grads import (
 from nxd_hf.parallel_layers.layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
 from nxd_hf.parallel_layers.loss_functions import parallel_cross_entropy
 from nxd_hf.parallel_layers.pad import get_number_of_extra_heads, pad_model
-from nxd_hf.parallel_layers.utils import move_model_to_device
+from nxd_hf.parallel_layers.sharding import move_model_to_device
 
 __all__ = [
     "ColumnParallelLinear", "ParallelEmbedding", "RowParallelLinear", "allreduce_sequence_parallel_gradients",

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 import torch
 
 from nxd_hf import backend, parallel_state
-from nxd_hf.parallel_layers.utils import is_sharded
+from nxd_hf.parallel_layers.sharding import is_sharded
 
 
 def _as_list(parameters) -> list[torch.Tensor]:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nxd_hf.parallel_layers import mappings
-from nxd_hf.parallel_layers.utils import (
+from nxd_hf.parallel_layers.sharding import (
     contiguous_shard_index, gather_logical, gather_positions, local_rows_mask, set_sequence_parallel_attribute,
     set_tensor_model_parallel_attributes, shard_from_full, tp_coords,
 )

@@ -15,9 +15,10 @@ import torch
 from torch import nn
 
 from nxd_hf import backend, parallel_state
+from nxd_hf.parallel_layers.heads import padded_head_rows
 from nxd_hf.parallel_layers.layers import ColumnParallelLinear, RowParallelLinear
-from nxd_hf.parallel_layers.utils import (
-    contiguous_shard_index, gather_positions, new_parameter, shard_from_full, tp_coords,
+from nxd_hf.parallel_layers.sharding import (
+    gather_positions, new_parameter, shard_from_full, tp_coords,
 )
 
 
@@ -41,18 +42,9 @@ def gather_full_tensor(param: torch.Tensor, tensor: torch.Tensor | None = None) 
     return full.movedim(0, dim)
 
 
-def padded_head_shard_index(logical_size: int, n_heads: int, extra_heads: int) -> list[torch.Tensor]:
-    """Every rank's rows for ``n_heads`` real heads followed by ``extra_heads`` zero heads."""
-    head_dim = logical_size // n_heads
-    padded = (n_heads + extra_heads) * head_dim
-    _, tp_size = tp_coords()
-    indices = [contiguous_shard_index(padded, r, tp_size) for r in range(tp_size)]
-    return [torch.where(i < logical_size, i, -1) for i in indices]
-
-
 def _repad(layer: nn.Module, dim: int, logical_size: int, n_heads: int, extra: int) -> list[torch.Tensor]:
-    tp_rank, _ = tp_coords()
-    all_indices = padded_head_shard_index(logical_size, n_heads, extra)
+    tp_rank, tp_size = tp_coords()
+    all_indices = padded_head_rows(n_heads, n_heads + extra, logical_size // n_heads, tp_size)
     for name in ("weight", "bias"):
         param = getattr(layer, name)
         if param is None or not getattr(param, "tensor_model_parallel", False):

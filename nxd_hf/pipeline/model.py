@@ -185,7 +185,7 @@ class NxDPPModel(nn.Module):
     parameters = local_parameters
 
     def move_model_to_device(self) -> "NxDPPModel":
-        from nxd_hf.parallel_layers.utils import move_model_to_device
+        from nxd_hf.parallel_layers.sharding import move_model_to_device
 
         move_model_to_device(self.stages, backend.default_device())
         return self

@@ -13,9 +13,9 @@ from torch import nn
 
 from nxd_hf.parallel_layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear, mappings
 from nxd_hf.parallel_layers.layers import set_local_
-from nxd_hf.parallel_layers.utils import is_sharded, set_sequence_parallel_attribute, shard_from_full
+from nxd_hf.parallel_layers.sharding import is_sharded, set_sequence_parallel_attribute, shard_from_full
 from nxd_hf.tp import plan as P
-from nxd_hf.tp.heads import HeadLayout
+from nxd_hf.parallel_layers.heads import HeadLayout
 
 
 def _pattern(pattern: str) -> re.Pattern:

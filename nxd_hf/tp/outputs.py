@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nxd_hf.parallel_layers.loss_functions import parallel_cross_entropy
-from nxd_hf.parallel_layers.utils import gather_logical
+from nxd_hf.parallel_layers.sharding import gather_logical
 
 
 def parallel_causal_lm_loss(logits, labels, vocab_size: int, num_items_in_batch=None, ignore_index: int = -100,

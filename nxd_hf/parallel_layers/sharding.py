@@ -1,0 +1,151 @@
+"""Sharding metadata carried by every parameter, and the index arithmetic of a shard.
+
+A sharded parameter holds, along ``partition_dim``, the rows ``shard_index`` of the unsharded
+(logical) tensor; ``-1`` marks a zero padding row (vocab or head padding). This one description
+covers plain, strided (fused), padded and K/V-replicated layouts, so initialization, loading,
+gathering and checkpointing all use the same code.
+"""
+
+import functools
+
+import torch
+from torch import nn
+
+from nxd_hf import parallel_state
+
+TP_ATTRIBUTES = (
+    "tensor_model_parallel",  # bool: sharded over the TP group
+    "partition_dim",  # int: the sharded dim
+    "partition_stride",  # int: fused sub-tensors along partition_dim, each sharded separately
+    "logical_size",  # int: unsharded, unpadded size along partition_dim
+    "shard_index",  # LongTensor: logical row of each local row, -1 for padding
+    "num_replicas",  # int: copies of each logical row across the TP group (replicated K/V)
+    "sequence_parallel_enabled",  # bool: replicated param with partial grads under SP
+)
+
+
+def divide(numerator: int, denominator: int) -> int:
+    assert numerator % denominator == 0, f"{numerator} is not divisible by {denominator}"
+    return numerator // denominator
+
+
+def padded_size(size: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` that is >= ``size``."""
+    return -(-size // multiple) * multiple
+
+
+def contiguous_shard_index(logical_size: int, tp_rank: int, tp_size: int, stride: int = 1) -> torch.Tensor:
+    """Rows of a contiguously sharded dim, padded at the end to a multiple of ``tp_size``.
+    Cached: every layer of the same shape shares one (never modified) index tensor.
+
+    With ``stride`` s the dim is s fused sub-tensors ``[A_1; ...; A_s]``, each split over the
+    ranks, so rank r holds ``[A_1,r; ...; A_s,r]`` (Megatron's strided layout); no padding then.
+    """
+    return _contiguous_shard_index(logical_size, tp_rank, tp_size, stride)  # one cache key per layout
+
+
+@functools.lru_cache(maxsize=4096)
+def _contiguous_shard_index(logical_size: int, tp_rank: int, tp_size: int, stride: int) -> torch.Tensor:
+    if stride > 1:
+        if logical_size % (stride * tp_size) != 0:
+            raise ValueError(
+                f"a fused dim of size {logical_size} with stride {stride} must be divisible by "
+                f"stride x tensor parallel size = {stride * tp_size}"
+            )
+        piece = logical_size // (stride * tp_size)
+        starts = [(k * tp_size + tp_rank) * piece for k in range(stride)]
+        return torch.cat([torch.arange(s, s + piece) for s in starts])
+    local = padded_size(logical_size, tp_size) // tp_size
+    start, stop = tp_rank * local, (tp_rank + 1) * local
+    if stop <= logical_size:
+        return torch.arange(start, stop)
+    return torch.cat([torch.arange(start, max(start, logical_size)), torch.full((stop - max(start, logical_size),), -1)])
+
+
+def shard_from_full(full: torch.Tensor, dim: int, shard_index: torch.Tensor) -> torch.Tensor:
+    """Select ``shard_index`` rows of ``full`` along ``dim``; -1 rows become zeros."""
+    shard_index = shard_index.to(full.device)
+    picked = full.index_select(dim, shard_index.clamp(min=0))
+    keep_shape = [1] * full.dim()
+    keep_shape[dim] = -1
+    return picked * (shard_index >= 0).view(keep_shape).to(full.dtype)
+
+
+def gather_positions(all_indices: list[torch.Tensor], logical_size: int) -> torch.Tensor | None:
+    """Where logical row j first appears in the TP all-gather of every rank's shard, or None
+    when the gather is already in logical order up to trailing padding."""
+    gathered = torch.cat(all_indices)
+    if torch.equal(gathered[:logical_size], torch.arange(logical_size)):
+        return None
+    positions = torch.full((logical_size,), -1, dtype=torch.long)
+    for p in reversed(range(len(gathered))):  # reversed: the first occurrence wins
+        if gathered[p] >= 0:
+            positions[gathered[p]] = p
+    assert bool((positions >= 0).all()), "every logical row must be held by some rank"
+    return positions
+
+
+def gather_logical(y: torch.Tensor, positions: torch.Tensor | None, logical_size: int) -> torch.Tensor:
+    """All-gather the last dim over TP and return it in logical order, padding dropped."""
+    from nxd_hf.parallel_layers import mappings
+
+    full = mappings.gather_from_tensor_model_parallel_region(y)
+    if positions is not None:
+        return full.index_select(-1, positions.to(y.device))
+    return full if full.shape[-1] == logical_size else full[..., :logical_size]
+
+
+def set_tensor_model_parallel_attributes(
+    param: torch.Tensor, *, partition_dim: int, logical_size: int, shard_index: torch.Tensor,
+    stride: int = 1, num_replicas: int = 1,
+) -> None:
+    param.tensor_model_parallel = True
+    param.partition_dim = partition_dim
+    param.partition_stride = stride
+    param.logical_size = logical_size
+    param.shard_index = shard_index
+    param.num_replicas = num_replicas
+
+
+def set_sequence_parallel_attribute(param: torch.Tensor, enabled: bool) -> None:
+    """Mark a replicated parameter whose grad is partial per TP rank under sequence parallelism."""
+    param.sequence_parallel_enabled = enabled
+
+
+def copy_tensor_model_parallel_attributes(dst: torch.Tensor, src: torch.Tensor) -> None:
+    for name in TP_ATTRIBUTES:
+        if hasattr(src, name):
+            setattr(dst, name, getattr(src, name))
+
+
+def is_sharded(param: torch.Tensor) -> bool:
+    return getattr(param, "tensor_model_parallel", False)
+
+
+def new_parameter(data: torch.Tensor, like: torch.Tensor | None = None) -> nn.Parameter:
+    """A Parameter holding ``data`` that keeps ``like``'s sharding metadata."""
+    param = nn.Parameter(data, requires_grad=True if like is None else like.requires_grad)
+    if like is not None:
+        copy_tensor_model_parallel_attributes(param, like)
+    return param
+
+
+def move_model_to_device(model: nn.Module, device) -> nn.Module:
+    """``model.to(device)`` that keeps the sharding metadata of every parameter (a move to an
+    XLA device creates new Parameter objects, which would drop it)."""
+    saved = {name: {a: getattr(p, a) for a in TP_ATTRIBUTES if hasattr(p, a)} for name, p in model.named_parameters()}
+    model.to(device)
+    for name, param in model.named_parameters():
+        for attr, value in saved[name].items():
+            setattr(param, attr, value)
+    return model
+
+
+def local_rows_mask(shard_index: torch.Tensor) -> torch.Tensor | None:
+    """Bool mask of real (non-padding) local rows, or None when there is no padding here."""
+    keep = shard_index >= 0
+    return None if bool(keep.all()) else keep
+
+
+def tp_coords() -> tuple[int, int]:
+    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_size()

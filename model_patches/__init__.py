@@ -1,5 +1,5 @@
 """One small declarative module per Hugging Face architecture, registered by ``model_type``
-on import (``nxd_hf.tp.plan.get_patch`` imports this package)."""
+on import (``nxd_hf.architectures`` imports this package)."""
 
 from model_patches import llama  # noqa: F401
 from model_patches import mistral, qwen2, qwen3  # noqa: F401

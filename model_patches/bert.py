@@ -7,7 +7,8 @@ over full logits, hence ``lm_head=None`` (no vocab-parallel loss contract is ins
 Pooler and classifiers stay replicated.
 """
 
-from nxd_hf.tp.plan import Attention, Column, Embedding, ModelPatch, Row, register_patch
+from nxd_hf.tp.plan import Attention, Column, Embedding, ModelPatch, Row
+from nxd_hf.tp.registry import register_patch
 
 PLAN = {
     "embeddings.word_embeddings": Embedding(),

@@ -8,7 +8,8 @@ acts on the local heads with that same generator, so ranks draw correlated masks
 different heads (correct, not independent as Megatron's tracker would make them).
 """
 
-from nxd_hf.tp.plan import Attention, Column, Embedding, ModelPatch, ParallelRegion, Row, register_patch
+from nxd_hf.tp.plan import Attention, Column, Embedding, ModelPatch, ParallelRegion, Row
+from nxd_hf.tp.registry import register_patch
 
 PLAN = {
     "wte": Embedding(),

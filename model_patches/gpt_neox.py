@@ -6,7 +6,8 @@ mapping renames it on load). The attention forward reads only ``head_size`` and 
 so no attribute changes per rank.
 """
 
-from nxd_hf.tp.plan import Attention, Column, Embedding, ModelPatch, ParallelRegion, Row, register_patch
+from nxd_hf.tp.plan import Attention, Column, Embedding, ModelPatch, ParallelRegion, Row
+from nxd_hf.tp.registry import register_patch
 
 PLAN = {
     "embed_in": Embedding(),

@@ -1,6 +1,7 @@
 """Llama: separate q/k/v/o projections (GQA), gate/up/down MLP, untied head."""
 
-from nxd_hf.tp.plan import Attention, Column, Embedding, ModelPatch, ParallelRegion, Row, register_patch
+from nxd_hf.tp.plan import Attention, Column, Embedding, ModelPatch, ParallelRegion, Row
+from nxd_hf.tp.registry import register_patch
 
 DECODER_PLAN = {
     "embed_tokens": Embedding(),

@@ -1,6 +1,7 @@
 """Mistral: Llama's layout (GQA, no biases); the sliding window does not depend on heads."""
 
 from model_patches.llama import DECODER_PLAN
-from nxd_hf.tp.plan import ModelPatch, register_patch
+from nxd_hf.tp.plan import ModelPatch
+from nxd_hf.tp.registry import register_patch
 
 PATCH = register_patch(ModelPatch(model_type="mistral", plan=dict(DECODER_PLAN)))

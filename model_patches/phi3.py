@@ -5,7 +5,8 @@ its K/V heads, and its slice of ``gate`` followed by its slice of ``up`` (stride
 ``qkv[..., :query_pos]`` slicing and ``chunk(2, dim=-1)`` see a local layout of the same form.
 """
 
-from nxd_hf.tp.plan import Attention, Column, Embedding, ModelPatch, ParallelRegion, Row, register_patch
+from nxd_hf.tp.plan import Attention, Column, Embedding, ModelPatch, ParallelRegion, Row
+from nxd_hf.tp.registry import register_patch
 
 # Phi3Attention.forward slices qkv with config.num_attention_heads and self.num_key_value_heads;
 # the config entries live in the module's private config copy.

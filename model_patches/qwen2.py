@@ -2,7 +2,8 @@
 sizes, the LM head tied to the embedding (one vocab-sharded parameter)."""
 
 from model_patches.llama import DECODER_PLAN
-from nxd_hf.tp.plan import ModelPatch, register_patch
+from nxd_hf.tp.plan import ModelPatch
+from nxd_hf.tp.registry import register_patch
 
 # Qwen2Attention reads only head_dim and num_key_value_groups (Attention's default attrs);
 # sliding_window is a sequence length, independent of the head count.

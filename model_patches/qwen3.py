@@ -4,7 +4,8 @@ the full (replicated) weight, so the weight's gradient is partial over TP and su
 post-backward hook. ``head_dim`` is a config field, not necessarily hidden_size / heads."""
 
 from model_patches.llama import DECODER_PLAN
-from nxd_hf.tp.plan import ModelPatch, PerHeadNorm, register_patch
+from nxd_hf.tp.plan import ModelPatch, PerHeadNorm
+from nxd_hf.tp.registry import register_patch
 
 PATCH = register_patch(ModelPatch(model_type="qwen3", plan=DECODER_PLAN | {
     "layers.*.self_attn.q_norm": PerHeadNorm(),

@@ -16,7 +16,8 @@ from nxd_hf.data_parallel import install_grad_sync
 from nxd_hf.tp.apply import apply_tensor_parallel
 from nxd_hf.parallel_layers.heads import head_layout
 from nxd_hf.tp.outputs import install_output_contract
-from nxd_hf.tp.plan import ModelPatch, get_patch
+from nxd_hf.architectures import get_patch
+from nxd_hf.tp.plan import ModelPatch
 
 
 def _check_model(model) -> None:

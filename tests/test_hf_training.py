@@ -127,7 +127,7 @@ def test_training_generate_and_loading(tmp_path):
 def _layout_only(model, *, tp, pad_model="auto", kv_size_multiplier="auto"):
     """The head-layout checks parallelize runs, for a TP size this process does not have."""
     from nxd_hf.parallelize import _layout
-    from nxd_hf.tp.plan import get_patch
+    from nxd_hf.architectures import get_patch
 
     parallel_state.destroy_model_parallel()
     original = parallel_state.get_tensor_model_parallel_size

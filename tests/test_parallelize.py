@@ -12,7 +12,7 @@ from nxd_hf import parallel_state
 from nxd_hf.parallel_layers.random import model_parallel_manual_seed
 from nxd_hf.parallel_layers.sharding import is_sharded
 from nxd_hf.testing import run_distributed
-from nxd_hf.tp import plan as P
+from nxd_hf import tp
 from nxd_hf.tp.derive import patch_from_hf_plan
 
 
@@ -61,7 +61,7 @@ def test_parity_every_architecture_tp1_2_4():
 
 
 def test_register_patch_duplicate_model_type_raises():
-    P.registered_model_types()  # bundled patches registered
+    tp.registered_model_types()  # bundled patches registered
     with pytest.raises(ValueError, match="'llama' is already registered"):
         nxd_hf.register_patch(nxd_hf.ModelPatch(model_type="llama", plan={}))
 
@@ -70,7 +70,7 @@ def test_get_patch_unknown_model_type_without_hf_plan_lists_supported():
     config = transformers.PretrainedConfig()
     config.model_type = "made_up_arch"
     with pytest.raises(ValueError, match="made_up_arch") as info:
-        P.get_patch(config)
+        tp.get_patch(config)
     assert "llama, " in str(info.value) and "qwen3" in str(info.value) and "register_patch" in str(info.value)
 
 
@@ -80,15 +80,15 @@ def test_patch_from_hf_plan_unknown_style_raises():
 
 
 def test_derived_phi_patch_maps_styles_by_module_name():
-    patch = P.get_patch(transformers.PhiConfig())
+    patch = tp.get_patch(transformers.PhiConfig())
     assert patch.decoder_layers == "layers"
-    assert patch.plan["embed_tokens"] == P.Embedding()
-    assert isinstance(patch.plan["layers.*.self_attn"], P.Attention)
-    assert patch.plan["layers.*.self_attn.q_proj"] == P.Column(heads="q")
-    assert patch.plan["layers.*.self_attn.v_proj"] == P.Column(heads="kv")
-    assert patch.plan["layers.*.self_attn.dense"] == P.Row(heads="q")  # output projection: sibling of q_proj
-    assert patch.plan["layers.*.mlp"] == P.ParallelRegion()
-    assert patch.plan["layers.*.mlp.fc1"] == P.Column() and patch.plan["layers.*.mlp.fc2"] == P.Row()
+    assert patch.plan["embed_tokens"] == tp.Embedding()
+    assert isinstance(patch.plan["layers.*.self_attn"], tp.Attention)
+    assert patch.plan["layers.*.self_attn.q_proj"] == tp.Column(heads="q")
+    assert patch.plan["layers.*.self_attn.v_proj"] == tp.Column(heads="kv")
+    assert patch.plan["layers.*.self_attn.dense"] == tp.Row(heads="q")  # output projection: sibling of q_proj
+    assert patch.plan["layers.*.mlp"] == tp.ParallelRegion()
+    assert patch.plan["layers.*.mlp.fc1"] == tp.Column() and patch.plan["layers.*.mlp.fc2"] == tp.Row()
 
 
 def test_derived_patch_hf_style_variants():
@@ -98,12 +98,12 @@ def test_derived_patch_hf_style_variants():
         "layers.*.mlp.gate_up_proj": "packed_colwise", "layers.*.mlp.down_proj": "rowwise_rep",
         "layers.*.head": "colwise_rep",
     }).plan
-    assert plan["layers.*.attn.query"] == P.Column(heads="q") and plan["layers.*.attn.key"] == P.Column(heads="kv")
-    assert plan["layers.*.attn.out"] == P.Row(heads="q")
-    assert "layers.*.norm" not in plan and plan["layers.*.attn.q_norm"] == P.PerHeadNorm()
-    assert plan["layers.*.mlp.gate_up_proj"] == P.Column(stride=2)
-    assert plan["layers.*.mlp.down_proj"] == P.Row(input_is_parallel=False)
-    assert plan["layers.*.head"] == P.Column(gather_output=True) and "layers.*" not in plan  # no region: the layer
+    assert plan["layers.*.attn.query"] == tp.Column(heads="q") and plan["layers.*.attn.key"] == tp.Column(heads="kv")
+    assert plan["layers.*.attn.out"] == tp.Row(heads="q")
+    assert "layers.*.norm" not in plan and plan["layers.*.attn.q_norm"] == tp.PerHeadNorm()
+    assert plan["layers.*.mlp.gate_up_proj"] == tp.Column(stride=2)
+    assert plan["layers.*.mlp.down_proj"] == tp.Row(input_is_parallel=False)
+    assert plan["layers.*.head"] == tp.Column(gather_output=True) and "layers.*" not in plan  # no region: the layer
 
 
 def test_derived_patch_with_gathered_projections_has_no_sequence_parallel():
@@ -114,4 +114,4 @@ def test_derived_patch_with_gathered_projections_has_no_sequence_parallel():
 
 def test_derived_cohere_with_per_head_qk_norm_raises():
     with pytest.raises(ValueError, match="use_qk_norm=True"):
-        P.get_patch(transformers.CohereConfig(use_qk_norm=True))
+        tp.get_patch(transformers.CohereConfig(use_qk_norm=True))

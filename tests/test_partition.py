@@ -224,7 +224,7 @@ def test_boundaries_carry_only_hidden_states(model_type):
     the attention mask and the incoming hidden state; the stages in sequence are the model,
     with and without padding (the mask is then None: HF's unmasked causal attention)."""
     from nxd_hf.pipeline.model import _layer_types
-    from nxd_hf.pipeline.replicate import allow_unmasked_attention, metadata_substitutes, replicable_nodes
+    from nxd_hf.pipeline.recompute import allow_unmasked_attention, metadata_substitutes, recomputable_nodes
     from nxd_hf.pipeline.stages import boundaries
 
     reference, model = hf_parity.build_pair(model_type, num_hidden_layers=3)
@@ -236,14 +236,14 @@ def test_boundaries_carry_only_hidden_states(model_type):
     layers = [n.target for n in graph_module.graph.nodes
               if n.op == "call_module" and isinstance(graph_module.get_submodule(n.target), layer_types)]
     stage_of_layer = stage_of_layers(layers, layers[:2], 3)
-    replicated, sources = replicable_nodes(graph_module, ["input_ids", "attention_mask"], set(layers))
-    crossings = boundaries(graph_module, stage_of_layer, replicated)
+    recomputed, sources = recomputable_nodes(graph_module, ["input_ids", "attention_mask"], set(layers))
+    crossings = boundaries(graph_module, stage_of_layer, recomputed)
     substitutes = metadata_substitutes(crossings, sources, kinds)
     assert substitutes is not None
     assert [[n.target for n in crossing] for crossing in crossings] == [layers[:1], layers[1:2]]
-    allow_unmasked_attention(graph_module, replicated)
+    allow_unmasked_attention(graph_module, recomputed)
     assert any(getattr(m, "allow_skip", False) for m in graph_module.modules())
-    stages = split_stages(graph_module, stage_of_layer, kinds, replicated, substitutes)
+    stages = split_stages(graph_module, stage_of_layer, kinds, recomputed, substitutes)
     ids, _ = hf_parity.batch(seed=4, b=2, s=8)
     for pad in (0, 2):
         attention_mask = torch.ones_like(ids)

@@ -14,10 +14,10 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from nxd_hf import backend, parallel_state
-from nxd_hf.pipeline import partition as P
+from nxd_hf.pipeline import partition
 from nxd_hf.pipeline.local import checkpoint_layers, materialize, tie_across_stages
 from nxd_hf.pipeline.runtime import SCHEDULES, build_schedule, check_schedule
-from nxd_hf.pipeline.replicate import allow_unmasked_attention, metadata_substitutes, replicable_nodes
+from nxd_hf.pipeline.recompute import allow_unmasked_attention, metadata_substitutes, recomputable_nodes
 from nxd_hf.pipeline.stages import boundaries, fake_propagate, flat_boundary_values, split_stages, value_kinds
 from nxd_hf.pipeline.trace import make_tracer, trace_hf
 from nxd_hf.pipeline.step import StepRunner
@@ -109,19 +109,19 @@ class NxDPPModel(nn.Module):
         layers = [n.target for n in graph_module.graph.nodes
                   if n.op == "call_module" and isinstance(graph_module.get_submodule(n.target), self.transformer_layer_cls)]
         self.num_stages = self.pp_size * virtual_pipeline_size
-        cuts = pipeline_cuts or P.auto_cuts(layers, self.num_stages)
-        self.stage_of_layer = P.stage_of_layers(layers, cuts, self.num_stages)
+        cuts = pipeline_cuts or partition.auto_cuts(layers, self.num_stages)
+        self.stage_of_layer = partition.stage_of_layers(layers, cuts, self.num_stages)
         self.pipeline_cuts = cuts
         self._kinds = value_kinds(graph_module, examples) if self.is_hf else _all_tensors(graph_module)
-        self._replicated, substitutes = self._replication(graph_module, traced_inputs, set(layers))
+        self._recomputed, substitutes = self._recomputation(graph_module, traced_inputs, set(layers))
         # the inputs reach every stage as keywords when stages recompute values from them
-        self.keyword_inputs = list(traced_inputs) if self._replicated else []
-        all_stages = split_stages(graph_module, self.stage_of_layer, self._kinds, self._replicated, substitutes)
+        self.keyword_inputs = list(traced_inputs) if self._recomputed else []
+        all_stages = split_stages(graph_module, self.stage_of_layer, self._kinds, self._recomputed, substitutes)
         self._graph = [graph_module]  # the whole traced model, for per-shape stage metadata
-        self._boundaries = boundaries(graph_module, self.stage_of_layer, self._replicated)
+        self._boundaries = boundaries(graph_module, self.stage_of_layer, self._recomputed)
         placement = SCHEDULES[self.schedule_name][1]
-        self.stage_to_rank = P.stage_ranks(self.num_stages, self.pp_size, placement)
-        self.local_stage_ids = P.local_stages(self.num_stages, self.pp_size, self.pp_rank, placement)
+        self.stage_to_rank = partition.stage_ranks(self.num_stages, self.pp_size, placement)
+        self.local_stage_ids = partition.local_stages(self.num_stages, self.pp_size, self.pp_rank, placement)
         self.stages = nn.ModuleDict({str(s): all_stages[s] for s in self.local_stage_ids})
         self.tied = tie_across_stages(all_stages, self.stage_to_rank, self.local_stage_ids)
         if _materialize:  # (nxd_hf.from_pretrained reads the local weights from files instead)
@@ -131,18 +131,18 @@ class NxDPPModel(nn.Module):
             checkpoint_layers(list(self.stages.values()), activation_checkpoint_config, self.transformer_layer_cls)
         self._runner = StepRunner(self)
 
-    def _replication(self, graph_module, traced_inputs: list[str], layer_targets: set[str]):
+    def _recomputation(self, graph_module, traced_inputs: list[str], layer_targets: set[str]):
         """(nodes every stage recomputes, per-boundary metadata stand-ins); none for a plain
-        module, or when some boundary has no stand-in (see ``nxd_hf.pipeline.replicate``)."""
+        module, or when some boundary has no stand-in (see ``nxd_hf.pipeline.recompute``)."""
         if not self.is_hf:
             return frozenset(), None
-        replicated, sources = replicable_nodes(graph_module, traced_inputs, layer_targets)
-        crossings = boundaries(graph_module, self.stage_of_layer, replicated)
+        recomputed, sources = recomputable_nodes(graph_module, traced_inputs, layer_targets)
+        crossings = boundaries(graph_module, self.stage_of_layer, recomputed)
         substitutes = metadata_substitutes(crossings, sources, self._kinds)
         if substitutes is None:
             return frozenset(), None
-        allow_unmasked_attention(graph_module, replicated)
-        return replicated, substitutes
+        allow_unmasked_attention(graph_module, recomputed)
+        return recomputed, substitutes
 
     def _example_inputs(self, names: list[str]) -> list[torch.Tensor]:
         seq = 2 * parallel_state.get_tensor_model_parallel_size()  # any length SP can split

@@ -87,12 +87,12 @@ def _tensor_to_int(t: torch.Tensor) -> int:
 
 
 def boundaries(gm: fx.GraphModule, stage_of_layer: dict[str, int],
-               replicated: set[fx.Node] = frozenset()) -> list[list[fx.Node]]:
+               recomputed: set[fx.Node] = frozenset()) -> list[list[fx.Node]]:
     """For each boundary s|s+1, the values made at or before stage s and used after it, except
-    those every stage recomputes (``replicated``, see ``nxd_hf.pipeline.replicate``)."""
+    those every stage recomputes (``recomputed``, see ``nxd_hf.pipeline.recompute``)."""
     assignment = assign_stages(gm, stage_of_layer)
     num_stages = max(stage_of_layer.values()) + 1
-    nodes = [n for n in gm.graph.nodes if n not in replicated]
+    nodes = [n for n in gm.graph.nodes if n not in recomputed]
     return [[n for n in nodes if n.op != "output" and assignment[n] <= boundary
              and any(assignment[u] > boundary for u in n.users)] for boundary in range(num_stages - 1)]
 
@@ -112,17 +112,17 @@ def flat_boundary_values(nodes: list[fx.Node], kinds: dict[str, object]) -> list
 
 
 def split_stages(gm: fx.GraphModule, stage_of_layer: dict[str, int], kinds: dict[str, object],
-                 replicated: set[fx.Node] = frozenset(),
+                 recomputed: set[fx.Node] = frozenset(),
                  substitutes: list[dict[fx.Node, fx.Node]] | None = None) -> list[fx.GraphModule]:
     """One GraphModule per stage; stage s takes the flattened boundary values from stage s-1
-    and, when nodes are ``replicated``, the model inputs those read as keyword arguments.
-    ``substitutes[s]``: for each value replicated nodes read only for its metadata, the
+    and, when nodes are ``recomputed``, the model inputs those read as keyword arguments.
+    ``substitutes[s]``: for each value recomputed nodes read only for its metadata, the
     boundary s|s+1 tensor that stands in for it."""
     assignment = assign_stages(gm, stage_of_layer)
     num_stages = max(stage_of_layer.values()) + 1
     nodes = list(gm.graph.nodes)
-    crossings = boundaries(gm, stage_of_layer, replicated)
-    shared = [n for n in nodes if n.op == "placeholder" and n in replicated]
+    crossings = boundaries(gm, stage_of_layer, recomputed)
+    shared = [n for n in nodes if n.op == "placeholder" and n in recomputed]
 
     def crossing(boundary: int) -> list[fx.Node]:
         return crossings[boundary]
@@ -138,7 +138,7 @@ def split_stages(gm: fx.GraphModule, stage_of_layer: dict[str, int], kinds: dict
         def local(node: fx.Node, stage=stage, graph=graph, env=env) -> fx.Node:
             """This stage's copy of ``node``: made here, received, or recomputed on demand."""
             if node not in env:
-                if node not in replicated:  # read for its metadata only: the incoming stand-in
+                if node not in recomputed:  # read for its metadata only: the incoming stand-in
                     return env[substitutes[stage - 1][node]]
                 env[node] = graph.node_copy(node, local)
             return env[node]

@@ -12,7 +12,7 @@ layers — and treats everything else as a leaf:
 - HF mask builders (``create_causal_mask`` and friends) become leaf function calls that return
   a materialized mask (``allow_is_causal_skip=False``), so a stage boundary never carries a
   value that is a tensor on one batch and None on the next, unless every stage recomputes the
-  mask itself (``nxd_hf.pipeline.replicate``);
+  mask itself (``nxd_hf.pipeline.recompute``);
 - proxies carry a fake-tensor value, so the metadata HF code branches on (``ndim``,
   ``dtype``, ``dim()``) is concrete, while shapes and devices stay symbolic (a traced model
   runs any sequence length, on any device);
@@ -38,7 +38,7 @@ MASK_BUILDERS = (
 class MaskBuilder(nn.Module):
     """A leaf module calling an HF mask builder with the model's config. Holding the config here
     keeps it out of the graph. The sdpa shortcut (None for an all-ones mask) is off unless
-    ``allow_skip`` is set, which ``nxd_hf.pipeline.replicate`` does when the mask never
+    ``allow_skip`` is set, which ``nxd_hf.pipeline.recompute`` does when the mask never
     crosses a stage boundary; it is always off on fake tensors (shape propagation)."""
 
     def __init__(self, builder, config):

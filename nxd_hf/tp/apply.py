@@ -14,7 +14,7 @@ from torch import nn
 from nxd_hf.parallel_layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear, mappings
 from nxd_hf.parallel_layers.layers import set_local_
 from nxd_hf.parallel_layers.sharding import is_sharded, set_sequence_parallel_attribute, shard_from_full
-from nxd_hf.tp import plan as P
+from nxd_hf.tp import plan
 from nxd_hf.parallel_layers.heads import HeadLayout
 
 
@@ -22,7 +22,7 @@ def _pattern(pattern: str) -> re.Pattern:
     return re.compile(re.escape(pattern).replace(r"\*", r"[^.]+"))
 
 
-def match_plan(patch: P.ModelPatch, model: nn.Module) -> list[tuple[str, nn.Module, P.Style]]:
+def match_plan(patch: plan.ModelPatch, model: nn.Module) -> list[tuple[str, nn.Module, plan.Style]]:
     """(full name, module, style) for every module of ``model`` a plan entry names."""
     prefix = patch.base_model_prefix if patch.base_model_prefix is not None else model.base_model_prefix
     compiled = [(_pattern(p), style) for p, style in patch.plan.items()]
@@ -34,7 +34,7 @@ def match_plan(patch: P.ModelPatch, model: nn.Module) -> list[tuple[str, nn.Modu
                 found.append((name, module, style))
                 break
         if patch.lm_head and name == patch.lm_head:
-            found.append((name, module, P.LMHead()))
+            found.append((name, module, plan.LMHead()))
     return found
 
 
@@ -61,17 +61,17 @@ def _copy_sharded(new: nn.Module, old: nn.Module, transposed: bool) -> None:
         set_local_(new, name, local)
 
 
-def _build(module: nn.Module, style: P.Style, layout: HeadLayout | None, sp: bool, in_region: bool) -> nn.Module:
+def _build(module: nn.Module, style: plan.Style, layout: HeadLayout | None, sp: bool, in_region: bool) -> nn.Module:
     dtype = next(module.parameters()).dtype
-    if isinstance(style, P.Embedding):  # full-sequence output: SP starts at the first decoder layer
+    if isinstance(style, plan.Embedding):  # full-sequence output: SP starts at the first decoder layer
         return ParallelEmbedding(module.num_embeddings, module.embedding_dim, module.padding_idx, dtype=dtype,
                                  device="meta")
     in_features, out_features, conv1d = _linear_shape(module)
     bias = module.bias is not None
-    if isinstance(style, P.LMHead):  # after the decoder layers: full sequence
+    if isinstance(style, plan.LMHead):  # after the decoder layers: full sequence
         return ColumnParallelLinear(in_features, out_features, bias, gather_output=False, dtype=dtype, device="meta")
     rows, replicas = layout.rows(style.heads) if style.heads else (None, 1)
-    if isinstance(style, P.Column):
+    if isinstance(style, plan.Column):
         return ColumnParallelLinear(
             in_features, out_features, bias, gather_output=style.gather_output, sequence_parallel_enabled=sp,
             dtype=dtype, device="meta", stride=style.stride, shard_index=rows, num_replicas=replicas,
@@ -83,7 +83,7 @@ def _build(module: nn.Module, style: P.Style, layout: HeadLayout | None, sp: boo
     )
 
 
-def _set_local_attrs(module: nn.Module, style: P.Attention, layout: HeadLayout) -> None:
+def _set_local_attrs(module: nn.Module, style: plan.Attention, layout: HeadLayout) -> None:
     for path, quantity in style.attrs:
         target, *rest = path.split(".")
         if rest:  # an attribute of the module's config: give the module its own copy
@@ -109,7 +109,7 @@ def _last_layer_hook(module, args, kwargs, output):
     return mappings.gather_from_sequence_parallel_region(output, to_model_parallel=False)
 
 
-def _install_sequence_parallel(model: nn.Module, patch: P.ModelPatch) -> None:
+def _install_sequence_parallel(model: nn.Module, patch: plan.ModelPatch) -> None:
     """Bracket the decoder layers with the SP split/gather; their replicated parameters
     (norms, row-parallel biases) now see one sequence chunk, so their grads are partial."""
     prefix = patch.base_model_prefix if patch.base_model_prefix is not None else model.base_model_prefix
@@ -146,29 +146,29 @@ def _retie(model: nn.Module, swapped: dict[int, nn.Parameter]) -> None:
                 module._parameters[name] = swapped[id(param)]
 
 
-def apply_tensor_parallel(model: nn.Module, patch: P.ModelPatch, layout: HeadLayout | None, *, sequence_parallel: bool) -> None:
+def apply_tensor_parallel(model: nn.Module, patch: plan.ModelPatch, layout: HeadLayout | None, *, sequence_parallel: bool) -> None:
     """Swap every planned module of ``model`` (in place) and mark partial-gradient parameters."""
     embedding, swapped = None, {}  # swapped: id(old param) -> new; `matched` keeps the old ones alive
     matched = match_plan(patch, model)
-    regions = [name + "." for name, _, style in matched if isinstance(style, P.ParallelRegion)]
+    regions = [name + "." for name, _, style in matched if isinstance(style, plan.ParallelRegion)]
     for name, module, style in matched:
-        if isinstance(style, P.ParallelRegion):
+        if isinstance(style, plan.ParallelRegion):
             module.register_forward_pre_hook(_enter_region_hook(sequence_parallel), with_kwargs=True)
-            if isinstance(style, P.Attention):
+            if isinstance(style, plan.Attention):
                 _set_local_attrs(module, style, layout)
-        elif isinstance(style, P.PerHeadNorm):
+        elif isinstance(style, plan.PerHeadNorm):
             for p in module.parameters():
                 set_sequence_parallel_attribute(p, True)  # partial over heads: summed over TP
         else:
             in_region = any(name.startswith(r) for r in regions)
             new = _build(module, style, layout, sequence_parallel, in_region)
-            tied = (isinstance(style, (P.LMHead, P.Column)) and embedding is not None
+            tied = (isinstance(style, (plan.LMHead, plan.Column)) and embedding is not None
                     and module.weight is embedding[0].weight)
             _copy_sharded(new, module, transposed=type(module).__name__ == "Conv1D")
             if tied:  # same vocab rows as the embedding (BERT's MLM decoder is a Column)
                 assert torch.equal(new.weight.shard_index, embedding[1].weight.shard_index)
                 new.weight = embedding[1].weight  # one parameter, gradients from both uses
-            if isinstance(style, P.Embedding):
+            if isinstance(style, plan.Embedding):
                 embedding = (module, new)
             swapped.update({id(getattr(module, n)): getattr(new, n) for n in ("weight", "bias")
                             if getattr(module, n, None) is not None and getattr(new, n, None) is not None})

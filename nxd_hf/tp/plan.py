@@ -2,8 +2,8 @@
 
 A ``ModelPatch`` maps module-name patterns (``*`` matches one name, as in HF's
 ``base_model_tp_plan``) to styles. One generic function (``nxd_hf.tp.apply``) applies any
-patch; ``model_patches/`` holds one small module per architecture, registered here by
-``model_type``.
+patch; ``model_patches/`` holds one small module per architecture, registered in
+``nxd_hf.tp.registry`` by ``model_type``.
 """
 
 import dataclasses
@@ -96,39 +96,3 @@ class ModelPatch:
     """Config attribute holding the number of query heads."""
     num_kv_heads_attr: str | None = "num_key_value_heads"
     """Config attribute holding the number of K/V heads (None: same as query heads)."""
-
-
-_PATCHES: dict[str, ModelPatch] = {}
-
-
-def register_patch(patch: ModelPatch) -> ModelPatch:
-    """Register ``patch`` for its ``model_type``; a second registration is an error."""
-    if patch.model_type in _PATCHES:
-        raise ValueError(f"a tensor-parallel patch for model_type {patch.model_type!r} is already registered")
-    _PATCHES[patch.model_type] = patch
-    return patch
-
-
-def registered_model_types() -> list[str]:
-    import model_patches  # noqa: F401  registers the bundled patches
-
-    return sorted(_PATCHES)
-
-
-def get_patch(config) -> ModelPatch:
-    """The registered patch for ``config.model_type``, else one derived from the config's
-    ``base_model_tp_plan``, else a ValueError listing what is supported."""
-    import model_patches  # noqa: F401  registers the bundled patches
-
-    if config.model_type in _PATCHES:
-        return _PATCHES[config.model_type]
-    hf_plan = getattr(config, "base_model_tp_plan", None)
-    if hf_plan:
-        from nxd_hf.tp.derive import patch_from_hf_plan
-
-        return patch_from_hf_plan(config.model_type, hf_plan, config=config)
-    raise ValueError(
-        f"no tensor-parallel patch for model_type {config.model_type!r} and its config has no "
-        f"base_model_tp_plan. Supported: {', '.join(registered_model_types())}. Register one with "
-        "nxd_hf.register_patch(nxd_hf.tp.ModelPatch(model_type=..., plan={...}))"
-    )

@@ -8,13 +8,13 @@ rules out the unmasked causal attention kernels. So every stage that uses such a
 recomputes it:
 
 - the model inputs (``input_ids``, ``attention_mask``, ...) reach every stage as keyword
-  arguments (``nxd_hf.pipeline.step``); a stage with no replicated node ignores them;
-- a replicable node is a placeholder of those inputs, a buffer, or a parameter-free
-  computation (no transformer layer) on replicable nodes;
-- it may also read a non-replicable hidden state for its metadata only: ``.shape``,
+  arguments (``nxd_hf.pipeline.step``); a stage with no recomputed node ignores them;
+- a recomputable node is a placeholder of those inputs, a buffer, or a parameter-free
+  computation (no transformer layer) on recomputable nodes;
+- it may also read a non-recomputable hidden state for its metadata only: ``.shape``,
   ``.device``, ``.dtype``, ``.size()``, a mask builder's ``inputs_embeds``, a rotary
   embedding's first argument. A stage reads those from its own incoming hidden state, which
-  has the same shape and dtype (checked on the fake values; otherwise nothing is replicated).
+  has the same shape and dtype (checked on the fake values; otherwise nothing is recomputed).
 """
 
 import torch.fx as fx
@@ -48,21 +48,21 @@ def _arguments(node: fx.Node):
             yield key, arg
 
 
-def replicable_nodes(gm: fx.GraphModule, shared_inputs: list[str],
+def recomputable_nodes(gm: fx.GraphModule, shared_inputs: list[str],
                      layer_targets: set[str]) -> tuple[set[fx.Node], set[fx.Node]]:
-    """(nodes any stage can recompute, non-replicable nodes they read for metadata only)."""
-    replicable, sources = set(), set()
+    """(nodes any stage can recompute, non-recomputable nodes they read for metadata only)."""
+    recomputable, sources = set(), set()
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             if node.target in shared_inputs:
-                replicable.add(node)
+                recomputable.add(node)
             continue
         if node.op == "output":
             continue
         if node.op == "get_attr":
             value = _get_attr(gm, node.target)
             if not isinstance(value, nn.Parameter) and not getattr(value, "requires_grad", False):
-                replicable.add(node)
+                recomputable.add(node)
             continue
         module = None
         if node.op == "call_module":
@@ -71,15 +71,15 @@ def replicable_nodes(gm: fx.GraphModule, shared_inputs: list[str],
                 continue
         metadata_args, read = _metadata_args(node, module), []
         for key, arg in _arguments(node):
-            if arg in replicable:
+            if arg in recomputable:
                 continue
             if key not in metadata_args:
                 break
             read.append(arg)
         else:
-            replicable.add(node)
+            recomputable.add(node)
             sources.update(read)
-    return replicable, sources
+    return recomputable, sources
 
 
 def metadata_substitutes(crossings: list[list[fx.Node]], sources: set[fx.Node],
@@ -104,10 +104,10 @@ def _same_metadata(a, b) -> bool:
     return getattr(a, "shape", None) == b.shape and getattr(a, "dtype", None) == b.dtype
 
 
-def allow_unmasked_attention(gm: fx.GraphModule, replicated: set[fx.Node]) -> None:
+def allow_unmasked_attention(gm: fx.GraphModule, recomputed: set[fx.Node]) -> None:
     """Mask builders whose masks never cross a boundary may return None for an all-ones mask
     (HF's shortcut to causal attention without a mask tensor)."""
-    for node in replicated:
+    for node in recomputed:
         if node.op == "call_module":
             module = gm.get_submodule(node.target)
             if isinstance(module, MaskBuilder):

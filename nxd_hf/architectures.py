@@ -1,0 +1,9 @@
+"""The one module that imports the bundled architecture patches (``model_patches/``), which
+register themselves in ``nxd_hf.tp.registry``. Generic code looks patches up there and never
+imports a patch module."""
+
+import model_patches  # noqa: F401  registers the bundled patches
+
+from nxd_hf.tp.registry import get_patch, register_patch, registered_model_types
+
+__all__ = ["get_patch", "register_patch", "registered_model_types"]

@@ -1,35 +1,104 @@
-"""``nxd_hf.parallelize``: the front door. Applies, in this fixed order:
+"""``nxd_hf.parallelize``: the one setup sequence every parallel model goes through.
 
-1. initialize ``parallel_state`` from the torchrun environment (unless the user did);
-2. look up the architecture's patch (registered, or derived from ``base_model_tp_plan``) and
-   check the request against it (tp fits the heads, SP supported);
-3. swap modules for parallel layers with head/vocab padding and K/V replication
-   (``nxd_hf.tp.apply``), copying this rank's slices when the weights are real;
-4. install the output contract (vocab-parallel loss, gathered logits);
-5. install the post-backward gradient sync (SP partial grads over TP, DP average);
-6. with pipeline_parallel_size > 1, trace and partition into an ``NxDPPModel`` holding only
-   this rank's stages (see ``nxd_hf.pipeline``).
+``parallelize``, ``nxd_hf.from_pretrained``, the config API (``initialize_parallel_model``) and
+a directly constructed ``NxDPPModel`` all run these steps, in this order:
+
+ 0. initialize ``parallel_state`` from the torchrun environment (unless the user did);
+ 1. resolve the patch: registered for ``config.model_type``, or derived from HF's
+    ``base_model_tp_plan`` (``nxd_hf.architectures``); check the request against it;
+ 2. pad heads: the attention-head layout of this rank (``nxd_hf.parallel_layers.heads``: K/V
+    replication, zero heads where tp does not divide them);
+ 3. swap layers for parallel ones (TP, SP), copying this rank's slices of real weights, and
+    install the output contract (vocab-parallel loss, gathered logits) — ``nxd_hf.tp``;
+ 4. partition into pipeline stages, keeping this rank's (``NxDPPModel``, when pp > 1);
+ 5. weights: load only the local ones (``load_weights``; ``from_pretrained`` reads its slices),
+    or materialize meta weights with ``param_init_fn``;
+ 6. tie weights shared by stages on different pipeline ranks;
+ 7. adapters (the LoRA slot: ``LocalSetup.add_adapters``);
+ 8. activation checkpointing;
+ 9. the gradient-reduction policy (``nxd_hf.parallel_layers.grad_reduction``);
+10. move to the device.
+Steps 5-10 run on this rank's modules (``nxd_hf.model_setup.local``): on the whole model at
+pp=1, inside ``NxDPPModel`` on its local stages otherwise.
 """
 
+from torch import nn
+
 from nxd_hf import parallel_state
-from nxd_hf.data_parallel import install_grad_sync
-from nxd_hf.tp.apply import apply_tensor_parallel
-from nxd_hf.parallel_layers.heads import head_layout
-from nxd_hf.tp.outputs import install_output_contract
 from nxd_hf.architectures import get_patch
+from nxd_hf.model_setup import LocalSetup, set_up_local_modules
+from nxd_hf.model_setup.activation_checkpoint import decoder_layer_types
+from nxd_hf.parallel_layers.heads import HeadLayout, head_layout
+from nxd_hf.tp.apply import apply_tensor_parallel
+from nxd_hf.tp.outputs import install_output_contract
 from nxd_hf.tp.plan import ModelPatch
 
 
+def parallelize(
+    model, *, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, sequence_parallel: bool = False,
+    pad_model: bool | str = "auto", kv_size_multiplier: int | str = "auto", gather_logits: bool = False,
+    bucket_size_mb: float = 25, param_init_fn=None, load_weights=None, activation_checkpoint_config=None,
+    fp32_grad_accumulation: bool = False, device=None, **pipeline_kwargs,
+):
+    """Shard a Hugging Face model (real or meta weights) in place and return it.
+
+    tensor_parallel_size: TP degree; heads are padded and K/V replicated as needed.
+    pipeline_parallel_size: PP degree (ranks beyond tp x pp are data-parallel replicas).
+    sequence_parallel: split activations along the sequence between TP regions (decoders).
+    pad_model: "auto"/True pad heads when tp does not divide them; False forbids it.
+    kv_size_multiplier: K/V copies across TP ("auto": the fewest that fit).
+    gather_logits: also return full logits in training mode when labels are given.
+    bucket_size_mb: bucket size of the gradient all-reduces.
+    param_init_fn: ``fn(module)`` initializing meta-device weights once materialized (NxD's).
+    load_weights: ``fn(modules)`` filling this rank's meta weights of ``modules`` instead
+        (``nxd_hf.from_pretrained`` passes its safetensors reader).
+    activation_checkpoint_config: "full" (every transformer layer), a module class or a list
+        of classes to recompute in backward; None for none.
+    fp32_grad_accumulation: accumulate bf16/fp16 gradients in an fp32 ``param.main_grad``.
+    device: where the model ends up (default: where it is).
+    pipeline_kwargs: with pipeline_parallel_size > 1, ``NxDPPModel`` arguments (num_microbatches,
+        schedule, virtual_pipeline_size, pipeline_cuts, use_zero1_optimizer, ...); the result is
+        then an ``NxDPPModel`` trained with ``run_train``.
+
+    Gradients are reduced as ``nxd_hf.parallel_layers.grad_reduction`` describes: averaged over
+    data-parallel ranks at the end of each backward unless inside ``model.no_sync()`` or an
+    optimizer that reduces itself (``NeuronZero1Optimizer``) registered.
+    """
+    _check_model(model)
+    if bucket_size_mb <= 0:
+        raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
+    if pipeline_kwargs and pipeline_parallel_size == 1:
+        raise ValueError(f"{sorted(pipeline_kwargs)} are pipeline options: they need pipeline_parallel_size > 1")
+    _init_parallel_state(tensor_parallel_size, pipeline_parallel_size)
+    patch = resolve_patch(model, sequence_parallel=sequence_parallel)
+    layout = attention_layout(model, patch, pad_model=pad_model, kv_size_multiplier=kv_size_multiplier)
+    swap_layers(model, patch, layout, sequence_parallel=sequence_parallel, gather_logits=gather_logits)
+    setup = LocalSetup(load_weights=load_weights, param_init_fn=param_init_fn,
+                       activation_checkpoint_config=activation_checkpoint_config,
+                       fp32_grad_accumulation=fp32_grad_accumulation, bucket_size_mb=bucket_size_mb, device=device)
+    if pipeline_parallel_size > 1:
+        from nxd_hf.pipeline.model import NxDPPModel  # step 4; it runs steps 5-10 on its stages
+
+        return NxDPPModel(model, setup=setup, **pipeline_kwargs)
+    layer_types = decoder_layer_types(model) if activation_checkpoint_config == "full" else ()
+    policy = set_up_local_modules([model], setup, layer_types=layer_types)
+    policy.install_hooks(model)
+    model.nxd_grad_reduction = policy
+    model.no_sync = policy.no_sync
+    return model
+
+
 def _check_model(model) -> None:
+    if not isinstance(model, nn.Module) or not hasattr(model, "config"):
+        raise ValueError("nxd_hf.parallelize takes a Hugging Face PreTrainedModel (it needs model.config)")
     if getattr(model, "_nxd_parallelized", False):
         raise ValueError("this model is already parallelized: call nxd_hf.parallelize once, on the original model")
     if getattr(model, "is_quantized", False) or getattr(model.config, "quantization_config", None):
         raise ValueError("nxd_hf.parallelize does not support quantized models: load the model unquantized")
-    if not hasattr(model, "config"):
-        raise ValueError("nxd_hf.parallelize takes a Hugging Face PreTrainedModel (it needs model.config)")
 
 
 def _init_parallel_state(tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
+    """Step 0."""
     if tensor_parallel_size < 1 or pipeline_parallel_size < 1:
         raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
     if parallel_state.model_parallel_is_initialized():
@@ -43,7 +112,19 @@ def _init_parallel_state(tensor_parallel_size: int, pipeline_parallel_size: int)
     parallel_state.initialize_model_parallel(tensor_parallel_size, pipeline_parallel_size)
 
 
-def _layout(model, patch: ModelPatch, pad_model, kv_size_multiplier):
+def resolve_patch(model, *, sequence_parallel: bool) -> ModelPatch:
+    """Step 1."""
+    patch = get_patch(model.config)
+    if sequence_parallel and not patch.sequence_parallel:
+        raise ValueError(
+            f"sequence_parallel=True is not supported for model_type {patch.model_type!r}: "
+            "its plan gathers activations or it is an encoder. Use sequence_parallel=False"
+        )
+    return patch
+
+
+def attention_layout(model, patch: ModelPatch, *, pad_model, kv_size_multiplier) -> HeadLayout | None:
+    """Step 2: this rank's head layout (None for a model without attention heads in its config)."""
     config = model.config
     num_heads = getattr(config, patch.num_heads_attr, None)
     if num_heads is None:
@@ -59,55 +140,19 @@ def _layout(model, patch: ModelPatch, pad_model, kv_size_multiplier):
         )
     if pad_model not in ("auto", True, False):
         raise ValueError(f"pad_model must be 'auto', True or False, got {pad_model!r}")
-    return head_layout(
-        num_heads, num_kv_heads, head_dim, parallel_state.get_tensor_model_parallel_rank(),
-        parallel_state.get_tensor_model_parallel_size(), pad_model=pad_model, kv_size_multiplier=kv_size_multiplier,
-    )
+    return head_layout(num_heads, num_kv_heads, head_dim, parallel_state.get_tensor_model_parallel_rank(), tp_size,
+                       pad_model=pad_model, kv_size_multiplier=kv_size_multiplier)
 
 
-def parallelize(
-    model, *, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, sequence_parallel: bool = False,
-    pad_model: bool | str = "auto", kv_size_multiplier: int | str = "auto", gather_logits: bool = False,
-    bucket_size_mb: float = 25, **pipeline_kwargs,
-):
-    """Shard a Hugging Face model (real or meta weights) in place and return it.
-
-    tensor_parallel_size: TP degree; heads are padded and K/V replicated as needed.
-    pipeline_parallel_size: PP degree (ranks beyond tp x pp are data-parallel replicas).
-    sequence_parallel: split activations along the sequence between TP regions (decoders).
-    pad_model: "auto"/True pad heads when tp does not divide them; False forbids it.
-    kv_size_multiplier: K/V copies across TP ("auto": the fewest that fit).
-    gather_logits: also return full logits in training mode when labels are given.
-    bucket_size_mb: bucket size of the post-backward gradient all-reduces.
-    pipeline_kwargs: with pipeline_parallel_size > 1, ``NxDPPModel`` arguments (num_microbatches,
-        schedule, virtual_pipeline_size, pipeline_cuts, activation_checkpoint_config, ...); the
-        result is then an ``NxDPPModel`` trained with ``run_train``.
-    """
-    _check_model(model)
-    if bucket_size_mb <= 0:
-        raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
-    _init_parallel_state(tensor_parallel_size, pipeline_parallel_size)
-    if pipeline_kwargs and pipeline_parallel_size == 1:
-        raise ValueError(f"{sorted(pipeline_kwargs)} are pipeline options: they need pipeline_parallel_size > 1")
-    patch = get_patch(model.config)
-    if sequence_parallel and not patch.sequence_parallel:
-        raise ValueError(
-            f"sequence_parallel=True is not supported for model_type {patch.model_type!r}: "
-            "its plan gathers activations or it is an encoder. Use sequence_parallel=False"
-        )
-    layout = _layout(model, patch, pad_model, kv_size_multiplier)
+def swap_layers(model, patch: ModelPatch, layout: HeadLayout | None, *, sequence_parallel: bool,
+                gather_logits: bool) -> None:
+    """Step 3."""
     apply_tensor_parallel(model, patch, layout, sequence_parallel=sequence_parallel)
     if patch.lm_head and _has(model, patch.lm_head):
         install_output_contract(model, vocab_size=model.config.vocab_size, gather_logits=gather_logits,
                                 sequence_parallel=sequence_parallel)
-    install_grad_sync(model, bucket_size_mb=bucket_size_mb)
     model._nxd_parallelized = True
     model._nxd_patch = patch
-    if pipeline_parallel_size > 1:
-        from nxd_hf.pipeline.model import NxDPPModel
-
-        return NxDPPModel(model, **pipeline_kwargs)
-    return model
 
 
 def _has(model, name: str) -> bool:
@@ -116,4 +161,3 @@ def _has(model, name: str) -> bool:
     except AttributeError:
         return False
     return True
-

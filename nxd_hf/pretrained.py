@@ -24,10 +24,13 @@ def from_pretrained(path: str, *, auto_class=transformers.AutoModelForCausalLM, 
         dtype = getattr(torch, dtype)
     with accelerate.init_empty_weights(include_buffers=False):
         hf_model = auto_class.from_config(config, dtype=dtype)
-    if pipeline_parallel_size > 1:  # stages stay on meta until this rank's weights are read
-        parallelize_kwargs["_materialize"] = False
+    reports = []
+
+    def load_weights(modules):  # setup step 5, on this rank's modules (its stages with PP)
+        reports.append(load_hf_safetensors(modules, path, hf_model=hf_model))
+
     model = parallelize(hf_model, tensor_parallel_size=tensor_parallel_size,
-                        pipeline_parallel_size=pipeline_parallel_size, **parallelize_kwargs)
-    model.nxd_load_report = load_hf_safetensors(model, path, hf_model=hf_model)
+                        pipeline_parallel_size=pipeline_parallel_size, load_weights=load_weights, **parallelize_kwargs)
+    model.nxd_load_report = reports[0]
     model.eval()
     return model

@@ -1,4 +1,4 @@
-"""Small helpers with NxD's names (``neuronx_distributed.utils.model_utils``)."""
+"""Small helpers: NxD's ``neuronx_distributed.utils.model_utils`` names, and module bookkeeping."""
 
 import contextlib
 
@@ -12,3 +12,14 @@ def init_on_device(device: torch.device):
     or ``nxd_hf.from_pretrained`` materializes this rank's part of it."""
     with torch.device(device):
         yield
+
+
+def owners_of(modules) -> dict[int, list]:
+    """id(parameter) -> every (module, attribute) holding it among ``modules`` (a tied weight has several)."""
+    owners = {}
+    for root in modules:
+        for module in root.modules():
+            for name, param in module._parameters.items():
+                if param is not None:
+                    owners.setdefault(id(param), []).append((module, name))
+    return owners

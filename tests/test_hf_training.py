@@ -126,14 +126,15 @@ def test_training_generate_and_loading(tmp_path):
 
 def _layout_only(model, *, tp, pad_model="auto", kv_size_multiplier="auto"):
     """The head-layout checks parallelize runs, for a TP size this process does not have."""
-    from nxd_hf.parallelize import _layout
+    from nxd_hf.parallelize import attention_layout
     from nxd_hf.architectures import get_patch
 
     parallel_state.destroy_model_parallel()
     original = parallel_state.get_tensor_model_parallel_size
     parallel_state.get_tensor_model_parallel_size = lambda: tp
     try:
-        return _layout(model, get_patch(model.config), pad_model, kv_size_multiplier)
+        return attention_layout(model, get_patch(model.config), pad_model=pad_model,
+                                kv_size_multiplier=kv_size_multiplier)
     finally:
         parallel_state.get_tensor_model_parallel_size = original
 

@@ -223,14 +223,14 @@ def test_boundaries_carry_only_hidden_states(model_type):
     """Position ids, the attention mask and RoPE's cos/sin are recomputed on every stage from
     the attention mask and the incoming hidden state; the stages in sequence are the model,
     with and without padding (the mask is then None: HF's unmasked causal attention)."""
-    from nxd_hf.pipeline.model import _layer_types
+    from nxd_hf.model_setup.activation_checkpoint import decoder_layer_types
     from nxd_hf.pipeline.recompute import allow_unmasked_attention, metadata_substitutes, recomputable_nodes
     from nxd_hf.pipeline.stages import boundaries
 
     reference, model = hf_parity.build_pair(model_type, num_hidden_layers=3)
     reference.eval(), model.eval()
     examples = [torch.ones(1, 8, dtype=torch.long)] * 2
-    layer_types = _layer_types(model, None)
+    layer_types = decoder_layer_types(model)
     graph_module = trace_hf(model, ["input_ids", "attention_mask"], layer_types, (), examples)
     kinds = value_kinds(graph_module, examples)
     layers = [n.target for n in graph_module.graph.nodes

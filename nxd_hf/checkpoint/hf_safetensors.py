@@ -19,6 +19,7 @@ from safetensors import safe_open
 from torch import nn
 
 from nxd_hf.parallel_layers.sharding import is_sharded
+from nxd_hf.utils import owners_of
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -105,16 +106,6 @@ def _runs(rows: torch.Tensor) -> list[tuple[int, int, bool]]:
     return runs
 
 
-def _owners(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
-    """Every (module, attribute) holding each parameter: a tied weight has several."""
-    owners = {}
-    for module in model.modules():
-        for name, param in module._parameters.items():
-            if param is not None:
-                owners.setdefault(id(param), []).append((module, name))
-    return owners
-
-
 def _checkpoint_key(checkpoint: SafetensorsCheckpoint, name: str, prefix: str, renamed: "HFRenames",
                     tied: dict[str, str]) -> str | None:
     """The checkpoint key holding parameter ``name``: the same name, the name without the
@@ -168,20 +159,32 @@ class HFRenames:
         return mapping
 
 
-def load_hf_safetensors(model: nn.Module, path: str, *, hf_model: nn.Module | None = None) -> LoadReport:
-    """Fill every parameter and persistent buffer of a (parallelized) model from ``path``.
-    ``hf_model``: the HF model ``model`` was made from (default: ``model``), for its renames,
-    tied-weight keys and base-model prefix."""
+def _named_parameters(modules: list[nn.Module]):
+    seen = set()
+    for module in modules:
+        for name, param in module.named_parameters():
+            if id(param) not in seen:
+                seen.add(id(param))
+                yield name, param
+
+
+def load_hf_safetensors(modules: nn.Module | list[nn.Module], path: str, *,
+                        hf_model: nn.Module | None = None) -> LoadReport:
+    """Fill every parameter and persistent buffer of a (parallelized) model, or of a list of
+    its modules under the model's names (pipeline stages), from ``path``. ``hf_model``: the HF
+    model they were made from (default: ``modules``), for its renames, tied-weight keys and
+    base-model prefix."""
+    modules = list(modules) if isinstance(modules, (list, tuple)) else [modules]
     checkpoint = SafetensorsCheckpoint(path)
-    owners = _owners(model)
-    hf_model = hf_model if hf_model is not None else model
+    owners = owners_of(modules)
+    hf_model = hf_model if hf_model is not None else modules[0]
     prefix = getattr(hf_model, "base_model_prefix", "")
     renamed = HFRenames(hf_model, checkpoint.files)
     tied = getattr(hf_model, "_tied_weights_keys", None) or {}
     ties_embeddings = getattr(getattr(hf_model, "config", None), "tie_word_embeddings", False)
     tied = tied if isinstance(tied, dict) and ties_embeddings else {}
     missing = []
-    for name, param in list(model.named_parameters()):
+    for name, param in list(_named_parameters(modules)):
         key = _checkpoint_key(checkpoint, name, prefix, renamed, tied)
         if key is None:
             missing.append(name)
@@ -199,13 +202,14 @@ def load_hf_safetensors(model: nn.Module, path: str, *, hf_model: nn.Module | No
             setattr(module, attr, new)
     if missing:
         raise ValueError(f"{len(missing)} parameters are not in the checkpoint at {path}: {missing[:5]}")
-    _load_buffers(model, checkpoint, prefix, renamed)
+    for module in modules:
+        _load_buffers(module, checkpoint, prefix, renamed)
     return checkpoint.report
 
 
 def _load_buffers(model: nn.Module, checkpoint: SafetensorsCheckpoint, prefix: str, renamed: HFRenames) -> None:
-    """Persistent buffers come from the file; meta non-persistent ones (RoPE ``inv_freq``)
-    are recomputed by building their module again from the config."""
+    """Persistent buffers come from the file; meta non-persistent ones (RoPE ``inv_freq``) are
+    left for the setup sequence to recompute (``nxd_hf.model_setup.materialize``)."""
     for module_name, module in model.named_modules():
         for name, buffer in list(module._buffers.items()):
             if buffer is None:
@@ -215,19 +219,3 @@ def _load_buffers(model: nn.Module, checkpoint: SafetensorsCheckpoint, prefix: s
             key = _checkpoint_key(checkpoint, full_name, prefix, renamed, {}) if persistent else None
             if key is not None:
                 module._buffers[name] = checkpoint.read(key).to(buffer.dtype)
-            elif buffer.is_meta:
-                _rebuild_buffers(module, module_name)
-
-
-def _rebuild_buffers(module: nn.Module, module_name: str) -> None:
-    config = getattr(module, "config", None)
-    try:
-        fresh = type(module)(config=config)
-    except Exception as error:
-        raise ValueError(
-            f"buffers of {module_name} ({type(module).__name__}) are on the meta device and cannot be rebuilt "
-            "from the config: build the model with accelerate.init_empty_weights(include_buffers=False)"
-        ) from error
-    for name, buffer in fresh._buffers.items():
-        if buffer is not None:
-            module._buffers[name] = buffer

@@ -11,10 +11,10 @@ flat parameters (``nxd_hf.optim.flat``). One ``step()``:
 3. step the inner ``optimizer_class`` on the master slices;
 4. all-gather the updated slices back into the parameters, bucketed.
 
-The DP gradient average that ``parallelize``'s post-backward hook does would be redundant:
-pass ``model=`` (or call ``attach(model)``) to turn it off; the hook's TP sum of
-sequence-parallel partial gradients stays on. The step's collectives carry the
-``backend.comm_tag`` "zero1".
+The reduce-scatter replaces the data-parallel mean at the end of backward: the optimizer
+registers itself with the gradient-reduction policy of the models owning its parameters
+(``nxd_hf.parallel_layers.grad_reduction``), whose TP sum of partial gradients stays on. The
+step's collectives carry the ``backend.comm_tag`` "zero1".
 """
 
 import warnings
@@ -25,6 +25,7 @@ from nxd_hf import backend, parallel_state
 from nxd_hf.optim.flat import FlatGroup, build_flat_groups
 from nxd_hf.optim.groups import resolve_group
 from nxd_hf.optim.zero1_state import Zero1StateMixin
+from nxd_hf.parallel_layers.grad_reduction import grad_reductions_of
 
 ELEMENTWISE_OPTIMIZERS = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
@@ -61,7 +62,8 @@ class NeuronZero1Optimizer(Zero1StateMixin, torch.optim.Optimizer):
     max_norm: clip the global gradient norm to this (None: no clipping); ``norm_type`` its p.
     bucket_size_mb: reduce-scatter / all-gather input size per collective.
     elementwise: assert that an optimizer outside ``ELEMENTWISE_OPTIMIZERS`` is element-wise.
-    model: a model from ``nxd_hf.parallelize`` whose DP gradient all-reduce to turn off.
+    model: a model from ``nxd_hf.parallelize`` whose DP gradient all-reduce to turn off (found
+        from the parameters anyway; NxD's argument).
     grad_source: ``param -> accumulated gradient or None``; default ``param.grad`` (e.g. an fp32
         ``main_grad``: gradients are reduced in the dtype it returns).
     defaults: ``optimizer_class``'s options (lr, weight_decay, ...).
@@ -108,6 +110,8 @@ class NeuronZero1Optimizer(Zero1StateMixin, torch.optim.Optimizer):
         self._norm_segments = [fg.norm_segments(parallel_state.get_tensor_model_parallel_rank()) for fg in self.flat_groups]
         self.grad_norm: torch.Tensor | None = None
         self._staging_buffers: dict[tuple, torch.Tensor] = {}
+        for policy in grad_reductions_of(p for fg in self.flat_groups for p in fg.params):
+            policy.reduce_in_optimizer()
         if model is not None:
             self.attach(model)
 
@@ -117,12 +121,12 @@ class NeuronZero1Optimizer(Zero1StateMixin, torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     def attach(self, model) -> None:
-        """Turn off the DP gradient average of ``parallelize``'s post-backward hook: the
-        reduce-scatter in ``step()`` replaces it (``model.no_sync()`` then changes nothing)."""
-        sync = getattr(model, "_nxd_grad_sync", None)
-        if sync is None:
-            raise ValueError("attach(model) takes a model returned by nxd_hf.parallelize (it has no gradient sync hook)")
-        sync.sync_dp = False
+        """Take over ``model``'s data-parallel gradient mean: the reduce-scatter in ``step()``
+        replaces the one at the end of backward (``model.no_sync()`` then changes nothing)."""
+        policy = getattr(model, "nxd_grad_reduction", None)
+        if policy is None:
+            raise ValueError("attach(model) takes a model returned by nxd_hf.parallelize (it has no gradient reduction)")
+        policy.reduce_in_optimizer()
 
     def _options(self, group_index: int) -> dict:
         return {k: v for k, v in self.param_groups[group_index].items() if k != "params"}

@@ -5,6 +5,8 @@
 - ``allreduce_sequence_parallel_gradients``: under sequence parallelism, replicated parameters
   (norm weights, row-parallel biases) see only their rank's sequence chunk; their grads are
   summed over TP (bucketed).
+- ``accumulated_grad`` / ``install_fp32_grad_accumulation``: a low-precision parameter may
+  accumulate its gradient in an fp32 ``param.main_grad`` (Megatron's name) instead of ``.grad``.
 - ``clip_grad_norm``: the norm of the whole model's gradient, equal to
   ``torch.nn.utils.clip_grad_norm_`` on the unsharded model: shards summed over TP and PP,
   TP-replicated parameters counted once (on TP rank 0), each replicated K/V row once
@@ -18,6 +20,34 @@ import torch
 
 from nxd_hf import backend, parallel_state
 from nxd_hf.parallel_layers.sharding import is_sharded
+
+
+def accumulated_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """A parameter's accumulated gradient: the fp32 ``main_grad`` under fp32 accumulation."""
+    main_grad = getattr(param, "main_grad", None)
+    return main_grad if main_grad is not None else param.grad
+
+
+def _accumulate_into_main_grad(param: torch.Tensor) -> None:
+    if param.main_grad is None:
+        param.main_grad = param.grad.float()
+    else:
+        param.main_grad.add_(param.grad)
+    param.grad = None
+
+
+def install_fp32_grad_accumulation(params) -> int:
+    """After each backward, add the low-precision (bf16/fp16) gradient of each of ``params``
+    into an fp32 ``param.main_grad`` and release ``param.grad``, so accumulation over
+    micro-steps happens in fp32; returns how many parameters that applies to."""
+    count = 0
+    for param in params:
+        low_precision = param.dtype in (torch.bfloat16, torch.float16)
+        if low_precision and param.requires_grad and not hasattr(param, "main_grad"):
+            param.main_grad = None
+            param.register_post_accumulate_grad_hook(_accumulate_into_main_grad)
+            count += 1
+    return count
 
 
 def _as_list(parameters) -> list[torch.Tensor]:

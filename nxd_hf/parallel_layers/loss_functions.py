@@ -95,3 +95,14 @@ def parallel_cross_entropy(
     if reduction == "mean":
         return loss.sum() / (labels != ignore_index).sum()
     return loss
+
+
+def loss_normalizer(labels: torch.Tensor, num_items_in_batch=None, *, ignore_index: int = -100) -> torch.Tensor:
+    """What this rank divides its summed token loss by, so that gradients averaged over data
+    parallelism equal those of one batch holding the whole step: the step's count of
+    non-ignored (shifted) label tokens over all DP ranks and micro-steps — ``num_items_in_batch``
+    when given, else this call's count summed over DP — divided by the DP size."""
+    if num_items_in_batch is None:
+        num_items_in_batch = (labels[..., 1:] != ignore_index).sum().to(torch.float32)
+        backend.all_reduce(num_items_in_batch, parallel_state.get_data_parallel_group())
+    return torch.as_tensor(num_items_in_batch, dtype=torch.float32) / parallel_state.get_data_parallel_size()

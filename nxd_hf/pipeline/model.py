@@ -1,11 +1,13 @@
 """``NxDPPModel``: NxD's pipeline-parallel wrapper on torch.distributed.pipelining.
 
 Construction: trace (``nxd_hf.pipeline.trace``), cut between transformer layers
-(``partition``), split into stage modules (``stages``), keep this rank's stages only,
-materialize their meta parameters (``param_init_fn``), tie weights shared across stages, and
-apply activation checkpointing. ``run_train`` then runs one step of the chosen schedule.
+(``partition``), split into stage modules (``stages``), keep this rank's stages only, then run
+the local setup steps on them (``nxd_hf.model_setup.local``: weights, ties across stages,
+adapters, activation checkpointing, gradient reduction, device) — the same steps
+``nxd_hf.parallelize`` runs at pp=1. ``run_train`` then runs one step of the chosen schedule.
 """
 
+import dataclasses
 import math
 import warnings
 
@@ -15,12 +17,14 @@ from torch import nn
 
 from nxd_hf import backend, parallel_state
 from nxd_hf.pipeline import partition
-from nxd_hf.pipeline.local import checkpoint_layers, materialize, tie_across_stages
+from nxd_hf.model_setup import LocalSetup, set_up_local_modules
+from nxd_hf.model_setup.activation_checkpoint import decoder_layer_types
 from nxd_hf.pipeline.runtime import SCHEDULES, build_schedule, check_schedule
 from nxd_hf.pipeline.recompute import allow_unmasked_attention, metadata_substitutes, recomputable_nodes
 from nxd_hf.pipeline.stages import boundaries, fake_propagate, flat_boundary_values, split_stages, value_kinds
 from nxd_hf.pipeline.trace import make_tracer, trace_hf
 from nxd_hf.pipeline.step import StepRunner
+from nxd_hf.pipeline.ties import tie_across_stages
 
 
 def _all_tensors(graph_module) -> dict[str, str]:
@@ -43,20 +47,14 @@ def _resolve_classes(module: nn.Module, classes) -> tuple[type, ...]:
     return tuple(resolved)
 
 
-def _layer_types(module: nn.Module, transformer_layer_cls) -> tuple[type, ...]:
-    if transformer_layer_cls is not None:
-        return tuple(transformer_layer_cls) if isinstance(transformer_layer_cls, (list, tuple)) else (transformer_layer_cls,)
-    names = set(getattr(module, "_no_split_modules", None) or [])
-    found = tuple({type(m) for m in module.modules() if type(m).__name__ in names})
-    if not found:
-        raise ValueError("pass transformer_layer_cls=<your decoder layer class>: it cannot be inferred for this model")
-    return found
-
-
 class NxDPPModel(nn.Module):
     """Pipeline-parallel model (see the module docstring; arguments as NxD's, plus ``schedule``
     — one of ``nxd_hf.pipeline.runtime.SCHEDULES`` — and ``activation_checkpoint_config``:
-    "full", a module class or list of classes, or None)."""
+    "full", a module class or list of classes, or None). ``setup``: the local setup steps as
+    ``nxd_hf.parallelize`` hands them over (a ``LocalSetup``); when constructing directly, give
+    ``param_init_fn`` and ``activation_checkpoint_config`` instead. ``use_zero1_optimizer``:
+    the optimizer does the data-parallel gradient reduction, not the end of ``run_train``.
+    ``no_sync()`` defers that reduction for accumulation micro-steps, as in DDP."""
 
     def __init__(
         self, module: nn.Module, transformer_layer_cls=None, num_microbatches: int = 1, virtual_pipeline_size: int = 1,
@@ -65,7 +63,7 @@ class NxDPPModel(nn.Module):
         autowrap_functions=None, autowrap_modules=None, tracer_cls=None, param_init_fn=None,
         trace_file_path: str | None = None, use_zero1_optimizer: bool = False, auto_partition: bool = False,
         deallocate_pipeline_outputs: bool = False, *, schedule: str | None = None,
-        activation_checkpoint_config=None, _materialize: bool = True,
+        activation_checkpoint_config=None, setup: LocalSetup | None = None,
     ):
         super().__init__()
         if num_microbatches < 1 or virtual_pipeline_size < 1:
@@ -86,10 +84,10 @@ class NxDPPModel(nn.Module):
         self.schedule_name = schedule or ("1f1b" if virtual_pipeline_size == 1 else "interleaved_1f1b")
         check_schedule(self.schedule_name, self.pp_size, virtual_pipeline_size, num_microbatches)
         self.return_mb_loss, self.broadcast_and_average_loss = return_mb_loss, broadcast_and_average_loss
-        self.use_zero1_optimizer = use_zero1_optimizer
+        setup = _local_setup(setup, param_init_fn, activation_checkpoint_config, use_zero1_optimizer)
         self.input_names = list(input_names or ["input_ids", "attention_mask", "labels"])
         self.config = getattr(module, "config", None)
-        self.transformer_layer_cls = _layer_types(module, transformer_layer_cls)
+        self.transformer_layer_cls = decoder_layer_types(module, transformer_layer_cls)
         self._original = [module]  # not a submodule: only local stages are this module's children
         self._deallocate = deallocate_pipeline_outputs
 
@@ -124,11 +122,9 @@ class NxDPPModel(nn.Module):
         self.local_stage_ids = partition.local_stages(self.num_stages, self.pp_size, self.pp_rank, placement)
         self.stages = nn.ModuleDict({str(s): all_stages[s] for s in self.local_stage_ids})
         self.tied = tie_across_stages(all_stages, self.stage_to_rank, self.local_stage_ids)
-        if _materialize:  # (nxd_hf.from_pretrained reads the local weights from files instead)
-            materialize(list(self.stages.values()), param_init_fn)
-            self.tied.sync_initial_values()
-        if activation_checkpoint_config is not None:
-            checkpoint_layers(list(self.stages.values()), activation_checkpoint_config, self.transformer_layer_cls)
+        self.nxd_grad_reduction = set_up_local_modules(
+            list(self.stages.values()), setup, layer_types=self.transformer_layer_cls, tie=self.tied.sync_initial_values)
+        self.nxd_grad_reduction.add_reduction(self.tied.sum_grads)
         self._runner = StepRunner(self)
 
     def _recomputation(self, graph_module, traced_inputs: list[str], layer_targets: set[str]):
@@ -159,6 +155,10 @@ class NxDPPModel(nn.Module):
         """Forward only; returns the loss (labels given) like ``run_train``."""
         with torch.no_grad():
             return self._runner.run(inputs, train=False)
+
+    def no_sync(self):
+        """Skip the data-parallel gradient mean for steps inside the block (accumulation)."""
+        return self.nxd_grad_reduction.no_sync()
 
     def local_module(self):
         """This rank's stage module (a list of them with several stages per rank)."""
@@ -220,6 +220,17 @@ class NxDPPModel(nn.Module):
             num_microbatches=self.num_microbatches, loss_fn=loss_fn, deallocate_outputs=self._deallocate,
             stage_metadata=self.stage_metadata(microbatch_inputs), layer_types=self.transformer_layer_cls,
         )
+
+
+def _local_setup(setup: LocalSetup | None, param_init_fn, activation_checkpoint_config,
+                 use_zero1_optimizer: bool) -> LocalSetup:
+    if setup is None:
+        return LocalSetup(param_init_fn=param_init_fn, activation_checkpoint_config=activation_checkpoint_config,
+                          dp_in_optimizer=use_zero1_optimizer)
+    if param_init_fn is not None or activation_checkpoint_config is not None:
+        raise ValueError("NxDPPModel got setup= together with param_init_fn or activation_checkpoint_config: "
+                         "put them in the LocalSetup (nxd_hf.parallelize takes them as its own arguments)")
+    return dataclasses.replace(setup, dp_in_optimizer=setup.dp_in_optimizer or use_zero1_optimizer)
 
 
 def _as_meta(t: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,9 @@
-"""One pipeline step: microbatches, the token-normalized loss, and the gradient syncs.
+"""One pipeline step: microbatches and the token-normalized loss; the model's gradient policy
+(``nxd_hf.parallel_layers.grad_reduction``) reduces the gradients once the step's backwards end.
 
 Each microbatch's loss is its sum over non-ignored tokens divided by the step's count of
 non-ignored tokens across all microbatches and DP replicas (times the DP size, since DP
-gradients are averaged), so the gradients equal those of one large batch, padding included.
+gradients are averaged; ``loss_normalizer``), so the gradients equal those of one large batch.
 ``run_train(num_items_in_batch=N)`` gives that count for a step accumulated over several calls
 (N summed over the calls and DP ranks); by default it is this call's count.
 """
@@ -10,7 +11,7 @@ gradients are averaged), so the gradients equal those of one large batch, paddin
 import torch
 
 from nxd_hf import backend, parallel_state
-from nxd_hf.parallel_layers.grads import sync_data_parallel_grads
+from nxd_hf.parallel_layers.loss_functions import loss_normalizer
 
 
 def _select_loss(output, spec):
@@ -72,13 +73,7 @@ class StepRunner:
             labels = torch.zeros(inputs[model.input_names[0]].shape[0])
         if model.is_hf and "attention_mask" in model.input_names and "attention_mask" not in inputs:
             inputs = {**inputs, "attention_mask": torch.ones_like(inputs["input_ids"])}
-        if not model.is_hf:
-            step_count = 1.0
-        elif step_count is None:  # this call's tokens over the DP ranks
-            step_count = (labels[..., 1:] != -100).sum().to(torch.float32)
-            backend.all_reduce(step_count, parallel_state.get_data_parallel_group())
-        dp_size = parallel_state.get_data_parallel_size()
-        self.num_items = torch.as_tensor(step_count, dtype=torch.float32) / dp_size
+        self.num_items = loss_normalizer(labels, step_count) if model.is_hf else None
         names = [name for name in model.input_names if name != "labels" or not model.is_hf]
         schedule = self._schedule([inputs[name] for name in names])  # keyword inputs last, as traced
         first, last = 0 in model.local_stage_ids, model.num_stages - 1 in model.local_stage_ids
@@ -87,23 +82,12 @@ class StepRunner:
         step_kwargs = {name: inputs[name] for name in model.keyword_inputs}  # to every stage
         if last:
             step_kwargs.update(target=labels, losses=losses)
-        grad_sync = getattr(model._original[0], "_nxd_grad_sync", None)
         if train:
-            snapshot = grad_sync.begin(list(model.local_parameters())) if grad_sync else None
-            schedule.step(*step_args, return_outputs=False, **step_kwargs)
-            self._after_backward(grad_sync, snapshot)
+            with model.nxd_grad_reduction.one_backward():
+                schedule.step(*step_args, return_outputs=False, **step_kwargs)
         else:
             schedule.eval(*step_args, return_outputs=False, **step_kwargs)
         return self._reduce_losses(losses)
-
-    def _after_backward(self, grad_sync, snapshot) -> None:
-        model = self.model
-        params = list(model.local_parameters())
-        model.tied.sum_grads()
-        if grad_sync is not None:
-            grad_sync.finish_partial(snapshot)
-        if not model.use_zero1_optimizer:
-            sync_data_parallel_grads(params)
 
     def _reduce_losses(self, losses):
         model = self.model

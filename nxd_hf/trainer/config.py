@@ -149,7 +149,11 @@ def _check_pipeline_config(pipeline_config: dict) -> None:
 
     from nxd_hf.pipeline.model import NxDPPModel
 
-    accepted = set(inspect.signature(NxDPPModel.__init__).parameters) - {"self", "module", "_materialize"}
+    elsewhere = {"param_init_fn": "model_init_config", "activation_checkpoint_config": "neuronx_distributed_config"}
+    for key, home in elsewhere.items():
+        if key in pipeline_config:
+            raise ValueError(f"pipeline_config[{key!r}]: pass {key} in {home} instead")
+    accepted = set(inspect.signature(NxDPPModel.__init__).parameters) - {"self", "module", "setup", *elsewhere}
     unknown = sorted(set(pipeline_config) - accepted)
     if unknown:
         raise ValueError(f"unknown pipeline_config key(s) {unknown}; accepted: {sorted(accepted)}")

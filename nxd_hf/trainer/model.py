@@ -10,10 +10,9 @@ import torch
 from torch import nn
 
 from nxd_hf import backend, parallel_state
-from nxd_hf.optim.mixed_precision import install_fp32_grad_accumulation
+from nxd_hf.parallel_layers.loss_functions import loss_normalizer
 from nxd_hf.parallelize import parallelize
-from nxd_hf.pipeline.local import checkpoint_layers, materialize
-from nxd_hf.pipeline.model import NxDPPModel, _layer_types
+from nxd_hf.pipeline.model import NxDPPModel
 from nxd_hf.trainer.config import NxDConfig
 from nxd_hf.utils import init_on_device
 
@@ -45,15 +44,10 @@ class NxDModel(nn.Module):
     def run_train(self, **inputs):
         if self.pipelined:
             return self.module.run_train(**inputs)
-        labels = inputs["labels"]
-        num_items = inputs.pop("num_items_in_batch", None)
-        if num_items is None:
-            num_items = (labels[..., 1:] != -100).sum().float()
-            backend.all_reduce(num_items, parallel_state.get_data_parallel_group())
-        dp_size = parallel_state.get_data_parallel_size()
-        # DP gradients are averaged, so each rank normalizes by the global count / dp
-        loss = self.module(**inputs, num_items_in_batch=torch.as_tensor(num_items, dtype=torch.float32) / dp_size).loss
+        normalizer = loss_normalizer(inputs["labels"], inputs.pop("num_items_in_batch", None))
+        loss = self.module(**inputs, num_items_in_batch=normalizer).loss
         loss.backward()
+        dp_size = parallel_state.get_data_parallel_size()
         share = loss.detach() / dp_size
         backend.all_reduce(share, parallel_state.get_data_parallel_group())
         return share
@@ -125,9 +119,9 @@ def _build_in_waves(factor: int, build):
 def initialize_parallel_model(nxd_config: NxDConfig, model_fn, *model_args, **model_kwargs) -> NxDModel:
     """``model_fn(*model_args, **model_kwargs)``, built by at most ``sequential_move_factor``
     ranks of a node at a time (on the meta device with ``meta_device_init``), then tensor-,
-    sequence- and pipeline-parallelized as configured, with activation checkpointing and fp32
-    gradient accumulation for low-precision parameters. The optimizer from
-    ``initialize_parallel_optimizer`` does the data-parallel reduction."""
+    sequence- and pipeline-parallelized as configured (``nxd_hf.parallelize``'s setup sequence),
+    with activation checkpointing and fp32 gradient accumulation for low-precision parameters.
+    The optimizer from ``initialize_parallel_optimizer`` takes over the data-parallel reduction."""
     init = nxd_config.model_init_config
 
     def build():
@@ -136,25 +130,15 @@ def initialize_parallel_model(nxd_config: NxDConfig, model_fn, *model_args, **mo
 
     model, build_interval = _build_in_waves(init.sequential_move_factor, build)
     pp = nxd_config.pipeline_parallel_size
-    pipeline_kwargs = {}
-    if pp > 1:
-        pipeline_kwargs = {"broadcast_and_average_loss": True, **nxd_config.pipeline_config,
-                           "use_zero1_optimizer": True,  # the optimizer reduces DP
-                           "activation_checkpoint_config": nxd_config.activation_checkpoint_config,
-                           "param_init_fn": init.param_init_fn}
+    pipeline_kwargs = {"broadcast_and_average_loss": True, **nxd_config.pipeline_config} if pp > 1 else {}
     wrapped = parallelize(
         model, tensor_parallel_size=nxd_config.tensor_parallel_size, pipeline_parallel_size=pp,
-        sequence_parallel=nxd_config.sequence_parallel, pad_model=nxd_config.pad_model, **pipeline_kwargs,
+        sequence_parallel=nxd_config.sequence_parallel, pad_model=nxd_config.pad_model,
+        param_init_fn=init.param_init_fn if init.meta_device_init else None,
+        activation_checkpoint_config=nxd_config.activation_checkpoint_config,
+        fp32_grad_accumulation=nxd_config.mixed_precision_config.use_fp32_grad_acc, **pipeline_kwargs,
     )
-    model._nxd_grad_sync.sync_dp = False  # initialize_parallel_optimizer's step reduces over DP
-    if pp == 1:
-        if init.meta_device_init:
-            materialize([model], init.param_init_fn)
-        if nxd_config.activation_checkpoint_config is not None:
-            checkpoint_layers([model], nxd_config.activation_checkpoint_config, _layer_types(model, None))
     nxd_model = NxDModel(wrapped, nxd_config)
-    if nxd_config.mixed_precision_config.use_fp32_grad_acc:
-        install_fp32_grad_accumulation(nxd_model.parameters())
     nxd_model.build_interval = build_interval  # (start, end) of this rank's model_fn call
     return nxd_model
 

@@ -5,9 +5,10 @@ step, on fp32 master weights for bf16/fp16 parameters."""
 import torch
 
 from nxd_hf import parallel_state
-from nxd_hf.optim.mixed_precision import MasterWeights, accumulated_grad
+from nxd_hf.optim.mixed_precision import MasterWeights
 from nxd_hf.optim.zero1 import NeuronZero1Optimizer
-from nxd_hf.parallel_layers.grads import all_reduce_bucketed, clip_grad_norm
+from nxd_hf.parallel_layers.grad_reduction import grad_reductions_of
+from nxd_hf.parallel_layers.grads import accumulated_grad, all_reduce_bucketed, clip_grad_norm
 from nxd_hf.trainer.config import NxDConfig
 
 
@@ -26,6 +27,8 @@ class NxDOptimizer(torch.optim.Optimizer):
         inner_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": m.masters}
                         for g, m in zip(groups, self.masters)]
         self.optimizer = optimizer_class(inner_groups, **defaults)
+        for policy in grad_reductions_of(p for g in groups for p in g["params"]):
+            policy.reduce_in_optimizer()  # step() does the data-parallel reduction
         self.max_grad_norm, self.bucket_size_mb = max_grad_norm, bucket_size_mb
         self.grad_norm: torch.Tensor | None = None
         # share the inner optimizer's groups, state and defaults

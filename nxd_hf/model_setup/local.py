@@ -1,0 +1,73 @@
+"""The setup steps that run on this rank's modules once the model is sharded and split into
+pipeline stages: steps 5-10 of ``nxd_hf.parallelize``, which runs them on the whole model at
+pp=1, while ``NxDPPModel`` runs them on its local stages (however it was constructed).
+
+5. weights: ``load_weights(modules)`` fills this rank's meta parameters (``nxd_hf.from_pretrained``
+   reads its slices of the files); otherwise meta parameters are materialized and
+   ``param_init_fn`` initializes them; real weights stay as they are;
+6. ties: ``tie()`` (weights shared by stages on different pipeline ranks start equal);
+7. adapters: ``add_adapters(modules)`` (the LoRA slot);
+8. activation checkpointing of the layers ``activation_checkpoint_config`` names;
+9. the gradient-reduction policy (``nxd_hf.parallel_layers.grad_reduction``), with fp32
+   gradient accumulation for low-precision parameters when asked;
+10. move to ``device``, keeping the sharding metadata.
+"""
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from nxd_hf.model_setup.activation_checkpoint import checkpoint_layers, checkpoint_types
+from nxd_hf.model_setup.materialize import has_meta_tensors, materialize, rebuild_all_meta_buffers
+from nxd_hf.parallel_layers.grad_reduction import GradReduction
+from nxd_hf.parallel_layers.grads import install_fp32_grad_accumulation
+from nxd_hf.parallel_layers.sharding import move_model_to_device
+
+
+@dataclasses.dataclass(kw_only=True)
+class LocalSetup:
+    """What steps 5-10 do; every field's default leaves its step out."""
+
+    load_weights: Callable[[list[nn.Module]], Any] | None = None
+    """Fills the meta parameters and buffers of the given modules (step 5)."""
+    param_init_fn: Callable[[nn.Module], None] | None = None
+    """``fn(module)`` initializing a module's own parameters after materializing (NxD's)."""
+    add_adapters: Callable[[list[nn.Module]], None] | None = None
+    """Adds adapters to the given modules (step 7; the LoRA slot)."""
+    activation_checkpoint_config: Any = None
+    """None, "full" (every transformer layer), a module class or a list of classes."""
+    fp32_grad_accumulation: bool = False
+    """Accumulate the gradients of bf16/fp16 parameters in an fp32 ``main_grad``."""
+    bucket_size_mb: float = 25
+    """Bucket size of the gradient all-reduces."""
+    dp_in_optimizer: bool = False
+    """The optimizer does the data-parallel reduction (NxD's ``use_zero1_optimizer``)."""
+    device: torch.device | str | None = None
+    """Where the modules end up (None: where they are)."""
+
+
+def set_up_local_modules(modules: list[nn.Module], setup: LocalSetup, *, layer_types: tuple[type, ...] = (),
+                         tie: Callable[[], None] | None = None) -> GradReduction:
+    """Run steps 5-10 on ``modules`` (see the module docstring); returns their gradient policy.
+    ``layer_types``: the transformer layer classes ("full" activation checkpointing)."""
+    if setup.load_weights is not None:
+        setup.load_weights(modules)
+        rebuild_all_meta_buffers(modules)
+    elif has_meta_tensors(modules) or setup.param_init_fn is not None:
+        materialize(modules, setup.param_init_fn)
+    if tie is not None:
+        tie()
+    if setup.add_adapters is not None:
+        setup.add_adapters(modules)
+    if setup.activation_checkpoint_config is not None:
+        checkpoint_layers(modules, checkpoint_types(setup.activation_checkpoint_config, layer_types))
+    policy = GradReduction(modules, bucket_size_mb=setup.bucket_size_mb, dp_in_optimizer=setup.dp_in_optimizer)
+    if setup.fp32_grad_accumulation:
+        install_fp32_grad_accumulation(policy.params())
+    if setup.device is not None:
+        for module in modules:
+            move_model_to_device(module, setup.device)
+    return policy

@@ -1,0 +1,136 @@
+"""One model's gradient-reduction policy, shared by the HF forward/backward path, the pipeline
+step and the optimizers.
+
+After a backward (a pipeline step counts as one), this model's gradients get, in this order:
+
+1. the model's own extra reductions (``add_reduction``: tied weights held by stages on
+   different pipeline ranks are summed over their group);
+2. partial gradients summed over TP: replicated parameters marked ``sequence_parallel_enabled``
+   see only this rank's part of the data (norms under sequence parallelism, per-head norms).
+   Only this backward's contribution is summed, so accumulation stays correct;
+3. the data-parallel mean, done by exactly one party:
+   - the end of the backward (bucketed all-reduce), the default;
+   - nobody, inside ``no_sync()`` (accumulation micro-steps: the first backward outside it
+     averages the accumulated sum);
+   - an optimizer that reduces in its ``step()`` and registered itself with
+     ``reduce_in_optimizer`` (ZeRO-1's reduce-scatter, the config API's optimizer).
+
+Gradients are read where they accumulate (``accumulated_grad``: fp32 ``main_grad`` or ``grad``).
+"""
+
+import contextlib
+import weakref
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from nxd_hf import parallel_state
+from nxd_hf.parallel_layers.grads import accumulated_grad, all_reduce_bucketed
+
+_LIVE: "weakref.WeakSet[GradReduction]" = weakref.WeakSet()
+
+
+class GradReduction:
+    """The policy above for the trainable parameters of ``roots`` (this rank's modules)."""
+
+    def __init__(self, roots: list[nn.Module], *, bucket_size_mb: float = 25, dp_in_optimizer: bool = False):
+        self.roots = roots
+        self.bucket_size_mb = bucket_size_mb
+        self.dp_in_optimizer = dp_in_optimizer
+        self.deferred = False
+        self._extra: list[Callable[[], None]] = []
+        self._hooked: list[int] = []
+        self._snapshot: list | None = None
+        _LIVE.add(self)
+
+    def params(self) -> list[torch.Tensor]:
+        seen, params = set(), []
+        for root in self.roots:
+            for p in root.parameters():
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+        return params
+
+    def add_reduction(self, reduce: Callable[[], None]) -> None:
+        """Run ``reduce()`` first after every backward (step 1 of the module docstring)."""
+        self._extra.append(reduce)
+
+    def reduce_in_optimizer(self) -> None:
+        """An optimizer whose ``step()`` does the data-parallel reduction takes it over."""
+        self.dp_in_optimizer = True
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Skip the data-parallel mean for backwards inside the block (accumulation), as DDP."""
+        previous, self.deferred = self.deferred, True
+        try:
+            yield
+        finally:
+            self.deferred = previous
+
+    # -- the HF path: hooks find the end of each backward
+    def install_hooks(self, model: nn.Module) -> None:
+        """Reduce at the end of every backward through ``model``'s forward."""
+        model.register_forward_pre_hook(self._refresh_hooks)
+
+    def _refresh_hooks(self, *_) -> None:
+        """(Re-)attach gradient hooks when the parameters changed (e.g. replaced by loading)."""
+        params = self.params()
+        if [id(p) for p in params] == self._hooked:
+            return
+        self._hooked = [id(p) for p in params]
+        for p in params:
+            p.register_hook(self._on_grad)
+
+    def _on_grad(self, grad):
+        if self._snapshot is None:  # the first gradient of this backward
+            self._snapshot = _snapshot(self.params())
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_hooked_backward)
+        return grad
+
+    def _end_of_hooked_backward(self) -> None:
+        snapshot, self._snapshot = self._snapshot, None
+        self._finish(snapshot)
+
+    # -- the pipeline path: a schedule step is one backward
+    @contextlib.contextmanager
+    def one_backward(self):
+        """Treat every backward run inside the block as one, reduced when it ends."""
+        snapshot = _snapshot(self.params())
+        yield
+        self._finish(snapshot)
+
+    def _finish(self, snapshot: list) -> None:
+        for reduce in self._extra:
+            reduce()
+        self._sum_partial(snapshot)
+        if not self.deferred and not self.dp_in_optimizer and parallel_state.get_data_parallel_size() > 1:
+            grads = [g for g in map(accumulated_grad, self.params()) if g is not None]
+            all_reduce_bucketed(grads, parallel_state.get_data_parallel_group(),
+                                scale=1.0 / parallel_state.get_data_parallel_size(), bucket_size_mb=self.bucket_size_mb)
+
+    def _sum_partial(self, snapshot: list) -> None:
+        fresh = [(accumulated_grad(p), before) for p, before in snapshot if accumulated_grad(p) is not None]
+        deltas = [grad.detach() - (0 if before is None else before) for grad, before in fresh]
+        all_reduce_bucketed(deltas, parallel_state.get_tensor_model_parallel_group(), bucket_size_mb=self.bucket_size_mb)
+        for (grad, before), delta in zip(fresh, deltas):
+            grad.detach().copy_(delta if before is None else before + delta)
+
+
+def _snapshot(params: list[torch.Tensor]) -> list:
+    """(param, copy of its accumulated gradient or None) for the partial-gradient parameters,
+    before a backward adds to them."""
+    result = []
+    for p in params:
+        if getattr(p, "sequence_parallel_enabled", False):
+            grad = accumulated_grad(p)
+            result.append((p, None if grad is None else grad.detach().clone()))
+    return result
+
+
+def grad_reductions_of(params) -> list[GradReduction]:
+    """The policies of the models that own any of ``params`` (an optimizer registers with them)."""
+    ids = {id(p) for p in params}
+    return [policy for policy in list(_LIVE) if any(id(p) in ids for p in policy.params())]

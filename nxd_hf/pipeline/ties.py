@@ -1,0 +1,60 @@
+"""Weights shared by pipeline stages on different ranks (tied embeddings)."""
+
+import torch
+from torch import nn
+
+from nxd_hf import backend, parallel_state
+from nxd_hf.parallel_layers.grads import accumulated_grad
+
+
+class TiedParameters:
+    """Parameters held by stages on different PP ranks (tied embeddings): one group per tie
+    over those ranks (and this rank's TP/DP coordinates); gradients are summed over it, values
+    broadcast from the first holder at setup, and only the first holder counts in the norm."""
+
+    def __init__(self):
+        self.local: list[tuple] = []  # (name, first holder's global rank, group, local stages holding it)
+
+    def _param(self, stages, name):
+        return dict(p for stage in stages for p in stage.named_parameters(remove_duplicate=False))[name]
+
+    def sync_initial_values(self) -> None:
+        for name, src, group, stages in self.local:
+            backend.broadcast(self._param(stages, name).data, src, group)
+
+    def sum_grads(self) -> None:
+        for name, _, group, stages in self.local:
+            param = self._param(stages, name)
+            if accumulated_grad(param) is None:
+                param.grad = torch.zeros_like(param)
+            backend.all_reduce(accumulated_grad(param), group)
+
+
+def tie_across_stages(all_stages: list[nn.Module], stage_to_rank: list[int], local_ids: list[int]) -> TiedParameters:
+    """Find parameters shared by stages on different PP ranks and create their groups (every
+    rank creates every group, in the same order)."""
+    holders = {}
+    for stage_id, stage in enumerate(all_stages):
+        for name, param in stage.named_parameters(remove_duplicate=False):
+            holders.setdefault(id(param), []).append((stage_id, name))
+    tied = TiedParameters()
+    pp_lists = parallel_state.get_pipeline_model_parallel_group(as_list=True)
+    me = backend.rank()
+    for entries in holders.values():
+        pp_ranks = sorted({stage_to_rank[s] for s, _ in entries})
+        if len(pp_ranks) < 2:
+            continue
+        for pipeline in pp_lists:
+            ranks = [pipeline[r] for r in pp_ranks]
+            group = backend.new_group(ranks)
+            if me not in ranks:
+                continue
+            local = [(s, n) for s, n in entries if s in local_ids]
+            first_stage = min(s for s, _ in entries)
+            name = local[0][1]
+            param_stages = [all_stages[s] for s, _ in local]
+            if min(s for s, _ in local) != first_stage:
+                for stage in param_stages:  # counted in the grad norm on the first holder only
+                    dict(stage.named_parameters(remove_duplicate=False))[name].count_in_grad_norm = False
+            tied.local.append((name, ranks[0], group, param_stages))
+    return tied

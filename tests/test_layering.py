@@ -1,0 +1,118 @@
+"""The import layering of ../shared/STYLE.md: every import inside nxd_hf/ (lazy ones in functions
+included) goes to a lower layer or stays inside its own package, and no imports form a circle.
+``checkpoint/`` sits below ``tp/``, ``optim/`` and the pipeline: it writes what the others
+describe through the sharding metadata and never imports them, so ``optim/`` may call it."""
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# Lowest first. A module is placed by its longest matching prefix.
+LAYERS = [
+    ["nxd_hf.backend", "nxd_hf.utils"],
+    ["nxd_hf.parallel_state"],
+    ["nxd_hf.parallel_layers"],
+    ["nxd_hf.modules"],
+    ["nxd_hf.checkpoint"],
+    ["nxd_hf.tp", "nxd_hf.optim", "nxd_hf.model_setup"],
+    ["nxd_hf.lora", "nxd_hf.pipeline"],
+    ["nxd_hf.architectures"],  # the one module that imports the bundled model_patches
+    ["nxd_hf.parallelize"],
+    ["nxd_hf.pretrained", "nxd_hf.trainer"],
+    ["nxd_hf", "nxd_hf.testing", "nxd_hf.cli", "nxd_hf.__main__"],
+]
+PATCHES = "model_patches"  # beside the stack: imports nxd_hf.tp and below; imported by nxd_hf.architectures only
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    files = [*(ROOT / "nxd_hf").rglob("*.py"), *(ROOT / PATCHES).rglob("*.py")]
+    return {_module_name(f): f for f in files}
+
+
+def _imports(path: pathlib.Path, known: set[str]) -> set[str]:
+    """The project modules ``path`` imports anywhere in its body."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known else node.module for a in node.names]
+        else:
+            continue
+        found.update(n for n in names if n in known)
+    return found
+
+
+def _layer(module: str) -> int:
+    best, layer = -1, None
+    for index, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+                best, layer = len(prefix), index
+    assert layer is not None, f"{module} has no layer: place it in tests/test_layering.py LAYERS"
+    return layer
+
+
+def _package(module: str) -> str:
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "nxd_hf" else parts[0]
+
+
+def _allowed(src: str, dst: str) -> bool:
+    if _package(src) == _package(dst) and src != "nxd_hf":
+        return True
+    if dst.split(".")[0] == PATCHES:
+        return src == "nxd_hf.architectures"
+    if src.split(".")[0] == PATCHES:
+        return _layer(dst) <= _layer("nxd_hf.tp")
+    return _layer(dst) < _layer(src)
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(path, set(modules)) - {name} for name, path in modules.items()}
+
+
+def test_every_module_has_a_layer():
+    for module in _modules():
+        if not module.startswith(PATCHES):
+            _layer(module)
+
+
+def test_no_upward_import():
+    wrong = [f"{src} imports {dst}" for src, targets in _graph().items() for dst in sorted(targets)
+             if not _allowed(src, dst)]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_import_circle():
+    graph = _graph()
+    state, stack, circles = {}, [], []
+
+    def visit(module):
+        state[module] = "open"
+        stack.append(module)
+        for dst in sorted(graph.get(module, ())):
+            if state.get(dst) == "open":
+                circles.append(" -> ".join(stack[stack.index(dst):] + [dst]))
+            elif dst not in state:
+                visit(dst)
+        stack.pop()
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module)
+    assert not circles, "\n".join(circles)
+
+
+def test_the_checker_catches_an_upward_import():
+    assert not _allowed("nxd_hf.parallel_layers.grads", "nxd_hf.optim.mixed_precision")
+    assert not _allowed("nxd_hf.tp.plan", PATCHES)
+    assert _allowed("nxd_hf.optim.zero1", "nxd_hf.checkpoint.zero1_shards")

@@ -7,7 +7,16 @@ from nxd_hf.tp.plan import ModelPatch
 from nxd_hf.tp.registry import register_patch
 from nxd_hf.trainer import initialize_parallel_model, initialize_parallel_optimizer, neuronx_distributed_config
 
+def __getattr__(name: str):
+    if name in ("NxDTrainer", "NxDTrainingArguments"):  # transformers.Trainer loads on first use
+        from nxd_hf import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(f"module 'nxd_hf' has no attribute {name!r}")
+
+
 __all__ = [
+    "NxDTrainer", "NxDTrainingArguments",
     "ModelPatch", "from_pretrained", "initialize_parallel_model", "initialize_parallel_optimizer",
     "neuronx_distributed_config", "parallel_state", "parallelize", "register_patch",
 ]

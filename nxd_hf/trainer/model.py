@@ -33,6 +33,24 @@ class NxDModel(nn.Module):
         self.module, self.nxd_config = module, nxd_config
         self.pipelined = isinstance(module, NxDPPModel)
 
+    @property
+    def hf_model(self) -> nn.Module:
+        """The Hugging Face model this wraps (under PP the original one: only local stages are real)."""
+        return self.module._original[0] if self.pipelined else self.module
+
+    def train(self, mode: bool = True) -> "NxDModel":
+        self.training = mode
+        for root in self._local_roots():  # children() lists the roots' children, not the roots
+            root.train(mode)
+        return self
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients and the fp32 ``main_grad`` accumulators of this rank's parameters."""
+        super().zero_grad(set_to_none)
+        for param in self.parameters():
+            if getattr(param, "main_grad", None) is not None:
+                param.main_grad = None if set_to_none else param.main_grad.zero_()
+
     def local_module(self):
         return self.module.local_module() if self.pipelined else self.module
 

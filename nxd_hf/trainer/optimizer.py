@@ -31,11 +31,22 @@ class NxDOptimizer(torch.optim.Optimizer):
             policy.reduce_in_optimizer()  # step() does the data-parallel reduction
         self.max_grad_norm, self.bucket_size_mb = max_grad_norm, bucket_size_mb
         self.grad_norm: torch.Tensor | None = None
-        # share the inner optimizer's groups, state and defaults
-        self.param_groups, self.state, self.defaults = self.optimizer.param_groups, self.optimizer.state, self.optimizer.defaults
         self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = {}, {}
         self._optimizer_state_dict_pre_hooks, self._optimizer_state_dict_post_hooks = {}, {}
         self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = {}, {}
+
+    # the inner optimizer's groups, state and defaults (load_state_dict replaces its group list)
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict:
+        return self.optimizer.defaults
 
     @torch.no_grad()
     def step(self, closure=None):

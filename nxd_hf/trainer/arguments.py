@@ -1,0 +1,136 @@
+"""``NxDTrainingArguments``: ``transformers.TrainingArguments`` plus the parallel layout.
+
+HF's fields keep HF's meaning; the table says what nxd_hf does with each one that matters:
+
+================================  ===========================================================
+``bf16``                          autocast to bf16 over fp32 weights, as ``Trainer`` does
+``bf16_master_weights`` (ours)    bf16 parameters with fp32 master weights in the optimizer
+``gradient_checkpointing`` /      activation checkpointing of every transformer layer
+``activation_checkpointing``
+``gradient_accumulation_steps``   honoured; loss weighted by tokens over the whole step
+``max_grad_norm``                 clipping on the global norm of the whole (unsharded) model
+``per_device_train_batch_size``   per data-parallel replica: a step's global batch is
+                                  ``per_device_train_batch_size x dp x accumulation``
+``seed``, ``data_seed``           as ``Trainer``: the same samples in the same order
+``save_*``, ``eval_*``, logging   honoured
+``use_cpu``                       accepted (CPU is used anyway without a GPU); refused with one
+``fp16``                          refused: use ``bf16``
+``deepspeed``, ``fsdp``           refused: nxd_hf does the parallelism
+``torch_compile``                 refused: not supported with nxd_hf's parallel layers
+``label_smoothing_factor``        refused: HF's label smoother needs full logits
+``train_sampling_strategy``       "random" and "sequential"; others refused
+================================  ===========================================================
+"""
+
+import dataclasses
+import os
+from typing import Literal
+
+import torch
+from transformers import TrainingArguments
+
+from nxd_hf import backend
+from nxd_hf.trainer.config import NxDConfig, neuronx_distributed_config
+
+
+@dataclasses.dataclass(kw_only=True)
+class NxDTrainingArguments(TrainingArguments):
+    """``TrainingArguments`` with the parallel layout (see the module docstring for HF's fields)."""
+
+    tensor_parallel_size: int = dataclasses.field(default=1, metadata={"help": "Tensor-parallel degree."})
+    pipeline_parallel_size: int = dataclasses.field(default=1, metadata={"help": "Pipeline-parallel degree."})
+    num_microbatches: int = dataclasses.field(default=1, metadata={"help": "Pipeline microbatches per batch."})
+    virtual_pipeline_size: int = dataclasses.field(default=1, metadata={"help": "Pipeline stages per rank."})
+    pipeline_schedule: str | None = dataclasses.field(
+        default=None, metadata={"help": "1f1b, gpipe, interleaved_1f1b, looped_bfs, interleaved_zero_bubble, zbv."})
+    sequence_parallel: bool = dataclasses.field(default=False, metadata={"help": "Sequence parallelism (decoders)."})
+    zero_1: bool = dataclasses.field(default=False, metadata={"help": "Shard optimizer state over DP (ZeRO-1)."})
+    kv_size_multiplier: str = dataclasses.field(
+        default="auto", metadata={"help": "K/V head copies across TP: 'auto' or an integer."})
+    pad_model: Literal["auto", "true", "false"] = dataclasses.field(
+        default="auto", metadata={"help": "Pad attention heads when tp does not divide them: auto, true, false."})
+    bf16_master_weights: bool = dataclasses.field(
+        default=False, metadata={"help": "bf16 parameters with fp32 master weights in the optimizer."})
+
+    def __post_init__(self):
+        self.use_cpu = _check_use_cpu(self.use_cpu)
+        _refuse_unsupported(self)
+        checkpoint_layers = bool(self.activation_checkpointing or self.gradient_checkpointing)
+        super().__post_init__()
+        # nxd_hf checkpoints layers in its setup sequence; Trainer must not call the model's own hook
+        self.nxd_activation_checkpointing = checkpoint_layers
+        self.activation_checkpointing = self.gradient_checkpointing = False
+        self._check_layout()
+
+    def _check_layout(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "num_microbatches", "virtual_pipeline_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        model_parallel = self.tensor_parallel_size * self.pipeline_parallel_size
+        if world % model_parallel:
+            raise ValueError(
+                f"the world size {world} is not divisible by tensor_parallel_size x pipeline_parallel_size = "
+                f"{model_parallel}: launch with `torchrun --nproc_per_node {model_parallel}` (or a multiple of it)")
+        if self.kv_size_multiplier != "auto" and not str(self.kv_size_multiplier).isdigit():
+            raise ValueError(f"kv_size_multiplier must be 'auto' or a positive integer, got {self.kv_size_multiplier!r}")
+
+    # -- the process view: every rank is a real process, whatever accelerate sees
+    @property
+    def place_model_on_device(self) -> bool:
+        return False  # nxd_hf's setup sequence places the model
+
+    @property
+    def should_log(self) -> bool:
+        return backend.rank() == 0 if torch.distributed.is_initialized() else super().should_log
+
+    @property
+    def should_save(self) -> bool:
+        return backend.rank() == 0 if torch.distributed.is_initialized() else super().should_save
+
+    def nxd_config(self) -> NxDConfig:
+        """The configuration through NxD's config API (initializes model parallelism)."""
+        pipeline_config = {}
+        if self.pipeline_parallel_size > 1:
+            pipeline_config = {"num_microbatches": self.num_microbatches,
+                               "virtual_pipeline_size": self.virtual_pipeline_size}
+            if self.pipeline_schedule:
+                pipeline_config["schedule"] = self.pipeline_schedule
+        pad = {"auto": "auto", "true": True, "false": False}[str(self.pad_model).lower()]
+        return neuronx_distributed_config(
+            tensor_parallel_size=self.tensor_parallel_size, pipeline_parallel_size=self.pipeline_parallel_size,
+            pipeline_config=pipeline_config, sequence_parallel=self.sequence_parallel, pad_model=pad,
+            optimizer_config={"zero_one_enabled": self.zero_1, "grad_clipping": self.max_grad_norm > 0,
+                              "max_grad_norm": self.max_grad_norm if self.max_grad_norm > 0 else 1.0},
+            activation_checkpoint_config="full" if self.nxd_activation_checkpointing else None,
+            mixed_precision_config={"use_master_weights": True, "use_fp32_grad_acc": self.bf16_master_weights},
+        )
+
+
+def _check_use_cpu(use_cpu: bool) -> bool:
+    """``use_cpu=True`` would make accelerate wrap the model in DDP over every rank; without a GPU
+    the CPU is used anyway, so it is dropped. With a GPU it is refused."""
+    if use_cpu and torch.cuda.is_available():
+        raise ValueError("use_cpu=True on a machine with a GPU is not supported by NxDTrainer: drop use_cpu, or "
+                         "hide the GPUs (CUDA_VISIBLE_DEVICES='') to train on the CPU")
+    return False
+
+
+_REFUSED = {
+    "fp16": "fp16 is not supported: use bf16=True (autocast) or bf16 parameters with bf16_master_weights=True",
+    "deepspeed": "deepspeed is not used with NxDTrainer: nxd_hf does the parallelism (zero_1=True for ZeRO-1)",
+    "fsdp": "fsdp is not used with NxDTrainer: nxd_hf does the parallelism (tensor/pipeline parallel, zero_1)",
+    "torch_compile": "torch_compile is not supported with nxd_hf's parallel layers: drop it",
+    "label_smoothing_factor": "label_smoothing_factor needs the full logits, which tensor parallelism never "
+                              "gathers in training: drop it",
+}
+
+
+def _refuse_unsupported(args: TrainingArguments) -> None:
+    for name, message in _REFUSED.items():
+        if getattr(args, name, None):
+            raise ValueError(f"NxDTrainingArguments: {message}")
+    if args.train_sampling_strategy not in ("random", "sequential"):
+        raise ValueError(f"train_sampling_strategy={args.train_sampling_strategy!r} is not supported by NxDTrainer: "
+                         "use 'random' or 'sequential'")

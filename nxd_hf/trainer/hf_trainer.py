@@ -1,0 +1,199 @@
+"""``NxDTrainer``: ``transformers.Trainer`` with tensor, pipeline and data parallelism.
+
+It overrides the fewest hooks it can; everything else (callbacks, schedulers, logging,
+``compute_metrics``, ``HfArgumentParser``) is ``Trainer``'s own:
+
+- the model is parallelized once through the config API (``initialize_parallel_model``), and
+  ``_wrap_model`` hands that ``NxDModel`` to the loop, so accelerate never wraps it in DDP;
+- data: every rank draws the same global batch (``per_device_train_batch_size x dp``) from
+  ``Trainer``'s own loader, so a step holds the samples ``Trainer`` would use on one process
+  with that batch size, and keeps its data-parallel slice (TP and PP ranks of one replica get
+  the same slice);
+- loss: token-weighted over microbatches, accumulation steps and DP ranks, as ``Trainer``
+  computes it on one process (``num_items_in_batch``); the logged loss is the DP mean;
+- optimizer: ``initialize_parallel_optimizer`` (ZeRO-1 with ``zero_1``) does the DP reduction
+  and the clipping on the global norm; the logged ``grad_norm`` is that norm;
+- evaluation: every rank evaluates the whole evaluation set (logits gathered and unpadded); with
+  pipeline parallelism only the loss (``compute_metrics`` and ``predict`` need pp=1 for now).
+"""
+
+import contextlib
+
+import torch
+import transformers
+
+from nxd_hf import backend, parallel_state
+from nxd_hf.optim.zero1 import ELEMENTWISE_OPTIMIZERS
+from nxd_hf.parallel_layers.loss_functions import loss_normalizer
+from nxd_hf.pipeline.model import NxDPPModel
+from nxd_hf.trainer.arguments import NxDTrainingArguments
+from nxd_hf.trainer.model import NxDModel, initialize_parallel_model
+from nxd_hf.trainer.optimizer import initialize_parallel_optimizer
+
+_ROW_WEIGHT = "_nxd_row_weight"  # this replica's rows x dp / the global batch's rows
+
+
+class NxDTrainer(transformers.Trainer):
+    """A drop-in for ``transformers.Trainer`` taking ``NxDTrainingArguments`` (module docstring)."""
+
+    def __init__(self, model=None, args: NxDTrainingArguments | None = None, *trainer_args, model_init=None,
+                 **trainer_kwargs):
+        if not isinstance(args, NxDTrainingArguments):
+            raise ValueError("NxDTrainer takes args=nxd_hf.NxDTrainingArguments(...) (a TrainingArguments subclass "
+                             "carrying tensor_parallel_size, pipeline_parallel_size, ...)")
+        if trainer_kwargs.get("compute_loss_func") is not None:
+            raise ValueError("compute_loss_func is not supported by NxDTrainer: the model's own loss runs on "
+                             "vocab-parallel logits")
+        if args.pipeline_parallel_size > 1 and trainer_kwargs.get("compute_metrics") is not None:
+            raise ValueError("compute_metrics needs logits, which pipeline-parallel evaluation does not return yet: "
+                             "evaluate with pipeline_parallel_size=1, or drop compute_metrics (eval_loss is computed)")
+        self.nxd_config = args.nxd_config()
+        self.nxd_model: NxDModel | None = None
+        if model is not None:
+            model = self._parallel(model, args)
+        if model_init is not None:
+            user_init = model_init
+            model_init = lambda *a: self._parallel(user_init(*a), args)  # noqa: E731
+        super().__init__(model, args, *trainer_args, model_init=model_init, **trainer_kwargs)
+
+    def _parallel(self, model, args: NxDTrainingArguments):
+        """Parallelize ``model`` as ``args`` say (or check an already parallel one); returns the HF
+        model ``Trainer`` inspects (the original one under PP) and keeps the ``NxDModel``."""
+        if isinstance(model, NxDModel):
+            self.nxd_model = model
+        elif isinstance(model, NxDPPModel) or getattr(model, "_nxd_parallelized", False):
+            self.nxd_model = NxDModel(model, self.nxd_config)
+        else:
+            if args.bf16_master_weights:
+                model = model.to(torch.bfloat16)
+            self.nxd_model = initialize_parallel_model(self.nxd_config, lambda: model)
+        _check_layout(self.nxd_model, args)
+        return self.nxd_model.hf_model
+
+    # -- the process view
+    def is_world_process_zero(self) -> bool:
+        return backend.rank() == 0
+
+    def is_local_process_zero(self) -> bool:
+        return self.is_world_process_zero()
+
+    def _wrap_model(self, model, training: bool = True, dataloader=None):
+        return self.nxd_model
+
+    # -- data
+    def get_train_dataloader(self):
+        per_replica = self._train_batch_size
+        self._train_batch_size = per_replica * parallel_state.get_data_parallel_size()
+        try:
+            return super().get_train_dataloader()
+        finally:
+            self._train_batch_size = per_replica
+
+    def get_total_train_batch_size(self, args) -> int:
+        return args.train_batch_size * args.gradient_accumulation_steps * parallel_state.get_data_parallel_size()
+
+    def get_batch_samples(self, epoch_iterator, num_batches: int, device):
+        """Global batches and their token count, then this replica's rows of each."""
+        batches, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
+        return [_replica_rows(batch) for batch in batches], num_items_in_batch
+
+    # -- the step
+    def create_optimizer(self, model=None):
+        if self.optimizer is None:
+            optimizer_cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, self.model)
+            if optimizer_cls not in ELEMENTWISE_OPTIMIZERS:
+                raise ValueError(
+                    f"optim={self.args.optim!r} ({getattr(optimizer_cls, '__name__', optimizer_cls)}) is not "
+                    "element-wise: on tensor-parallel shards it would compute per-shard statistics. Use an "
+                    "element-wise optimizer such as optim='adamw_torch' or 'sgd'")
+            self.optimizer = initialize_parallel_optimizer(self.nxd_config, optimizer_cls, self._param_groups(),
+                                                           **kwargs)
+        return self.optimizer
+
+    def _param_groups(self) -> list[dict]:
+        decay = set(self.get_decay_parameter_names(self.nxd_model))
+        named = [(n, p) for n, p in self.nxd_model.named_parameters() if p.requires_grad]
+        return [{"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
+                {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+
+    def compute_loss_context_manager(self):
+        if self.args.bf16:  # as Trainer's accelerate autocast: bf16 compute over the weights' dtype
+            return torch.autocast(backend.default_device().type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        row_weight = inputs.pop(_ROW_WEIGHT)
+        with self.compute_loss_context_manager():
+            if model.pipelined:  # the schedule runs backward and returns the DP-averaged share
+                return model.run_train(**_pipeline_inputs(model, inputs), num_items_in_batch=num_items_in_batch)
+            if num_items_in_batch is not None and self.model_accepts_loss_kwargs:
+                normalizer = loss_normalizer(inputs["labels"], num_items_in_batch)
+                loss = model(**inputs, num_items_in_batch=normalizer).loss
+            else:  # a per-batch mean: weight this replica's rows, average over accumulation steps
+                loss = model(**inputs).loss * row_weight / self.current_gradient_accumulation_steps
+        loss.backward()
+        return _data_parallel_mean(loss.detach())
+
+    def _clip_grad_norm(self, model):
+        return None  # the optimizer clips on the global norm in step()
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        return grad_norm
+
+    def _maybe_log_save_evaluate(self, tr_loss, grad_norm, model, *args, **kwargs):
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # inside accelerate's wrapper
+        norm = getattr(optimizer, "grad_norm", None)
+        return super()._maybe_log_save_evaluate(tr_loss, norm if norm is not None else grad_norm, model,
+                                                *args, **kwargs)
+
+    # -- evaluation
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        if not model.pipelined:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        inputs = _pad_rows(_pipeline_inputs(model, self._prepare_inputs(inputs)), model.module.num_microbatches)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            loss = model.run_eval(**inputs)
+        return loss.detach(), None, None
+
+
+def _check_layout(model: NxDModel, args: NxDTrainingArguments) -> None:
+    have = (parallel_state.get_tensor_model_parallel_size(), parallel_state.get_pipeline_model_parallel_size())
+    want = (args.tensor_parallel_size, args.pipeline_parallel_size)
+    if have != want or model.pipelined != (args.pipeline_parallel_size > 1):
+        raise ValueError(f"the model is parallelized with tp={have[0]}, pp={have[1]} but the arguments ask for "
+                         f"tp={want[0]}, pp={want[1]}: pass the plain HF model and let NxDTrainer parallelize it")
+
+
+def _replica_rows(batch: dict) -> dict:
+    """This data-parallel replica's rows of every batched tensor of ``batch`` (split as evenly as
+    ``tensor_split`` does), and the weight of its rows in the global batch."""
+    dp_size, dp_rank = parallel_state.get_data_parallel_size(), parallel_state.get_data_parallel_rank()
+    rows = next(v.shape[0] for v in batch.values() if torch.is_tensor(v) and v.dim() > 0)
+    local = {k: v.tensor_split(dp_size)[dp_rank] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == rows else v
+             for k, v in batch.items()}
+    local_rows = len(torch.arange(rows).tensor_split(dp_size)[dp_rank])
+    local[_ROW_WEIGHT] = local_rows * dp_size / rows
+    return type(batch)(local) if isinstance(batch, dict) else local
+
+
+def _pipeline_inputs(model: NxDModel, inputs: dict) -> dict:
+    return {k: v for k, v in inputs.items() if k in model.module.input_names}
+
+
+def _pad_rows(inputs: dict, multiple: int) -> dict:
+    """Repeat the last row until the batch splits into ``multiple`` microbatches; the added rows'
+    labels are ignored, so a token-weighted loss is unchanged."""
+    rows = inputs["labels"].shape[0]
+    extra = -rows % multiple
+    if not extra:
+        return inputs
+    padded = {k: torch.cat([v, v[-1:].expand(extra, *v.shape[1:])]) for k, v in inputs.items()}
+    padded["labels"][rows:] = -100
+    return padded
+
+
+def _data_parallel_mean(value: torch.Tensor) -> torch.Tensor:
+    value = value.float() / parallel_state.get_data_parallel_size()
+    return backend.all_reduce(value, parallel_state.get_data_parallel_group())

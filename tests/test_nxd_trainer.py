@@ -1,6 +1,7 @@
 """NxDTrainer against transformers.Trainer on the single-process model: the same logged losses
-and grad norms every step, the same final parameters, the same evaluation; at tp=2, pp=2 (M=4)
-and dp=2 with ZeRO-1 and accumulation, in one spawn of 2 ranks."""
+and grad norms every step, the same final parameters, the same evaluation (loss and
+compute_metrics) and predictions; at tp=2, pp=2 (M=4) and dp=2 with ZeRO-1 and accumulation, in
+one spawn of 2 ranks."""
 
 import tempfile
 
@@ -41,7 +42,7 @@ def _losses(trainer, key="loss"):
     return [(h["step"], h[key]) for h in trainer.state.log_history if key in h]
 
 
-def _run_case(out_dir, *, batch, accumulate=1, metrics=_metrics, **layout):
+def _run_case(out_dir, *, batch, accumulate=1, **layout):
     """(reference trainer, NxDTrainer) after STEPS steps on the same weights and data."""
     parallel_state.destroy_model_parallel()
     reference, model = hf_parity.build_pair("llama")
@@ -54,7 +55,7 @@ def _run_case(out_dir, *, batch, accumulate=1, metrics=_metrics, **layout):
     ref.train()
     args = nxd_hf.NxDTrainingArguments(output_dir=f"{out_dir}/nxd", per_device_train_batch_size=batch,
                                        gradient_accumulation_steps=accumulate, **COMMON, **layout)
-    ours = nxd_hf.NxDTrainer(model, args, train_dataset=data, eval_dataset=data[:6], compute_metrics=metrics)
+    ours = nxd_hf.NxDTrainer(model, args, train_dataset=data, eval_dataset=data[:6], compute_metrics=_metrics)
     ours.train()
     return ref, ours
 
@@ -76,8 +77,7 @@ def _check_training(ref, ours, case):
 
 def _check_evaluation(ref, ours, case):
     want, got = ref.evaluate(), ours.evaluate()  # 6 samples: under PP padded to a multiple of 4 microbatches
-    keys = ["eval_loss"] + (["eval_top1"] if ours.compute_metrics is not None else [])
-    for key in keys:
+    for key in ("eval_loss", "eval_top1"):
         assert got[key] == pytest.approx(want[key], rel=1e-4), (case, key, got, want)
 
 
@@ -87,9 +87,12 @@ def trainer_cases():
         _check_training(ref, ours, "tp2")
         _check_evaluation(ref, ours, "tp2")
         assert "eval_top1" in ours.evaluate()  # compute_metrics saw gathered, unpadded logits
-        ref, ours = _run_case(out_dir, batch=4, metrics=None, pipeline_parallel_size=2, num_microbatches=4)
+        ref, ours = _run_case(out_dir, batch=4, pipeline_parallel_size=2, num_microbatches=4)
         _check_training(ref, ours, "pp2")
         _check_evaluation(ref, ours, "pp2")
+        want, got = ref.predict(_dataset()[:6]), ours.predict(_dataset()[:6])
+        torch.testing.assert_close(torch.as_tensor(got.predictions), torch.as_tensor(want.predictions), **TOL)
+        assert got.metrics["test_loss"] == pytest.approx(want.metrics["test_loss"], rel=1e-4)
         ref, ours = _run_case(out_dir, batch=2, accumulate=2, zero_1=True)
         _check_training(ref, ours, "dp2 zero1 accumulate2")
     return True

@@ -151,10 +151,12 @@ class NxDPPModel(nn.Module):
         and positions from them."""
         return self._runner.run(inputs, train=True)
 
-    def run_eval(self, **inputs):
-        """Forward only; returns the loss (labels given) like ``run_train``."""
+    def run_eval(self, *, return_logits: bool = False, **inputs):
+        """Forward only; returns the loss (labels given) like ``run_train``. With
+        ``return_logits=True`` (not in NxD), ``(loss, logits)``: the full logits ``[b, s, vocab]``,
+        gathered over TP, unpadded, fp32, on every rank."""
         with torch.no_grad():
-            return self._runner.run(inputs, train=False)
+            return self._runner.run(inputs, train=False, return_logits=return_logits)
 
     def no_sync(self):
         """Skip the data-parallel gradient mean for steps inside the block (accumulation)."""

@@ -12,6 +12,7 @@ import torch
 
 from nxd_hf import backend, parallel_state
 from nxd_hf.parallel_layers.loss_functions import loss_normalizer
+from nxd_hf.parallel_layers.sharding import gather_logical
 
 
 def _select_loss(output, spec):
@@ -61,7 +62,7 @@ class StepRunner:
             raise ValueError(f"a batch of {batch} does not split into num_microbatches={self.model.num_microbatches}; "
                              f"use a batch that is a multiple of it, or num_microbatches in {fits}")
 
-    def run(self, inputs: dict, *, train: bool):
+    def run(self, inputs: dict, *, train: bool, return_logits: bool = False):
         inputs = dict(inputs)
         step_count = inputs.pop("num_items_in_batch", None)
         self._check(inputs)
@@ -86,8 +87,24 @@ class StepRunner:
             with model.nxd_grad_reduction.one_backward():
                 schedule.step(*step_args, return_outputs=False, **step_kwargs)
         else:
-            schedule.eval(*step_args, return_outputs=False, **step_kwargs)
-        return self._reduce_losses(losses)
+            outputs = schedule.eval(*step_args, return_outputs=return_logits, **step_kwargs)
+        loss = self._reduce_losses(losses)
+        if return_logits:
+            return loss, self._logits_everywhere(outputs if last else None, inputs[model.input_names[0]].shape)
+        return loss
+
+    def _last_stage_rank(self) -> int:
+        pipelines = parallel_state.get_pipeline_model_parallel_group(as_list=True)
+        return next(ranks for ranks in pipelines if backend.rank() in ranks)[self.model.stage_to_rank[-1]]
+
+    def _logits_everywhere(self, logits, batch_shape) -> torch.Tensor:
+        """The last stage's logits, gathered over TP, unpadded and in fp32, on every PP rank."""
+        vocab_size = self.model.config.vocab_size
+        if logits is not None:
+            logits = gather_logical(logits, None, vocab_size).float()
+        else:
+            logits = torch.empty(*batch_shape, vocab_size, device=backend.default_device())
+        return backend.broadcast(logits, self._last_stage_rank(), parallel_state.get_pipeline_model_parallel_group())
 
     def _reduce_losses(self, losses):
         model = self.model
@@ -101,8 +118,6 @@ class StepRunner:
         loss = mb_losses.sum()
         if not model.broadcast_and_average_loss:
             return loss if losses is not None else None
-        last_rank = parallel_state.get_pipeline_model_parallel_group(as_list=True)
-        src = next(ranks for ranks in last_rank if backend.rank() in ranks)[model.stage_to_rank[-1]]
-        backend.broadcast(loss, src, parallel_state.get_pipeline_model_parallel_group())
+        backend.broadcast(loss, self._last_stage_rank(), parallel_state.get_pipeline_model_parallel_group())
         backend.all_reduce(loss, parallel_state.get_data_parallel_group())
         return loss / parallel_state.get_data_parallel_size()

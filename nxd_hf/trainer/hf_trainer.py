@@ -13,8 +13,8 @@ It overrides the fewest hooks it can; everything else (callbacks, schedulers, lo
   computes it on one process (``num_items_in_batch``); the logged loss is the DP mean;
 - optimizer: ``initialize_parallel_optimizer`` (ZeRO-1 with ``zero_1``) does the DP reduction
   and the clipping on the global norm; the logged ``grad_norm`` is that norm;
-- evaluation: every rank evaluates the whole evaluation set (logits gathered and unpadded); with
-  pipeline parallelism only the loss (``compute_metrics`` and ``predict`` need pp=1 for now).
+- evaluation: every rank evaluates the whole evaluation set; ``compute_metrics`` and ``predict``
+  see the full logits (gathered over TP, unpadded; under PP sent from the last stage).
 """
 
 import contextlib
@@ -44,9 +44,6 @@ class NxDTrainer(transformers.Trainer):
         if trainer_kwargs.get("compute_loss_func") is not None:
             raise ValueError("compute_loss_func is not supported by NxDTrainer: the model's own loss runs on "
                              "vocab-parallel logits")
-        if args.pipeline_parallel_size > 1 and trainer_kwargs.get("compute_metrics") is not None:
-            raise ValueError("compute_metrics needs logits, which pipeline-parallel evaluation does not return yet: "
-                             "evaluate with pipeline_parallel_size=1, or drop compute_metrics (eval_loss is computed)")
         self.nxd_config = args.nxd_config()
         self.nxd_model: NxDModel | None = None
         if model is not None:
@@ -152,10 +149,15 @@ class NxDTrainer(transformers.Trainer):
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         if not model.pipelined:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
-        inputs = _pad_rows(_pipeline_inputs(model, self._prepare_inputs(inputs)), model.module.num_microbatches)
+        inputs = _pipeline_inputs(model, self._prepare_inputs(inputs))
+        rows = inputs["labels"].shape[0]
         with torch.no_grad(), self.compute_loss_context_manager():
-            loss = model.run_eval(**inputs)
-        return loss.detach(), None, None
+            result = model.run_eval(**_pad_rows(inputs, model.module.num_microbatches),
+                                    return_logits=not prediction_loss_only)
+        if prediction_loss_only:
+            return result.detach(), None, None
+        loss, logits = result
+        return loss.detach(), logits[:rows], inputs["labels"]
 
 
 def _check_layout(model: NxDModel, args: NxDTrainingArguments) -> None:

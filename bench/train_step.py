@@ -29,6 +29,7 @@ Run from the repo root: ``python bench/train_step.py [--layers 12] [--steps 5] [
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -93,7 +94,7 @@ def launch(case: str, opts: dict, timeout_s: float) -> dict:
 
 def _last_error(stderr: str) -> str:
     lines = [line for line in stderr.strip().splitlines() if line.strip()]
-    errors = [line for line in lines if "Error" in line or "error" in line]
+    errors = [line for line in lines if re.match(r"^\[?\w*\]?:?\s*\w+(Error|Exception)\b", line.strip())]
     return (errors[-1] if errors else lines[-1] if lines else "no output")[:400]
 
 

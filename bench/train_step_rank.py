@@ -93,14 +93,15 @@ def step_timer():
 def trainer_args(cls, out_dir: str, steps: int, batch: int, **extra):
     return cls(output_dir=out_dir, per_device_train_batch_size=batch, max_steps=steps, save_strategy="no",
                report_to=[], logging_steps=steps, disable_tqdm=True, optim="adamw_torch", learning_rate=LR,
-               max_grad_norm=MAX_NORM, lr_scheduler_type="constant", dataloader_num_workers=0, **extra)
+               max_grad_norm=MAX_NORM, lr_scheduler_type="constant", train_sampling_strategy="sequential",  # the bare loops' order
+               dataloader_num_workers=0, **extra)
 
 
 def run_trainer(trainer, timer) -> dict:
     """``trainer.train()`` with the peak reset after setup (the model is already built)."""
     setup_peak = reset_peak()
     output = trainer.train()
-    return dict(seconds=timer.seconds, intervals=timer.intervals, final_loss=output.training_loss,
+    return dict(seconds=timer.seconds, intervals=timer.intervals, mean_loss=output.training_loss,
                 setup_peak_rss=setup_peak)
 
 
@@ -124,7 +125,7 @@ def run_bare_loop(model, rows, *, steps: int, batch: int, clip) -> dict:
         optimizer.zero_grad(set_to_none=True)
         seconds.append(time.perf_counter() - start)
         losses.append(loss.item())
-    return dict(seconds=seconds, intervals=[], final_loss=losses[-1], setup_peak_rss=setup_peak)
+    return dict(seconds=seconds, intervals=[], mean_loss=sum(losses) / len(losses), setup_peak_rss=setup_peak)
 
 
 def case_nxd_trainer(opts: dict, rows, out_dir: str) -> dict:
@@ -148,20 +149,43 @@ def case_nxd_loop(opts: dict, rows, out_dir: str) -> dict:
 
 def case_hf_tp(opts: dict, rows, out_dir: str) -> dict:
     """transformers' own TP (``DistributedConfig(tp_size=2)``, which only ``from_pretrained``
-    takes), trained by ``transformers.Trainer``, or by the bare loop with ``opts["hf_tp_loop"]``."""
+    takes), trained by ``transformers.Trainer`` where it can be built (``use_cpu=True``, as on a
+    CPU under torchrun), else — or with ``opts["hf_tp_loop"]`` — by the bare loop, clipping as
+    ``Trainer`` does on mixed meshes (``clip_mixed_mesh``)."""
     import torch
     import transformers
     from transformers.distributed import DistributedConfig
 
     model = transformers.AutoModelForCausalLM.from_pretrained(
         opts["checkpoint"], dtype=torch.float32, distributed_config=DistributedConfig(tp_size=2))
-    if opts.get("hf_tp_loop"):
-        return run_bare_loop(model, rows, steps=opts["steps"], batch=opts["batch"],
-                             clip=lambda params: torch.nn.utils.clip_grad_norm_(params, MAX_NORM))
-    timer = step_timer()
-    args = trainer_args(transformers.TrainingArguments, out_dir, opts["steps"], opts["batch"], use_cpu=True)
-    trainer = transformers.Trainer(model, args, train_dataset=TokenDataset(rows), callbacks=[timer])
-    return run_trainer(trainer, timer)
+    refused = "--hf-tp-loop"
+    if not opts.get("hf_tp_loop"):
+        timer = step_timer()
+        args = trainer_args(transformers.TrainingArguments, out_dir, opts["steps"], opts["batch"], use_cpu=True)
+        try:
+            trainer = transformers.Trainer(model, args, train_dataset=TokenDataset(rows), callbacks=[timer])
+            return dict(run_trainer(trainer, timer), trained_by="transformers.Trainer")
+        except ValueError as e:  # accelerate refuses its ParallelismConfig on CPU (MULTI_CPU)
+            refused = f"transformers.Trainer refused: {e}"
+    result = run_bare_loop(model, rows, steps=opts["steps"], batch=opts["batch"], clip=clip_mixed_mesh)
+    return dict(result, trained_by="bare loop", trainer_refused=refused)
+
+
+def clip_mixed_mesh(params) -> None:
+    """``Trainer._mixed_mesh_grad_norm``: transformers' TP leaves the norms plain tensors, which
+    ``clip_grad_norm_`` cannot mix with DTensors: one norm per mesh, combined, then clip."""
+    import torch
+    from torch.distributed.tensor import DTensor
+    from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
+    by_mesh = {}
+    for p in params:
+        if p.grad is not None:
+            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    norms = [get_total_norm([p.grad for p in group]) for group in by_mesh.values()]
+    total = torch.linalg.vector_norm(torch.stack([n.full_tensor() if isinstance(n, DTensor) else n for n in norms]))
+    for group in by_mesh.values():
+        clip_grads_with_norm_(group, MAX_NORM, total)
 
 
 def case_single(opts: dict, rows, out_dir: str) -> dict:

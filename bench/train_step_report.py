@@ -27,7 +27,8 @@ def per_run(run: dict, tokens: int, warmup: int) -> dict:
                 tokens_per_s_incl_data_logging=tokens / interval if interval else None,
                 peak_rss=peak, bare_rss=worst["bare_rss"], peak_above_bare=peak - worst["bare_rss"],
                 train_peak_rss=max(r["train_peak_rss"] for r in ranks),
-                setup_peak_rss=max(r["setup_peak_rss"] for r in ranks), final_loss=ranks[0]["final_loss"])
+                setup_peak_rss=max(r["setup_peak_rss"] for r in ranks), mean_loss=ranks[0]["mean_loss"],
+                trained_by=ranks[0].get("trained_by"), trainer_refused=ranks[0].get("trainer_refused"))
 
 
 def _spread(values: list) -> dict | None:
@@ -48,8 +49,10 @@ def summarize(result: dict) -> dict:
         cases.setdefault(run["case"], []).append(per_run(run, tokens, config["warmup"]))
     summary = {}
     for case, runs in cases.items():
-        row = {key: _spread([r[key] for r in runs]) for key in runs[0] if key != "final_loss"}
-        row.update(tp=TP[case], repeats=len(runs), final_losses=[r["final_loss"] for r in runs])
+        row = {key: _spread([r[key] for r in runs]) for key in runs[0]
+               if key not in ("mean_loss", "trained_by", "trainer_refused")}
+        row.update(tp=TP[case], repeats=len(runs), mean_losses=[r["mean_loss"] for r in runs],
+                   trained_by=runs[-1]["trained_by"], trainer_refused=runs[-1]["trainer_refused"])
         row["floor"] = STATE_BYTES_PER_PARAM * num_params / TP[case] + row["bare_rss"]["median"]
         row["peak_over_floor"] = row["peak_rss"]["median"] / row["floor"]
         summary[case] = row
@@ -80,21 +83,25 @@ def _fmt(spread: dict | None, scale: float = 1.0, digits: int = 0) -> str:
 
 
 def format_table(result: dict) -> str:
-    hf_tp = "transformers TP, " + ("bare loop" if result["config"]["hf_tp_loop"] else "transformers.Trainer")
+    hf_tp_row = result["summary"].get("hf_tp", {})
+    hf_tp = f"transformers TP tp=2, {hf_tp_row.get('trained_by') or 'transformers.Trainer'}"
     names = {"nxd_trainer": "NxDTrainer tp=2", "nxd_loop": "nxd_hf bare loop tp=2", "hf_tp": hf_tp,
              "single": "1 process, 2 threads"}
     lines = [f"{result['num_params']:,} params; median (min-max) over repeats; RSS in MiB per rank (worst rank); "
              "peak: VmHWM of the whole run; train peak: after the model is built; "
-             "floor: 16 B/param / tp + bare",
+             "floor: 16 B/param / tp + bare; mean loss: over all steps of a launch",
              "| case | tokens/s | tokens/s incl. data+logging | peak RSS | peak - bare | train peak | bare | "
-             "floor | peak/floor |", "|---|---|---|---|---|---|---|---|---|"]
+             "floor | peak/floor | mean loss |", "|---|---|---|---|---|---|---|---|---|---|"]
     for case, row in result["summary"].items():
         lines.append(f"| {names[case]} | {_fmt(row['tokens_per_s'], digits=1)} | "
                      f"{_fmt(row['tokens_per_s_incl_data_logging'], digits=1)} | {_fmt(row['peak_rss'], MiB)} | "
                      f"{_fmt(row['peak_above_bare'], MiB)} | {_fmt(row['train_peak_rss'], MiB)} | "
-                     f"{_fmt(row['bare_rss'], MiB)} | {row['floor'] / MiB:.0f} | {row['peak_over_floor']:.2f} |")
+                     f"{_fmt(row['bare_rss'], MiB)} | {row['floor'] / MiB:.0f} | {row['peak_over_floor']:.2f} | "
+                     f"{statistics.median(row['mean_losses']):.4f} |")
     for case, errors in result["errors"].items():
         lines.append(f"| {names[case]} | FAILED {len(errors)}x: {errors[-1][:200]} |")
+    if hf_tp_row.get("trainer_refused"):
+        lines.append(f"transformers TP trained by the bare loop: {hf_tp_row['trainer_refused']}")
     for name, ratio in result["ratios"].items():
         lines.append(f"{name}: {ratio['value']:.3f} (aim {ratio['aim']}: {'met' if ratio['met'] else 'NOT met'})")
     return "\n".join(lines)

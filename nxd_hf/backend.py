@@ -241,6 +241,7 @@ def broadcast(tensor: torch.Tensor, src: int, group) -> torch.Tensor:
     """In-place broadcast from global rank ``src`` to every rank of ``group``."""
     if group_size(group) == 1 or _is_abstract(tensor):
         return tensor
+    assert tensor.is_contiguous(), "broadcast of a non-contiguous view would send the wrong elements"
     _record("broadcast", tensor, group)
     dist.broadcast(tensor, src=src, group=group)
     return tensor

@@ -65,6 +65,11 @@ def check_pipeline(model_type: str, *, tp=1, pp=2, steps=1, seqs=(8,), sequence_
     loss = pp_model.run_eval(input_ids=_dp_slice(ids), attention_mask=_dp_slice(attention_mask),
                              labels=_dp_slice(labels))
     torch.testing.assert_close(loss, ref_loss, **TOL, msg=lambda m: f"{model_type} run_eval loss: {m}")
+    local = dict(input_ids=_dp_slice(ids), attention_mask=_dp_slice(attention_mask))
+    _, logits = pp_model.run_eval(**local, labels=_dp_slice(labels), return_logits=True)  # on every PP rank
+    with torch.no_grad():
+        torch.testing.assert_close(logits, reference(**local).logits, **TOL,
+                                   msg=lambda m: f"{model_type} run_eval logits: {m}")
     return pp_model
 
 

@@ -101,7 +101,7 @@ class StepRunner:
         """The last stage's logits, gathered over TP, unpadded and in fp32, on every PP rank."""
         vocab_size = self.model.config.vocab_size
         if logits is not None:
-            logits = gather_logical(logits, None, vocab_size).float()
+            logits = gather_logical(logits, None, vocab_size).float().contiguous()  # gloo sends storage
         else:
             logits = torch.empty(*batch_shape, vocab_size, device=backend.default_device())
         return backend.broadcast(logits, self._last_stage_rank(), parallel_state.get_pipeline_model_parallel_group())

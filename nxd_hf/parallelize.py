@@ -6,13 +6,20 @@
 3. swap modules for parallel layers with head/vocab padding and K/V replication
    (``nxd_hf.tp.apply``), copying this rank's slices when the weights are real;
 4. install the output contract (vocab-parallel loss, gathered logits);
-5. install the post-backward gradient sync (SP partial grads over TP, DP average);
+5. install the post-backward gradient sync (SP partial grads over TP, DP average) and the
+   first-step input check (``nxd_hf.parallel_layers.input_check``);
+   steps 2-5 run without collectives inside ``fail_together``: a rank failing alone there
+   fails every rank with the same ValueError instead of leaving them in the next collective;
 6. with pipeline_parallel_size > 1, trace and partition into an ``NxDPPModel`` holding only
    this rank's stages (see ``nxd_hf.pipeline``).
 """
 
+import warnings
+
 from nxd_hf import parallel_state
 from nxd_hf.data_parallel import install_grad_sync
+from nxd_hf.parallel_layers.input_check import install_input_check
+from nxd_hf.parallel_layers.together import fail_together
 from nxd_hf.tp.apply import apply_tensor_parallel
 from nxd_hf.tp.heads import head_layout
 from nxd_hf.tp.outputs import install_output_contract
@@ -20,18 +27,23 @@ from nxd_hf.tp.plan import ModelPatch, get_patch
 
 
 def _check_model(model) -> None:
+    if not hasattr(model, "config") or not hasattr(model, "named_modules"):
+        raise ValueError(
+            f"{type(model).__name__} is not a Hugging Face model (it has no .config): nxd_hf.parallelize takes a "
+            "transformers PreTrainedModel. Build your own modules from nxd_hf.parallel_layers "
+            "(ColumnParallelLinear, RowParallelLinear, ParallelEmbedding) or wrap them in NxDPPModel")
     if getattr(model, "_nxd_parallelized", False):
         raise ValueError("this model is already parallelized: call nxd_hf.parallelize once, on the original model")
     if getattr(model, "is_quantized", False) or getattr(model.config, "quantization_config", None):
         raise ValueError("nxd_hf.parallelize does not support quantized models: load the model unquantized")
-    if not hasattr(model, "config"):
-        raise ValueError("nxd_hf.parallelize takes a Hugging Face PreTrainedModel (it needs model.config)")
 
 
-def _init_parallel_state(tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
-    if tensor_parallel_size < 1 or pipeline_parallel_size < 1:
-        raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
+def _init_parallel_state(tensor_parallel_size: int, pipeline_parallel_size: int, timeout) -> None:
+    parallel_state.check_sizes(tensor_parallel_size, pipeline_parallel_size)
     if parallel_state.model_parallel_is_initialized():
+        if timeout is not None:
+            warnings.warn("timeout is ignored: parallel_state is already initialized; pass timeout to "
+                          "parallel_state.initialize_model_parallel (or neuronx_distributed_config)", stacklevel=3)
         have = (parallel_state.get_tensor_model_parallel_size(), parallel_state.get_pipeline_model_parallel_size())
         if have != (tensor_parallel_size, pipeline_parallel_size):
             raise ValueError(
@@ -39,7 +51,7 @@ def _init_parallel_state(tensor_parallel_size: int, pipeline_parallel_size: int)
                 f"tp={tensor_parallel_size}, pp={pipeline_parallel_size}"
             )
         return
-    parallel_state.initialize_model_parallel(tensor_parallel_size, pipeline_parallel_size)
+    parallel_state.initialize_model_parallel(tensor_parallel_size, pipeline_parallel_size, timeout=timeout)
 
 
 def _layout(model, patch: ModelPatch, pad_model, kv_size_multiplier):
@@ -67,7 +79,7 @@ def _layout(model, patch: ModelPatch, pad_model, kv_size_multiplier):
 def parallelize(
     model, *, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, sequence_parallel: bool = False,
     pad_model: bool | str = "auto", kv_size_multiplier: int | str = "auto", gather_logits: bool = False,
-    bucket_size_mb: float = 25, **pipeline_kwargs,
+    bucket_size_mb: float = 25, check_inputs: bool | str = True, timeout=None, **pipeline_kwargs,
 ):
     """Shard a Hugging Face model (real or meta weights) in place and return it.
 
@@ -78,6 +90,10 @@ def parallelize(
     kv_size_multiplier: K/V copies across TP ("auto": the fewest that fit).
     gather_logits: also return full logits in training mode when labels are given.
     bucket_size_mb: bucket size of the post-backward gradient all-reduces.
+    check_inputs: check id/label ranges and that the TP/PP ranks got the same batch on the first
+        step (True), every step ("always") or never (False); see ``parallel_layers.input_check``.
+    timeout: seconds (or a timedelta) a collective waits for the other ranks before raising a
+        TimeoutError naming its group (None: torch's default, 30 minutes; 10 for nccl).
     pipeline_kwargs: with pipeline_parallel_size > 1, ``NxDPPModel`` arguments (num_microbatches,
         schedule, virtual_pipeline_size, pipeline_cuts, activation_checkpoint_config, ...); the
         result is then an ``NxDPPModel`` trained with ``run_train``.
@@ -85,21 +101,23 @@ def parallelize(
     _check_model(model)
     if bucket_size_mb <= 0:
         raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
-    _init_parallel_state(tensor_parallel_size, pipeline_parallel_size)
-    if pipeline_kwargs and pipeline_parallel_size == 1:
-        raise ValueError(f"{sorted(pipeline_kwargs)} are pipeline options: they need pipeline_parallel_size > 1")
-    patch = get_patch(model.config)
-    if sequence_parallel and not patch.sequence_parallel:
-        raise ValueError(
-            f"sequence_parallel=True is not supported for model_type {patch.model_type!r}: "
-            "its plan gathers activations or it is an encoder. Use sequence_parallel=False"
-        )
-    layout = _layout(model, patch, pad_model, kv_size_multiplier)
-    apply_tensor_parallel(model, patch, layout, sequence_parallel=sequence_parallel)
-    if patch.lm_head and _has(model, patch.lm_head):
-        install_output_contract(model, vocab_size=model.config.vocab_size, gather_logits=gather_logits,
-                                sequence_parallel=sequence_parallel)
-    install_grad_sync(model, bucket_size_mb=bucket_size_mb)
+    _init_parallel_state(tensor_parallel_size, pipeline_parallel_size, timeout)
+    with fail_together("nxd_hf.parallelize"):  # no collective inside: a rank failing alone fails every rank
+        if pipeline_kwargs and pipeline_parallel_size == 1:
+            raise ValueError(f"{sorted(pipeline_kwargs)} are pipeline options: they need pipeline_parallel_size > 1")
+        patch = get_patch(model.config)
+        if sequence_parallel and not patch.sequence_parallel:
+            raise ValueError(
+                f"sequence_parallel=True is not supported for model_type {patch.model_type!r}: "
+                "its plan gathers activations or it is an encoder. Use sequence_parallel=False"
+            )
+        layout = _layout(model, patch, pad_model, kv_size_multiplier)
+        apply_tensor_parallel(model, patch, layout, sequence_parallel=sequence_parallel)
+        if patch.lm_head and _has(model, patch.lm_head):
+            install_output_contract(model, vocab_size=model.config.vocab_size, gather_logits=gather_logits,
+                                    sequence_parallel=sequence_parallel)
+        install_grad_sync(model, bucket_size_mb=bucket_size_mb)
+        install_input_check(model, check_inputs)
     model._nxd_parallelized = True
     model._nxd_patch = patch
     if pipeline_parallel_size > 1:

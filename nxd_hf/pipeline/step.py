@@ -11,6 +11,7 @@ import torch
 
 from nxd_hf import backend, parallel_state
 from nxd_hf.parallel_layers.grads import sync_data_parallel_grads
+from nxd_hf.parallel_layers.input_check import check_step_inputs
 
 
 def _select_loss(output, spec):
@@ -63,6 +64,7 @@ class StepRunner:
     def run(self, inputs: dict, *, train: bool):
         inputs = dict(inputs)
         step_count = inputs.pop("num_items_in_batch", None)
+        check_step_inputs(self.model._original[0], inputs)  # before any check one rank alone could fail
         self._check(inputs)
         model = self.model
         labels = inputs.get("labels")

@@ -11,6 +11,7 @@ from torch import nn
 
 from nxd_hf import backend, parallel_state
 from nxd_hf.optim.mixed_precision import install_fp32_grad_accumulation
+from nxd_hf.parallel_layers.together import fail_together
 from nxd_hf.parallelize import parallelize
 from nxd_hf.pipeline.local import checkpoint_layers, materialize
 from nxd_hf.pipeline.model import NxDPPModel, _layer_types
@@ -114,11 +115,11 @@ def _build_in_waves(factor: int, build):
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", backend.world_size()))
     result, interval = None, None
     for wave in range(math.ceil(local_world / factor)):
-        if local_rank // factor == wave:
-            start = time.time()
-            result = build()
-            interval = (start, time.time())
-        backend.barrier()
+        with fail_together("initialize_parallel_model (model_fn)"):  # also the barrier between waves
+            if local_rank // factor == wave:
+                start = time.time()
+                result = build()
+                interval = (start, time.time())
     return result, interval
 
 
@@ -144,7 +145,8 @@ def initialize_parallel_model(nxd_config: NxDConfig, model_fn, *model_args, **mo
                            "param_init_fn": init.param_init_fn}
     wrapped = parallelize(
         model, tensor_parallel_size=nxd_config.tensor_parallel_size, pipeline_parallel_size=pp,
-        sequence_parallel=nxd_config.sequence_parallel, pad_model=nxd_config.pad_model, **pipeline_kwargs,
+        sequence_parallel=nxd_config.sequence_parallel, pad_model=nxd_config.pad_model,
+        check_inputs=nxd_config.check_inputs, **pipeline_kwargs,
     )
     model._nxd_grad_sync.sync_dp = False  # initialize_parallel_optimizer's step reduces over DP
     if pp == 1:

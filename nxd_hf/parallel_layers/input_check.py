@@ -97,17 +97,20 @@ def check_inputs(tensors: dict[str, torch.Tensor], vocab_size: int | None) -> No
                           dtype=torch.long, device=device)
     backend.all_reduce(status, None, op="max")
     ids_rank, labels_rank, differs_rank = (-int(v) for v in status[:3])
-    if differs_rank < world:
-        raise ValueError(_differs_message(differs_rank, tensors))
+    problems = []
     if ids_rank < world:
-        raise ValueError(
+        problems.append(
             f"input_ids on rank {ids_rank} hold ids in [{-int(status[3])}, {int(status[4])}] but the vocabulary "
             f"has {vocab_size} tokens (config.vocab_size): every id must be in [0, {vocab_size}). Use the model's "
             "own tokenizer, or resize the embeddings (model.resize_token_embeddings) before nxd_hf.parallelize")
     if labels_rank < world:
-        raise ValueError(
+        problems.append(
             f"labels on rank {labels_rank} hold values in [{-int(status[5])}, {int(status[6])}]: every label must "
             f"be a token id in [0, {vocab_size}) or {IGNORE_INDEX} (ignored, as in Hugging Face losses)")
+    if differs_rank < world:
+        problems.append(_differs_message(differs_rank, tensors))
+    if problems:
+        raise ValueError("bad inputs (nxd_hf's first-step input check): " + "\n".join(problems))
 
 
 def _range(tensor: torch.Tensor | None, vocab_size: int | None, *, allow_ignore: bool) -> tuple[int, int, bool]:

@@ -98,6 +98,13 @@ def check_config_api_fails_together() -> None:
     config = nxd_hf.neuronx_distributed_config(tensor_parallel_size=2)
     _expect(ValueError, r"initialize_parallel_model \(model_fn\) failed on rank 1 .*OSError: disk quota exceeded",
             nxd_hf.initialize_parallel_model, config, _model_fn_failing_on_rank1)
+    ids, labels = hf_parity.batch(seed=1 + backend.rank())  # TP ranks given different batches
+    model = nxd_hf.initialize_parallel_model(config, lambda: hf_parity.build_pair("llama")[1])
+    _expect(ValueError, r"got different inputs", model.run_train, input_ids=ids, labels=labels)
+    parallel_state.destroy_model_parallel()
+    config = nxd_hf.neuronx_distributed_config(tensor_parallel_size=2, check_inputs=False)
+    model = nxd_hf.initialize_parallel_model(config, lambda: hf_parity.build_pair("llama")[1])
+    assert torch.isfinite(model.run_train(input_ids=ids, labels=labels))  # unchecked, as configured
 
 
 def _lone(call, timeout_s: float, pattern: str) -> None:

@@ -5,9 +5,9 @@ Under tensor parallelism an input id >= the vocabulary size matches no rank's em
 matches no rank's logits, and TP ranks given different batches compute one loss from pieces
 of both (different sequence lengths end in a collective mismatch or a hang). So on the first
 step of a model every rank checks id and label ranges and all-reduces a fixed-size
-fingerprint of its inputs (names, shapes, dtypes and a checksum of the bytes) over its
-model-parallel group (TP x PP: every rank that must see the same batch); the outcome is agreed
-over the world, so every rank raises the same ``ValueError`` before any layer runs.
+fingerprint of its inputs (names, shapes, dtypes and a checksum of the bytes) with the range
+results over its model-parallel group (TP x PP: every rank that must see the same batch), so
+every rank of the group raises the same ``ValueError`` before any layer runs.
 
 Modes: ``check_inputs=True`` (default; the first step only: the check syncs with the host),
 ``"always"`` (every step, for debugging) or ``False``. The environment variable
@@ -82,33 +82,36 @@ def check_step_inputs(model, inputs: dict) -> None:
 
 
 def check_inputs(tensors: dict[str, torch.Tensor], vocab_size: int | None) -> None:
-    """Range checks and the model-parallel fingerprint comparison, agreed over the world."""
-    world, me = backend.world_size(), backend.rank()
-    device = backend.default_device()
-    fingerprint = _fingerprint(tensors).to(device)
-    both = torch.cat([fingerprint, -fingerprint])
-    backend.all_reduce(both, parallel_state.get_model_parallel_group(), op="max")
-    differs = not torch.equal(both[: len(fingerprint)], -both[len(fingerprint):])
+    """Range checks and the fingerprint comparison, in one all-reduce over the model-parallel
+    group (the ranks the forward itself needs: the check adds no collective between ranks
+    that would not meet anyway, e.g. DP rank 0 evaluating alone)."""
+    world = backend.world_size()
+    fingerprint = _fingerprint(tensors)
     ids_low, ids_high, ids_bad = _range(tensors.get("input_ids"), vocab_size, allow_ignore=False)
     labels_low, labels_high, labels_bad = _range(tensors.get("labels"), vocab_size, allow_ignore=True)
-    failing = [me if bad else world for bad in (ids_bad, labels_bad, differs)]
-    # one MAX all-reduce: ranks (lowest failing) and minima are negated
-    status = torch.tensor([-failing[0], -failing[1], -failing[2], -ids_low, ids_high, -labels_low, labels_high],
-                          dtype=torch.long, device=device)
-    backend.all_reduce(status, None, op="max")
-    ids_rank, labels_rank, differs_rank = (-int(v) for v in status[:3])
+    failing = [backend.rank() if bad else world for bad in (ids_bad, labels_bad)]
+    # one MAX all-reduce: minima (of the fingerprint, the lowest failing ranks, the lowest ids) negated
+    status = torch.cat([fingerprint, -fingerprint, torch.tensor(
+        [-failing[0], -failing[1], -ids_low, ids_high, -labels_low, labels_high], dtype=torch.long)])
+    status = status.to(backend.default_device())
+    backend.all_reduce(status, parallel_state.get_model_parallel_group(), op="max")
+    status = status.cpu()
+    n = len(fingerprint)
+    differs = not torch.equal(status[:n], -status[n : 2 * n])
+    ids_rank, labels_rank = -int(status[2 * n]), -int(status[2 * n + 1])
+    ids_low, ids_high, labels_low, labels_high = (int(v) * sign for v, sign in zip(status[2 * n + 2 :], (-1, 1, -1, 1)))
     problems = []
     if ids_rank < world:
         problems.append(
-            f"input_ids on rank {ids_rank} hold ids in [{-int(status[3])}, {int(status[4])}] but the vocabulary "
+            f"input_ids on rank {ids_rank} hold ids in [{ids_low}, {ids_high}] but the vocabulary "
             f"has {vocab_size} tokens (config.vocab_size): every id must be in [0, {vocab_size}). Use the model's "
             "own tokenizer, or resize the embeddings (model.resize_token_embeddings) before nxd_hf.parallelize")
     if labels_rank < world:
         problems.append(
-            f"labels on rank {labels_rank} hold values in [{-int(status[5])}, {int(status[6])}]: every label must "
+            f"labels on rank {labels_rank} hold values in [{labels_low}, {labels_high}]: every label must "
             f"be a token id in [0, {vocab_size}) or {IGNORE_INDEX} (ignored, as in Hugging Face losses)")
-    if differs_rank < world:
-        problems.append(_differs_message(differs_rank, tensors))
+    if differs:
+        problems.append(_differs_message(tensors))
     if problems:
         raise ValueError("bad inputs (nxd_hf's first-step input check): " + "\n".join(problems))
 
@@ -137,9 +140,9 @@ def _fingerprint(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.tensor([zlib.crc32(layout.encode()), total, weighted], dtype=torch.long)
 
 
-def _differs_message(rank: int, tensors: dict[str, torch.Tensor]) -> str:
+def _differs_message(tensors: dict[str, torch.Tensor]) -> str:
     groups = parallel_state.get_model_parallel_group(as_list=True)
-    group = next(ranks for ranks in groups if rank in ranks)
+    group = next(ranks for ranks in groups if backend.rank() in ranks)
     mine = ", ".join(f"{name} {list(t.shape)}" for name, t in sorted(tensors.items()))
     return (
         f"the ranks {group} of one tensor-/pipeline-parallel group got different inputs (names, shapes or "

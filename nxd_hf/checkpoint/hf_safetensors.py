@@ -75,10 +75,10 @@ class SafetensorsCheckpoint:
 
     def _view(self, key: str):
         name = self.files[key]
-        if name not in self._handles:
-            with _naming_file(name):
+        with _naming_file(name):
+            if name not in self._handles:
                 self._handles[name] = safe_open(name, framework="pt")
-        return self._handles[name].get_slice(key)
+            return self._handles[name].get_slice(key)
 
     def _slice(self, key: str):
         self.report.keys_read += 1

@@ -20,6 +20,7 @@ class _State:
     groups: dict  # kind -> this rank's group
     ranks: dict  # kind -> this rank's index within its group of that kind
     rank_lists: dict  # kind -> list of rank lists, one per group of that kind
+    timeout: datetime.timedelta | None = None  # of every group's collectives (None: torch's default)
 
 
 _state: _State | None = None
@@ -31,7 +32,8 @@ GROUP_NAMES = {"tensor": "tensor-parallel (tp)", "data": "data-parallel (dp)", "
 
 def check_sizes(tensor_parallel_size, pipeline_parallel_size) -> None:
     """ValueError unless both sizes are ints >= 1 (a "2" or 2.0 would fail deep inside)."""
-    for name, size in (("tensor_parallel_size", tensor_parallel_size), ("pipeline_parallel_size", pipeline_parallel_size)):
+    sizes = {"tensor_parallel_size": tensor_parallel_size, "pipeline_parallel_size": pipeline_parallel_size}
+    for name, size in sizes.items():
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ValueError(f"{name} must be an int >= 1, got {size!r} ({type(size).__name__}): pass e.g. {name}=2")
 
@@ -98,7 +100,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
             if me in ranks:
                 groups[kind], my_ranks[kind] = group, ranks.index(me)
     dp = world // (tp * pp)
-    _state = _State(tp_size=tp, pp_size=pp, dp_size=dp, groups=groups, ranks=my_ranks, rank_lists=lists)
+    _state = _State(tp_size=tp, pp_size=pp, dp_size=dp, groups=groups, ranks=my_ranks, rank_lists=lists,
+                    timeout=timeout)
 
 
 def destroy_model_parallel() -> None:
@@ -111,6 +114,11 @@ def destroy_model_parallel() -> None:
 
 def model_parallel_is_initialized() -> bool:
     return _state is not None
+
+
+def get_collective_timeout() -> datetime.timedelta | None:
+    """The ``timeout`` given to ``initialize_model_parallel``, for groups created later."""
+    return _state.timeout if _state else None
 
 
 def _rank_in(kind: str) -> int:

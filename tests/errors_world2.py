@@ -46,7 +46,8 @@ def check_loading(paths: dict) -> None:
             torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits, **hf_parity.TOL)
     # one rank's copy of the checkpoint is truncated: both ranks raise, naming that rank and the file
     path = paths["broken"] if backend.rank() == 1 else paths["good"]
-    _expect(ValueError, r"failed on rank 1 .*cannot read .*broken/model\.safetensors.*truncated", _from_pretrained, path)
+    _expect(ValueError, r"failed on rank 1 .*cannot read .*broken/model\.safetensors.*truncated", _from_pretrained,
+            path)
 
 
 def check_parallelize_failing_on_one_rank() -> None:

@@ -23,7 +23,7 @@ floor is (parameters + gradients + 2 AdamW moments) x 4 B / tp + bare. Every cas
 rewritten after every launch.
 
 Run from the repo root: ``python bench/train_step.py [--layers 12] [--steps 5] [--warmup 2]
-[--repeats 3] [--out PATH]``; a quick check: ``--layers 2 --steps 3 --warmup 1 --repeats 1``.
+[--repeats 3] [--out PATH]``; ``--report PATH`` prints an earlier run's table; a quick check: ``--layers 2 --steps 3 --warmup 1 --repeats 1``.
 """
 
 import argparse
@@ -110,12 +110,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument("--hf-tp-loop", action="store_true", help="train hf_tp with the bare loop, not Trainer")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
+    parser.add_argument("--report", metavar="JSON", help="print the table of an earlier (or partial) run and exit")
     parser.add_argument("--worker", choices=list(CASES), help=argparse.SUPPRESS)
     parser.add_argument("--opts", help=argparse.SUPPRESS)
     parser.add_argument("--result-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         return worker(args.worker, json.loads(args.opts), args.result_dir)
+    if args.report:
+        with open(args.report) as f:
+            return print(format_table(json.load(f)))
 
     start, load_before = time.perf_counter(), os.getloadavg()[0]
     opts = dict(layers=args.layers, seq=args.seq, batch=args.batch, steps=args.warmup + args.steps,

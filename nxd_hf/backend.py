@@ -40,9 +40,10 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def init_process_group_from_env(timeout_s: float = 1800.0) -> None:
+def init_process_group_from_env(timeout: datetime.timedelta | None = None) -> None:
     """Initialize the default group from the torchrun environment (RANK, WORLD_SIZE, ...), or
-    as a world of one process when the script was started without torchrun."""
+    as a world of one process when the script was started without torchrun. ``timeout``
+    bounds its collectives (None: torch's default)."""
     if dist.is_initialized():
         return
     if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:  # plain `python script.py`
@@ -62,7 +63,7 @@ def init_process_group_from_env(timeout_s: float = 1800.0) -> None:
         kwargs["init_method"] = "xla://"
     elif backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    dist.init_process_group(backend, timeout=timeout, **kwargs)
 
 
 def world_size() -> int:
@@ -73,12 +74,42 @@ def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def new_group(ranks: list[int]):
-    return dist.new_group(ranks)
+def new_group(ranks: list[int], *, timeout: datetime.timedelta | None = None, name: str = ""):
+    """A process group of ``ranks``; ``timeout`` bounds every collective on it (None: torch's
+    default, 30 minutes; 10 for nccl); ``name`` says which group it is in error messages."""
+    group = dist.new_group(ranks, timeout=timeout)
+    _group_names[group] = (name, list(ranks), timeout)
+    return group
 
 
 def destroy_group(group) -> None:
+    _group_names.pop(group, None)
     dist.destroy_process_group(group)
+
+
+_group_names: dict = {}
+
+
+@contextlib.contextmanager
+def _named_errors(op: str, group):
+    """Turn a collective's backend error into one that names the group and what to check."""
+    try:
+        yield
+    except RuntimeError as error:
+        text = str(error).lower()
+        name, ranks, timeout = _group_names.get(group, ("world", list(range(world_size())), None))
+        where = f"{op} on the {name} group (global ranks {ranks})"
+        if "connection" in text:  # gloo: a peer exited or reset the connection
+            raise RuntimeError(f"{where} failed: a rank of this group failed or exited ({error})") from error
+        if "timed out" not in text and "timeout" not in text:
+            raise
+        limit = f"{timeout.total_seconds():g}s" if timeout else "its timeout"
+        raise TimeoutError(
+            f"{where} timed out after {limit}: not every rank of the group entered the same collective. Check "
+            "that every rank runs the same steps (same number of batches, same code path, same input shapes "
+            "within a tensor-parallel group) and that no rank failed; for steps that are slow, raise timeout= of "
+            f"nxd_hf.parallelize / neuronx_distributed_config / initialize_model_parallel ({error})"
+        ) from error
 
 
 SELF = "self"
@@ -159,7 +190,8 @@ def all_reduce(tensor: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
         return tensor
     _record("all_reduce", tensor, group)
     reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
-    dist.all_reduce(tensor, op=reduce_op, group=group)
+    with _named_errors("all_reduce", group):
+        dist.all_reduce(tensor, op=reduce_op, group=group)
     return tensor
 
 
@@ -173,7 +205,8 @@ def all_gather(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
     _record("all_gather", tensor, group)
     moved = tensor.movedim(dim, 0).contiguous()
     out = torch.empty((size * moved.shape[0], *moved.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-    _all_gather_flat(out, moved, group=group)
+    with _named_errors("all_gather", group):
+        _all_gather_flat(out, moved, group=group)
     return out.movedim(0, dim)
 
 
@@ -188,7 +221,8 @@ def reduce_scatter(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
     _record("reduce_scatter", tensor, group)
     moved = tensor.movedim(dim, 0).contiguous()
     out = torch.empty((moved.shape[0] // size, *moved.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-    _reduce_scatter_flat(out, moved, group=group)
+    with _named_errors("reduce_scatter", group):
+        _reduce_scatter_flat(out, moved, group=group)
     return out.movedim(0, dim)
 
 
@@ -205,15 +239,16 @@ def all_gather_into(out: torch.Tensor, tensor: torch.Tensor, group) -> torch.Ten
     if size == 1:
         return out.copy_(tensor)
     _record("all_gather", tensor, group)
-    if dist.get_backend(group) != "gloo":
-        _all_gather_flat(out, tensor, group=group)
-        return out
-    chunks = out.view(size, -1)
-    chunks[group_rank(group)].copy_(tensor)
-    works = [dist.broadcast(chunks[j], src=dist.get_global_rank(group, j), group=group, async_op=True)
-             for j in range(size)]
-    for work in works:
-        work.wait()
+    with _named_errors("all_gather", group):
+        if dist.get_backend(group) != "gloo":
+            _all_gather_flat(out, tensor, group=group)
+            return out
+        chunks = out.view(size, -1)
+        chunks[group_rank(group)].copy_(tensor)
+        works = [dist.broadcast(chunks[j], src=dist.get_global_rank(group, j), group=group, async_op=True)
+                 for j in range(size)]
+        for work in works:
+            work.wait()
     return out
 
 
@@ -226,14 +261,15 @@ def reduce_scatter_into(out: torch.Tensor, tensor: torch.Tensor, group) -> torch
         return out.copy_(tensor)
     assert tensor.numel() == out.numel() * size, (tensor.shape, out.shape)
     _record("reduce_scatter", tensor, group)
-    if dist.get_backend(group) != "gloo":
-        _reduce_scatter_flat(out, tensor, group=group)
-        return out
-    chunks = tensor.view(size, -1)
-    works = [dist.reduce(chunks[j], dst=dist.get_global_rank(group, j), group=group, async_op=True)
-             for j in range(size)]
-    for work in works:
-        work.wait()
+    with _named_errors("reduce_scatter", group):
+        if dist.get_backend(group) != "gloo":
+            _reduce_scatter_flat(out, tensor, group=group)
+            return out
+        chunks = tensor.view(size, -1)
+        works = [dist.reduce(chunks[j], dst=dist.get_global_rank(group, j), group=group, async_op=True)
+                 for j in range(size)]
+        for work in works:
+            work.wait()
     return out.copy_(chunks[group_rank(group)])
 
 
@@ -243,10 +279,12 @@ def broadcast(tensor: torch.Tensor, src: int, group) -> torch.Tensor:
         return tensor
     assert tensor.is_contiguous(), "broadcast of a non-contiguous view would send the wrong elements"
     _record("broadcast", tensor, group)
-    dist.broadcast(tensor, src=src, group=group)
+    with _named_errors("broadcast", group):
+        dist.broadcast(tensor, src=src, group=group)
     return tensor
 
 
 def barrier(group=None) -> None:
     if dist.is_initialized():
-        dist.barrier(group=group)
+        with _named_errors("barrier", group):
+            dist.barrier(group=group)

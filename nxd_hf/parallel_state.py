@@ -7,6 +7,7 @@ getter answers as for a single process (tp = pp = dp = 1), so layers work withou
 """
 
 import dataclasses
+import datetime
 
 from nxd_hf import backend
 
@@ -19,17 +20,46 @@ class _State:
     groups: dict  # kind -> this rank's group
     ranks: dict  # kind -> this rank's index within its group of that kind
     rank_lists: dict  # kind -> list of rank lists, one per group of that kind
+    timeout: datetime.timedelta | None = None  # of every group's collectives (None: torch's default)
 
 
 _state: _State | None = None
 
 
+GROUP_NAMES = {"tensor": "tensor-parallel (tp)", "data": "data-parallel (dp)", "pipeline": "pipeline-parallel (pp)",
+               "model": "model-parallel (tp x pp)"}
+
+
+def check_sizes(tensor_parallel_size, pipeline_parallel_size) -> None:
+    """ValueError unless both sizes are ints >= 1 (a "2" or 2.0 would fail deep inside)."""
+    sizes = {"tensor_parallel_size": tensor_parallel_size, "pipeline_parallel_size": pipeline_parallel_size}
+    for name, size in sizes.items():
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {size!r} ({type(size).__name__}): pass e.g. {name}=2")
+
+
+def as_timeout(timeout) -> datetime.timedelta | None:
+    """``timeout`` (seconds or a ``timedelta``; None: torch's default) as a ``timedelta``."""
+    if timeout is None or isinstance(timeout, datetime.timedelta):
+        seconds = None if timeout is None else timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise ValueError(f"timeout must be seconds (int or float) or a datetime.timedelta, got {timeout!r}")
+    if seconds is not None and seconds <= 0:
+        raise ValueError(f"timeout must be positive, got {seconds} seconds")
+    return None if seconds is None else datetime.timedelta(seconds=seconds)
+
+
 def rank_lists(world_size: int, tp: int, pp: int) -> dict[str, list[list[int]]]:
     """Every group of every kind for a [PP, DP, TP] layout (pure; unit-tested)."""
-    if tp < 1 or pp < 1 or world_size % (tp * pp) != 0:
+    if tp < 1 or pp < 1:
+        raise ValueError(f"tensor ({tp}) and pipeline ({pp}) parallel sizes must be >= 1")
+    if world_size % (tp * pp) != 0:
         raise ValueError(
             f"world size {world_size} is not divisible by tensor_model_parallel_size ({tp}) x "
-            f"pipeline_model_parallel_size ({pp}); choose sizes whose product divides {world_size}"
+            f"pipeline_model_parallel_size ({pp}) = {tp * pp}: launch a multiple of {tp * pp} processes, e.g. "
+            f"`torchrun --nproc_per_node {tp * pp} your_script.py`, or choose sizes whose product divides {world_size}"
         )
     dp = world_size // (tp * pp)
 
@@ -45,11 +75,18 @@ def rank_lists(world_size: int, tp: int, pp: int) -> dict[str, list[list[int]]]:
     }
 
 
-def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1) -> None:
+def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1, *,
+                              timeout: float | datetime.timedelta | None = None) -> None:
     """Create the TP, PP, DP and model-parallel groups; initializes torch.distributed from the
-    torchrun environment if needed. Calling it again first destroys the previous groups."""
+    torchrun environment if needed. Calling it again first destroys the previous groups.
+
+    timeout: seconds (or a timedelta) a collective on these groups may wait for the other
+    ranks before it raises a ``TimeoutError`` naming the group; None keeps torch's default
+    (30 minutes; 10 for nccl). Not in NxD, which takes the timeout from the launcher."""
     global _state
-    backend.init_process_group_from_env()
+    check_sizes(tensor_model_parallel_size, pipeline_model_parallel_size)
+    timeout = as_timeout(timeout)
+    backend.init_process_group_from_env(timeout)
     if _state is not None:
         destroy_model_parallel()
     world = backend.world_size()
@@ -59,11 +96,12 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     groups, my_ranks = {}, {}
     for kind, rank_groups in lists.items():
         for ranks in rank_groups:  # every rank must create every group
-            group = backend.new_group(ranks)
+            group = backend.new_group(ranks, timeout=timeout, name=GROUP_NAMES[kind])
             if me in ranks:
                 groups[kind], my_ranks[kind] = group, ranks.index(me)
     dp = world // (tp * pp)
-    _state = _State(tp_size=tp, pp_size=pp, dp_size=dp, groups=groups, ranks=my_ranks, rank_lists=lists)
+    _state = _State(tp_size=tp, pp_size=pp, dp_size=dp, groups=groups, ranks=my_ranks, rank_lists=lists,
+                    timeout=timeout)
 
 
 def destroy_model_parallel() -> None:
@@ -76,6 +114,11 @@ def destroy_model_parallel() -> None:
 
 def model_parallel_is_initialized() -> bool:
     return _state is not None
+
+
+def get_collective_timeout() -> datetime.timedelta | None:
+    """The ``timeout`` given to ``initialize_model_parallel``, for groups created later."""
+    return _state.timeout if _state else None
 
 
 def _rank_in(kind: str) -> int:

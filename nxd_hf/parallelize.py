@@ -9,7 +9,10 @@ a directly constructed ``NxDPPModel`` all run these steps, in this order:
  2. pad heads: the attention-head layout of this rank (``nxd_hf.parallel_layers.heads``: K/V
     replication, zero heads where tp does not divide them);
  3. swap layers for parallel ones (TP, SP), copying this rank's slices of real weights, and
-    install the output contract (vocab-parallel loss, gathered logits) — ``nxd_hf.tp``;
+    install the output contract (vocab-parallel loss, gathered logits) — ``nxd_hf.tp`` — and
+    the first-step input check (``nxd_hf.parallel_layers.input_check``);
+    steps 1-3 run without collectives inside ``fail_together``: a rank failing alone there
+    fails every rank with the same ValueError instead of leaving them in the next collective;
  4. partition into pipeline stages, keeping this rank's (``NxDPPModel``, when pp > 1);
  5. weights: load only the local ones (``load_weights``; ``from_pretrained`` reads its slices),
     or materialize meta weights with ``param_init_fn``;
@@ -22,13 +25,15 @@ Steps 5-10 run on this rank's modules (``nxd_hf.model_setup.local``): on the who
 pp=1, inside ``NxDPPModel`` on its local stages otherwise.
 """
 
-from torch import nn
+import warnings
 
 from nxd_hf import parallel_state
 from nxd_hf.architectures import get_patch
 from nxd_hf.model_setup import LocalSetup, set_up_local_modules
 from nxd_hf.model_setup.activation_checkpoint import decoder_layer_types
 from nxd_hf.parallel_layers.heads import HeadLayout, head_layout
+from nxd_hf.parallel_layers.input_check import install_input_check
+from nxd_hf.parallel_layers.together import fail_together
 from nxd_hf.tp.apply import apply_tensor_parallel
 from nxd_hf.tp.outputs import install_output_contract
 from nxd_hf.tp.plan import ModelPatch
@@ -38,7 +43,8 @@ def parallelize(
     model, *, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, sequence_parallel: bool = False,
     pad_model: bool | str = "auto", kv_size_multiplier: int | str = "auto", gather_logits: bool = False,
     bucket_size_mb: float = 25, param_init_fn=None, load_weights=None, activation_checkpoint_config=None,
-    fp32_grad_accumulation: bool = False, device=None, **pipeline_kwargs,
+    fp32_grad_accumulation: bool = False, device=None, check_inputs: bool | str = True, timeout=None,
+    **pipeline_kwargs,
 ):
     """Shard a Hugging Face model (real or meta weights) in place and return it.
 
@@ -56,6 +62,10 @@ def parallelize(
         of classes to recompute in backward; None for none.
     fp32_grad_accumulation: accumulate bf16/fp16 gradients in an fp32 ``param.main_grad``.
     device: where the model ends up (default: where it is).
+    check_inputs: check id/label ranges and that the TP/PP ranks got the same batch on the first
+        step (True), every step ("always") or never (False); see ``parallel_layers.input_check``.
+    timeout: seconds (or a timedelta) a collective waits for the other ranks before raising a
+        TimeoutError naming its group (None: torch's default, 30 minutes; 10 for nccl).
     pipeline_kwargs: with pipeline_parallel_size > 1, ``NxDPPModel`` arguments (num_microbatches,
         schedule, virtual_pipeline_size, pipeline_cuts, use_zero1_optimizer, ...); the result is
         then an ``NxDPPModel`` trained with ``run_train``.
@@ -67,12 +77,14 @@ def parallelize(
     _check_model(model)
     if bucket_size_mb <= 0:
         raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
-    if pipeline_kwargs and pipeline_parallel_size == 1:
-        raise ValueError(f"{sorted(pipeline_kwargs)} are pipeline options: they need pipeline_parallel_size > 1")
-    _init_parallel_state(tensor_parallel_size, pipeline_parallel_size)
-    patch = resolve_patch(model, sequence_parallel=sequence_parallel)
-    layout = attention_layout(model, patch, pad_model=pad_model, kv_size_multiplier=kv_size_multiplier)
-    swap_layers(model, patch, layout, sequence_parallel=sequence_parallel, gather_logits=gather_logits)
+    _init_parallel_state(tensor_parallel_size, pipeline_parallel_size, timeout)
+    with fail_together("nxd_hf.parallelize"):  # no collective inside: a rank failing alone fails every rank
+        if pipeline_kwargs and pipeline_parallel_size == 1:
+            raise ValueError(f"{sorted(pipeline_kwargs)} are pipeline options: they need pipeline_parallel_size > 1")
+        patch = resolve_patch(model, sequence_parallel=sequence_parallel)
+        layout = attention_layout(model, patch, pad_model=pad_model, kv_size_multiplier=kv_size_multiplier)
+        swap_layers(model, patch, layout, sequence_parallel=sequence_parallel, gather_logits=gather_logits)
+        install_input_check(model, check_inputs)
     setup = LocalSetup(load_weights=load_weights, param_init_fn=param_init_fn,
                        activation_checkpoint_config=activation_checkpoint_config,
                        fp32_grad_accumulation=fp32_grad_accumulation, bucket_size_mb=bucket_size_mb, device=device)
@@ -89,19 +101,24 @@ def parallelize(
 
 
 def _check_model(model) -> None:
-    if not isinstance(model, nn.Module) or not hasattr(model, "config"):
-        raise ValueError("nxd_hf.parallelize takes a Hugging Face PreTrainedModel (it needs model.config)")
+    if not hasattr(model, "config") or not hasattr(model, "named_modules"):
+        raise ValueError(
+            f"{type(model).__name__} is not a Hugging Face model (it has no .config): nxd_hf.parallelize takes a "
+            "transformers PreTrainedModel. Build your own modules from nxd_hf.parallel_layers "
+            "(ColumnParallelLinear, RowParallelLinear, ParallelEmbedding) or wrap them in NxDPPModel")
     if getattr(model, "_nxd_parallelized", False):
         raise ValueError("this model is already parallelized: call nxd_hf.parallelize once, on the original model")
     if getattr(model, "is_quantized", False) or getattr(model.config, "quantization_config", None):
         raise ValueError("nxd_hf.parallelize does not support quantized models: load the model unquantized")
 
 
-def _init_parallel_state(tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
+def _init_parallel_state(tensor_parallel_size: int, pipeline_parallel_size: int, timeout) -> None:
     """Step 0."""
-    if tensor_parallel_size < 1 or pipeline_parallel_size < 1:
-        raise ValueError("tensor_parallel_size and pipeline_parallel_size must be >= 1")
+    parallel_state.check_sizes(tensor_parallel_size, pipeline_parallel_size)
     if parallel_state.model_parallel_is_initialized():
+        if timeout is not None:
+            warnings.warn("timeout is ignored: parallel_state is already initialized; pass timeout to "
+                          "parallel_state.initialize_model_parallel (or neuronx_distributed_config)", stacklevel=3)
         have = (parallel_state.get_tensor_model_parallel_size(), parallel_state.get_pipeline_model_parallel_size())
         if have != (tensor_parallel_size, pipeline_parallel_size):
             raise ValueError(
@@ -109,7 +126,7 @@ def _init_parallel_state(tensor_parallel_size: int, pipeline_parallel_size: int)
                 f"tp={tensor_parallel_size}, pp={pipeline_parallel_size}"
             )
         return
-    parallel_state.initialize_model_parallel(tensor_parallel_size, pipeline_parallel_size)
+    parallel_state.initialize_model_parallel(tensor_parallel_size, pipeline_parallel_size, timeout=timeout)
 
 
 def resolve_patch(model, *, sequence_parallel: bool) -> ModelPatch:

@@ -4,7 +4,8 @@ import accelerate
 import torch
 import transformers
 
-from nxd_hf.checkpoint.hf_safetensors import load_hf_safetensors
+from nxd_hf.checkpoint.hf_safetensors import check_checkpoint_dir, load_hf_safetensors
+from nxd_hf.parallel_layers.together import fail_together
 from nxd_hf.parallelize import parallelize
 
 
@@ -18,16 +19,19 @@ def from_pretrained(path: str, *, auto_class=transformers.AutoModelForCausalLM, 
     the weights of its own stages. Returns the model in eval mode, as transformers does;
     ``model.nxd_load_report`` holds the bytes this rank read.
     """
-    config = transformers.AutoConfig.from_pretrained(path)
-    dtype = dtype or getattr(config, "dtype", None) or torch.float32
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    with accelerate.init_empty_weights(include_buffers=False):
-        hf_model = auto_class.from_config(config, dtype=dtype)
+    check_checkpoint_dir(path)
+    with fail_together("nxd_hf.from_pretrained (reading config.json)"):
+        config = transformers.AutoConfig.from_pretrained(path)
+        dtype = dtype or getattr(config, "dtype", None) or torch.float32
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        with accelerate.init_empty_weights(include_buffers=False):
+            hf_model = auto_class.from_config(config, dtype=dtype)
     reports = []
 
     def load_weights(modules):  # setup step 5, on this rank's modules (its stages with PP)
-        reports.append(load_hf_safetensors(modules, path, hf_model=hf_model))
+        with fail_together(f"nxd_hf.from_pretrained (reading the weights in {path})"):
+            reports.append(load_hf_safetensors(modules, path, hf_model=hf_model))
 
     model = parallelize(hf_model, tensor_parallel_size=tensor_parallel_size,
                         pipeline_parallel_size=pipeline_parallel_size, load_weights=load_weights, **parallelize_kwargs)

@@ -9,13 +9,14 @@ returns, a copy-on-write view of the memory-mapped file (as transformers keeps i
 its pages are shared page cache until training writes them. Other shards are copied.
 """
 
+import contextlib
 import dataclasses
 import json
 import os
 import re
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from nxd_hf.parallel_layers.sharding import is_sharded
@@ -33,18 +34,37 @@ class LoadReport:
     """Checkpoint tensors this rank opened."""
 
 
+def check_checkpoint_dir(path) -> None:
+    """ValueError unless ``path`` is an existing directory (no hub download is attempted)."""
+    if not os.path.isdir(path):
+        raise ValueError(
+            f"checkpoint directory {path!r} does not exist: nxd_hf.from_pretrained reads a local directory saved "
+            "with save_pretrained and never downloads; fetch a hub model first, e.g. "
+            "huggingface_hub.snapshot_download(repo_id), and pass the directory it returns")
+
+
+@contextlib.contextmanager
+def _naming_file(name: str):
+    """safetensors' errors do not say which file: add it, and what to do."""
+    try:
+        yield
+    except (SafetensorError, OSError, json.JSONDecodeError, KeyError) as error:
+        raise ValueError(f"cannot read {name}: {error}. The file is truncated or corrupted (an interrupted "
+                         "download or copy?): save or download it again") from error
+
+
 class SafetensorsCheckpoint:
     """The tensors of a HF checkpoint directory (single file or sharded with an index)."""
 
     def __init__(self, path: str):
         index = os.path.join(path, INDEX_FILE)
         if os.path.exists(index):
-            with open(index) as f:
+            with _naming_file(index), open(index) as f:
                 weight_map = json.load(f)["weight_map"]
             self.files = {key: os.path.join(path, name) for key, name in weight_map.items()}
         elif os.path.exists(os.path.join(path, SINGLE_FILE)):
             single = os.path.join(path, SINGLE_FILE)
-            with safe_open(single, framework="pt") as f:
+            with _naming_file(single), safe_open(single, framework="pt") as f:
                 self.files = {key: single for key in f.keys()}
         else:
             raise ValueError(f"no {SINGLE_FILE} or {INDEX_FILE} in {path}: save the model with save_pretrained()")
@@ -54,15 +74,24 @@ class SafetensorsCheckpoint:
     def __contains__(self, key: str) -> bool:
         return key in self.files
 
-    def _slice(self, key: str):
+    def _view(self, key: str):
         name = self.files[key]
-        if name not in self._handles:
-            self._handles[name] = safe_open(name, framework="pt")
+        with _naming_file(name):
+            if name not in self._handles:
+                self._handles[name] = safe_open(name, framework="pt")
+            return self._handles[name].get_slice(key)
+
+    def _slice(self, key: str):
         self.report.keys_read += 1
-        return self._handles[name].get_slice(key)
+        return self._view(key)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        """The stored shape of ``key`` (from the file header; reads no data)."""
+        return tuple(self._view(key).get_shape())
 
     def read(self, key: str) -> torch.Tensor:
-        tensor = self._slice(key)[:]
+        with _naming_file(self.files[key]):
+            tensor = self._slice(key)[:]
         self.report.bytes_read += tensor.numel() * tensor.element_size()
         return tensor
 
@@ -79,7 +108,8 @@ class SafetensorsCheckpoint:
                 pieces.append(("zeros", piece_shape))
                 continue
             index[dim] = slice(start, stop)
-            piece = view[tuple(index)]
+            with _naming_file(self.files[key]):
+                piece = view[tuple(index)]
             self.report.bytes_read += piece.numel() * piece.element_size()
             dtype = piece.dtype
             pieces.append(("data", piece))
@@ -183,12 +213,14 @@ def load_hf_safetensors(modules: nn.Module | list[nn.Module], path: str, *,
     tied = getattr(hf_model, "_tied_weights_keys", None) or {}
     ties_embeddings = getattr(getattr(hf_model, "config", None), "tie_word_embeddings", False)
     tied = tied if isinstance(tied, dict) and ties_embeddings else {}
-    missing = []
-    for name, param in list(_named_parameters(modules)):
-        key = _checkpoint_key(checkpoint, name, prefix, renamed, tied)
-        if key is None:
-            missing.append(name)
-            continue
+    named = list(_named_parameters(modules))
+    keys = {name: _checkpoint_key(checkpoint, name, prefix, renamed, tied) for name, _ in named}
+    missing = [name for name, key in keys.items() if key is None]
+    if missing:
+        raise ValueError(f"{len(missing)} parameters are not in the checkpoint at {path}: {missing[:5]}")
+    _check_shapes([(keys[name], logical_shape(param)) for name, param in named], checkpoint, path)
+    for name, param in named:
+        key = keys[name]
         if is_sharded(param):
             transposed = getattr(param, "hf_transposed", False)
             dim = 1 - param.partition_dim if transposed else param.partition_dim
@@ -200,11 +232,30 @@ def load_hf_safetensors(modules: nn.Module | list[nn.Module], path: str, *,
         new.__dict__.update(param.__dict__)  # sharding metadata
         for module, attr in owners[id(param)]:
             setattr(module, attr, new)
-    if missing:
-        raise ValueError(f"{len(missing)} parameters are not in the checkpoint at {path}: {missing[:5]}")
     for module in modules:
         _load_buffers(module, checkpoint, prefix, renamed)
     return checkpoint.report
+
+
+def logical_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """The unsharded shape of ``param`` as a HF checkpoint stores it (Conv1D weights ``[in, out]``)."""
+    shape = list(param.shape)
+    if is_sharded(param):
+        shape[param.partition_dim] = param.logical_size
+    return tuple(reversed(shape)) if getattr(param, "hf_transposed", False) else tuple(shape)
+
+
+def _check_shapes(expected: list[tuple[str, tuple]], checkpoint: SafetensorsCheckpoint, path: str) -> None:
+    """Every tensor's stored shape against the model's logical one, before any slice is read:
+    a sharded read of a bigger tensor would otherwise load its first rows without a word."""
+    wrong = [(key, stored, shape) for key, shape in expected if (stored := checkpoint.shape(key)) != shape]
+    if wrong:
+        listed = "; ".join(f"size mismatch for {key}: copying a param with shape {list(stored)} from checkpoint, "
+                           f"the shape in current model is {list(shape)}" for key, stored, shape in wrong[:5])
+        raise ValueError(
+            f"{listed}. {len(wrong)} tensor(s) in {path} do not match the model built from its config.json: fix "
+            "config.json (hidden_size, intermediate_size, vocab_size, head counts, ...) or use the config the "
+            "weights were saved with")
 
 
 def _load_buffers(model: nn.Module, checkpoint: SafetensorsCheckpoint, prefix: str, renamed: HFRenames) -> None:
@@ -218,4 +269,5 @@ def _load_buffers(model: nn.Module, checkpoint: SafetensorsCheckpoint, prefix: s
             persistent = name not in module._non_persistent_buffers_set
             key = _checkpoint_key(checkpoint, full_name, prefix, renamed, {}) if persistent else None
             if key is not None:
+                _check_shapes([(key, tuple(buffer.shape))], checkpoint, checkpoint.files[key])
                 module._buffers[name] = checkpoint.read(key).to(buffer.dtype)

@@ -22,5 +22,6 @@ def resolve_group(spec, kind: str):
     mine = [ranks for ranks in rank_lists if backend.rank() in ranks]
     if len(mine) != 1:
         raise ValueError(f"rank {backend.rank()} must be in exactly one of the groups {rank_lists}")
-    created = [backend.new_group(ranks) for ranks in rank_lists]  # collective: every rank creates every group
+    created = [backend.new_group(ranks, timeout=parallel_state.get_collective_timeout(), name=f"{kind}-parallel")
+               for ranks in rank_lists]  # collective: every rank creates every group
     return created[rank_lists.index(mine[0])]

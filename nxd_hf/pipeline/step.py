@@ -11,6 +11,7 @@ gradients are averaged; ``loss_normalizer``), so the gradients equal those of on
 import torch
 
 from nxd_hf import backend, parallel_state
+from nxd_hf.parallel_layers.input_check import check_step_inputs
 from nxd_hf.parallel_layers.loss_functions import loss_normalizer
 from nxd_hf.parallel_layers.sharding import gather_logical
 
@@ -65,6 +66,7 @@ class StepRunner:
     def run(self, inputs: dict, *, train: bool, return_logits: bool = False):
         inputs = dict(inputs)
         step_count = inputs.pop("num_items_in_batch", None)
+        check_step_inputs(self.model._original[0], inputs)  # before any check one rank alone could fail
         self._check(inputs)
         model = self.model
         labels = inputs.get("labels")

@@ -46,7 +46,7 @@ def tie_across_stages(all_stages: list[nn.Module], stage_to_rank: list[int], loc
             continue
         for pipeline in pp_lists:
             ranks = [pipeline[r] for r in pp_ranks]
-            group = backend.new_group(ranks)
+            group = backend.new_group(ranks, timeout=parallel_state.get_collective_timeout(), name="tied-weights (pp)")
             if me not in ranks:
                 continue
             local = [(s, n) for s, n in entries if s in local_ids]

@@ -7,6 +7,7 @@ False forbids padding).
 """
 
 import dataclasses
+import datetime
 import typing
 from collections.abc import Callable
 from typing import Any, Literal
@@ -66,6 +67,10 @@ class NxDConfig:
     """LoRA adapters (not available in this version: must be None)."""
     mixed_precision_config: MixedPrecisionConfig = dataclasses.field(default_factory=MixedPrecisionConfig)
     """Master weights and fp32 gradient accumulation for bf16/fp16 models."""
+    check_inputs: bool | Literal["always"] = True
+    """Check input ranges and same-batch-per-TP/PP-group on the first step, every step or never (not in NxD)."""
+    timeout: float | datetime.timedelta | None = None
+    """Seconds a collective waits for the other ranks (None: torch's default, 30 min; not in NxD)."""
 
     def __getitem__(self, key: str):  # NxD hands the config around as a dict
         return getattr(self, key)
@@ -115,7 +120,7 @@ def neuronx_distributed_config(
     tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, pipeline_config: dict | None = None,
     optimizer_config: dict | None = None, activation_checkpoint_config=None, pad_model: bool | str = "auto",
     sequence_parallel: bool = False, model_init_config: dict | None = None, lora_config=None,
-    mixed_precision_config: dict | None = None,
+    mixed_precision_config: dict | None = None, *, check_inputs: bool | str = True, timeout=None,
 ) -> NxDConfig:
     """Validate the training configuration and initialize model parallelism (see ``NxDConfig``)."""
     config = NxDConfig(
@@ -127,9 +132,11 @@ def neuronx_distributed_config(
         model_init_config=_build(ModelInitConfig, model_init_config, "model_init_config"),
         lora_config=lora_config,
         mixed_precision_config=_build(MixedPrecisionConfig, mixed_precision_config, "mixed_precision_config"),
+        check_inputs=check_inputs, timeout=timeout,
     )
     hints = typing.get_type_hints(NxDConfig)
-    for key in ("tensor_parallel_size", "pipeline_parallel_size", "pad_model", "sequence_parallel"):
+    for key in ("tensor_parallel_size", "pipeline_parallel_size", "pad_model", "sequence_parallel", "check_inputs",
+                "timeout"):
         _check_type("neuronx_distributed_config", key, getattr(config, key), hints[key])
     _check_pipeline_config(config.pipeline_config)
     if not 1 <= config.model_init_config.sequential_move_factor <= 32:
@@ -140,7 +147,7 @@ def neuronx_distributed_config(
         raise ValueError("lora_config: LoRA is not available in this version of nxd_hf; pass lora_config=None")
     if config.pipeline_config and pipeline_parallel_size == 1:
         raise ValueError("pipeline_config is given but pipeline_parallel_size is 1: set pipeline_parallel_size > 1")
-    parallel_state.initialize_model_parallel(tensor_parallel_size, pipeline_parallel_size)
+    parallel_state.initialize_model_parallel(tensor_parallel_size, pipeline_parallel_size, timeout=timeout)
     return config
 
 

@@ -11,6 +11,7 @@ from torch import nn
 
 from nxd_hf import backend, parallel_state
 from nxd_hf.parallel_layers.loss_functions import loss_normalizer
+from nxd_hf.parallel_layers.together import fail_together
 from nxd_hf.parallelize import parallelize
 from nxd_hf.pipeline.model import NxDPPModel
 from nxd_hf.trainer.config import NxDConfig
@@ -126,11 +127,11 @@ def _build_in_waves(factor: int, build):
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", backend.world_size()))
     result, interval = None, None
     for wave in range(math.ceil(local_world / factor)):
-        if local_rank // factor == wave:
-            start = time.time()
-            result = build()
-            interval = (start, time.time())
-        backend.barrier()
+        with fail_together("initialize_parallel_model (model_fn)"):  # also the barrier between waves
+            if local_rank // factor == wave:
+                start = time.time()
+                result = build()
+                interval = (start, time.time())
     return result, interval
 
 
@@ -154,7 +155,8 @@ def initialize_parallel_model(nxd_config: NxDConfig, model_fn, *model_args, **mo
         sequence_parallel=nxd_config.sequence_parallel, pad_model=nxd_config.pad_model,
         param_init_fn=init.param_init_fn if init.meta_device_init else None,
         activation_checkpoint_config=nxd_config.activation_checkpoint_config,
-        fp32_grad_accumulation=nxd_config.mixed_precision_config.use_fp32_grad_acc, **pipeline_kwargs,
+        fp32_grad_accumulation=nxd_config.mixed_precision_config.use_fp32_grad_acc,
+        check_inputs=nxd_config.check_inputs, **pipeline_kwargs,
     )
     nxd_model = NxDModel(wrapped, nxd_config)
     nxd_model.build_interval = build_interval  # (start, end) of this rank's model_fn call

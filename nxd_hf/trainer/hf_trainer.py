@@ -37,13 +37,15 @@ class NxDTrainer(transformers.Trainer):
     """A drop-in for ``transformers.Trainer`` taking ``NxDTrainingArguments`` (module docstring)."""
 
     def __init__(self, model=None, args: NxDTrainingArguments | None = None, *trainer_args, model_init=None,
-                 **trainer_kwargs):
+                 peft_config=None, **trainer_kwargs):
         if not isinstance(args, NxDTrainingArguments):
             raise ValueError("NxDTrainer takes args=nxd_hf.NxDTrainingArguments(...) (a TrainingArguments subclass "
                              "carrying tensor_parallel_size, pipeline_parallel_size, ...)")
         if trainer_kwargs.get("compute_loss_func") is not None:
             raise ValueError("compute_loss_func is not supported by NxDTrainer: the model's own loss runs on "
                              "vocab-parallel logits")
+        if peft_config is not None:
+            raise ValueError("peft_config: LoRA is not wired into NxDTrainer yet")
         self.nxd_config = args.nxd_config()
         self.nxd_model: NxDModel | None = None
         if model is not None:

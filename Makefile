@@ -1,0 +1,22 @@
+# The two commands of the README: each creates the virtualenv if it is missing, installs as CI
+# does (torch pinned first, so no CUDA build is ever pulled), then runs its job.
+#   make train   the main job: a tiny fine-tune with NxDTrainer under torchrun (tp=2)
+#   make test    the tests (multi-process gloo on CPU); .ci/run calls it in a fresh virtualenv
+VENV ?= .venv
+PYTHON := $(VENV)/bin/python
+
+.PHONY: train test install
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PYTHON) -m pip install -q torch==2.13.0
+	$(PYTHON) -m pip install -q -e ".[test]"
+	touch $@
+
+train: install
+	$(PYTHON) -m torch.distributed.run --nproc_per_node 2 examples/finetune_causal_lm.py
+
+test: install
+	$(PYTHON) -m pytest tests -q

@@ -249,3 +249,15 @@ def broadcast(tensor: torch.Tensor, src: int, group) -> torch.Tensor:
 def barrier(group=None) -> None:
     if dist.is_initialized():
         dist.barrier(group=group)
+
+
+def arrival_barrier(timeout_s: float, group=None) -> None:
+    """A barrier that raises, naming the missing ranks, when some rank has not arrived within
+    ``timeout_s`` (gloo's ``monitored_barrier``); other backends wait for the process group's
+    own timeout."""
+    if not dist.is_initialized():
+        return
+    if dist.get_backend(group) == "gloo":
+        dist.monitored_barrier(group=group, timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True)
+    else:
+        dist.barrier(group=group)

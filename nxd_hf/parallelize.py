@@ -13,6 +13,7 @@
 
 from nxd_hf import parallel_state
 from nxd_hf.data_parallel import install_grad_sync
+from nxd_hf.lora import register_with_peft
 from nxd_hf.tp.apply import apply_tensor_parallel
 from nxd_hf.tp.heads import head_layout
 from nxd_hf.tp.outputs import install_output_contract
@@ -83,6 +84,7 @@ def parallelize(
         result is then an ``NxDPPModel`` trained with ``run_train``.
     """
     _check_model(model)
+    register_with_peft()  # peft.get_peft_model(parallel_model, ...) then works with no user step
     if bucket_size_mb <= 0:
         raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
     _init_parallel_state(tensor_parallel_size, pipeline_parallel_size)

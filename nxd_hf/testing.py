@@ -16,7 +16,7 @@ import traceback
 
 import torch.distributed as dist
 
-_PRELOAD = ["torch", "torch.distributed", "transformers", "nxd_hf"]
+_PRELOAD = ["torch", "torch.distributed", "transformers", "peft", "nxd_hf"]
 _context = None
 
 

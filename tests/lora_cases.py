@@ -1,0 +1,117 @@
+"""LoRA case bodies run on gloo ranks by tests/test_lora.py: a parallel peft model against plain
+peft on the unsharded model built from the same weights (tests/hf_parity.py's tiny configs)."""
+
+import copy
+
+import peft
+import torch
+
+import hf_parity
+import nxd_hf
+from nxd_hf import backend, parallel_state
+from nxd_hf.parallel_layers.pad import gather_full_tensor
+from nxd_hf.parallel_layers.utils import is_sharded
+
+TOL = hf_parity.TOL
+STEPS = 5
+LR = 1e-2
+SEED = 7
+ALL_LLAMA = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def lora_config(**kwargs) -> peft.LoraConfig:
+    return peft.LoraConfig(**{"r": 4, "lora_alpha": 8, "lora_dropout": 0.0, **kwargs})
+
+
+def logical(param: torch.Tensor) -> torch.Tensor:
+    full = gather_full_tensor(param) if is_sharded(param) else param.detach()
+    return full.t() if getattr(param, "hf_transposed", False) else full
+
+
+def peft_pair(model_type: str, tp: int, config: peft.LoraConfig, *, sp=False, task_model_cls=None, dp=1, **overrides):
+    """(plain peft model, parallel peft model) with equal base weights, same seed for the adapters."""
+    parallel_state.destroy_model_parallel()
+    reference, model = hf_parity.build_pair(model_type, task_model_cls=task_model_cls, **overrides)
+    model = nxd_hf.parallelize(model, tensor_parallel_size=tp, sequence_parallel=sp)
+    assert parallel_state.get_data_parallel_size() == dp
+    torch.manual_seed(SEED)
+    ref_peft = peft.get_peft_model(reference, copy.deepcopy(config))
+    torch.manual_seed(SEED)
+    par_peft = peft.get_peft_model(model, copy.deepcopy(config))
+    return ref_peft, par_peft
+
+
+def assert_adapters_equal(par_peft, ref_peft, what: str) -> None:
+    ref = dict(ref_peft.named_parameters())
+    trainable = [(n, p) for n, p in par_peft.named_parameters() if p.requires_grad]
+    assert trainable and {n for n, _ in trainable} == {n for n, p in ref.items() if p.requires_grad}
+    for name, param in trainable:
+        torch.testing.assert_close(logical(param), ref[name].detach(), **TOL, msg=lambda m: f"{what} {name}: {m}")
+
+
+def _loss(model, ids, labels, task: str):
+    if task == "cls":
+        mask = torch.ones_like(ids)
+        mask[1, -2:] = 0
+        return model(input_ids=ids, attention_mask=mask, labels=labels[:, 0] % 3).loss
+    return model(input_ids=ids, labels=labels).loss
+
+
+def train_and_compare(ref_peft, par_peft, what: str, *, task="lm", dp=1, s=8) -> None:
+    """Five AdamW steps on both; losses each step and adapters after, equal. With dp > 1 each DP
+    rank takes its half of the batch and the reference averages the halves' losses."""
+    assert_adapters_equal(par_peft, ref_peft, f"{what} init")
+    ref_opt = torch.optim.AdamW([p for p in ref_peft.parameters() if p.requires_grad], lr=LR)
+    opt = torch.optim.AdamW([p for p in par_peft.parameters() if p.requires_grad], lr=LR)
+    dp_rank = parallel_state.get_data_parallel_rank()
+    for step in range(STEPS):
+        ids, labels = hf_parity.batch(seed=20 + step, b=2 * dp, s=s)
+        torch.manual_seed(1000 + step)  # equal dropout draws (dp=1)
+        ref_losses = [_loss(ref_peft, i, l, task) for i, l in zip(ids.chunk(dp), labels.chunk(dp))]
+        (sum(ref_losses) / dp).backward()
+        torch.manual_seed(1000 + step)
+        loss = _loss(par_peft, ids.chunk(dp)[dp_rank], labels.chunk(dp)[dp_rank], task)
+        loss.backward()
+        torch.testing.assert_close(loss, ref_losses[dp_rank], **TOL, msg=lambda m: f"{what} step {step}: {m}")
+        ref_opt.step(), opt.step()
+        ref_opt.zero_grad(), opt.zero_grad()
+    assert_adapters_equal(par_peft, ref_peft, f"{what} after {STEPS} steps")
+    frozen = [n for n, p in par_peft.named_parameters() if not p.requires_grad]
+    assert frozen and all(par_peft.get_parameter(n).grad is None for n in frozen), "base weights got a gradient"
+    state_ids = {id(p) for p in opt.state}
+    assert state_ids == {id(p) for p in par_peft.parameters() if p.requires_grad}, "optimizer state beyond adapters"
+
+
+def eval_logits(peft_model, ids) -> torch.Tensor:
+    peft_model.eval()
+    with torch.no_grad():
+        logits = peft_model(input_ids=ids).logits
+    peft_model.train()
+    return logits
+
+
+def check_training(model_type: str, tp: int, *, sp=False, dp=1, task_model_cls=None, task="lm", **config_kwargs):
+    config = lora_config(**config_kwargs)
+    ref_peft, par_peft = peft_pair(model_type, tp, config, sp=sp, dp=dp, task_model_cls=task_model_cls)
+    train_and_compare(ref_peft, par_peft, f"{model_type} tp={tp} sp={sp} dp={dp}", task=task, dp=dp)
+    return ref_peft, par_peft
+
+
+def check_dropout_masks(tp: int) -> None:
+    """lora_dropout > 0: the column layers' masks (replicated input) are identical on every TP
+    rank, and the whole run equals plain peft (the row layers draw the full mask's slices)."""
+    masks = []
+
+    def record(module, args, output):
+        if module.training:
+            masks.append(output != 0)
+
+    config = lora_config(target_modules=ALL_LLAMA, lora_dropout=0.3)
+    ref_peft, par_peft = peft_pair("llama", tp, config, sp=True)
+    par_peft.get_submodule("base_model.model.model.layers.0.self_attn.q_proj.lora_dropout.default").register_forward_hook(record)
+    train_and_compare(ref_peft, par_peft, f"llama tp={tp} dropout=0.3 sp")
+    assert len(masks) == STEPS and 0.5 < float(torch.stack(masks).float().mean()) < 0.9
+    group = parallel_state.get_tensor_model_parallel_group()
+    stacked = torch.stack(masks).to(torch.uint8)
+    gathered = backend.all_gather(stacked.unsqueeze(0), 0, group)
+    assert all(torch.equal(g, gathered[0]) for g in gathered), "dropout masks differ across TP ranks"

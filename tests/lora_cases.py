@@ -14,7 +14,7 @@ from nxd_hf.parallel_layers.utils import is_sharded
 
 TOL = hf_parity.TOL
 STEPS = 5
-LR = 1e-2
+LR = 1e-3  # tests/test_hf_training.py: Adam turns rounding of near-zero gradients into ~lr steps
 SEED = 7
 ALL_LLAMA = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 

@@ -57,13 +57,15 @@ def _loss(model, ids, labels, task: str):
     return model(input_ids=ids, labels=labels).loss
 
 
-def train_and_compare(ref_peft, par_peft, what: str, *, task="lm", dp=1, s=8) -> None:
+def train_and_compare(ref_peft, par_peft, what: str, *, task="lm", dp=1, s=8, optimizer=None, max_norm=None):
     """Five AdamW steps on both; losses each step and adapters after, equal. With dp > 1 each DP
-    rank takes its half of the batch and the reference averages the halves' losses."""
+    rank takes its half of the batch and the reference averages the halves' losses. With
+    ``max_norm`` the reference clips its gradient norm (``optimizer``, e.g. ZeRO-1, clips its own)."""
     assert_adapters_equal(par_peft, ref_peft, f"{what} init")
     ref_opt = torch.optim.AdamW([p for p in ref_peft.parameters() if p.requires_grad], lr=LR)
-    opt = torch.optim.AdamW([p for p in par_peft.parameters() if p.requires_grad], lr=LR)
+    opt = optimizer or torch.optim.AdamW([p for p in par_peft.parameters() if p.requires_grad], lr=LR)
     dp_rank = parallel_state.get_data_parallel_rank()
+    ref_norms = []
     for step in range(STEPS):
         ids, labels = hf_parity.batch(seed=20 + step, b=2 * dp, s=s)
         torch.manual_seed(1000 + step)  # equal dropout draws (dp=1)
@@ -73,13 +75,18 @@ def train_and_compare(ref_peft, par_peft, what: str, *, task="lm", dp=1, s=8) ->
         loss = _loss(par_peft, ids.chunk(dp)[dp_rank], labels.chunk(dp)[dp_rank], task)
         loss.backward()
         torch.testing.assert_close(loss, ref_losses[dp_rank], **TOL, msg=lambda m: f"{what} step {step}: {m}")
+        if max_norm is not None:
+            ref_norms.append(torch.nn.utils.clip_grad_norm_([p for p in ref_peft.parameters() if p.requires_grad],
+                                                            max_norm))
         ref_opt.step(), opt.step()
         ref_opt.zero_grad(), opt.zero_grad()
     assert_adapters_equal(par_peft, ref_peft, f"{what} after {STEPS} steps")
     frozen = [n for n, p in par_peft.named_parameters() if not p.requires_grad]
     assert frozen and all(par_peft.get_parameter(n).grad is None for n in frozen), "base weights got a gradient"
-    state_ids = {id(p) for p in opt.state}
-    assert state_ids == {id(p) for p in par_peft.parameters() if p.requires_grad}, "optimizer state beyond adapters"
+    if optimizer is None:
+        state_ids = {id(p) for p in opt.state}
+        assert state_ids == {id(p) for p in par_peft.parameters() if p.requires_grad}, "optimizer state beyond adapters"
+    assert max_norm is None or max(ref_norms) > max_norm, "clipping must be active"
 
 
 def eval_logits(peft_model, ids) -> torch.Tensor:
@@ -115,3 +122,18 @@ def check_dropout_masks(tp: int) -> None:
     stacked = torch.stack(masks).to(torch.uint8)
     gathered = backend.all_gather(stacked.unsqueeze(0), 0, group)
     assert all(torch.equal(g, gathered[0]) for g in gathered), "dropout masks differ across TP ranks"
+
+
+def check_zero1(tp: int) -> None:
+    """ZeRO-1 over the adapters only (tp x dp=2) with active clipping: equal to plain peft with
+    clip_grad_norm_ + AdamW; the optimizer state is 12 bytes per adapter element / dp."""
+    from nxd_hf.optim import NeuronZero1Optimizer
+
+    max_norm = 0.02
+    ref_peft, par_peft = peft_pair("llama", tp, lora_config(target_modules=ALL_LLAMA), dp=2)
+    adapters = [p for p in par_peft.parameters() if p.requires_grad]
+    optimizer = NeuronZero1Optimizer(adapters, torch.optim.AdamW, lr=LR, max_norm=max_norm,
+                                     model=par_peft.base_model.model)
+    train_and_compare(ref_peft, par_peft, f"llama tp={tp} dp=2 zero1", dp=2, optimizer=optimizer, max_norm=max_norm)
+    local_numel = sum(p.numel() for p in adapters)
+    assert optimizer.optimizer_state_bytes() == 3 * 4 * -(-local_numel // 2)

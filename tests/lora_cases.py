@@ -137,3 +137,25 @@ def check_zero1(tp: int) -> None:
     train_and_compare(ref_peft, par_peft, f"llama tp={tp} dp=2 zero1", dp=2, optimizer=optimizer, max_norm=max_norm)
     local_numel = sum(p.numel() for p in adapters)
     assert optimizer.optimizer_state_bytes() == 3 * 4 * -(-local_numel // 2)
+
+
+def check_inject_lora(tp: int, *, as_stages: bool) -> None:
+    """``inject_lora`` with NxD's LoraConfig (default target_modules: peft's table) on the whole
+    parallel model or on a list of stage-like submodules, against peft's inject_adapter_in_model."""
+    from nxd_hf.lora import inject_lora
+    from nxd_hf.modules.lora import LoraConfig as NxDLoraConfig
+
+    config = NxDLoraConfig(enable_lora=True, lora_rank=4, lora_alpha=8, lora_dropout=0.0, lora_verbose=False)
+    parallel_state.destroy_model_parallel()
+    reference, model = hf_parity.build_pair("llama")
+    nxd_hf.parallelize(model, tensor_parallel_size=tp)
+    torch.manual_seed(SEED)
+    peft.inject_adapter_in_model(nxd_hf.lora.to_peft_config(config), reference)
+    torch.manual_seed(SEED)
+    if as_stages:  # stage-like pieces covering the model; those without targets (embedding, head) are frozen
+        stages = [model.model.embed_tokens, model.model.layers[0], model.model.layers[1], model.model.norm, model.lm_head]
+        inject_lora(stages, config, model_type="llama")
+    else:
+        inject_lora(model, config)
+    assert {n.split(".")[-4] for n, p in model.named_parameters() if p.requires_grad} == {"q_proj", "v_proj"}
+    train_and_compare(reference, model, f"inject_lora tp={tp} stages={as_stages}")

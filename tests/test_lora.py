@@ -19,6 +19,8 @@ def run_two_rank_cases(tmp_dir: str) -> None:
                               target_modules=["query", "key", "value", "dense"], modules_to_save=["classifier"])
     lora_cases.check_dropout_masks(2)
     lora_cases.check_training("llama", 1, dp=2, target_modules=["q_proj", "v_proj", "down_proj"])
+    lora_cases.check_inject_lora(2, as_stages=False)
+    lora_cases.check_inject_lora(2, as_stages=True)
     lora_io_cases.check_round_trips(tmp_dir)
     lora_io_cases.check_bad_input(tmp_dir)
 

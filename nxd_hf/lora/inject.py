@@ -7,6 +7,7 @@ import warnings
 import peft
 from peft.tuners.tuners_utils import check_target_module_exists
 from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+from peft.utils.other import _set_trainable
 from torch import nn
 
 from nxd_hf.lora.dispatch import register_with_peft
@@ -67,9 +68,21 @@ def inject_lora(model, lora_config, *, adapter_name: str = "default", model_type
     for module, matched in zip(modules, matches):
         if matched:
             peft.inject_adapter_in_model(lora_config, module, adapter_name=adapter_name)
+        else:
+            _freeze_stage_without_targets(module, lora_config, adapter_name)
     if verbose:
         _print_trainable(modules)
     return model
+
+
+def _freeze_stage_without_targets(module: nn.Module, config: peft.LoraConfig, adapter_name: str) -> None:
+    """What peft's injection does to a model's modules outside the targets, for a stage that
+    holds none (peft refuses to inject there): freeze, except biases with bias="all" and
+    ``modules_to_save``."""
+    for name, param in module.named_parameters():
+        param.requires_grad_(config.bias == "all" and name.endswith("bias"))
+    if config.modules_to_save:
+        _set_trainable(module, adapter_name, config.modules_to_save, inference_mode=config.inference_mode)
 
 
 def _print_trainable(modules: list[nn.Module]) -> None:

@@ -10,7 +10,7 @@ import hf_parity
 import nxd_hf
 from nxd_hf import backend, parallel_state
 from nxd_hf.parallel_layers.pad import gather_full_tensor
-from nxd_hf.parallel_layers.utils import is_sharded
+from nxd_hf.parallel_layers.utils import is_sharded, shard_from_full
 
 TOL = hf_parity.TOL
 STEPS = 5
@@ -159,3 +159,40 @@ def check_inject_lora(tp: int, *, as_stages: bool) -> None:
         inject_lora(model, config)
     assert {n.split(".")[-4] for n, p in model.named_parameters() if p.requires_grad} == {"q_proj", "v_proj"}
     train_and_compare(reference, model, f"inject_lora tp={tp} stages={as_stages}")
+
+
+def check_pipeline(tp: int, pp: int) -> None:
+    """inject_lora on this rank's pipeline stages (the LoRA slot of parallelize with pp > 1):
+    five AdamW steps of run_train equal peft's inject_adapter_in_model on the whole model. The
+    adapters start from the reference's (each stage only draws its own layers' adapters)."""
+    from nxd_hf.lora import inject_lora
+
+    parallel_state.destroy_model_parallel()
+    reference, model = hf_parity.build_pair("llama", num_hidden_layers=4)
+    pp_model = nxd_hf.parallelize(model, tensor_parallel_size=tp, pipeline_parallel_size=pp, num_microbatches=2,
+                                  broadcast_and_average_loss=True)
+    config = lora_config(target_modules=ALL_LLAMA, init_lora_weights="gaussian")
+    peft.inject_adapter_in_model(copy.deepcopy(config), reference)
+    inject_lora(list(pp_model.stages.values()), copy.deepcopy(config), model_type="llama")
+    ref_params = dict(reference.named_parameters())
+    adapters = [(n, p) for n, p in pp_model.local_named_parameters() if p.requires_grad]
+    assert adapters and all("lora_" in n for n, _ in adapters)
+    with torch.no_grad():
+        for name, param in ref_params.items():
+            if "lora_" in name:  # every adapter (B too) set the same on every rank
+                param.copy_(0.1 * torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name))))
+        for name, param in adapters:
+            full = ref_params[name]
+            param.copy_(shard_from_full(full, param.partition_dim, param.shard_index) if is_sharded(param) else full)
+    ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=LR)
+    opt = torch.optim.AdamW([p for _, p in adapters], lr=LR)
+    for step in range(STEPS):
+        ids, labels = hf_parity.batch(seed=20 + step, b=4)
+        ref_loss = reference(input_ids=ids, labels=labels).loss
+        ref_loss.backward()
+        loss = pp_model.run_train(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels)
+        torch.testing.assert_close(loss, ref_loss.detach(), **TOL, msg=lambda m: f"pp={pp} step {step}: {m}")
+        ref_opt.step(), opt.step()
+        ref_opt.zero_grad(), opt.zero_grad()
+    for name, param in adapters:
+        torch.testing.assert_close(logical(param), ref_params[name].detach(), **TOL, msg=lambda m: f"pp {name}: {m}")

@@ -29,6 +29,7 @@ def run_four_rank_cases() -> None:
     lora_cases.check_training("llama", 4, target_modules=lora_cases.ALL_LLAMA)  # kv_heads 2 < tp 4: replicated K/V
     lora_cases.check_training("qwen2", 4, sp=True, target_modules=lora_cases.ALL_LLAMA)  # 6 heads padded to 8
     lora_cases.check_zero1(2)
+    lora_cases.check_pipeline(2, 2)
 
 
 def test_lora_two_ranks(tmp_path):

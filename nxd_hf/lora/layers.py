@@ -110,14 +110,16 @@ class LoraColumnParallelLinear(_ParallelLoraLinear):
             lora_b, partition_dim=0, logical_size=base.output_size, shard_index=rows, num_replicas=base.num_replicas
         )
         mark_partial_grad_over_tp(self.lora_A[adapter_name].weight)
+        # kept on the module too: pipeline shape propagation swaps parameters for fake tensors
+        self.b_shard_index, self.b_keep_rows = rows, local_rows_mask(rows)
 
     def _b_weight(self, adapter_name: str) -> torch.Tensor:
         """B_i, its replicated rows' gradients summed and its padding rows' gradients zeroed."""
         weight = self.lora_B[adapter_name].weight
         base = self.get_base_layer()
         if base._has_replicas:
-            return mappings.SumReplicaGrads.apply(weight, weight.shard_index, base.output_size)
-        keep = local_rows_mask(weight.shard_index)
+            return mappings.SumReplicaGrads.apply(weight, self.b_shard_index, base.output_size)
+        keep = self.b_keep_rows
         return weight if keep is None else weight * keep.to(weight.device, weight.dtype).unsqueeze(1)
 
     def forward_with_adapters(self, x: torch.Tensor) -> torch.Tensor:
@@ -142,6 +144,7 @@ class LoraRowParallelLinear(_ParallelLoraLinear):
         lora_a = _shard_linear_(self.lora_A[adapter_name], 1, cols)
         set_tensor_model_parallel_attributes(lora_a, partition_dim=1, logical_size=base.input_size, shard_index=cols)
         mark_partial_grad_over_tp(self.lora_B[adapter_name].weight)
+        self.a_shard_index = cols  # see LoraColumnParallelLinear.shard_adapter
 
     def _local_dropout(self, name: str, x: torch.Tensor) -> torch.Tensor:
         """Dropout of ``X_i`` with this rank's columns of one mask drawn over the full input
@@ -151,7 +154,7 @@ class LoraRowParallelLinear(_ParallelLoraLinear):
             return dropout(x)
         base = self.get_base_layer()
         full_mask = dropout(x.new_ones((*x.shape[:-1], base.input_size)))  # [b, s, in]: 0 or 1/(1-p)
-        return x * shard_from_full(full_mask, x.dim() - 1, base.weight.shard_index)
+        return x * shard_from_full(full_mask, x.dim() - 1, self.a_shard_index)
 
     def forward_with_adapters(self, x: torch.Tensor) -> torch.Tensor:
         base = self.get_base_layer()

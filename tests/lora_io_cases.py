@@ -111,3 +111,13 @@ def _drop_one_key(directory: str, model) -> None:
 
     save_file(dict(sorted(tensors.items())[1:]), os.path.join(directory, "adapter_model.safetensors"),
               metadata={"format": "pt"})
+
+
+def check_save_on_one_rank_raises(tmp_dir: str) -> None:
+    """save_pretrained called by rank 0 alone: a ValueError naming the missing rank, no hang."""
+    io.SAVE_ARRIVAL_TIMEOUT_S = 3.0
+    _, par_peft = lora_cases.peft_pair("llama", 2, lora_cases.lora_config(target_modules=["q_proj"]))
+    if backend.rank() == 0:
+        with pytest.raises(ValueError, match=r"every rank must call it.*\b1\b"):
+            par_peft.save_pretrained(os.path.join(tmp_dir, "alone"))
+    assert not os.path.exists(os.path.join(tmp_dir, "alone", "adapter_model.safetensors"))

@@ -26,7 +26,8 @@ def run_two_rank_cases(tmp_dir: str) -> None:
 
 
 def run_four_rank_cases() -> None:
-    lora_cases.check_training("llama", 4, target_modules=lora_cases.ALL_LLAMA)  # kv_heads 2 < tp 4: replicated K/V
+    # kv_heads 2 < tp 4: replicated K/V; a vocab-sharded embedding (101 rows padded to 104) trained in full
+    lora_cases.check_training("llama", 4, target_modules=lora_cases.ALL_LLAMA, modules_to_save=["embed_tokens"])
     lora_cases.check_training("qwen2", 4, sp=True, target_modules=lora_cases.ALL_LLAMA)  # 6 heads padded to 8
     lora_cases.check_zero1(2)
     lora_cases.check_pipeline(2, 2)
@@ -94,3 +95,7 @@ def test_nxd_lora_config_converts_to_peft():
         LoraConfig(merge_lora=True)
     with pytest.raises(ValueError, match="init_lora_weights"):
         LoraConfig(init_lora_weights="pissa")
+
+
+def test_save_pretrained_on_one_rank_raises(tmp_path):
+    run_distributed(lora_io_cases.check_save_on_one_rank_raises, 2, str(tmp_path))

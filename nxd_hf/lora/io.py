@@ -91,4 +91,10 @@ def is_writer() -> bool:
 def check_every_rank_saves() -> None:
     """Saving is collective: a rank that calls it alone gets an error naming the ranks that did
     not arrive within ``SAVE_ARRIVAL_TIMEOUT_S`` (gloo), or the process group's timeout (others)."""
-    backend.arrival_barrier(SAVE_ARRIVAL_TIMEOUT_S)
+    try:
+        backend.arrival_barrier(SAVE_ARRIVAL_TIMEOUT_S)
+    except RuntimeError as err:
+        raise ValueError(
+            "save_pretrained on an nxd_hf parallel peft model is collective: every rank must call it (rank 0 "
+            f"writes). Some ranks did not within {SAVE_ARRIVAL_TIMEOUT_S:.0f}s: {err}"
+        ) from err

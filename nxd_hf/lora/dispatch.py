@@ -18,6 +18,8 @@ Also wrapped, each only acting on a model that holds nxd_hf parallel layers:
   logical tensors are sliced to this rank's shard; a shape that fits neither, and adapter keys
   that did not all load, raise ``ValueError`` (peft only warns).
 - ``ModulesToSaveWrapper.update``: the copy of a sharded module keeps its sharding metadata.
+- ``tuners_utils._maybe_include_all_linear_layers``: ``target_modules="all-linear"`` also
+  takes nxd_hf's parallel linears (peft's rule: every linear but the output layer).
 
 ``tests/test_lora.py::test_peft_dispatch_contract`` fails if these peft internals change.
 """
@@ -27,6 +29,7 @@ import functools
 from peft import PeftModel
 from peft import peft_model as peft_model_module
 from peft.tuners.lora.model import LoraModel
+from peft.tuners import tuners_utils
 from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils.other import ModulesToSaveWrapper
 
@@ -93,6 +96,22 @@ def _wrap_set_state_dict(original):
     return set_peft_model_state_dict
 
 
+def _wrap_include_all_linear(original):
+    @functools.wraps(original)
+    def include_all_linear(peft_config, model):
+        shorthand = isinstance(getattr(peft_config, "target_modules", None), str) and \
+            peft_config.target_modules.lower() == "all-linear"
+        peft_config = original(peft_config, model)
+        if shorthand and io.is_parallel_model(model):  # peft only knows nn.Linear and Conv1D
+            output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+            peft_config.target_modules |= {name for name, module in model.named_modules()
+                                           if isinstance(module, tuple(LORA_LAYERS)) and module is not output
+                                           and ".base_layer" not in name and ".modules_to_save." not in name}
+        return peft_config
+
+    return include_all_linear
+
+
 def _wrap_modules_to_save_update(original):
     @functools.wraps(original)
     def update(self, adapter_name, **kwargs):
@@ -108,6 +127,7 @@ _PATCHES = (  # (owner, attribute, wrapper, as a staticmethod)
     (PeftModel, "save_pretrained", _wrap_save_pretrained, False),
     (peft_model_module, "set_peft_model_state_dict", _wrap_set_state_dict, False),
     (ModulesToSaveWrapper, "update", _wrap_modules_to_save_update, False),
+    (tuners_utils, "_maybe_include_all_linear_layers", _wrap_include_all_linear, False),
 )
 
 

@@ -100,8 +100,16 @@ def eval_logits(peft_model, ids) -> torch.Tensor:
 def check_training(model_type: str, tp: int, *, sp=False, dp=1, task_model_cls=None, task="lm", **config_kwargs):
     config = lora_config(**config_kwargs)
     ref_peft, par_peft = peft_pair(model_type, tp, config, sp=sp, dp=dp, task_model_cls=task_model_cls)
-    train_and_compare(ref_peft, par_peft, f"{model_type} tp={tp} sp={sp} dp={dp}", task=task, dp=dp)
-    return ref_peft, par_peft
+    what = f"{model_type} tp={tp} sp={sp} dp={dp}"
+    train_and_compare(ref_peft, par_peft, what, task=task, dp=dp)
+    ids, _ = hf_parity.batch(seed=99)
+    ref_logits = eval_logits(ref_peft, ids)
+    torch.testing.assert_close(eval_logits(par_peft, ids), ref_logits, **TOL, msg=lambda m: f"{what} logits: {m}")
+    merged = par_peft.merge_and_unload()  # into the sharded (padded, replicated, Conv1D) weights
+    assert not any("lora_" in n for n, _ in merged.named_parameters())
+    merged.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=ids).logits, ref_logits, **TOL, msg=lambda m: f"{what} merged: {m}")
 
 
 def check_dropout_masks(tp: int) -> None:

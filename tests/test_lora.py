@@ -15,6 +15,7 @@ from nxd_hf.testing import run_distributed
 def run_two_rank_cases(tmp_dir: str) -> None:
     lora_cases.check_training("llama", 2, target_modules="all-linear")  # the same layers as plain peft's
     lora_cases.check_training("gpt2", 2, target_modules=["c_attn", "c_proj", "c_fc"])
+    lora_cases.check_training("gpt_neox", 2, target_modules=["query_key_value", "dense", "dense_4h_to_h"])
     # trained biases (not c_attn's: the key bias has a zero gradient, which Adam turns into noise)
     lora_cases.check_training("gpt2", 2, target_modules=["c_proj", "c_fc"], bias="lora_only")
     lora_cases.check_training("bert", 2, task_model_cls=transformers.BertForSequenceClassification, task="cls",
@@ -31,6 +32,8 @@ def run_four_rank_cases() -> None:
     # kv_heads 2 < tp 4: replicated K/V; a vocab-sharded embedding (101 rows padded to 104) trained in full
     lora_cases.check_training("llama", 4, target_modules=lora_cases.ALL_LLAMA, modules_to_save=["embed_tokens"])
     lora_cases.check_training("qwen2", 4, sp=True, target_modules=lora_cases.ALL_LLAMA)  # 6 heads padded to 8
+    # fused [q; k; v] rows: padded query heads and replicated K/V heads in one layer
+    lora_cases.check_training("phi3", 4, target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
     lora_cases.check_zero1(2)
     lora_cases.check_pipeline(2, 2)
 

@@ -69,6 +69,11 @@ def check_round_trips(tmp_dir: str) -> None:
         torch.testing.assert_close(lora_cases.eval_logits(par_loaded, ids), base_logits, **TOL)
     assert not torch.allclose(base_logits, ref_logits, **TOL), "the trained adapter must change the logits"
     par_loaded.print_trainable_parameters()
+    par_loaded.load_adapter(par_dir, adapter_name="second")  # a second adapter into the existing LoRA layers
+    par_loaded.set_adapter("second")
+    torch.testing.assert_close(lora_cases.eval_logits(par_loaded, ids), ref_logits, **TOL)
+    par_loaded.delete_adapter("second")
+    par_loaded.set_adapter("default")
 
     merged = par_loaded.merge_and_unload()
     ref_merged = ref_peft.merge_and_unload()

@@ -261,3 +261,12 @@ def arrival_barrier(timeout_s: float, group=None) -> None:
         dist.monitored_barrier(group=group, timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True)
     else:
         dist.barrier(group=group)
+
+
+def all_gather_object(obj, group) -> list:
+    """Every rank's picklable ``obj`` (small metadata, e.g. adapter tensors), in group-rank order."""
+    if group_size(group) == 1:
+        return [obj]
+    out = [None] * group_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out

@@ -147,7 +147,7 @@ def check_zero1(tp: int) -> None:
     assert optimizer.optimizer_state_bytes() == 3 * 4 * -(-local_numel // 2)
 
 
-def check_inject_lora(tp: int, *, as_stages: bool) -> None:
+def check_inject_lora(tp: int, tmp_dir: str, *, as_stages: bool) -> None:
     """``inject_lora`` with NxD's LoraConfig (default target_modules: peft's table) on the whole
     parallel model or on a list of stage-like submodules, against peft's inject_adapter_in_model."""
     from nxd_hf.lora import inject_lora
@@ -167,9 +167,24 @@ def check_inject_lora(tp: int, *, as_stages: bool) -> None:
         inject_lora(model, config)
     assert {n.split(".")[-4] for n, p in model.named_parameters() if p.requires_grad} == {"q_proj", "v_proj"}
     train_and_compare(reference, model, f"inject_lora tp={tp} stages={as_stages}")
+    directory = f"{tmp_dir}/injected_{as_stages}"
+    nxd_hf.lora.save_adapter(model, directory)
+    check_saved_adapter_loads_in_plain_peft(directory, reference)
 
 
-def check_pipeline(tp: int, pp: int) -> None:
+def check_saved_adapter_loads_in_plain_peft(directory: str, reference, model_type="llama", **overrides) -> None:
+    """The adapter in ``directory``, loaded by plain peft into the unsharded base model, gives the
+    logits of ``reference`` (an HF model with the same adapters injected by peft)."""
+    ids, _ = hf_parity.batch(seed=99)
+    base, _ = hf_parity.build_pair(model_type, **overrides)
+    loaded = peft.PeftModel.from_pretrained(base, directory)
+    reference.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(eval_logits(loaded, ids), reference(input_ids=ids).logits, **TOL)
+    reference.train()
+
+
+def check_pipeline(tp: int, pp: int, tmp_dir: str) -> None:
     """inject_lora on this rank's pipeline stages (the LoRA slot of parallelize with pp > 1):
     five AdamW steps of run_train equal peft's inject_adapter_in_model on the whole model. The
     adapters start from the reference's (each stage only draws its own layers' adapters)."""
@@ -204,3 +219,6 @@ def check_pipeline(tp: int, pp: int) -> None:
         ref_opt.zero_grad(), opt.zero_grad()
     for name, param in adapters:
         torch.testing.assert_close(logical(param), ref_params[name].detach(), **TOL, msg=lambda m: f"pp {name}: {m}")
+    directory = f"{tmp_dir}/pp_adapter"
+    nxd_hf.lora.save_adapter(pp_model, directory)  # every stage's adapters, one file
+    check_saved_adapter_loads_in_plain_peft(directory, reference, num_hidden_layers=4)

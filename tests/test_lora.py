@@ -22,28 +22,28 @@ def run_two_rank_cases(tmp_dir: str) -> None:
                               target_modules=["query", "key", "value", "dense"], modules_to_save=["classifier"])
     lora_cases.check_dropout_masks(2)
     lora_cases.check_training("llama", 1, dp=2, target_modules=["q_proj", "v_proj", "down_proj"])
-    lora_cases.check_inject_lora(2, as_stages=False)
-    lora_cases.check_inject_lora(2, as_stages=True)
+    lora_cases.check_inject_lora(2, tmp_dir, as_stages=False)
+    lora_cases.check_inject_lora(2, tmp_dir, as_stages=True)
     lora_io_cases.check_round_trips(tmp_dir)
     lora_io_cases.check_bad_input(tmp_dir)
 
 
-def run_four_rank_cases() -> None:
+def run_four_rank_cases(tmp_dir: str) -> None:
     # kv_heads 2 < tp 4: replicated K/V; a vocab-sharded embedding (101 rows padded to 104) trained in full
     lora_cases.check_training("llama", 4, target_modules=lora_cases.ALL_LLAMA, modules_to_save=["embed_tokens"])
     lora_cases.check_training("qwen2", 4, sp=True, target_modules=lora_cases.ALL_LLAMA)  # 6 heads padded to 8
     # fused [q; k; v] rows: padded query heads and replicated K/V heads in one layer
     lora_cases.check_training("phi3", 4, target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
     lora_cases.check_zero1(2)
-    lora_cases.check_pipeline(2, 2)
+    lora_cases.check_pipeline(2, 2, tmp_dir)
 
 
 def test_lora_two_ranks(tmp_path):
     run_distributed(run_two_rank_cases, 2, str(tmp_path))
 
 
-def test_lora_four_ranks():
-    run_distributed(run_four_rank_cases, 4)
+def test_lora_four_ranks(tmp_path):
+    run_distributed(run_four_rank_cases, 4, str(tmp_path))
 
 
 def test_peft_dispatch_contract():

@@ -9,6 +9,7 @@ import importlib.util
 
 _LAZY = {
     "inject_lora": "nxd_hf.lora.inject", "to_peft_config": "nxd_hf.lora.inject",
+    "save_adapter": "nxd_hf.lora.save",
     "LoraColumnParallelLinear": "nxd_hf.lora.layers", "LoraRowParallelLinear": "nxd_hf.lora.layers",
 }
 
@@ -29,4 +30,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'nxd_hf.lora' has no attribute {name!r}")
 
 
-__all__ = ["LoraColumnParallelLinear", "LoraRowParallelLinear", "inject_lora", "register_with_peft", "to_peft_config"]
+__all__ = ["LoraColumnParallelLinear", "LoraRowParallelLinear", "inject_lora", "register_with_peft", "save_adapter",
+           "to_peft_config"]

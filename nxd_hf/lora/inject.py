@@ -83,6 +83,7 @@ def _freeze_stage_without_targets(module: nn.Module, config: peft.LoraConfig, ad
         param.requires_grad_(config.bias == "all" and name.endswith("bias"))
     if config.modules_to_save:
         _set_trainable(module, adapter_name, config.modules_to_save, inference_mode=config.inference_mode)
+    module.peft_config = {adapter_name: config}  # as injection leaves it: save_adapter reads it
 
 
 def _print_trainable(modules: list[nn.Module]) -> None:

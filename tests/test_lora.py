@@ -39,10 +39,13 @@ def run_four_rank_cases(tmp_dir: str) -> None:
 
 
 def test_lora_two_ranks(tmp_path):
+    """tp=2: llama all-linear, gpt2 Conv1D/fused c_attn, gpt_neox, trained biases, bert classification
+    with modules_to_save, dropout masks, dp=2, inject_lora, PEFT round trips, merge, bad input."""
     run_distributed(run_two_rank_cases, 2, str(tmp_path))
 
 
 def test_lora_four_ranks(tmp_path):
+    """tp=4 with kv_heads < tp, padded heads + SP, phi3's fused qkv; ZeRO-1 at tp2 x dp2; tp2 x pp2."""
     run_distributed(run_four_rank_cases, 4, str(tmp_path))
 
 
@@ -106,4 +109,5 @@ def test_nxd_lora_config_converts_to_peft():
 
 
 def test_save_pretrained_on_one_rank_raises(tmp_path):
+    """Its own spawn: the failed monitored barrier leaves the process group unusable."""
     run_distributed(lora_io_cases.check_save_on_one_rank_raises, 2, str(tmp_path))

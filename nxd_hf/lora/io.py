@@ -66,7 +66,7 @@ def _local_value(key: str, value: torch.Tensor, param: torch.Tensor) -> torch.Te
 
 def localize_hook(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
     """``load_state_dict`` pre-hook on the root: replace each logical tensor by this rank's slice."""
-    params = dict(module.named_parameters(prefix=prefix.rstrip(".")) if prefix else module.named_parameters())
+    params = dict(module.named_parameters(prefix=prefix.rstrip("."), remove_duplicate=False))  # tied: every name
     for key in list(state_dict):
         if key in params:
             state_dict[key] = _local_value(key, state_dict[key], params[key])

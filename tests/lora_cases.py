@@ -153,7 +153,9 @@ def check_inject_lora(tp: int, tmp_dir: str, *, as_stages: bool) -> None:
     from nxd_hf.lora import inject_lora
     from nxd_hf.modules.lora import LoraConfig as NxDLoraConfig
 
-    config = NxDLoraConfig(enable_lora=True, lora_rank=4, lora_alpha=8, lora_dropout=0.0, lora_verbose=False)
+    targets = "all-linear" if as_stages else None  # None: peft's table (q_proj, v_proj for llama)
+    config = NxDLoraConfig(enable_lora=True, lora_rank=4, lora_alpha=8, lora_dropout=0.0, lora_verbose=False,
+                           target_modules=targets)
     parallel_state.destroy_model_parallel()
     reference, model = hf_parity.build_pair("llama")
     nxd_hf.parallelize(model, tensor_parallel_size=tp)
@@ -165,7 +167,9 @@ def check_inject_lora(tp: int, tmp_dir: str, *, as_stages: bool) -> None:
         inject_lora(stages, config, model_type="llama")
     else:
         inject_lora(model, config)
-    assert {n.split(".")[-4] for n, p in model.named_parameters() if p.requires_grad} == {"q_proj", "v_proj"}
+    adapted = {n.split(".")[-4] for n, p in model.named_parameters() if p.requires_grad}
+    assert adapted == ({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"} if as_stages
+                       else {"q_proj", "v_proj"}), adapted
     train_and_compare(reference, model, f"inject_lora tp={tp} stages={as_stages}")
     directory = f"{tmp_dir}/injected_{as_stages}"
     nxd_hf.lora.save_adapter(model, directory)
@@ -194,7 +198,7 @@ def check_pipeline(tp: int, pp: int, tmp_dir: str) -> None:
     reference, model = hf_parity.build_pair("llama", num_hidden_layers=4)
     pp_model = nxd_hf.parallelize(model, tensor_parallel_size=tp, pipeline_parallel_size=pp, num_microbatches=2,
                                   broadcast_and_average_loss=True)
-    config = lora_config(target_modules=ALL_LLAMA, init_lora_weights="gaussian")
+    config = lora_config(target_modules="all-linear", init_lora_weights="gaussian")  # resolved per stage
     peft.inject_adapter_in_model(copy.deepcopy(config), reference)
     inject_lora(list(pp_model.stages.values()), copy.deepcopy(config), model_type="llama")
     ref_params = dict(reference.named_parameters())

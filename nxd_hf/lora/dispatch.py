@@ -70,7 +70,8 @@ def _wrap_save_pretrained(original):
         keep = set()
         for name in adapters:
             keep |= {id(v) for v in peft_model_module.get_peft_model_state_dict(
-                self, state_dict=state, adapter_name=name).values()}
+                self, state_dict=state, adapter_name=name,
+                save_embedding_layers=kwargs.get("save_embedding_layers", "auto")).values()}
         kwargs["state_dict"] = io.logical_state_dict(self, keep)
         original(self, save_directory, *args, is_main_process=is_main_process and io.is_writer(), **kwargs)
         io.check_every_rank_saves()  # nobody returns before the files are written

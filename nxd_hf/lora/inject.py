@@ -2,9 +2,11 @@
 through peft's ``inject_adapter_in_model`` (the setup sequence's LoRA slot), and the
 conversion of NxD's ``LoraConfig`` (``nxd_hf.modules.lora``) to ``peft.LoraConfig``."""
 
+import copy
 import warnings
 
 import peft
+from peft.tuners import tuners_utils
 from peft.tuners.tuners_utils import check_target_module_exists
 from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
 from peft.utils.other import _set_trainable
@@ -35,15 +37,27 @@ def _resolve_targets(config: peft.LoraConfig, model_type: str | None) -> peft.Lo
     return config
 
 
+def _module_config(module: nn.Module, config: peft.LoraConfig, output_layer: str) -> peft.LoraConfig:
+    """``config`` for one module; "all-linear" is resolved here by peft's rule (every linear
+    layer, nxd_hf's included, but the output layer, which peft finds only on a whole HF model)."""
+    if not (isinstance(config.target_modules, str) and config.target_modules.lower() == "all-linear"):
+        return config
+    resolved = tuners_utils._maybe_include_all_linear_layers(copy.deepcopy(config), module)  # registered wrapper
+    resolved.target_modules = {n for n in resolved.target_modules if n.rsplit(".", 1)[-1] != output_layer}
+    return resolved
+
+
 def _matching(module: nn.Module, config: peft.LoraConfig) -> list[str]:
     return [name for name, _ in module.named_modules() if name and check_target_module_exists(config, name)]
 
 
-def inject_lora(model, lora_config, *, adapter_name: str = "default", model_type: str | None = None):
+def inject_lora(model, lora_config, *, adapter_name: str = "default", model_type: str | None = None,
+                output_layer: str = "lm_head"):
     """Add LoRA adapters in place to ``model``: a parallelized HF model, or a list of pipeline
     stage modules (each gets the adapters of the layers it holds). ``lora_config`` is a
     ``peft.LoraConfig`` or NxD's ``LoraConfig``; ``target_modules`` follow peft's matching rules
-    and default to peft's table for ``model_type`` (default: ``model.config.model_type``).
+    and default to peft's table for ``model_type`` (default: ``model.config.model_type``);
+    "all-linear" skips the layer named ``output_layer`` (as peft skips the output embeddings).
     Only the adapters (and biases when ``bias`` asks) require grad afterwards. Returns ``model``."""
     if isinstance(lora_config, NxDLoraConfig):
         if not lora_config.enable_lora:
@@ -59,17 +73,18 @@ def inject_lora(model, lora_config, *, adapter_name: str = "default", model_type
     if model_type is None:
         model_type = getattr(getattr(modules[0], "config", None), "model_type", None)
     lora_config = _resolve_targets(lora_config, model_type)
-    matches = [_matching(m, lora_config) for m in modules]
+    configs = [_module_config(m, lora_config, output_layer) for m in modules]
+    matches = [_matching(m, c) for m, c in zip(modules, configs)]
     if not any(matches):
         raise ValueError(
             f"LoRA target_modules {lora_config.target_modules!r} match no module of the model (peft's rules: a name "
             "matches a module named so or ending in '.name'; a string is a full-match regex)"
         )
-    for module, matched in zip(modules, matches):
+    for module, config, matched in zip(modules, configs, matches):
         if matched:
-            peft.inject_adapter_in_model(lora_config, module, adapter_name=adapter_name)
+            peft.inject_adapter_in_model(config, module, adapter_name=adapter_name)
         else:
-            _freeze_stage_without_targets(module, lora_config, adapter_name)
+            _freeze_stage_without_targets(module, config, adapter_name)
     if verbose:
         _print_trainable(modules)
     return model

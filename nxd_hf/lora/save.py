@@ -43,6 +43,12 @@ def _config_to_write(holders: list, adapter_name: str, hf_model):
     if not configs:
         raise ValueError(f"no module of this model holds a LoRA adapter named {adapter_name!r}: nothing to save")
     config = copy.copy(configs[0])
+    if all(isinstance(c.target_modules, set) for c in configs):  # resolved per piece (e.g. "all-linear")
+        config.target_modules = set().union(*(c.target_modules for c in configs))
+    # every pipeline stage's resolved targets
+    pieces = backend.all_gather_object(config.target_modules, parallel_state.get_pipeline_model_parallel_group())
+    if all(isinstance(t, set) for t in pieces):
+        config.target_modules = set().union(*pieces)
     config.inference_mode = True  # as peft's save_pretrained writes it
     if config.base_model_name_or_path is None and hf_model is not None:
         config.base_model_name_or_path = getattr(hf_model, "name_or_path", None) or None

@@ -288,3 +288,24 @@ def barrier(group=None) -> None:
     if dist.is_initialized():
         with _named_errors("barrier", group):
             dist.barrier(group=group)
+
+
+def arrival_barrier(timeout_s: float, group=None) -> None:
+    """A barrier that raises, naming the missing ranks, when some rank has not arrived within
+    ``timeout_s`` (gloo's ``monitored_barrier``); other backends wait for the process group's
+    own timeout."""
+    if not dist.is_initialized():
+        return
+    if dist.get_backend(group) == "gloo":
+        dist.monitored_barrier(group=group, timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True)
+    else:
+        dist.barrier(group=group)
+
+
+def all_gather_object(obj, group) -> list:
+    """Every rank's picklable ``obj`` (small metadata, e.g. adapter tensors), in group-rank order."""
+    if group_size(group) == 1:
+        return [obj]
+    out = [None] * group_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out

@@ -17,7 +17,7 @@ a directly constructed ``NxDPPModel`` all run these steps, in this order:
  5. weights: load only the local ones (``load_weights``; ``from_pretrained`` reads its slices),
     or materialize meta weights with ``param_init_fn``;
  6. tie weights shared by stages on different pipeline ranks;
- 7. adapters (the LoRA slot: ``LocalSetup.add_adapters``);
+ 7. adapters: LoRA through peft (``lora_config``; ``nxd_hf.lora.inject_lora``);
  8. activation checkpointing;
  9. the gradient-reduction policy (``nxd_hf.parallel_layers.grad_reduction``);
 10. move to the device.
@@ -25,6 +25,7 @@ Steps 5-10 run on this rank's modules (``nxd_hf.model_setup.local``): on the who
 pp=1, inside ``NxDPPModel`` on its local stages otherwise.
 """
 
+import functools
 import warnings
 
 from nxd_hf import parallel_state
@@ -34,6 +35,7 @@ from nxd_hf.model_setup.activation_checkpoint import decoder_layer_types
 from nxd_hf.parallel_layers.heads import HeadLayout, head_layout
 from nxd_hf.parallel_layers.input_check import install_input_check
 from nxd_hf.parallel_layers.together import fail_together
+from nxd_hf.lora import register_with_peft
 from nxd_hf.tp.apply import apply_tensor_parallel
 from nxd_hf.tp.outputs import install_output_contract
 from nxd_hf.tp.plan import ModelPatch
@@ -44,7 +46,7 @@ def parallelize(
     pad_model: bool | str = "auto", kv_size_multiplier: int | str = "auto", gather_logits: bool = False,
     bucket_size_mb: float = 25, param_init_fn=None, load_weights=None, activation_checkpoint_config=None,
     fp32_grad_accumulation: bool = False, device=None, check_inputs: bool | str = True, timeout=None,
-    **pipeline_kwargs,
+    lora_config=None, **pipeline_kwargs,
 ):
     """Shard a Hugging Face model (real or meta weights) in place and return it.
 
@@ -62,6 +64,8 @@ def parallelize(
         of classes to recompute in backward; None for none.
     fp32_grad_accumulation: accumulate bf16/fp16 gradients in an fp32 ``param.main_grad``.
     device: where the model ends up (default: where it is).
+    lora_config: a ``peft.LoraConfig`` (or NxD's ``nxd_hf.modules.lora.LoraConfig``): LoRA
+        adapters on this rank's layers, exactly sharded (``nxd_hf.lora``); only they train.
     check_inputs: check id/label ranges and that the TP/PP ranks got the same batch on the first
         step (True), every step ("always") or never (False); see ``parallel_layers.input_check``.
     timeout: seconds (or a timedelta) a collective waits for the other ranks before raising a
@@ -75,6 +79,7 @@ def parallelize(
     optimizer that reduces itself (``NeuronZero1Optimizer``) registered.
     """
     _check_model(model)
+    register_with_peft()  # peft.get_peft_model on the result then knows the parallel layers
     if bucket_size_mb <= 0:
         raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
     _init_parallel_state(tensor_parallel_size, pipeline_parallel_size, timeout)
@@ -86,6 +91,7 @@ def parallelize(
         swap_layers(model, patch, layout, sequence_parallel=sequence_parallel, gather_logits=gather_logits)
         install_input_check(model, check_inputs)
     setup = LocalSetup(load_weights=load_weights, param_init_fn=param_init_fn,
+                       add_adapters=_adapters(model, lora_config),
                        activation_checkpoint_config=activation_checkpoint_config,
                        fp32_grad_accumulation=fp32_grad_accumulation, bucket_size_mb=bucket_size_mb, device=device)
     if pipeline_parallel_size > 1:
@@ -98,6 +104,15 @@ def parallelize(
     model.nxd_grad_reduction = policy
     model.no_sync = policy.no_sync
     return model
+
+
+def _adapters(model, lora_config):
+    """Step 7's function for ``LocalSetup.add_adapters`` (None without ``lora_config``)."""
+    if lora_config is None:
+        return None
+    from nxd_hf.lora import inject_lora
+
+    return functools.partial(inject_lora, lora_config=lora_config, model_type=model.config.model_type)
 
 
 def _check_model(model) -> None:

@@ -146,7 +146,7 @@ def test_dp2_zero1():
     (dict(mixed_precision_config={"use_master_weights": "yes"}), "wrong type"),
     (dict(pipeline_parallel_size=1, pipeline_config={"num_microbatches": 2}), "pipeline_parallel_size > 1"),
     (dict(pipeline_parallel_size=2, pipeline_config={"microbatches": 2}), "unknown pipeline_config key"),
-    (dict(lora_config={"enable_lora": True}), "LoRA"),
+    (dict(lora_config={"enable_lora": True}), "lora_config must be"),
     (dict(tensor_parallel_size=2.0), "wrong type"),
 ])
 def test_config_rejects_bad_input(kwargs, message):

@@ -99,19 +99,28 @@ class ColumnParallelLinear(nn.Module):
             set_local_(self, "bias", shard_from_full(full_bias, 0, self.bias.shard_index))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.output_from_region(self.forward_local(self.input_to_region(x)))
+
+    def input_to_region(self, x: torch.Tensor) -> torch.Tensor:
+        """X as every TP rank's local matmul sees it (replicated, full sequence)."""
         if self.skip_input_collective:
-            pass  # the caller entered the tensor-parallel region once for several layers
-        elif self.sequence_parallel_enabled:
-            x = mappings.gather_from_sequence_parallel_region(x, to_model_parallel=True)  # [b, s, in]
-        else:
-            x = mappings.copy_to_tensor_model_parallel_region(x)
+            return x  # the caller entered the tensor-parallel region once for several layers
+        if self.sequence_parallel_enabled:
+            return mappings.gather_from_sequence_parallel_region(x, to_model_parallel=True)  # [b, s, in]
+        return mappings.copy_to_tensor_model_parallel_region(x)
+
+    def forward_local(self, x: torch.Tensor) -> torch.Tensor:
+        """``X A_i + b_i`` on this rank's rows: [b, s, in] -> [b, s, out/tp]."""
         weight, bias = self.weight, self.bias
         # rows held by several ranks (replicated K/V; per row for a fused [q; k; v]): sum their grads
         if self._has_replicas:
             rows, size = self.weight.shard_index, self.output_size
             weight = mappings.SumReplicaGrads.apply(weight, rows, size)
             bias = None if bias is None else mappings.SumReplicaGrads.apply(bias, rows, size)
-        y = F.linear(x, weight, bias)  # [b, s, out/tp]
+        return F.linear(x, weight, bias)
+
+    def output_from_region(self, y: torch.Tensor) -> torch.Tensor:
+        """The local output, or with ``gather_output`` the full one in logical order."""
         if not self.gather_output:
             return y
         return gather_logical(y, self._gather_positions, self.output_size)
@@ -170,6 +179,10 @@ class RowParallelLinear(nn.Module):
             set_local_(self, "bias", full_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.reduce_partial(F.linear(self.local_input(x), self.weight))  # partial sum [b, s, out]
+
+    def local_input(self, x: torch.Tensor) -> torch.Tensor:
+        """``X_i``: this rank's input columns, padding columns zeroed."""
         if not self.input_is_parallel:
             tp_size = parallel_state.get_tensor_model_parallel_size()
             padded = self.input_size_per_partition * tp_size
@@ -177,7 +190,10 @@ class RowParallelLinear(nn.Module):
             x = mappings.scatter_to_tensor_model_parallel_region(x)
         if self.input_keep_mask is not None:
             x = x * self.input_keep_mask.to(device=x.device, dtype=x.dtype)
-        y = F.linear(x, self.weight)  # [b, s, out], partial sum
+        return x
+
+    def reduce_partial(self, y: torch.Tensor) -> torch.Tensor:
+        """Sum the partial outputs over TP (reduce-scatter along the sequence under SP), add b."""
         if self.sequence_parallel_enabled:
             mappings.check_sequence_divisible(y)
             y = mappings.reduce_scatter_to_sequence_parallel_region(y)  # [b, s/tp, out]

@@ -64,7 +64,7 @@ class NxDConfig:
     model_init_config: ModelInitConfig = dataclasses.field(default_factory=ModelInitConfig)
     """How ranks build the model."""
     lora_config: Any = None
-    """LoRA adapters (not available in this version: must be None)."""
+    """LoRA adapters: ``nxd_hf.modules.lora.LoraConfig`` (NxD's) or a ``peft.LoraConfig``."""
     mixed_precision_config: MixedPrecisionConfig = dataclasses.field(default_factory=MixedPrecisionConfig)
     """Master weights and fp32 gradient accumulation for bf16/fp16 models."""
     check_inputs: bool | Literal["always"] = True
@@ -143,8 +143,9 @@ def neuronx_distributed_config(
         raise ValueError("model_init_config['sequential_move_factor'] must be in 1..32")
     if config.model_init_config.meta_device_init and config.model_init_config.param_init_fn is None:
         raise ValueError("model_init_config: meta_device_init=True needs a param_init_fn")
-    if lora_config is not None:
-        raise ValueError("lora_config: LoRA is not available in this version of nxd_hf; pass lora_config=None")
+    if lora_config is not None and type(lora_config).__name__ != "LoraConfig":
+        raise ValueError(f"lora_config must be nxd_hf.modules.lora.LoraConfig (or a peft.LoraConfig), "
+                         f"got {type(lora_config).__name__}")
     if config.pipeline_config and pipeline_parallel_size == 1:
         raise ValueError("pipeline_config is given but pipeline_parallel_size is 1: set pipeline_parallel_size > 1")
     parallel_state.initialize_model_parallel(tensor_parallel_size, pipeline_parallel_size, timeout=timeout)

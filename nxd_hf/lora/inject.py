@@ -1,0 +1,109 @@
+"""``inject_lora``: LoRA adapters on a parallelized model or on its pipeline stage modules,
+through peft's ``inject_adapter_in_model`` (the setup sequence's LoRA slot), and the
+conversion of NxD's ``LoraConfig`` (``nxd_hf.modules.lora``) to ``peft.LoraConfig``."""
+
+import copy
+import warnings
+
+import peft
+from peft.tuners import tuners_utils
+from peft.tuners.tuners_utils import check_target_module_exists
+from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+from peft.utils.other import _set_trainable
+from torch import nn
+
+from nxd_hf.lora.dispatch import register_with_peft
+from nxd_hf.modules.lora import LoraConfig as NxDLoraConfig
+
+
+def to_peft_config(config: NxDLoraConfig) -> peft.LoraConfig:
+    """The ``peft.LoraConfig`` of NxD's LoRA fields (the checkpoint fields stay with ``config``)."""
+    return peft.LoraConfig(
+        r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout, bias=config.bias,
+        target_modules=config.target_modules, modules_to_save=config.modules_to_save,
+        use_rslora=config.use_rslora, init_lora_weights=True if config.init_lora_weights == "default" else "gaussian",
+    )
+
+
+def _resolve_targets(config: peft.LoraConfig, model_type: str | None) -> peft.LoraConfig:
+    if config.target_modules is not None or config.target_parameters:
+        return config
+    targets = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(model_type)
+    if targets is None:
+        raise ValueError(
+            f"peft has no default LoRA target_modules for model_type {model_type!r}: set target_modules explicitly"
+        )
+    config = peft.LoraConfig(**{**config.to_dict(), "target_modules": set(targets)})
+    return config
+
+
+def _module_config(module: nn.Module, config: peft.LoraConfig, output_layer: str) -> peft.LoraConfig:
+    """``config`` for one module; "all-linear" is resolved here by peft's rule (every linear
+    layer, nxd_hf's included, but the output layer, which peft finds only on a whole HF model)."""
+    if not (isinstance(config.target_modules, str) and config.target_modules.lower() == "all-linear"):
+        return config
+    resolved = tuners_utils._maybe_include_all_linear_layers(copy.deepcopy(config), module)  # registered wrapper
+    resolved.target_modules = {n for n in resolved.target_modules if n.rsplit(".", 1)[-1] != output_layer}
+    return resolved
+
+
+def _matching(module: nn.Module, config: peft.LoraConfig) -> list[str]:
+    return [name for name, _ in module.named_modules() if name and check_target_module_exists(config, name)]
+
+
+def inject_lora(model, lora_config, *, adapter_name: str = "default", model_type: str | None = None,
+                output_layer: str = "lm_head"):
+    """Add LoRA adapters in place to ``model``: a parallelized HF model, or a list of pipeline
+    stage modules (each gets the adapters of the layers it holds). ``lora_config`` is a
+    ``peft.LoraConfig`` or NxD's ``LoraConfig``; ``target_modules`` follow peft's matching rules
+    and default to peft's table for ``model_type`` (default: ``model.config.model_type``);
+    "all-linear" skips the layer named ``output_layer`` (as peft skips the output embeddings).
+    Only the adapters (and biases when ``bias`` asks) require grad afterwards. Returns ``model``."""
+    if isinstance(lora_config, NxDLoraConfig):
+        if not lora_config.enable_lora:
+            warnings.warn("LoraConfig.enable_lora is False: no LoRA adapters are added")
+            return model
+        verbose, lora_config = lora_config.lora_verbose, to_peft_config(lora_config)
+    else:
+        verbose = False
+    if not isinstance(lora_config, peft.LoraConfig):
+        raise ValueError(f"lora_config must be a peft.LoraConfig or nxd_hf.modules.lora.LoraConfig, got {type(lora_config)}")
+    register_with_peft()
+    modules = list(model) if isinstance(model, (list, tuple)) else [model]
+    if model_type is None:
+        model_type = getattr(getattr(modules[0], "config", None), "model_type", None)
+    lora_config = _resolve_targets(lora_config, model_type)
+    configs = [_module_config(m, lora_config, output_layer) for m in modules]
+    matches = [_matching(m, c) for m, c in zip(modules, configs)]
+    if not any(matches):
+        raise ValueError(
+            f"LoRA target_modules {lora_config.target_modules!r} match no module of the model (peft's rules: a name "
+            "matches a module named so or ending in '.name'; a string is a full-match regex)"
+        )
+    for module, config, matched in zip(modules, configs, matches):
+        if matched:
+            peft.inject_adapter_in_model(config, module, adapter_name=adapter_name)
+        else:
+            _freeze_stage_without_targets(module, config, adapter_name)
+    if verbose:
+        _print_trainable(modules)
+    return model
+
+
+def _freeze_stage_without_targets(module: nn.Module, config: peft.LoraConfig, adapter_name: str) -> None:
+    """What peft's injection does to a model's modules outside the targets, for a stage that
+    holds none (peft refuses to inject there): freeze, except biases with bias="all" and
+    ``modules_to_save``."""
+    for name, param in module.named_parameters():
+        param.requires_grad_(config.bias == "all" and name.endswith("bias"))
+    if config.modules_to_save:
+        _set_trainable(module, adapter_name, config.modules_to_save, inference_mode=config.inference_mode)
+    module.peft_config = {adapter_name: config}  # as injection leaves it: save_adapter reads it
+
+
+def _print_trainable(modules: list[nn.Module]) -> None:
+    params = {id(p): p for m in modules for p in m.parameters()}.values()
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    total = sum(p.numel() for p in params)
+    print(f"LoRA: trainable params (this rank): {trainable:,} || all params: {total:,} || "
+          f"trainable%: {100 * trainable / max(total, 1):.4f}")

@@ -1,0 +1,113 @@
+"""LoRA through peft on parallel models (nxd_hf.lora): five AdamW steps equal plain peft on the
+unsharded model, PEFT-format round trips, merge, bad input, and the peft internals we rely on."""
+
+import inspect
+
+import peft
+import pytest
+import transformers
+
+import lora_cases
+import lora_io_cases
+from nxd_hf.testing import run_distributed
+
+
+def run_two_rank_cases(tmp_dir: str) -> None:
+    lora_cases.check_training("llama", 2, target_modules="all-linear")  # the same layers as plain peft's
+    lora_cases.check_training("gpt2", 2, target_modules=["c_attn", "c_proj", "c_fc"])
+    lora_cases.check_training("gpt_neox", 2, target_modules=["query_key_value", "dense", "dense_4h_to_h"])
+    # trained biases (not c_attn's: the key bias has a zero gradient, which Adam turns into noise)
+    lora_cases.check_training("gpt2", 2, target_modules=["c_proj", "c_fc"], bias="lora_only")
+    lora_cases.check_training("bert", 2, task_model_cls=transformers.BertForSequenceClassification, task="cls",
+                              target_modules=["query", "key", "value", "dense"], modules_to_save=["classifier"])
+    lora_cases.check_dropout_masks(2)
+    lora_cases.check_training("llama", 1, dp=2, target_modules=["q_proj", "v_proj", "down_proj"])
+    lora_cases.check_inject_lora(2, tmp_dir, as_stages=False)
+    lora_cases.check_inject_lora(2, tmp_dir, as_stages=True)
+    lora_io_cases.check_round_trips(tmp_dir)
+    lora_io_cases.check_bad_input(tmp_dir)
+
+
+def run_four_rank_cases(tmp_dir: str) -> None:
+    # kv_heads 2 < tp 4: replicated K/V; a vocab-sharded embedding (101 rows padded to 104) trained in full
+    lora_cases.check_training("llama", 4, target_modules=lora_cases.ALL_LLAMA, modules_to_save=["embed_tokens"])
+    lora_cases.check_training("qwen2", 4, sp=True, target_modules=lora_cases.ALL_LLAMA)  # 6 heads padded to 8
+    # fused [q; k; v] rows: padded query heads and replicated K/V heads in one layer
+    lora_cases.check_training("phi3", 4, target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
+    lora_cases.check_zero1(2)
+    lora_cases.check_pipeline(2, 2, tmp_dir)
+
+
+def test_lora_two_ranks(tmp_path):
+    """tp=2: llama all-linear, gpt2 Conv1D/fused c_attn, gpt_neox, trained biases, bert classification
+    with modules_to_save, dropout masks, dp=2, inject_lora, PEFT round trips, merge, bad input."""
+    run_distributed(run_two_rank_cases, 2, str(tmp_path))
+
+
+def test_lora_four_ranks(tmp_path):
+    """tp=4 with kv_heads < tp, padded heads + SP, phi3's fused qkv; ZeRO-1 at tp2 x dp2; tp2 x pp2."""
+    run_distributed(run_four_rank_cases, 4, str(tmp_path))
+
+
+def test_peft_dispatch_contract():
+    """The peft internals nxd_hf.lora.dispatch wraps: fails when peft changes them under us."""
+    from peft import PeftModel
+    from peft import peft_model as peft_model_module
+    from peft.tuners.lora.model import LoraModel
+    from peft.utils.other import ModulesToSaveWrapper
+
+    from nxd_hf.lora import dispatch
+
+    dispatch.register_with_peft()
+    dispatch.register_with_peft()  # idempotent: wrapped once
+    assert dispatch.is_registered()
+    create = inspect.getattr_static(LoraModel, "_create_new_module")
+    assert isinstance(create, staticmethod) and not hasattr(create.__func__.__wrapped__, "_nxd_hf")
+    assert list(inspect.signature(create.__func__.__wrapped__).parameters)[:3] == ["lora_config", "adapter_name", "target"]
+    assert "self._create_new_module(lora_config, adapter_name, target" in inspect.getsource(LoraModel._create_and_replace)
+    save = inspect.getsource(PeftModel.save_pretrained.__wrapped__)
+    assert "get_peft_model_state_dict(" in save and 'state_dict=kwargs.get("state_dict", None)' in save
+    assert "is_main_process" in inspect.signature(PeftModel.save_pretrained.__wrapped__).parameters
+    assert "set_peft_model_state_dict(" in inspect.getsource(PeftModel.load_adapter)
+    assert peft_model_module.set_peft_model_state_dict.__wrapped__.__module__ == "peft.utils.save_and_load"
+    assert "copy.deepcopy(self.original_module)" in inspect.getsource(ModulesToSaveWrapper.update.__wrapped__)
+    from peft.tuners import tuners_utils
+
+    assert "_maybe_include_all_linear_layers(peft_config, model)" in inspect.getsource(tuners_utils.BaseTuner.inject_adapter)
+    update = inspect.signature(peft.tuners.lora.layer.LoraLayer.update_layer).parameters
+    assert list(update)[:5] == ["self", "adapter_name", "r", "lora_alpha", "config"]
+
+
+def test_declared_peft_and_transformers_ranges_hold():
+    import tomllib
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    requirements = {Requirement(r).name: Requirement(r) for r in project["dependencies"]}
+    assert requirements["peft"].specifier.contains(peft.__version__)
+    assert requirements["transformers"].specifier.contains(transformers.__version__)
+    assert requirements["peft"].specifier and "<" in str(requirements["peft"].specifier)
+
+
+def test_nxd_lora_config_converts_to_peft():
+    from nxd_hf.lora import to_peft_config
+    from nxd_hf.modules.lora import LoraConfig
+
+    config = to_peft_config(LoraConfig(enable_lora=True, lora_rank=8, lora_alpha=16, lora_dropout=0.1, bias="all",
+                                       target_modules=["q_proj"], use_rslora=True, init_lora_weights="gaussian"))
+    assert (config.r, config.lora_alpha, config.lora_dropout, config.bias) == (8, 16, 0.1, "all")
+    assert config.target_modules == {"q_proj"} and config.use_rslora and config.init_lora_weights == "gaussian"
+    assert to_peft_config(LoraConfig(enable_lora=True)).init_lora_weights is True
+    with pytest.raises(ValueError, match="lora_rank"):
+        LoraConfig(lora_rank=0)
+    with pytest.raises(ValueError, match="merge_lora"):
+        LoraConfig(merge_lora=True)
+    with pytest.raises(ValueError, match="init_lora_weights"):
+        LoraConfig(init_lora_weights="pissa")
+
+
+def test_save_pretrained_on_one_rank_raises(tmp_path):
+    """Its own spawn: the failed monitored barrier leaves the process group unusable."""
+    run_distributed(lora_io_cases.check_save_on_one_rank_raises, 2, str(tmp_path))

@@ -5,6 +5,7 @@ one spawn of 2 ranks."""
 
 import tempfile
 
+import peft
 import pytest
 import torch
 import transformers
@@ -42,10 +43,17 @@ def _losses(trainer, key="loss"):
     return [(h["step"], h[key]) for h in trainer.state.log_history if key in h]
 
 
-def _run_case(out_dir, *, batch, accumulate=1, **layout):
+def _lora():
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0)
+
+
+def _run_case(out_dir, *, batch, accumulate=1, lora=False, **layout):
     """(reference trainer, NxDTrainer) after STEPS steps on the same weights and data."""
     parallel_state.destroy_model_parallel()
     reference, model = hf_parity.build_pair("llama")
+    if lora:
+        torch.manual_seed(11)  # the same adapter initialization on both sides
+        reference = peft.get_peft_model(reference, _lora())
     data = _dataset()
     dp = 2 // (layout.get("tensor_parallel_size", 1) * layout.get("pipeline_parallel_size", 1))
     ref_args = transformers.TrainingArguments(output_dir=f"{out_dir}/ref", per_device_train_batch_size=batch * dp,
@@ -55,7 +63,9 @@ def _run_case(out_dir, *, batch, accumulate=1, **layout):
     ref.train()
     args = nxd_hf.NxDTrainingArguments(output_dir=f"{out_dir}/nxd", per_device_train_batch_size=batch,
                                        gradient_accumulation_steps=accumulate, **COMMON, **layout)
-    ours = nxd_hf.NxDTrainer(model, args, train_dataset=data, eval_dataset=data[:6], compute_metrics=_metrics)
+    torch.manual_seed(11)
+    ours = nxd_hf.NxDTrainer(model, args, train_dataset=data, eval_dataset=data[:6], compute_metrics=_metrics,
+                             peft_config=_lora() if lora else None)
     ours.train()
     return ref, ours
 
@@ -66,11 +76,12 @@ def _check_training(ref, ours, case):
         assert [s for s, _ in got] == [s for s, _ in want] == list(range(1, STEPS + 1)), (case, key, got)
         torch.testing.assert_close(torch.tensor([v for _, v in got]), torch.tensor([v for _, v in want]), **TOL,
                                    msg=lambda m: f"{case} {key}: {m}")
-    ref_params = dict(ref.model.named_parameters())
+    ref_params = {n.removeprefix("base_model.model."): p for n, p in ref.model.named_parameters()}
     checked = 0
     for name, param in ours.nxd_model.named_parameters():
         full = gather_full_tensor(param) if is_sharded(param) else param.detach()
         torch.testing.assert_close(full, ref_params[name].detach(), **TOL, msg=lambda m: f"{case} {name}: {m}")
+        assert param.requires_grad == ref_params[name].requires_grad, (case, name)
         checked += 1
     assert checked > 0
 
@@ -95,6 +106,11 @@ def trainer_cases():
         assert got.metrics["test_loss"] == pytest.approx(want.metrics["test_loss"], rel=1e-4)
         ref, ours = _run_case(out_dir, batch=2, accumulate=2, zero_1=True)
         _check_training(ref, ours, "dp2 zero1 accumulate2")
+        ref, ours = _run_case(out_dir, batch=4, lora=True, tensor_parallel_size=2)
+        _check_training(ref, ours, "tp2 lora")
+        _check_evaluation(ref, ours, "tp2 lora")
+        stepped = [p for group in ours.optimizer.param_groups for p in group["params"]]
+        assert stepped and all(p.requires_grad for p in stepped)  # optimizer state for the adapters only
     return True
 
 

@@ -89,7 +89,7 @@ class NxDTrainingArguments(TrainingArguments):
     def should_save(self) -> bool:
         return backend.rank() == 0 if torch.distributed.is_initialized() else super().should_save
 
-    def nxd_config(self) -> NxDConfig:
+    def nxd_config(self, *, lora_config=None) -> NxDConfig:
         """The configuration through NxD's config API (initializes model parallelism)."""
         pipeline_config = {}
         if self.pipeline_parallel_size > 1:
@@ -105,6 +105,7 @@ class NxDTrainingArguments(TrainingArguments):
                               "max_grad_norm": self.max_grad_norm if self.max_grad_norm > 0 else 1.0},
             activation_checkpoint_config="full" if self.nxd_activation_checkpointing else None,
             mixed_precision_config={"use_master_weights": True, "use_fp32_grad_acc": self.bf16_master_weights},
+            lora_config=lora_config,
         )
 
 

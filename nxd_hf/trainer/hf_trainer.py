@@ -34,7 +34,9 @@ _ROW_WEIGHT = "_nxd_row_weight"  # this replica's rows x dp / the global batch's
 
 
 class NxDTrainer(transformers.Trainer):
-    """A drop-in for ``transformers.Trainer`` taking ``NxDTrainingArguments`` (module docstring)."""
+    """A drop-in for ``transformers.Trainer`` taking ``NxDTrainingArguments`` (module docstring).
+    ``model``: a plain HF model (parallelized here, with LoRA adapters when ``peft_config``, a
+    ``peft.LoraConfig``, is given), an already parallelized one, or a peft model of one."""
 
     def __init__(self, model=None, args: NxDTrainingArguments | None = None, *trainer_args, model_init=None,
                  peft_config=None, **trainer_kwargs):
@@ -44,9 +46,7 @@ class NxDTrainer(transformers.Trainer):
         if trainer_kwargs.get("compute_loss_func") is not None:
             raise ValueError("compute_loss_func is not supported by NxDTrainer: the model's own loss runs on "
                              "vocab-parallel logits")
-        if peft_config is not None:
-            raise ValueError("peft_config: LoRA is not wired into NxDTrainer yet")
-        self.nxd_config = args.nxd_config()
+        self.nxd_config = args.nxd_config(lora_config=peft_config)
         self.nxd_model: NxDModel | None = None
         if model is not None:
             model = self._parallel(model, args)
@@ -58,10 +58,14 @@ class NxDTrainer(transformers.Trainer):
     def _parallel(self, model, args: NxDTrainingArguments):
         """Parallelize ``model`` as ``args`` say (or check an already parallel one); returns the HF
         model ``Trainer`` inspects (the original one under PP) and keeps the ``NxDModel``."""
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model
         if isinstance(model, NxDModel):
             self.nxd_model = model
-        elif isinstance(model, NxDPPModel) or getattr(model, "_nxd_parallelized", False):
+        elif isinstance(model, NxDPPModel) or getattr(base, "_nxd_parallelized", False):
             self.nxd_model = NxDModel(model, self.nxd_config)
+        elif base is not model:
+            raise ValueError("a peft model of an unparallelized model: pass the plain model with peft_config=..., "
+                             "or apply peft.get_peft_model after nxd_hf.parallelize")
         else:
             if args.bf16_master_weights:
                 model = model.to(torch.bfloat16)

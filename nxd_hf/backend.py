@@ -249,3 +249,12 @@ def broadcast(tensor: torch.Tensor, src: int, group) -> torch.Tensor:
 def barrier(group=None) -> None:
     if dist.is_initialized():
         dist.barrier(group=group)
+
+
+def all_gather_object(obj, group=None) -> list:
+    """Every rank's picklable ``obj`` (in group-rank order); small metadata only."""
+    if not dist.is_initialized() or group_size(group) == 1:
+        return [obj]
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out

@@ -1,0 +1,124 @@
+"""The on-disk format: safetensors files of logical slices, and reading a local shard back.
+
+A tensor is stored as parts; a part is one safetensors entry holding rows ``[start, stop)``
+of the logical tensor along ``dim`` (``dim`` None: the whole tensor). The index maps
+``section -> name -> {shape, dtype, parts: [{file, key, dim, start, stop, crc32}]}``; files
+carry their size and the CRC-32 of their bytes. Reading a local shard reads only the rows it
+holds, in contiguous runs; padding rows become zeros.
+"""
+
+import os
+import zlib
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save as safetensors_bytes
+
+from nxd_hf.checkpoint.hf_safetensors import _runs
+from nxd_hf.checkpoint.logical import LogicalTensor
+from nxd_hf.parallel_layers.utils import shard_from_full
+
+
+def crc32(tensor: torch.Tensor) -> int:
+    return zlib.crc32(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def parts_of(lt: LogicalTensor, value: torch.Tensor, name: str, file: str) -> list[tuple[str, torch.Tensor, dict]]:
+    """(entry key, tensor, part record) for what this rank writes of ``value`` (laid out as
+    ``lt.tensor``, or a scalar such as Adam's step)."""
+    value = value.detach()
+    if lt.dim is None or value.shape != lt.tensor.shape:
+        if not lt.writes_whole:
+            return []
+        disk = lt.to_disk(value) if value.shape == lt.tensor.shape else value
+        return [(name, disk.contiguous(), {"file": file, "key": name, "dim": None, "start": 0, "stop": 0})]
+    disk = lt.to_disk(value)
+    out = []
+    for local_start, local_stop, start in lt.runs:
+        stop = start + local_stop - local_start
+        key = f"{name}@{start}"
+        piece = disk.narrow(lt.dim, local_start, local_stop - local_start).contiguous()
+        out.append((key, piece, {"file": file, "key": key, "dim": lt.dim, "start": start, "stop": stop}))
+    return out
+
+
+def write_file(path: str, tensors: dict[str, torch.Tensor]) -> dict:
+    """Write ``tensors`` as one safetensors file, fsync'd; returns {size, crc32}."""
+    data = safetensors_bytes({k: v.cpu() for k, v in tensors.items()})
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"size": len(data), "crc32": zlib.crc32(data)}
+
+
+def file_problem(path: str, expected: dict) -> str | None:
+    """What is wrong with a checkpoint file, or None."""
+    if not os.path.exists(path):
+        return "is missing"
+    size = os.path.getsize(path)
+    if size != expected["size"]:
+        return f"has {size} bytes, the index says {expected['size']} (truncated or overwritten)"
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    if crc != expected["crc32"]:
+        return "does not match its checksum (corrupted)"
+    return None
+
+
+class Reader:
+    """Reads logical tensors of one checkpoint directory (files opened once, memory-mapped)."""
+
+    def __init__(self, directory: str, index: dict):
+        self.directory, self.index = directory, index
+        self._handles = {}
+
+    def _handle(self, part: dict):
+        if part["file"] not in self._handles:
+            self._handles[part["file"]] = safe_open(os.path.join(self.directory, part["file"]), framework="pt")
+        return self._handles[part["file"]]
+
+    def _get(self, part: dict):
+        return self._handle(part).get_slice(part["key"])
+
+    def full(self, section: str, name: str) -> torch.Tensor:
+        """The whole logical tensor."""
+        parts = self.index["tensors"][section][name]["parts"]
+        if len(parts) == 1 and parts[0]["dim"] is None:
+            return self._handle(parts[0]).get_tensor(parts[0]["key"])
+        parts = sorted(parts, key=lambda p: p["start"])
+        return torch.cat([self._handle(p).get_tensor(p["key"]) for p in parts], dim=parts[0]["dim"])
+
+    def local(self, section: str, name: str, lt: LogicalTensor, like: torch.Tensor) -> torch.Tensor:
+        """The rows of ``name`` this rank holds, laid out as ``like`` (``lt.tensor`` or a scalar)."""
+        parts = self.index["tensors"][section][name]["parts"]
+        if lt.dim is None or like.shape != lt.tensor.shape:
+            full = self.full(section, name)
+            return lt.from_disk(full) if like.shape == lt.tensor.shape else full
+        if not all(p["dim"] == lt.dim for p in parts):  # saved unsharded or along another dim
+            return lt.from_disk(shard_from_full(self.full(section, name), lt.dim, lt.rows))
+        return lt.from_disk(self._rows(parts, lt, like.dtype))
+
+    def _rows(self, parts: list[dict], lt: LogicalTensor, dtype: torch.dtype) -> torch.Tensor:
+        shape = list(lt.shape)
+        parts = sorted(parts, key=lambda p: p["start"])
+        pieces = []
+        for start, stop, is_padding in _runs(lt.rows):
+            if is_padding:
+                shape[lt.dim] = stop - start
+                pieces.append(torch.zeros(shape, dtype=dtype))
+                continue
+            for part in parts:
+                a, b = max(start, part["start"]), min(stop, part["stop"])
+                if a < b:
+                    index = [slice(None)] * len(shape)
+                    index[lt.dim] = slice(a - part["start"], b - part["start"])
+                    pieces.append(self._get(part)[tuple(index)].to(dtype))
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=lt.dim)

@@ -11,7 +11,10 @@
    this rank's stages (see ``nxd_hf.pipeline``).
 """
 
+import types
+
 from nxd_hf import parallel_state
+from nxd_hf.checkpoint.consolidate import save_pretrained
 from nxd_hf.data_parallel import install_grad_sync
 from nxd_hf.tp.apply import apply_tensor_parallel
 from nxd_hf.tp.heads import head_layout
@@ -105,7 +108,8 @@ def parallelize(
     if pipeline_parallel_size > 1:
         from nxd_hf.pipeline.model import NxDPPModel
 
-        return NxDPPModel(model, **pipeline_kwargs)
+        model = NxDPPModel(model, **pipeline_kwargs)
+    model.save_pretrained = types.MethodType(save_pretrained, model)  # the plain HF format, gathered
     return model
 
 

@@ -7,6 +7,7 @@ from nxd_hf.checkpoint.load import load_checkpoint
 from nxd_hf.checkpoint.logical import LogicalTensor, logical_tensors
 from nxd_hf.checkpoint.save import save_checkpoint
 from nxd_hf.checkpoint.writer import wait_for_checkpoint
+from nxd_hf.checkpoint import zero1_shards  # noqa: F401  installs NeuronZero1Optimizer's sharded save/load
 
 __all__ = [
     "LoadReport", "LogicalTensor", "consolidate", "full_optimizer_state", "full_state_dict", "load_checkpoint",

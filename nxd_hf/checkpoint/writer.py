@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from nxd_hf import parallel_state
 from nxd_hf.checkpoint import store
 from nxd_hf.checkpoint.format import write_file
 
@@ -113,3 +114,6 @@ def wait_for_checkpoint() -> None:
         error = _errors.pop(0)
         _errors.clear()
         raise RuntimeError(f"an asynchronous checkpoint save failed: {error}") from error
+
+
+parallel_state.register_before_destroy(wait_for_checkpoint)

@@ -99,7 +99,7 @@ def _zero1_states(optimizer) -> dict[int, tuple[torch.Tensor, dict]]:
 def _agreed_scalar(value: torch.Tensor | None, group) -> torch.Tensor:
     """A scalar every DP rank holds equal (``step``); a rank without state holds none."""
     values = [v for v in backend.all_gather_object(value, group) if v is not None]
-    return values[0]
+    return values[0].clone()
 
 
 def install_param_states(optimizer, states: dict[int, dict]) -> None:

@@ -17,15 +17,15 @@ import nxd_hf
 from nxd_hf.testing import run_distributed
 
 
-def check_round_trip(path, tp=1, pp=1, zero1=False, *, reload_tp=None, reload_pp=None, reload_zero1=None):
-    model, optimizer, scheduler, _ = C.build(tp=tp, pp=pp, zero1=zero1)
+def check_round_trip(path, tp=1, pp=1, zero1=False, *, reload_tp=None, reload_pp=None, reload_zero1=None, **build):
+    model, optimizer, scheduler, _ = C.build(tp=tp, pp=pp, zero1=zero1, **build)
     C.train(model, optimizer, scheduler, 2)
     saved = C.snapshot(model, optimizer)
     nxd_hf.save_checkpoint(path, tag="step2", model=model, optimizer=optimizer, scheduler=scheduler,
                            user_content={"step": 2, "sampler": [1, 2]})
     expected = C.train(model, optimizer, scheduler, 2, start=2)
     model, optimizer, scheduler, _ = C.build(tp=reload_tp or tp, pp=reload_pp or pp,
-                                             zero1=zero1 if reload_zero1 is None else reload_zero1, seed=7)
+                                             zero1=zero1 if reload_zero1 is None else reload_zero1, seed=7, **build)
     assert nxd_hf.load_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler) == {
         "step": 2, "sampler": [1, 2]}
     loaded = C.snapshot(model, optimizer)
@@ -34,6 +34,22 @@ def check_round_trip(path, tp=1, pp=1, zero1=False, *, reload_tp=None, reload_pp
     got = C.train(model, optimizer, scheduler, 2, start=2)
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), **C.hf_parity.TOL)
     return saved, expected
+
+
+def check_master_weights_in_ckpt(path):
+    """bf16 training with use_master_weights_in_ckpt: the model tensors on disk are the fp32
+    masters, and a bf16 run resumes from them (masters restored bit for bit)."""
+    saved, _ = check_round_trip(path, tp=2, dtype=torch.bfloat16, master_in_ckpt=True)
+    with open(os.path.join(path, "step2", "index.json")) as f:
+        index = json.load(f)
+    assert {e["dtype"] for e in index["tensors"]["model"].values()} == {"float32"}
+    masters = {n.split("::")[0]: t for n, t in (saved or {}).get("optim", {}).items() if n.endswith("::master")}
+    assert saved is None or len(masters) == len(saved["params"])
+    model, _, _, _ = C.build(tp=2, dtype=torch.bfloat16)
+    nxd_hf.load_checkpoint(path, model=model)  # model only: rounded from the fp32 masters
+    full = nxd_hf.full_state_dict(model)
+    for name, master in masters.items():
+        assert torch.equal(full[name], master.to(torch.bfloat16)), name
 
 
 def _raises_everywhere(message, fn, *args, **kwargs):
@@ -138,6 +154,7 @@ def run_world2(root):
     check_round_trip(os.path.join(root, "dp2"), zero1=True)
     check_round_trip(os.path.join(root, "dp2_to_plain"), zero1=True, reload_zero1=False)
     check_round_trip(os.path.join(root, "tp2_to_pp2"), tp=2, reload_tp=1, reload_pp=2)
+    check_master_weights_in_ckpt(os.path.join(root, "bf16_masters"))
     check_bad_inputs(root)
     check_tags(root)
     check_save_pretrained_pp(root)

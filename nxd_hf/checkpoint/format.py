@@ -2,17 +2,17 @@
 
 A tensor is stored as parts; a part is one safetensors entry holding rows ``[start, stop)``
 of the logical tensor along ``dim`` (``dim`` None: the whole tensor). The index maps
-``section -> name -> {shape, dtype, parts: [{file, key, dim, start, stop, crc32}]}``; files
-carry their size and the CRC-32 of their bytes. Reading a local shard reads only the rows it
+``section -> name -> {shape, dtype, parts: [{file, key, dim, start, stop}]}``; files carry
+their size and the CRC-32 of their bytes (checked before any tensor is read). Reading a local shard reads only the rows it
 holds, in contiguous runs; padding rows become zeros.
 """
 
+import json
 import os
 import zlib
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save as safetensors_bytes
 
 from nxd_hf.checkpoint.hf_safetensors import _runs
 from nxd_hf.checkpoint.logical import LogicalTensor
@@ -46,15 +46,35 @@ def parts_of(lt: LogicalTensor, value: torch.Tensor, name: str, file: str) -> li
     return out
 
 
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
+    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}
+
+
 def write_file(path: str, tensors: dict[str, torch.Tensor]) -> dict:
-    """Write ``tensors`` as one safetensors file, fsync'd; returns {size, crc32}."""
-    data = safetensors_bytes({k: v.cpu() for k, v in tensors.items()})
+    """Write ``tensors`` as one safetensors file straight from their memory (no serialized copy
+    of the whole file), fsync'd; returns {size, crc32} of the bytes written."""
+    header, offset, views = {"__metadata__": {"format": "pt"}}, 0, []
+    for key, tensor in tensors.items():
+        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        header[key] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                       "data_offsets": [offset, offset + data.nbytes]}
+        offset += data.nbytes
+        views.append(data)
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+    head = len(encoded).to_bytes(8, "little") + encoded
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    crc = zlib.crc32(head)
     with open(path, "wb") as f:
-        f.write(data)
+        f.write(head)
+        for data in views:
+            f.write(memoryview(data))
+            crc = zlib.crc32(data, crc)
         f.flush()
         os.fsync(f.fileno())
-    return {"size": len(data), "crc32": zlib.crc32(data)}
+    return {"size": len(head) + offset, "crc32": crc}
 
 
 def file_problem(path: str, expected: dict) -> str | None:

@@ -73,7 +73,12 @@ class DiskNames:
     reverted: such tensors are stored under their in-memory name and layout."""
 
     def __init__(self, model: nn.Module | None):
-        self._renamings = _reverse_renamings(model) if model is not None and hasattr(model, "config") else []
+        if model is None or not hasattr(model, "config"):
+            self._renamings = []
+            return
+        if not hasattr(model, "_nxd_disk_renamings"):  # building transformers' tables takes ~0.5 s
+            model._nxd_disk_renamings = _reverse_renamings(model)
+        self._renamings = model._nxd_disk_renamings
 
     def __call__(self, name: str) -> str:
         if not self._renamings:
@@ -159,13 +164,10 @@ def _owned_runs(rows: torch.Tensor, tp_rank: int) -> list[tuple[int, int, int]]:
     first = torch.full((int(gathered.max()) + 1 if bool(real.any()) else 0,), len(gathered), dtype=torch.long)
     first.scatter_reduce_(0, gathered[real], positions[real], reduce="amin")
     mine = positions[tp_rank * local : (tp_rank + 1) * local]
-    owned = (rows >= 0) & (first[rows.clamp(min=0)] == mine)
-    runs, start = [], None
-    for i in range(local + 1):
-        ok = i < local and bool(owned[i])
-        if start is not None and (not ok or int(rows[i]) != int(rows[i - 1]) + 1):
-            runs.append((start, i, int(rows[start])))
-            start = None
-        if ok and start is None:
-            start = i
-    return runs
+    owned = ((rows >= 0) & (first[rows.clamp(min=0)] == mine)).nonzero().flatten()
+    if len(owned) == 0:
+        return []
+    logical = rows[owned]
+    breaks = ((owned[1:] != owned[:-1] + 1) | (logical[1:] != logical[:-1] + 1)).nonzero().flatten() + 1
+    starts, stops = [0, *breaks.tolist()], [*breaks.tolist(), len(owned)]
+    return [(int(owned[a]), int(owned[b - 1]) + 1, int(logical[a])) for a, b in zip(starts, stops)]

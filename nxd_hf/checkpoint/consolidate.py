@@ -102,6 +102,7 @@ def consolidate(checkpoint_dir: str, output_dir: str, tag: str | None = None, ma
         save_file(tensors, os.path.join(output_dir, file + ".tmp"), metadata={"format": "pt"})
         os.replace(os.path.join(output_dir, file + ".tmp"), os.path.join(output_dir, file))
         del tensors
+        reader.close()  # the mapped input pages go with their handles
     _copy_side_files(directory, checkpoint_dir, output_dir, dtype)
     store.write_json_atomic(os.path.join(output_dir, "model.safetensors.index.json"),
                             {"metadata": {"total_size": total}, "weight_map": weight_map})

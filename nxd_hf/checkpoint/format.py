@@ -100,6 +100,10 @@ class Reader:
         self.directory, self.index = directory, index
         self._handles = {}
 
+    def close(self) -> None:
+        """Unmap the files: pages read so far stop counting in this process's memory."""
+        self._handles.clear()
+
     def _handle(self, part: dict):
         if part["file"] not in self._handles:
             self._handles[part["file"]] = safe_open(os.path.join(self.directory, part["file"]), framework="pt")

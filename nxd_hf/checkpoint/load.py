@@ -167,6 +167,7 @@ def load_checkpoint(path: str, tag: str | None = None, model=None, optimizer=Non
             if optimizer is not None:
                 states = _read_states(reader, index, lts, resolved)
         backend.barrier()
+    reader.close()
     if optimizer is not None:
         optim_state.install_param_states(optimizer, states)
     user_content = _restore_non_tensor(directory, index, optimizer, scheduler)

@@ -12,11 +12,10 @@ import re
 import shutil
 
 import torch
-from safetensors.torch import save_file
 
 from nxd_hf import backend
 from nxd_hf.checkpoint import store
-from nxd_hf.checkpoint.format import Reader, file_problem
+from nxd_hf.checkpoint.format import Reader, file_problem, write_file
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "tokenizer.model", "vocab.txt", "added_tokens.json", "chat_template.jinja")
@@ -99,7 +98,7 @@ def consolidate(checkpoint_dir: str, output_dir: str, tag: str | None = None, ma
             tensors[name] = (tensor.to(dtype) if dtype is not None else tensor).contiguous()
             total += tensors[name].numel() * tensors[name].element_size()
             weight_map[name] = file
-        save_file(tensors, os.path.join(output_dir, file + ".tmp"), metadata={"format": "pt"})
+        write_file(os.path.join(output_dir, file + ".tmp"), tensors)  # from the tensors' memory, no copy
         os.replace(os.path.join(output_dir, file + ".tmp"), os.path.join(output_dir, file))
         del tensors
         reader.close()  # the mapped input pages go with their handles

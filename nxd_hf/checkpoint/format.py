@@ -2,8 +2,9 @@
 
 A tensor is stored as parts; a part is one safetensors entry holding rows ``[start, stop)``
 of the logical tensor along ``dim`` (``dim`` None: the whole tensor). The index maps
-``section -> name -> {shape, dtype, parts: [{file, key, dim, start, stop}]}``; files carry
-their size and the CRC-32 of their bytes (checked before any tensor is read). Reading a local shard reads only the rows it
+``section -> name -> {shape, dtype, parts: [{file, key, dim, start, stop, crc32}]}``; files
+carry their size and the CRC-32 of their header and of each entry (checked before any tensor is
+read). Reading a local shard reads only the rows it
 holds, in contiguous runs; padding rows become zeros.
 """
 
@@ -17,10 +18,6 @@ from safetensors import safe_open
 from nxd_hf.checkpoint.hf_safetensors import _runs
 from nxd_hf.checkpoint.logical import LogicalTensor
 from nxd_hf.parallel_layers.utils import shard_from_full
-
-
-def crc32(tensor: torch.Tensor) -> int:
-    return zlib.crc32(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -54,42 +51,54 @@ _SAFETENSORS_DTYPES = {
 
 def write_file(path: str, tensors: dict[str, torch.Tensor]) -> dict:
     """Write ``tensors`` as one safetensors file straight from their memory (no serialized copy
-    of the whole file), fsync'd; returns {size, crc32} of the bytes written."""
+    of the whole file), fsync'd; returns its size and the CRC-32 of its header and of each
+    tensor's bytes."""
     header, offset, views = {"__metadata__": {"format": "pt"}}, 0, []
     for key, tensor in tensors.items():
         data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
         header[key] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
                        "data_offsets": [offset, offset + data.nbytes]}
         offset += data.nbytes
-        views.append(data)
+        views.append((key, data))
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
     head = len(encoded).to_bytes(8, "little") + encoded
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    crc = zlib.crc32(head)
+    crcs = {}
     with open(path, "wb") as f:
         f.write(head)
-        for data in views:
+        for key, data in views:
             f.write(memoryview(data))
-            crc = zlib.crc32(data, crc)
+            crcs[key] = zlib.crc32(data)
         f.flush()
         os.fsync(f.fileno())
-    return {"size": len(head) + offset, "crc32": crc}
+    return {"size": len(head) + offset, "header_crc32": zlib.crc32(head), "crc32": crcs}
 
 
 def file_problem(path: str, expected: dict) -> str | None:
-    """What is wrong with a checkpoint file, or None."""
+    """What is wrong with a checkpoint file (its size, header and every tensor's checksum), or None."""
     if not os.path.exists(path):
         return "is missing"
     size = os.path.getsize(path)
     if size != expected["size"]:
         return f"has {size} bytes, the index says {expected['size']} (truncated or overwritten)"
-    crc = 0
     with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            crc = zlib.crc32(chunk, crc)
-    if crc != expected["crc32"]:
-        return "does not match its checksum (corrupted)"
+        length = int.from_bytes(f.read(8), "little")
+        encoded = f.read(length) if 0 < length <= size - 8 else b""
+        if zlib.crc32(length.to_bytes(8, "little") + encoded) != expected["header_crc32"]:
+            return "has a header that does not match its checksum (corrupted)"
+        header = json.loads(encoded)
+        for key, crc in expected["crc32"].items():
+            start, stop = header[key]["data_offsets"]
+            f.seek(8 + length + start)
+            value, remaining = 0, stop - start
+            while remaining > 0:
+                chunk = f.read(min(1 << 24, remaining))
+                if not chunk:
+                    break
+                value, remaining = zlib.crc32(chunk, value), remaining - len(chunk)
+            if value != crc:
+                return f"tensor {key} does not match its checksum (corrupted)"
     return None
 
 
@@ -98,7 +107,7 @@ class Reader:
 
     def __init__(self, directory: str, index: dict):
         self.directory, self.index = directory, index
-        self._handles = {}
+        self._handles, self._headers = {}, {}
 
     def close(self) -> None:
         """Unmap the files: pages read so far stop counting in this process's memory."""
@@ -113,12 +122,34 @@ class Reader:
         return self._handle(part).get_slice(part["key"])
 
     def full(self, section: str, name: str) -> torch.Tensor:
-        """The whole logical tensor."""
-        parts = self.index["tensors"][section][name]["parts"]
-        if len(parts) == 1 and parts[0]["dim"] is None:
-            return self._handle(parts[0]).get_tensor(parts[0]["key"])
-        parts = sorted(parts, key=lambda p: p["start"])
-        return torch.cat([self._handle(p).get_tensor(p["key"]) for p in parts], dim=parts[0]["dim"])
+        """The whole logical tensor, read with plain file reads into one new tensor (parts along
+        dim 0 straight into place): no file stays mapped, so memory is the tensor itself."""
+        entry = self.index["tensors"][section][name]
+        out = torch.empty(entry["shape"], dtype=getattr(torch, entry["dtype"]))
+        for part in entry["parts"]:
+            if part["dim"] is None:
+                self._read_into(part, out)
+            elif part["dim"] == 0:
+                self._read_into(part, out[part["start"] : part["stop"]])
+            else:
+                piece = out.narrow(part["dim"], part["start"], part["stop"] - part["start"])
+                piece.copy_(self._read_into(part, torch.empty(piece.shape, dtype=out.dtype)))
+        return out
+
+    def _read_into(self, part: dict, out: torch.Tensor) -> torch.Tensor:
+        path = os.path.join(self.directory, part["file"])
+        if path not in self._headers:
+            with open(path, "rb") as f:
+                length = int.from_bytes(f.read(8), "little")
+                self._headers[path] = (8 + length, json.loads(f.read(length)))
+        data_start, header = self._headers[path]
+        start, stop = header[part["key"]]["data_offsets"]
+        target = out.view(-1).view(torch.uint8).numpy()
+        assert target.nbytes == stop - start, f"{part['key']}: {target.nbytes} bytes expected, {stop - start} stored"
+        with open(path, "rb") as f:
+            f.seek(data_start + start)
+            f.readinto(memoryview(target))
+        return out
 
     def local(self, section: str, name: str, lt: LogicalTensor, like: torch.Tensor) -> torch.Tensor:
         """The rows of ``name`` this rank holds, laid out as ``like`` (``lt.tensor`` or a scalar)."""

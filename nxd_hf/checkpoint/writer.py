@@ -61,6 +61,7 @@ def merge(tmp: str, world: int, header: dict) -> dict:
             share = json.load(f)
         files.update(share["files"])
         for section, name, shape, dtype, part in share["records"]:
+            part["crc32"] = share["files"][part["file"]]["crc32"][part["key"]]
             entry = tensors.setdefault(section, {}).setdefault(name, {"shape": shape, "dtype": dtype, "parts": []})
             assert entry["shape"] == shape, f"{name}: ranks disagree on its shape"
             entry["parts"].append(part)

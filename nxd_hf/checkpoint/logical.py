@@ -128,6 +128,8 @@ def logical_tensors(model: nn.Module) -> list[LogicalTensor]:
     disk_name = DiskNames(hf_model(model))
     tp_rank, dp_rank = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_size()
+    if not parallel_state.model_parallel_is_initialized():  # plain replicas (e.g. DDP): all are DP ranks
+        dp_rank, dp_size = backend.rank(), backend.world_size()
     out = []
     for i, (name, tensor) in enumerate(named_local_tensors(model)):
         writes_here = i % dp_size == dp_rank and getattr(tensor, "count_in_grad_norm", True)

@@ -1,8 +1,9 @@
 """A plain HF model out of a tp=2 checkpoint: ``consolidate`` (several output shards) and the
 ``nxd-hf consolidate`` command write what transformers' auto class loads with logits identical
 to the unparallelized model, for llama (GQA, K/V replicated, heads padded), qwen2 (tied
-embeddings, vocab 101 not divisible by tp), gpt2 (Conv1D, biases, fused c_attn) and bert
-(encoder, tied MLM decoder); ``nxd_hf.from_pretrained`` reads it back at tp=2."""
+embeddings, vocab 101 not divisible by tp), gpt2 (Conv1D, biases, fused c_attn), bert
+(encoder, tied MLM decoder) and gpt_neox (transformers renames ``embed_out`` to ``lm_head`` on
+load: stored under the on-disk name); ``nxd_hf.from_pretrained`` reads it back at tp=2."""
 
 import os
 import subprocess
@@ -18,7 +19,8 @@ from nxd_hf import parallel_state
 from nxd_hf.testing import run_distributed
 
 CASES = {"llama": transformers.AutoModelForCausalLM, "qwen2": transformers.AutoModelForCausalLM,
-         "gpt2": transformers.AutoModelForCausalLM, "bert": transformers.AutoModelForMaskedLM}
+         "gpt2": transformers.AutoModelForCausalLM, "bert": transformers.AutoModelForMaskedLM,
+         "gpt_neox": transformers.AutoModelForCausalLM}
 
 
 def _logits(model, ids):
@@ -38,6 +40,9 @@ def check_consolidate(root: str, model_type: str) -> None:
         nxd_hf.consolidate(path, out, max_shard_size="40KB")
         shards = [f for f in os.listdir(out) if f.startswith("model-")]
         assert len(shards) > 1, shards
+        if model_type == "gpt_neox":
+            with open(os.path.join(out, "model.safetensors.index.json")) as f:
+                assert "embed_out.weight" in f.read()
         loaded = CASES[model_type].from_pretrained(out)
         torch.testing.assert_close(_logits(loaded, ids), _logits(reference, ids), rtol=0, atol=0)
     torch.distributed.barrier()

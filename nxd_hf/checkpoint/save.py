@@ -8,8 +8,11 @@ coordinates under the on-disk HF names (``nxd_hf.checkpoint.logical``), so a che
 reshards by reading other slices, and consolidation is a concatenation.
 """
 
+import copy
 import json
+import os
 import random
+import shutil
 import warnings
 
 import torch
@@ -17,7 +20,7 @@ import torch
 from nxd_hf import backend, parallel_state
 from nxd_hf.checkpoint import optim_state, store, writer
 from nxd_hf.checkpoint.format import dtype_name, parts_of
-from nxd_hf.checkpoint.logical import logical_tensors, model_config
+from nxd_hf.checkpoint.logical import hf_model, logical_tensors, model_config
 from nxd_hf.parallel_layers.random import get_rng_state_tracker
 
 OPTIM_SEP = "::"
@@ -93,8 +96,6 @@ def _header(model, optimizer, masters_in_model: bool) -> dict:
 
 def _write_configs(model, tmp: str) -> None:
     """config.json / generation_config.json, for consolidation."""
-    from nxd_hf.checkpoint.logical import hf_model
-
     config = model_config(model)
     if hasattr(config, "save_pretrained"):
         config.save_pretrained(tmp)
@@ -125,11 +126,9 @@ def save_checkpoint(path: str, tag: str = "", model=None, optimizer=None, schedu
     masters_in_model = _master_weights_in_ckpt(model, nxd_config)
     files, records = _tensor_shares(model, optimizer, masters_in_model, rank, copy=async_save)
     blobs = _blobs(rank, optimizer, scheduler, user_content)
+    blobs = copy.deepcopy(blobs) if async_save else blobs  # the caller may change them while we write
     header = _header(model, optimizer, masters_in_model)
     if rank == 0:
-        import os
-        import shutil
-
         os.makedirs(path, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # a crashed save's leftovers
         os.makedirs(tmp)

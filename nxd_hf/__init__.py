@@ -1,6 +1,9 @@
 """nxd_hf: NeuronX-Distributed-style tensor, pipeline and data parallelism for Hugging Face models."""
 
 from nxd_hf import parallel_state
+from nxd_hf.checkpoint import (
+    consolidate, full_state_dict, load_checkpoint, save_checkpoint, save_pretrained, wait_for_checkpoint,
+)
 from nxd_hf.parallelize import parallelize
 from nxd_hf.pretrained import from_pretrained
 from nxd_hf.tp.plan import ModelPatch
@@ -17,6 +20,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "NxDTrainer", "NxDTrainingArguments",
-    "ModelPatch", "from_pretrained", "initialize_parallel_model", "initialize_parallel_optimizer",
+    "ModelPatch", "consolidate", "from_pretrained", "full_state_dict", "load_checkpoint", "save_checkpoint",
+    "save_pretrained", "wait_for_checkpoint", "initialize_parallel_model", "initialize_parallel_optimizer",
     "neuronx_distributed_config", "parallel_state", "parallelize", "register_patch",
 ]

@@ -302,10 +302,10 @@ def arrival_barrier(timeout_s: float, group=None) -> None:
         dist.barrier(group=group)
 
 
-def all_gather_object(obj, group) -> list:
-    """Every rank's picklable ``obj`` (small metadata, e.g. adapter tensors), in group-rank order."""
-    if group_size(group) == 1:
+def all_gather_object(obj, group=None) -> list:
+    """Every rank's picklable ``obj`` (in group-rank order); small metadata only."""
+    if not dist.is_initialized() or group_size(group) == 1:
         return [obj]
-    out = [None] * group_size(group)
+    out = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out

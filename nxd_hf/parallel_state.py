@@ -104,8 +104,19 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
                     timeout=timeout)
 
 
+_before_destroy: list = []
+"""Callables run first by ``destroy_model_parallel`` (e.g. waiting for background checkpoint writes)."""
+
+
+def register_before_destroy(fn) -> None:
+    if fn not in _before_destroy:
+        _before_destroy.append(fn)
+
+
 def destroy_model_parallel() -> None:
     global _state
+    for fn in _before_destroy:
+        fn()
     if _state is not None:
         for group in _state.groups.values():
             backend.destroy_group(group)

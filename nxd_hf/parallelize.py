@@ -26,10 +26,12 @@ pp=1, inside ``NxDPPModel`` on its local stages otherwise.
 """
 
 import functools
+import types
 import warnings
 
 from nxd_hf import parallel_state
 from nxd_hf.architectures import get_patch
+from nxd_hf.checkpoint.consolidate import save_pretrained
 from nxd_hf.model_setup import LocalSetup, set_up_local_modules
 from nxd_hf.model_setup.activation_checkpoint import decoder_layer_types
 from nxd_hf.parallel_layers.heads import HeadLayout, head_layout
@@ -97,12 +99,15 @@ def parallelize(
     if pipeline_parallel_size > 1:
         from nxd_hf.pipeline.model import NxDPPModel  # step 4; it runs steps 5-10 on its stages
 
-        return NxDPPModel(model, setup=setup, **pipeline_kwargs)
+        pp_model = NxDPPModel(model, setup=setup, **pipeline_kwargs)
+        pp_model.save_pretrained = types.MethodType(save_pretrained, pp_model)  # the plain HF format, gathered
+        return pp_model
     layer_types = decoder_layer_types(model) if activation_checkpoint_config == "full" else ()
     policy = set_up_local_modules([model], setup, layer_types=layer_types)
     policy.install_hooks(model)
     model.nxd_grad_reduction = policy
     model.no_sync = policy.no_sync
+    model.save_pretrained = types.MethodType(save_pretrained, model)  # the plain HF format, gathered
     return model
 
 

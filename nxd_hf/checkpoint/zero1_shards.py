@@ -1,49 +1,48 @@
-"""ZeRO-1 optimizer shards on disk: one ``torch.save`` file per rank.
+"""``NeuronZero1Optimizer.save_sharded_state_dict`` / ``load_sharded_state_dict`` in the
+checkpoint format: the optimizer's parameters (named ``group<g>.param<i>`` by position, in
+their logical layout from the sharding metadata) and their state, under ``output_dir/zero1``.
+Unlike NxD's per-rank files, they load at other DP/TP sizes (same parameters and groups).
 
-A rank's file is named by its (dp, tp, pp) coordinates, written under a temporary name and
-renamed, so a crash never leaves a truncated file under the final name. Saving can go one DP
-rank at a time and loading a bounded number of ranks at a time, to bound host memory and I/O.
+``checkpoint/`` sits below ``optim/`` (it writes what the sharding metadata describes and
+imports none of the things it saves), so the optimizer's two methods call these functions.
 """
 
-import os
+from nxd_hf import parallel_state
+from nxd_hf.checkpoint.logical import _describe
 
-import torch
-
-from nxd_hf import backend, parallel_state
-
-
-def shard_path(output_dir: str, dp_rank: int) -> str:
-    tp_rank, pp_rank = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank()
-    return os.path.join(output_dir, f"zero1_dp_rank_{dp_rank:02d}_tp_rank_{tp_rank:02d}_pp_rank_{pp_rank:02d}.pt")
+TAG = "zero1"
 
 
-def save_zero1_shard(state_dict: dict, output_dir: str, *, group, dp_rank: int, dp_size: int, save_serially: bool) -> None:
-    """Write this rank's ``state_dict``; with ``save_serially`` the DP ranks of ``group`` take
-    turns (a barrier after each)."""
-    os.makedirs(output_dir, exist_ok=True)
-    path = shard_path(output_dir, dp_rank)
-    for turn in range(dp_size if save_serially else 1):
-        if not save_serially or turn == dp_rank:
-            tmp = f"{path}.tmp.{os.getpid()}"
-            torch.save(state_dict, tmp)
-            os.replace(tmp, path)
-        if save_serially:
-            backend.barrier(group)
-    backend.barrier()  # every file exists when any rank returns
+class _ParamsView:
+    """The optimizer's parameters, seen as a model by ``save_checkpoint``/``load_checkpoint``."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    def nxd_logical_tensors(self):
+        tp_rank, dp_rank = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_data_parallel_rank()
+        dp_size = parallel_state.get_data_parallel_size()
+        out, i = [], 0
+        for g, group in enumerate(self.optimizer.param_groups):
+            for j, param in enumerate(p for p in group["params"] if p.requires_grad):
+                name = f"group{g}.param{j}"
+                out.append(_describe(name, name, param, tp_rank, i % dp_size == dp_rank))
+                i += 1
+        return out
 
 
-def load_zero1_shard(output_dir: str, *, dp_rank: int, device, num_workers_per_step: int) -> dict:
-    """Read this rank's shard, at most ``num_workers_per_step`` ranks reading at a time."""
+def save_sharded(optimizer, output_dir: str, save_serially: bool = True) -> None:
+    from nxd_hf.checkpoint.save import save_checkpoint
+
+    save_checkpoint(output_dir, tag=TAG, model=_ParamsView(optimizer), optimizer=optimizer,
+                    num_workers=1 if save_serially else 8)
+
+
+def load_sharded(optimizer, output_dir: str, num_workers_per_step: int = 8) -> None:
+    from nxd_hf.checkpoint.load import load_checkpoint
+
     if num_workers_per_step < 1:
         raise ValueError(f"num_workers_per_step must be >= 1, got {num_workers_per_step}")
-    path = shard_path(output_dir, dp_rank)
-    if not os.path.exists(path):
-        raise ValueError(f"no ZeRO-1 optimizer shard for this rank at {path}: was it saved with save_sharded_state_dict "
-                         "at the same data/tensor/pipeline parallel sizes?")
-    state_dict = None
-    world, rank = backend.world_size(), backend.rank()
-    for turn in range(-(-world // num_workers_per_step)):
-        if rank // num_workers_per_step == turn:
-            state_dict = torch.load(path, map_location=device, weights_only=True)
-        backend.barrier()
-    return state_dict
+    load_checkpoint(output_dir, tag=TAG, model=_ParamsView(optimizer), optimizer=optimizer,
+                    num_workers=num_workers_per_step)
+

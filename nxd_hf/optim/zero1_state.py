@@ -53,16 +53,14 @@ class Zero1StateMixin:
             group.update(options)
 
     def save_sharded_state_dict(self, output_dir: str, save_serially: bool = True) -> None:
-        """Every rank writes its shard to ``output_dir`` (one file per rank); ``save_serially``:
-        one DP rank at a time."""
-        from nxd_hf.checkpoint.zero1_shards import save_zero1_shard
+        """Write this optimizer's state under ``output_dir`` in nxd_hf's checkpoint format (it
+        loads at other DP/TP sizes); ``save_serially``: one rank writes at a time."""
+        from nxd_hf.checkpoint.zero1_shards import save_sharded
 
-        save_zero1_shard(self.state_dict(), output_dir, group=self.sharding_group, dp_rank=self.dp_rank,
-                         dp_size=self.dp_size, save_serially=save_serially)
+        save_sharded(self, output_dir, save_serially)
 
     def load_sharded_state_dict(self, output_dir: str, num_workers_per_step: int = 8) -> None:
-        """Every rank reads its shard from ``output_dir``, at most ``num_workers_per_step`` ranks at a time."""
-        from nxd_hf.checkpoint.zero1_shards import load_zero1_shard
+        """Read the state ``save_sharded_state_dict`` wrote, at most ``num_workers_per_step`` ranks at a time."""
+        from nxd_hf.checkpoint.zero1_shards import load_sharded
 
-        self.load_state_dict(load_zero1_shard(output_dir, dp_rank=self.dp_rank, device=self.masters[0].device,
-                                              num_workers_per_step=num_workers_per_step))
+        load_sharded(self, output_dir, num_workers_per_step)

@@ -14,6 +14,8 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from nxd_hf.parallel_layers.sharding import copy_tensor_model_parallel_attributes
+
 
 def fake_propagate(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> None:
     """Record every node's fake value in ``node.meta["val"]``: no real compute, no
@@ -29,6 +31,9 @@ def fake_propagate(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> No
             name: torch.empty(t.shape, dtype=t.dtype, device=device).requires_grad_(t.requires_grad)
             for name, t in [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]
         }
+        originals = dict([*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)])
+        for name, fake in state.items():  # layers read their shard_index (replicated K/V) in forward
+            copy_tensor_model_parallel_attributes(fake, originals[name])
         with _reparametrize_module(gm, state, strict=False):
             _RecordingInterpreter(gm).run(*fake_inputs)
 

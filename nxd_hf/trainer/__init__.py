@@ -2,6 +2,7 @@
 ``initialize_parallel_optimizer``; and the Hugging Face ``NxDTrainer`` / ``NxDTrainingArguments``
 (imported on first use: ``transformers.Trainer`` is a heavy import)."""
 
+from nxd_hf.checkpoint import load_checkpoint, save_checkpoint
 from nxd_hf.trainer.config import NxDConfig, neuronx_distributed_config
 from nxd_hf.trainer.model import NxDModel, initialize_parallel_model
 from nxd_hf.trainer.optimizer import NxDOptimizer, initialize_parallel_optimizer
@@ -20,5 +21,5 @@ def __getattr__(name: str):
 __all__ = [
     "NxDTrainer", "NxDTrainingArguments",
     "NxDConfig", "NxDModel", "NxDOptimizer", "initialize_parallel_model", "initialize_parallel_optimizer",
-    "neuronx_distributed_config",
+    "load_checkpoint", "neuronx_distributed_config", "save_checkpoint",
 ]

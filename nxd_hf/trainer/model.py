@@ -115,6 +115,12 @@ class NxDModel(nn.Module):
     def config(self):
         return self.module.config
 
+    def save_pretrained(self, save_directory: str, **kwargs) -> None:
+        """The whole model as a plain HF model directory (every rank calls it; rank 0 writes)."""
+        from nxd_hf.checkpoint import save_pretrained
+
+        save_pretrained(self, save_directory, **kwargs)
+
     @property
     def dtype(self) -> torch.dtype:
         return next(self.parameters()).dtype

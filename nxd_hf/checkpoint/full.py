@@ -1,0 +1,53 @@
+"""Whole (gathered, unpadded) tensors of a running parallel model, for small models and tests.
+
+``model.state_dict()`` on a parallelized model returns this rank's local, padded shards under
+the HF names: saved with ``torch.save`` it looks like a model but is not one. Use
+``save_checkpoint`` / ``save_pretrained`` to write, or ``full_state_dict`` to hold the real
+tensors in memory (every tensor gathered over TP and PP: the whole model on each receiving rank).
+"""
+
+import torch
+
+from nxd_hf import backend, parallel_state
+from nxd_hf.checkpoint import optim_state
+from nxd_hf.checkpoint.logical import LogicalTensor, logical_tensors
+from nxd_hf.parallel_layers.pad import gather_full_tensor
+
+
+def _gather_tp(lt: LogicalTensor, value: torch.Tensor) -> torch.Tensor:
+    if lt.dim is None or value.shape != lt.tensor.shape:
+        return lt.to_disk(value.detach()) if value.shape == lt.tensor.shape else value.detach()
+    return lt.to_disk(gather_full_tensor(lt.tensor, value))
+
+
+def _gather(entries: list[tuple[str, LogicalTensor, torch.Tensor]], rank0_only: bool) -> dict | None:
+    """name -> whole tensor, from every pipeline stage; a weight tied across stages once."""
+    local = {}
+    for name, lt, value in entries:
+        full = _gather_tp(lt, value)
+        if getattr(lt.tensor, "count_in_grad_norm", True):
+            local[name] = full.cpu().clone()
+    merged = {}
+    for part in backend.all_gather_object(local, parallel_state.get_pipeline_model_parallel_group()):
+        merged.update(part)
+    if rank0_only and backend.rank() != 0:
+        return None
+    return dict(sorted(merged.items()))
+
+
+def full_state_dict(model, *, rank0_only: bool = False) -> dict[str, torch.Tensor] | None:
+    """The model's tensors gathered over TP and PP, unpadded, under the names ``save_pretrained``
+    writes (HF ``Conv1D`` weights ``[in, out]``); every rank calls it. ``rank0_only``: other
+    ranks get None (the gathers still run on all of them)."""
+    return _gather([(lt.name, lt, lt.tensor) for lt in logical_tensors(model)], rank0_only)
+
+
+def full_optimizer_state(model, optimizer, *, rank0_only: bool = False) -> dict[str, torch.Tensor] | None:
+    """``<name>::<key>`` -> the whole optimizer state tensor (Adam moments, step, fp32 master),
+    the same whatever the parallel sizes and ZeRO-1: what a checkpoint stores."""
+    states = optim_state.param_states(optimizer)
+    entries = []
+    for lt in logical_tensors(model):
+        for key, value in sorted(states.get(id(lt.tensor), (None, {}))[1].items()):
+            entries.append((f"{lt.name}::{key}", lt, value))
+    return _gather(entries, rank0_only)

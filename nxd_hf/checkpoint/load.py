@@ -1,0 +1,176 @@
+"""``load_checkpoint`` (NxD's ``neuronx_distributed.trainer.load_checkpoint``), at any
+parallel sizes.
+
+Everything that can be wrong is checked collectively before any rank reads a tensor: each
+rank looks for problems (the directory, the completion marker, the index, its share of the
+files' sizes and checksums, the model's tensors against the index), the problems are
+gathered, and every rank raises the same ``ValueError`` naming them. Then each rank reads
+the rows it holds and copies them in place into its parameters and optimizer state.
+"""
+
+import os
+import random
+import warnings
+
+import torch
+
+from nxd_hf import backend
+from nxd_hf.checkpoint import optim_state, store, writer
+from nxd_hf.checkpoint.format import Reader, file_problem
+from nxd_hf.checkpoint.hf_safetensors import HFRenames, _checkpoint_key
+from nxd_hf.checkpoint.logical import hf_model, logical_tensors, model_config
+from nxd_hf.checkpoint.save import OPTIM_SEP, parallel_sizes
+from nxd_hf.parallel_layers.random import get_rng_state_tracker
+
+
+def raise_collectively(problems: list[str], what: str) -> None:
+    """Every rank raises the same ValueError when any rank found a problem."""
+    everyone = sorted({p for ps in backend.all_gather_object(problems) for p in ps})
+    if everyone:
+        shown = "\n  ".join(everyone[:10]) + (f"\n  ... and {len(everyone) - 10} more" if len(everyone) > 10 else "")
+        raise ValueError(f"cannot load checkpoint {what}:\n  {shown}")
+
+
+def _locate(path: str, tag: str | None) -> tuple[str, dict]:
+    directory, problem = store.resolve(path, tag)
+    index = None
+    if problem is None:
+        index, problem = store.read_index(directory)
+    raise_collectively([problem] if problem else [], f"from {path} (tag={tag!r})")
+    return directory, index
+
+
+def _check_files(directory: str, index: dict) -> None:
+    rank, world = backend.rank(), backend.world_size()
+    problems = []
+    for i, (rel, expected) in enumerate(sorted(index["files"].items())):
+        if i % world == rank:
+            problem = file_problem(os.path.join(directory, rel), expected)
+            if problem:
+                problems.append(f"file {os.path.join(directory, rel)} {problem}")
+    raise_collectively(problems, f"{directory}")
+
+
+def _resolver(model, index: dict):
+    """Model parameter -> checkpoint name: its on-disk name, else a tied weight's or a renamed key."""
+    names = index["tensors"].get("model", {})
+    hf = hf_model(model)
+    prefix = getattr(hf, "base_model_prefix", "")
+    renamed = HFRenames(hf, names)
+    tied = getattr(hf, "_tied_weights_keys", None) or {}
+    tied = tied if isinstance(tied, dict) and getattr(getattr(hf, "config", None), "tie_word_embeddings", False) else {}
+
+    def resolve(lt):
+        if lt.name in names:
+            return lt.name
+        return _checkpoint_key(names, lt.model_name, prefix, renamed, tied)
+    return resolve
+
+
+def _check_model(model, index: dict, lts, resolved: list, strict: bool, directory: str) -> None:
+    problems = []
+    config, saved_type = model_config(model), index.get("model_type")
+    here_type = getattr(config, "model_type", None)
+    if saved_type and here_type and saved_type != here_type:
+        problems.append(f"the checkpoint holds a {saved_type!r} model, this model is {here_type!r} (another architecture)")
+    saved_vocab, vocab = (index.get("config") or {}).get("vocab_size"), getattr(config, "vocab_size", None)
+    if saved_vocab is not None and vocab is not None and saved_vocab != vocab:
+        problems.append(f"the checkpoint's vocab_size is {saved_vocab}, this model's is {vocab}")
+    names = index["tensors"].get("model", {})
+    for lt, name in zip(lts, resolved):
+        if name is None:
+            if strict:
+                problems.append(f"missing key: {lt.name} is not in the checkpoint (strict=True)")
+            continue
+        if tuple(names[name]["shape"]) != tuple(lt.shape):
+            problems.append(f"{name} has shape {tuple(names[name]['shape'])} in the checkpoint but {tuple(lt.shape)} "
+                            "in this model (another architecture or configuration)")
+    used = {n for ns in backend.all_gather_object([n for n in resolved if n]) for n in ns}
+    if strict:
+        unexpected = sorted(set(names) - used)
+        problems += [f"unexpected key: {n} is in the checkpoint but not in this model (strict=True)" for n in unexpected[:20]]
+    raise_collectively(problems, f"{directory} into this model")
+
+
+def _read_states(reader: Reader, index: dict, lts, resolved) -> dict[int, dict]:
+    section = index["tensors"].get("optimizer", {})
+    by_param = {}
+    for name, entry in section.items():
+        param_name, key = name.rsplit(OPTIM_SEP, 1)
+        by_param.setdefault(param_name, []).append((key, entry))
+    out = {}
+    for lt, name in zip(lts, resolved):
+        state = {}
+        for key, entry in by_param.get(name, []):
+            per_element = entry["shape"] == list(lt.shape) and bool(entry["shape"])
+            like = torch.empty(lt.tensor.shape if per_element else (), dtype=torch.float32, device="meta")
+            value = reader.local("optimizer", f"{name}{OPTIM_SEP}{key}", lt, like)
+            state[key] = value.to(lt.tensor.device)
+        if optim_state.MASTER not in state and index.get("master_weights_in_model") and name is not None:
+            state[optim_state.MASTER] = reader.local("model", name, lt, lt.tensor.float())
+        out[id(lt.tensor)] = state
+    return out
+
+
+def _restore_non_tensor(directory: str, index: dict, optimizer, scheduler):
+    state = torch.load(os.path.join(directory, "state.pt"), weights_only=True)
+    if optimizer is not None and state["param_groups"] is not None:
+        if len(state["param_groups"]) != len(optimizer.param_groups):
+            warnings.warn(f"load_checkpoint: the checkpoint has {len(state['param_groups'])} optimizer param groups, "
+                          f"this optimizer {len(optimizer.param_groups)}: their options (lr, ...) are not restored")
+        else:
+            for group, saved in zip(optimizer.param_groups, state["param_groups"]):
+                group.update(saved)
+    if scheduler is not None and state["scheduler"] is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    return state["user_content"]
+
+
+def _restore_rng(directory: str, index: dict) -> None:
+    saved = {k: v for k, v in index["parallel"].items() if k != "zero1"}
+    here = {k: v for k, v in parallel_sizes().items() if k != "zero1"}
+    if saved != here:
+        warnings.warn(f"load_checkpoint: RNG states not restored: saved at {saved}, loaded at {here}")
+        return
+    rng = torch.load(os.path.join(directory, f"rng/rank_{backend.rank():05d}.pt"), weights_only=True)
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+    get_rng_state_tracker().states = dict(rng["tracker"])
+
+
+def load_checkpoint(path: str, tag: str | None = None, model=None, optimizer=None, scheduler=None,
+                    num_workers: int = 8, strict: bool = True):
+    """Load a checkpoint written by ``save_checkpoint`` into ``model``/``optimizer``/``scheduler``
+    in place (build the optimizer first, as with NxD) and return its ``user_content``.
+    ``tag=None``: the newest complete checkpoint. Unlike NxD, any parallel sizes (tp, pp, dp,
+    ZeRO-1 or not) load; RNG states are restored when the sizes are the saved ones."""
+    writer.wait_for_checkpoint()
+    backend.barrier()
+    directory, index = _locate(path, tag)
+    _check_files(directory, index)
+    lts = logical_tensors(model) if model is not None else []
+    resolve = _resolver(model, index) if model is not None else None
+    resolved = [resolve(lt) for lt in lts]
+    if model is not None:
+        _check_model(model, index, lts, resolved, strict, directory)
+    reader = Reader(directory, index)
+    rank, world = backend.rank(), backend.world_size()
+    states = None
+    for wave in range(-(-world // num_workers)):
+        if rank // num_workers == wave:
+            with torch.no_grad():
+                for lt, name in zip(lts, resolved):
+                    if name is not None:
+                        lt.tensor.copy_(reader.local("model", name, lt, lt.tensor))
+            if optimizer is not None:
+                states = _read_states(reader, index, lts, resolved)
+        backend.barrier()
+    reader.close()
+    if optimizer is not None:
+        optim_state.install_param_states(optimizer, states)
+    user_content = _restore_non_tensor(directory, index, optimizer, scheduler)
+    _restore_rng(directory, index)
+    backend.barrier()
+    return user_content

@@ -1,0 +1,175 @@
+"""The logical-tensor protocol: what of each local tensor a checkpoint stores, and where.
+
+A ``LogicalTensor`` describes one local parameter or buffer in the coordinates of the file a
+plain ``save_pretrained`` would write: its on-disk name (HF's load-time renames undone), its
+unsharded, unpadded shape, the dim it is sharded on and the logical row of each local row
+(``shard_index``, -1 for padding), whether the local tensor is the transpose of the on-disk one
+(HF ``Conv1D``), and the runs of local rows this rank writes. Each logical row is written once:
+replicated tensors by TP rank 0, replicated K/V rows by the first TP rank holding them, a
+weight tied across pipeline stages by its first holder (the others carry
+``count_in_grad_norm = False``), padding never; data-parallel replicas take turns by tensor.
+
+It is read from the sharding metadata every parallel layer carries
+(``nxd_hf.parallel_layers.sharding``). A model (LoRA, a custom wrapper) can instead provide
+``nxd_logical_tensors()`` returning ``LogicalTensor``s; ``checkpoint/`` never imports the
+packages above it. Wrappers are recognized by duck typing: ``local_roots`` follows a
+``module`` attribute with an ``nxd_config`` (the config API's model) and a ``stages`` dict
+with ``local_stage_ids`` (a pipeline model), whose stage modules keep the original names.
+"""
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from nxd_hf import backend, parallel_state
+from nxd_hf.parallel_layers.sharding import is_sharded
+
+
+@dataclasses.dataclass(kw_only=True)
+class LogicalTensor:
+    name: str  # on-disk (save_pretrained) name
+    tensor: torch.Tensor  # the local parameter or buffer
+    shape: tuple[int, ...]  # logical shape, on-disk orientation
+    dim: int | None  # sharded dim in on-disk orientation; None: every rank holds the whole tensor
+    rows: torch.Tensor | None  # logical row of each local row along dim, -1: padding
+    transposed: bool  # the local tensor is the on-disk tensor transposed (HF Conv1D)
+    runs: list[tuple[int, int, int]]  # (local start, local stop, logical start) rows this rank writes
+    writes_whole: bool  # this rank writes the whole (replicated) tensor and scalar state
+    model_name: str  # the parameter's name in the model
+
+    def to_disk(self, local: torch.Tensor) -> torch.Tensor:
+        """``local`` (laid out as ``tensor``) in on-disk orientation."""
+        return local.t() if self.transposed else local
+
+    def from_disk(self, disk: torch.Tensor) -> torch.Tensor:
+        return disk.t() if self.transposed else disk
+
+
+def local_roots(model: nn.Module) -> list[nn.Module]:
+    """The modules holding this rank's parameters under their original names."""
+    if hasattr(model, "nxd_config") and isinstance(getattr(model, "module", None), nn.Module):
+        return local_roots(model.module)
+    if isinstance(getattr(model, "stages", None), nn.ModuleDict) and hasattr(model, "local_stage_ids"):
+        return list(model.stages.values())
+    return [model]
+
+
+def hf_model(model: nn.Module) -> nn.Module:
+    """The (possibly meta) Hugging Face model behind a wrapper: config, renames, tied keys."""
+    if hasattr(model, "nxd_config") and isinstance(getattr(model, "module", None), nn.Module):
+        return hf_model(model.module)
+    original = getattr(model, "_original", None)
+    return original[0] if isinstance(original, list) and original else model
+
+
+def model_config(model: nn.Module):
+    return getattr(hf_model(model), "config", None) or getattr(model, "config", None)
+
+
+class DiskNames:
+    """Model name -> on-disk name: transformers' renamings (as ``save_pretrained`` reverts
+    them) applied to the name. Weight converters (fusions such as MoE experts) are not
+    reverted: such tensors are stored under their in-memory name and layout."""
+
+    def __init__(self, model: nn.Module | None):
+        if model is None or not hasattr(model, "config"):
+            self._renamings = []
+            return
+        if not hasattr(model, "_nxd_disk_renamings"):  # building transformers' tables takes ~0.5 s
+            model._nxd_disk_renamings = _reverse_renamings(model)
+        self._renamings = model._nxd_disk_renamings
+
+    def __call__(self, name: str) -> str:
+        if not self._renamings:
+            return name
+        from transformers.core_model_loading import apply_renamings
+
+        return apply_renamings(name, self._renamings)
+
+
+def _reverse_renamings(model: nn.Module) -> list:
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import PrefixChange, WeightRenaming
+
+    try:
+        conversions = get_model_conversion_mapping(model, add_legacy=False) or []
+    except Exception:  # an architecture transformers has no mapping for
+        return []
+    conversions = [c for c in conversions if not isinstance(c, PrefixChange)][::-1]
+    reversed_ = [c.reverse_transform() for c in conversions]
+    return [r for r in reversed_ if isinstance(r, WeightRenaming)]
+
+
+def named_local_tensors(model: nn.Module, *, buffers: bool = True):
+    """(model name, tensor) for every local parameter (each once) and persistent buffer."""
+    seen = set()
+    for root in local_roots(model):
+        for name, param in root.named_parameters():
+            if id(param) not in seen:
+                seen.add(id(param))
+                yield name, param
+        if not buffers:
+            continue
+        for module_name, module in root.named_modules():
+            for name, buffer in module._buffers.items():
+                if buffer is None or name in module._non_persistent_buffers_set or id(buffer) in seen:
+                    continue
+                seen.add(id(buffer))
+                yield (f"{module_name}.{name}" if module_name else name), buffer
+
+
+def logical_tensors(model: nn.Module) -> list[LogicalTensor]:
+    """This rank's ``LogicalTensor``s, in the same order on every rank of a pipeline stage.
+    Collective over the TP group (the owners of replicated rows are agreed on)."""
+    provided = getattr(model, "nxd_logical_tensors", None)
+    if callable(provided):
+        return list(provided())
+    disk_name = DiskNames(hf_model(model))
+    tp_rank, dp_rank = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_size()
+    if not parallel_state.model_parallel_is_initialized():  # plain replicas (e.g. DDP): all are DP ranks
+        dp_rank, dp_size = backend.rank(), backend.world_size()
+    out = []
+    for i, (name, tensor) in enumerate(named_local_tensors(model)):
+        writes_here = i % dp_size == dp_rank and getattr(tensor, "count_in_grad_norm", True)
+        out.append(_describe(disk_name(name), name, tensor, tp_rank, writes_here))
+    return out
+
+
+def _describe(name: str, model_name: str, tensor: torch.Tensor, tp_rank: int, writes_here: bool) -> LogicalTensor:
+    transposed = bool(getattr(tensor, "hf_transposed", False))
+    shape = list(tensor.shape)
+    writes_whole = writes_here and tp_rank == 0
+    if not is_sharded(tensor):
+        shape = shape[::-1] if transposed else shape
+        return LogicalTensor(name=name, tensor=tensor, shape=tuple(shape), dim=None, rows=None, transposed=transposed,
+                             runs=[], writes_whole=writes_whole, model_name=model_name)
+    dim = tensor.partition_dim
+    rows = tensor.shard_index
+    shape[dim] = tensor.logical_size
+    if transposed:
+        shape, dim = shape[::-1], 1 - dim
+    runs = _owned_runs(rows, tp_rank)  # collective over TP: every rank joins
+    return LogicalTensor(name=name, tensor=tensor, shape=tuple(shape), dim=dim, rows=rows, transposed=transposed,
+                         runs=runs if writes_here else [], writes_whole=writes_whole, model_name=model_name)
+
+
+def _owned_runs(rows: torch.Tensor, tp_rank: int) -> list[tuple[int, int, int]]:
+    """Runs (local start, local stop, logical start) of the local rows whose logical row this
+    rank holds first in TP-rank order: each logical row has exactly one owner."""
+    group = parallel_state.get_tensor_model_parallel_group()
+    gathered = backend.all_gather(rows, 0, group)  # [tp * local]
+    local = len(rows)
+    positions = torch.arange(len(gathered))
+    real = gathered >= 0
+    first = torch.full((int(gathered.max()) + 1 if bool(real.any()) else 0,), len(gathered), dtype=torch.long)
+    first.scatter_reduce_(0, gathered[real], positions[real], reduce="amin")
+    mine = positions[tp_rank * local : (tp_rank + 1) * local]
+    owned = ((rows >= 0) & (first[rows.clamp(min=0)] == mine)).nonzero().flatten()
+    if len(owned) == 0:
+        return []
+    logical = rows[owned]
+    breaks = ((owned[1:] != owned[:-1] + 1) | (logical[1:] != logical[:-1] + 1)).nonzero().flatten() + 1
+    starts, stops = [0, *breaks.tolist()], [*breaks.tolist(), len(owned)]
+    return [(int(owned[a]), int(owned[b - 1]) + 1, int(logical[a])) for a, b in zip(starts, stops)]

@@ -1,0 +1,152 @@
+"""``save_checkpoint`` (NxD's ``neuronx_distributed.trainer.save_checkpoint``).
+
+Not ``torch.distributed.checkpoint``: DCP's Hugging Face writer keeps one chunk per key and
+rank, which silently loses data when a rank holds several runs of one tensor (padding,
+strided fused QKV, replicated K/V), and its default writer stores ``.distcp`` files that
+``from_pretrained`` cannot open. Here each rank writes safetensors parts in logical
+coordinates under the on-disk HF names (``nxd_hf.checkpoint.logical``), so a checkpoint
+reshards by reading other slices, and consolidation is a concatenation.
+"""
+
+import copy
+import json
+import os
+import random
+import shutil
+import warnings
+
+import torch
+
+from nxd_hf import backend, parallel_state
+from nxd_hf.checkpoint import optim_state, store, writer
+from nxd_hf.checkpoint.format import dtype_name, parts_of
+from nxd_hf.checkpoint.logical import hf_model, logical_tensors, model_config
+from nxd_hf.parallel_layers.random import get_rng_state_tracker
+
+OPTIM_SEP = "::"
+"""Optimizer state tensor names: ``<parameter's on-disk name>::<state key>``."""
+
+
+def parallel_sizes(optimizer=None) -> dict:
+    return {"tp": parallel_state.get_tensor_model_parallel_size(), "pp": parallel_state.get_pipeline_model_parallel_size(),
+            "dp": parallel_state.get_data_parallel_size(), "world": backend.world_size(),
+            "zero1": optimizer is not None and optim_state.kind(optimizer) == "zero1"}
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "tracker": dict(get_rng_state_tracker().states)}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _master_weights_in_ckpt(model, nxd_config) -> bool:
+    config = nxd_config if nxd_config is not None else getattr(model, "nxd_config", None)
+    precision = getattr(config, "mixed_precision_config", None)
+    if isinstance(precision, dict):
+        return bool(precision.get("use_master_weights_in_ckpt", False))
+    return bool(getattr(precision, "use_master_weights_in_ckpt", False))
+
+
+def _tensor_shares(model, optimizer, masters_in_model: bool, rank: int, copy: bool):
+    """({file: {key: tensor}}, records) this rank writes."""
+    model_file, optim_file = f"model/rank_{rank:05d}.safetensors", f"optim/rank_{rank:05d}.safetensors"
+    files, records = {model_file: {}, optim_file: {}}, []
+    lts = logical_tensors(model) if model is not None else []
+    states = optim_state.param_states(optimizer) if optimizer is not None else {}
+    by_id = {id(lt.tensor): lt for lt in lts}
+    unknown = [p for p, _ in states.values() if id(p) not in by_id]
+    if unknown:
+        raise ValueError(f"the optimizer has {len(unknown)} parameters that are not in the model passed to "
+                         "save_checkpoint: pass the model the optimizer was built on")
+
+    def add(section, file, lt, value, name):
+        for key, tensor, part in parts_of(lt, value, name, file):
+            files[file][key] = tensor.clone() if copy else tensor
+            records.append([section, name, list(lt.shape) if tensor.dim() else [], dtype_name(tensor.dtype), part])
+
+    for lt in lts:
+        state = states.get(id(lt.tensor), (None, {}))[1]
+        value = state.get(optim_state.MASTER, lt.tensor) if masters_in_model else lt.tensor
+        add("model", model_file, lt, value, lt.name)
+        for key, tensor in state.items():
+            add("optimizer", optim_file, lt, tensor, f"{lt.name}{OPTIM_SEP}{key}")
+    return files, records
+
+
+def _blobs(rank: int, optimizer, scheduler, user_content) -> dict:
+    blobs = {f"rng/rank_{rank:05d}.pt": rng_state()}
+    if rank == 0:
+        groups = None
+        if optimizer is not None:
+            groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        blobs["state.pt"] = {"user_content": user_content, "param_groups": groups,
+                             "scheduler": scheduler.state_dict() if scheduler is not None else None}
+    return blobs
+
+
+def _header(model, optimizer, masters_in_model: bool) -> dict:
+    config = model_config(model) if model is not None else None
+    return {"format": store.FORMAT, "version": 1, "parallel": parallel_sizes(optimizer),
+            "model_type": getattr(config, "model_type", None),
+            "config": json.loads(config.to_json_string()) if hasattr(config, "to_json_string") else None,
+            "master_weights_in_model": masters_in_model}
+
+
+def _write_configs(model, tmp: str) -> None:
+    """config.json / generation_config.json, for consolidation."""
+    config = model_config(model)
+    if hasattr(config, "save_pretrained"):
+        config.save_pretrained(tmp)
+    generation = getattr(hf_model(model), "generation_config", None)
+    if generation is not None and hasattr(generation, "save_pretrained"):
+        generation.save_pretrained(tmp)
+
+
+def save_checkpoint(path: str, tag: str = "", model=None, optimizer=None, scheduler=None, user_content=None,
+                    num_workers: int = 8, use_xser: bool = False, num_kept_ckpts: int | None = None,
+                    async_save: bool = False, zero1_optimizer: bool = False, nxd_config=None) -> None:
+    """Save a checkpoint to ``path/tag`` (every rank calls it). As NxD's, except: the format
+    is always safetensors in logical coordinates (``use_xser`` is ignored, with a warning),
+    tag ``""`` is stored as ``path/default``, ``zero1_optimizer`` is detected from the
+    optimizer object (NxD's optimizer-state-dict form is not accepted), and the checkpoint
+    loads at any parallel sizes. ``user_content`` must hold only what
+    ``torch.load(weights_only=True)`` reads back (tensors, numbers, strings, lists, dicts).
+    ``num_workers``: ranks writing at the same time (synchronous saves)."""
+    if use_xser:
+        warnings.warn("save_checkpoint: use_xser is ignored: nxd_hf always writes safetensors", stacklevel=2)
+    if isinstance(optimizer, dict):
+        raise ValueError("save_checkpoint takes the optimizer object, not its state_dict")
+    if num_workers < 1 or (num_kept_ckpts is not None and num_kept_ckpts < 1):
+        raise ValueError(f"num_workers ({num_workers}) and num_kept_ckpts ({num_kept_ckpts}) must be >= 1")
+    writer.wait_for_checkpoint()
+    rank, world = backend.rank(), backend.world_size()
+    tmp = store.tmp_dir(path, tag)
+    masters_in_model = _master_weights_in_ckpt(model, nxd_config)
+    files, records = _tensor_shares(model, optimizer, masters_in_model, rank, copy=async_save)
+    blobs = _blobs(rank, optimizer, scheduler, user_content)
+    blobs = copy.deepcopy(blobs) if async_save else blobs  # the caller may change them while we write
+    header = _header(model, optimizer, masters_in_model)
+    if rank == 0:
+        os.makedirs(path, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # a crashed save's leftovers
+        os.makedirs(tmp)
+        if model is not None:
+            _write_configs(model, tmp)
+    backend.barrier()
+    if async_save:
+        def work():
+            writer.write_share(tmp, rank, files, blobs, records)
+            if rank == 0:
+                writer.wait_for_records(tmp, world, writer.ASYNC_TIMEOUT_S)
+                store.finalize(path, tag, writer.merge(tmp, world, header), num_kept_ckpts)
+        writer.submit(work)
+        return
+    for wave in range(-(-world // num_workers)):
+        if rank // num_workers == wave:
+            writer.write_share(tmp, rank, files, blobs, records)
+        backend.barrier()
+    if rank == 0:
+        store.finalize(path, tag, writer.merge(tmp, world, header), num_kept_ckpts)
+    backend.barrier()

@@ -1,0 +1,120 @@
+"""Writing one rank's share of a checkpoint, synchronously or on a background thread.
+
+A rank writes its safetensors files and its non-tensor files, then ``records/rank_N.json``
+(its part records and file checksums) last. Rank 0 merges every rank's records into the
+index. With ``async_save`` the writing runs on a (non-daemon) thread that uses no process
+group: rank 0's thread waits for the other ranks' record files on the shared filesystem
+instead of a barrier. ``wait_for_checkpoint`` joins it; the next save and load, the end of
+``parallel_state.destroy_model_parallel`` and interpreter exit (a non-daemon thread) wait too.
+"""
+
+import glob
+import io
+import json
+import os
+import threading
+import time
+
+import torch
+
+from nxd_hf import parallel_state
+from nxd_hf.checkpoint import store
+from nxd_hf.checkpoint.format import write_file
+
+RECORDS = "records"
+ASYNC_TIMEOUT_S = 3600.0
+"""How long rank 0's background thread waits for the other ranks' files before giving up
+(the checkpoint then stays an invisible temporary directory)."""
+
+_pending: list[threading.Thread] = []
+_errors: list[BaseException] = []
+
+
+def record_path(tmp: str, rank: int) -> str:
+    return os.path.join(tmp, RECORDS, f"rank_{rank:05d}.json")
+
+
+def write_share(tmp: str, rank: int, files: dict[str, dict], blobs: dict[str, object], records: list) -> None:
+    """Write this rank's tensor files, ``blobs`` (torch.save'd), then its record file."""
+    meta = {}
+    for rel, tensors in files.items():
+        if tensors:
+            meta[rel] = write_file(os.path.join(tmp, rel), tensors)
+    for rel, obj in blobs.items():
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        path = os.path.join(tmp, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(buffer.getvalue())
+            f.flush()
+            os.fsync(f.fileno())
+    os.makedirs(os.path.join(tmp, RECORDS), exist_ok=True)
+    store.write_json_atomic(record_path(tmp, rank), {"files": meta, "records": records})
+
+
+def merge(tmp: str, world: int, header: dict) -> dict:
+    """The index from every rank's record file."""
+    tensors, files = {}, {}
+    for rank in range(world):
+        with open(record_path(tmp, rank)) as f:
+            share = json.load(f)
+        files.update(share["files"])
+        for section, name, shape, dtype, part in share["records"]:
+            part["crc32"] = share["files"][part["file"]]["crc32"][part["key"]]
+            entry = tensors.setdefault(section, {}).setdefault(name, {"shape": shape, "dtype": dtype, "parts": []})
+            assert entry["shape"] == shape, f"{name}: ranks disagree on its shape"
+            entry["parts"].append(part)
+    for section in tensors.values():
+        for name, entry in section.items():
+            _check_coverage(name, entry)
+    return {**header, "tensors": tensors, "files": files}
+
+
+def _check_coverage(name: str, entry: dict) -> None:
+    """Every logical row is written exactly once (the ownership rules' invariant)."""
+    parts = entry["parts"]
+    if len(parts) == 1 and parts[0]["dim"] is None:
+        return
+    assert all(p["dim"] is not None for p in parts), f"{name}: written whole and in parts"
+    spans = sorted((p["start"], p["stop"]) for p in parts)
+    size = entry["shape"][parts[0]["dim"]]
+    expected = 0
+    for start, stop in spans:
+        assert start == expected, f"{name}: rows {expected}..{start} missing or written twice"
+        expected = stop
+    assert expected == size, f"{name}: rows {expected}..{size} missing"
+
+
+def wait_for_records(tmp: str, world: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while len(glob.glob(os.path.join(tmp, RECORDS, "rank_*.json"))) < world:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"async checkpoint {tmp}: not every rank finished writing in {timeout_s}s")
+        time.sleep(0.05)
+
+
+def submit(work) -> None:
+    def run():
+        try:
+            work()
+        except BaseException as error:  # re-raised by wait_for_checkpoint
+            _errors.append(error)
+
+    thread = threading.Thread(target=run, name="nxd_hf-async-checkpoint", daemon=False)
+    thread.start()
+    _pending.append(thread)
+
+
+def wait_for_checkpoint() -> None:
+    """Block until every background checkpoint write of this process has finished; raise the
+    first error one of them hit."""
+    while _pending:
+        _pending.pop(0).join()
+    if _errors:
+        error = _errors.pop(0)
+        _errors.clear()
+        raise RuntimeError(f"an asynchronous checkpoint save failed: {error}") from error
+
+
+parallel_state.register_before_destroy(wait_for_checkpoint)

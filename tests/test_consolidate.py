@@ -1,0 +1,80 @@
+"""A plain HF model out of a tp=2 checkpoint: ``consolidate`` (several output shards) and the
+``nxd-hf consolidate`` command write what transformers' auto class loads with logits identical
+to the unparallelized model, for llama (GQA, K/V replicated, heads padded), qwen2 (tied
+embeddings, vocab 101 not divisible by tp), gpt2 (Conv1D, biases, fused c_attn), bert
+(encoder, tied MLM decoder) and gpt_neox (transformers renames ``embed_out`` to ``lm_head`` on
+load: stored under the on-disk name); ``nxd_hf.from_pretrained`` reads it back at tp=2."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+
+import hf_parity
+import nxd_hf
+from nxd_hf import parallel_state
+from nxd_hf.testing import run_distributed
+
+CASES = {"llama": transformers.AutoModelForCausalLM, "qwen2": transformers.AutoModelForCausalLM,
+         "gpt2": transformers.AutoModelForCausalLM, "bert": transformers.AutoModelForMaskedLM,
+         "gpt_neox": transformers.AutoModelForCausalLM}
+
+
+def _logits(model, ids):
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def check_consolidate(root: str, model_type: str) -> None:
+    parallel_state.destroy_model_parallel()
+    reference, model = hf_parity.build_pair(model_type)
+    nxd_hf.parallelize(model, tensor_parallel_size=2)
+    path, out = os.path.join(root, model_type, "ckpt"), os.path.join(root, model_type, "hf")
+    nxd_hf.save_checkpoint(path, tag="final", model=model)
+    ids, _ = hf_parity.batch()
+    if torch.distributed.get_rank() == 0:
+        nxd_hf.consolidate(path, out, max_shard_size="40KB")
+        shards = [f for f in os.listdir(out) if f.startswith("model-")]
+        assert len(shards) > 1, shards
+        if model_type == "gpt_neox":
+            with open(os.path.join(out, "model.safetensors.index.json")) as f:
+                assert "embed_out.weight" in f.read()
+        loaded = CASES[model_type].from_pretrained(out)
+        torch.testing.assert_close(_logits(loaded, ids), _logits(reference, ids), rtol=0, atol=0)
+    torch.distributed.barrier()
+    again = nxd_hf.from_pretrained(out, auto_class=CASES[model_type], tensor_parallel_size=2, gather_logits=True)
+    torch.testing.assert_close(_logits(again, ids), _logits(reference, ids), **hf_parity.TOL)
+
+
+def run_cases(root: str) -> None:
+    for model_type in CASES:
+        check_consolidate(root, model_type)
+
+
+def test_consolidate_tp2_checkpoints(tmp_path):
+    run_distributed(run_cases, 2, str(tmp_path), timeout_s=600)
+    # the console command on one of them, with a dtype cast
+    out = tmp_path / "gpt2_cli"
+    done = subprocess.run([sys.executable, "-m", "nxd_hf.cli", "consolidate", str(tmp_path / "gpt2" / "ckpt"),
+                           str(out), "--dtype", "bfloat16"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert loaded.dtype == torch.bfloat16
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "gpt2" / "hf")
+    for name, tensor in reference.state_dict().items():
+        torch.testing.assert_close(loaded.state_dict()[name], tensor.to(torch.bfloat16), rtol=0, atol=0)
+    bad = subprocess.run([sys.executable, "-m", "nxd_hf.cli", "consolidate", str(tmp_path), str(out)],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "not an nxd_hf checkpoint directory" in bad.stderr, bad.stderr
+
+
+def test_parse_size():
+    from nxd_hf.checkpoint.consolidate import parse_size
+
+    assert parse_size("5GB") == 5 * 10**9 and parse_size("500MiB") == 500 * 2**20 and parse_size(123) == 123
+    with pytest.raises(ValueError, match="max_shard_size"):
+        parse_size("lots")

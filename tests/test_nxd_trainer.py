@@ -3,6 +3,8 @@ and grad norms every step, the same final parameters, the same evaluation (loss 
 compute_metrics) and predictions; at tp=2, pp=2 (M=4) and dp=2 with ZeRO-1 and accumulation, in
 one spawn of 2 ranks."""
 
+import os
+import shutil
 import tempfile
 
 import peft
@@ -12,7 +14,7 @@ import transformers
 
 import hf_parity
 import nxd_hf
-from nxd_hf import parallel_state
+from nxd_hf import backend, parallel_state
 from nxd_hf.parallel_layers.pad import gather_full_tensor
 from nxd_hf.parallel_layers.sharding import is_sharded
 from nxd_hf.testing import run_distributed
@@ -90,6 +92,64 @@ def _check_evaluation(ref, ours, case):
     want, got = ref.evaluate(), ours.evaluate()  # 6 samples: under PP padded to a multiple of 4 microbatches
     for key in ("eval_loss", "eval_top1"):
         assert got[key] == pytest.approx(want[key], rel=1e-4), (case, key, got, want)
+
+
+def _train_nxd(out_dir, *, steps, resume=None, lora=False, batch=4, **layout):
+    parallel_state.destroy_model_parallel()
+    _, model = hf_parity.build_pair("llama")
+    args = nxd_hf.NxDTrainingArguments(output_dir=out_dir, per_device_train_batch_size=batch,
+                                       **{**COMMON, "max_steps": steps, "save_strategy": "steps", "save_steps": 2,
+                                          "save_total_limit": 2}, **layout)
+    torch.manual_seed(11)
+    trainer = nxd_hf.NxDTrainer(model, args, train_dataset=_dataset(), peft_config=_lora() if lora else None)
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+def _check_saved_model(trainer, directory, lora):
+    """save_model's directory opens in plain transformers / peft with our logits."""
+    ids = torch.stack([row["input_ids"] for row in _dataset()[:3]])
+    trainer.nxd_model.eval()
+    with torch.no_grad():
+        ours = trainer.nxd_model(input_ids=ids).logits
+    if lora:
+        base, _ = hf_parity.build_pair("llama")
+        plain = peft.PeftModel.from_pretrained(base, directory)
+    else:
+        plain = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    with torch.no_grad():
+        torch.testing.assert_close(plain.eval()(input_ids=ids).logits, ours, **TOL)
+
+
+def checkpoint_cases(out_dir):
+    """save_steps checkpoints, exact resume at the same sizes, resume at other sizes, save_model."""
+    if True:  # one directory for every rank
+        whole = _train_nxd(f"{out_dir}/a", steps=6, tensor_parallel_size=2)
+        whole.save_model(f"{out_dir}/final")  # (while parallel_state is still tp=2)
+        _check_saved_model(whole, f"{out_dir}/final", lora=False)
+        names = sorted(os.listdir(f"{out_dir}/a"))
+        assert [n for n in names if n.startswith("checkpoint-")] == ["checkpoint-4", "checkpoint-6"], names
+        assert transformers.trainer_utils.get_last_checkpoint(f"{out_dir}/a").endswith("checkpoint-6")
+        backend.barrier()
+        if backend.rank() == 0:
+            shutil.copytree(f"{out_dir}/a/checkpoint-4", f"{out_dir}/b/checkpoint-4")
+        backend.barrier()
+        resumed = _train_nxd(f"{out_dir}/b", steps=6, resume=True, tensor_parallel_size=2)
+        assert _losses(resumed)[-2:] == _losses(whole)[-2:]  # bitwise
+        for (name, p), q in zip(whole.nxd_model.named_parameters(), resumed.nxd_model.parameters()):
+            assert torch.equal(p, q), name
+        other = _train_nxd(f"{out_dir}/c", steps=6, resume=f"{out_dir}/a/checkpoint-4", batch=2)  # tp=1 x dp=2
+        torch.testing.assert_close(torch.tensor([v for _, v in _losses(other)[-2:]]),
+                                   torch.tensor([v for _, v in _losses(whole)[-2:]]), **TOL)
+        lora = _train_nxd(f"{out_dir}/d", steps=2, lora=True, tensor_parallel_size=2)
+        lora.save_model(f"{out_dir}/adapter")
+        assert os.path.exists(f"{out_dir}/adapter/adapter_model.safetensors")
+        _check_saved_model(lora, f"{out_dir}/adapter", lora=True)
+    return True
+
+
+def test_nxd_trainer_checkpoints_world2(tmp_path):
+    assert run_distributed(checkpoint_cases, 2, str(tmp_path), timeout_s=600) == [True, True]
 
 
 def trainer_cases():

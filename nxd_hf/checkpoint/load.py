@@ -12,6 +12,7 @@ import os
 import random
 import warnings
 
+import numpy as np
 import torch
 
 from nxd_hf import backend
@@ -135,9 +136,19 @@ def _restore_rng(directory: str, index: dict) -> None:
     rng = torch.load(os.path.join(directory, f"rng/rank_{backend.rank():05d}.pt"), weights_only=True)
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])
+    if "numpy" in rng:
+        kind, keys, pos, has_gauss, cached = rng["numpy"]
+        np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     if "cuda" in rng and torch.cuda.is_available():
         torch.cuda.set_rng_state(rng["cuda"])
     get_rng_state_tracker().states = dict(rng["tracker"])
+
+
+def restore_rng_states(path: str, tag: str | None = None) -> None:
+    """Set this process's RNG states to those a checkpoint saved (at the same parallel sizes;
+    ``load_checkpoint`` does it too). ``NxDTrainer`` calls it where ``Trainer`` restores them."""
+    directory, index = _locate(path, tag)
+    _restore_rng(directory, index)
 
 
 def load_checkpoint(path: str, tag: str | None = None, model=None, optimizer=None, scheduler=None,

@@ -15,6 +15,7 @@ import random
 import shutil
 import warnings
 
+import numpy as np
 import torch
 
 from nxd_hf import backend, parallel_state
@@ -34,7 +35,11 @@ def parallel_sizes(optimizer=None) -> dict:
 
 
 def rng_state() -> dict:
+    """This process's RNG states (torch, Python, numpy, the model-parallel tracker), in types
+    ``torch.load(weights_only=True)`` reads back."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
     state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
              "tracker": dict(get_rng_state_tracker().states)}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -104,16 +109,28 @@ def _write_configs(model, tmp: str) -> None:
         generation.save_pretrained(tmp)
 
 
+def _check_same_target(path: str, tag: str) -> None:
+    """Every rank must write into one directory (rank 0 assembles it): a ValueError on every rank
+    otherwise, instead of a missing part found later."""
+    targets = backend.all_gather_object((os.path.abspath(path), tag))
+    if len(set(targets)) > 1:
+        raise ValueError(f"save_checkpoint: the ranks were given different (path, tag): {sorted(set(targets))}; "
+                         "every rank must pass the same path (on a filesystem all ranks share) and tag")
+
+
 def save_checkpoint(path: str, tag: str = "", model=None, optimizer=None, scheduler=None, user_content=None,
                     num_workers: int = 8, use_xser: bool = False, num_kept_ckpts: int | None = None,
-                    async_save: bool = False, zero1_optimizer: bool = False, nxd_config=None) -> None:
+                    async_save: bool = False, zero1_optimizer: bool = False, nxd_config=None,
+                    side_files=None) -> None:
     """Save a checkpoint to ``path/tag`` (every rank calls it). As NxD's, except: the format
     is always safetensors in logical coordinates (``use_xser`` is ignored, with a warning),
     tag ``""`` is stored as ``path/default``, ``zero1_optimizer`` is detected from the
     optimizer object (NxD's optimizer-state-dict form is not accepted), and the checkpoint
     loads at any parallel sizes. ``user_content`` must hold only what
     ``torch.load(weights_only=True)`` reads back (tensors, numbers, strings, lists, dicts).
-    ``num_workers``: ranks writing at the same time (synchronous saves)."""
+    ``num_workers``: ranks writing at the same time (synchronous saves). ``side_files(directory)``
+    (not in NxD): rank 0 writes more files into the checkpoint before it is complete, so the
+    completion marker covers them (``NxDTrainer``'s trainer state and tokenizer)."""
     if use_xser:
         warnings.warn("save_checkpoint: use_xser is ignored: nxd_hf always writes safetensors", stacklevel=2)
     if isinstance(optimizer, dict):
@@ -122,6 +139,7 @@ def save_checkpoint(path: str, tag: str = "", model=None, optimizer=None, schedu
         raise ValueError(f"num_workers ({num_workers}) and num_kept_ckpts ({num_kept_ckpts}) must be >= 1")
     writer.wait_for_checkpoint()
     rank, world = backend.rank(), backend.world_size()
+    _check_same_target(path, tag)
     tmp = store.tmp_dir(path, tag)
     masters_in_model = _master_weights_in_ckpt(model, nxd_config)
     files, records = _tensor_shares(model, optimizer, masters_in_model, rank, copy=async_save)
@@ -134,6 +152,8 @@ def save_checkpoint(path: str, tag: str = "", model=None, optimizer=None, schedu
         os.makedirs(tmp)
         if model is not None:
             _write_configs(model, tmp)
+        if side_files is not None:
+            side_files(tmp)
     backend.barrier()
     if async_save:
         def work():

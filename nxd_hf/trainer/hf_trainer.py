@@ -13,6 +13,7 @@ It overrides the fewest hooks it can; everything else (callbacks, schedulers, lo
   computes it on one process (``num_items_in_batch``); the logged loss is the DP mean;
 - optimizer: ``initialize_parallel_optimizer`` (ZeRO-1 with ``zero_1``) does the DP reduction
   and the clipping on the global norm; the logged ``grad_norm`` is that norm;
+- saving and resuming: ``nxd_hf.trainer.hf_checkpoints``;
 - evaluation: every rank evaluates the whole evaluation set; ``compute_metrics`` and ``predict``
   see the full logits (gathered over TP, unpadded; under PP sent from the last stage).
 """
@@ -27,13 +28,14 @@ from nxd_hf.optim.zero1 import ELEMENTWISE_OPTIMIZERS
 from nxd_hf.parallel_layers.loss_functions import loss_normalizer
 from nxd_hf.pipeline.model import NxDPPModel
 from nxd_hf.trainer.arguments import NxDTrainingArguments
+from nxd_hf.trainer.hf_checkpoints import CheckpointHooks
 from nxd_hf.trainer.model import NxDModel, initialize_parallel_model
 from nxd_hf.trainer.optimizer import initialize_parallel_optimizer
 
 _ROW_WEIGHT = "_nxd_row_weight"  # this replica's rows x dp / the global batch's rows
 
 
-class NxDTrainer(transformers.Trainer):
+class NxDTrainer(CheckpointHooks, transformers.Trainer):
     """A drop-in for ``transformers.Trainer`` taking ``NxDTrainingArguments`` (module docstring).
     ``model``: a plain HF model (parallelized here, with LoRA adapters when ``peft_config``, a
     ``peft.LoraConfig``, is given), an already parallelized one, or a peft model of one."""

@@ -80,6 +80,9 @@ def check_bad_inputs(root):
                                tensor_parallel_size=2)
     _raises_everywhere("unexpected key: model.layers.2", load, path, model=short)
     load(path, tag="good", model=short, strict=False)
+    deep = nxd_hf.parallelize(C.hf_parity.build_pair("llama", num_hidden_layers=5, attention_bias=False)[1],
+                              tensor_parallel_size=2)
+    _raises_everywhere("missing key: model.layers.4", load, path, model=deep)
     # corrupted, truncated, missing files and an unfinished checkpoint (copies of the good one)
     damaged = {"flipped": "model/rank_00001.safetensors", "truncated": "optim/rank_00000.safetensors",
                "lost": "model/rank_00000.safetensors", "unfinished": "done"}
@@ -120,7 +123,9 @@ def check_tags(root):
     with open(os.path.join(path, "checkpoints.json")) as f:
         assert json.load(f) == {"newest": "b", "complete": ["c", "b"]}
     assert nxd_hf.load_checkpoint(path, model=model) == "b again"
-    nxd_hf.save_checkpoint(path, model=model, optimizer=optimizer, user_content="async", async_save=True)
+    with pytest.warns(UserWarning, match="use_xser is ignored"):
+        nxd_hf.save_checkpoint(path, model=model, optimizer=optimizer, user_content="async", async_save=True,
+                               use_xser=True)
     nxd_hf.wait_for_checkpoint()
     torch.distributed.barrier()
     assert os.path.exists(os.path.join(path, "default", "done"))

@@ -2,6 +2,8 @@
 checkpoint format: the optimizer's parameters (named ``group<g>.param<i>`` by position, in
 their logical layout from the sharding metadata) and their state, under ``output_dir/zero1``.
 Unlike NxD's per-rank files, they load at other DP/TP sizes (same parameters and groups).
+The parameters' values are stored too and loading restores them: for fp32 parameters they are
+ZeRO-1's masters.
 
 ``optim/`` sits below ``checkpoint/`` and must not import it: importing this module installs
 the two functions on ``Zero1StateMixin`` (``nxd_hf`` imports it).

@@ -61,5 +61,6 @@ class Zero1StateMixin:
         self._sharded_io[0](self, output_dir, save_serially)
 
     def load_sharded_state_dict(self, output_dir: str, num_workers_per_step: int = 8) -> None:
-        """Read the state ``save_sharded_state_dict`` wrote, at most ``num_workers_per_step`` ranks at a time."""
+        """Read the state ``save_sharded_state_dict`` wrote (parameters included), at most
+        ``num_workers_per_step`` ranks at a time."""
         self._sharded_io[1](self, output_dir, num_workers_per_step)

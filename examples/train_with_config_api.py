@@ -31,6 +31,8 @@ def parse_args():
     parser.add_argument("--batch-size", type=int, default=8, help="global batch")
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--checkpoint-dir", default=None, help="resume from its newest checkpoint; save there")
+    parser.add_argument("--save-every", type=int, default=10, help="steps between (asynchronous) checkpoints")
     return parser.parse_args()
 
 
@@ -56,17 +58,28 @@ def main():
     rank0 = int(os.environ.get("RANK", 0)) == 0
     if rank0:
         print(f"tp {args.tp} x pp {args.pp} x dp {dp_size}, zero1={args.zero1}, bf16={args.bf16}")
-    losses = []
-    for step in range(args.steps):
+    losses, first_step = [], 0
+    if args.checkpoint_dir and os.path.exists(os.path.join(args.checkpoint_dir, "checkpoints.json")):
+        # the optimizer exists before loading: its state is filled in place, as with NxD
+        state = nxd_hf.load_checkpoint(args.checkpoint_dir, model=model, optimizer=optimizer)
+        first_step = state["step"]
+        windows.set_state(state["windows"])  # the data position travels in user_content
+        if rank0:
+            print(f"resumed from step {first_step}")
+    for step in range(first_step, args.steps):
         starts = torch.randint(0, stream.numel() - args.seq_len, (args.batch_size,), generator=windows)
         batch = torch.stack([stream[s : s + args.seq_len] for s in starts]).chunk(dp_size)[dp_rank]
         loss = model.run_train(input_ids=batch, attention_mask=torch.ones_like(batch), labels=batch)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(float(loss))
-        if rank0 and (step % 5 == 0 or step == args.steps - 1):
+        if rank0 and (step % 5 == 0 or step in (first_step, args.steps - 1)):
             print(f"step {step:3d}  loss {losses[-1]:.4f}", flush=True)
-    if rank0:
+        if args.checkpoint_dir and ((step + 1) % args.save_every == 0 or step == args.steps - 1):
+            nxd_hf.save_checkpoint(args.checkpoint_dir, tag=f"step{step + 1}", model=model, optimizer=optimizer,
+                                   user_content={"step": step + 1, "windows": windows.get_state()},
+                                   num_kept_ckpts=2, async_save=True)  # destroy_model_parallel waits for it
+    if rank0 and losses:
         print(f"loss fell from {losses[0]:.4f} to {losses[-1]:.4f}")
     parallel_state.destroy_model_parallel()  # gloo's threads must not outlive the interpreter
     torch.distributed.destroy_process_group()

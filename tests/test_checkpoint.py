@@ -1,7 +1,8 @@
 """save_checkpoint / load_checkpoint: round trips into a freshly built model and optimizer (built
 before loading, as NxD users do) at (tp, pp, dp) = (2,1,1), (1,2,1), (1,1,2)+ZeRO-1 on 2 ranks
 and (2,2,1), (2,1,2)+ZeRO-1 on 4; resharding (2,1,1) -> (1,1,1); every bad input a ValueError
-raised on every rank; num_kept_ckpts, re-saving a tag, async_save. A round trip compares the
+raised on every rank; num_kept_ckpts, re-saving a tag, async_save; phi3 at tp=4 (fused QKV,
+padded query heads, replicated K/V) saved, consolidated and reloaded exactly. A round trip compares the
 whole model and optimizer state (gathered: identical tensors, bit for bit) and two further
 training steps (identical losses) with the model that was saved."""
 
@@ -80,6 +81,9 @@ def check_bad_inputs(root):
                                tensor_parallel_size=2)
     _raises_everywhere("unexpected key: model.layers.2", load, path, model=short)
     load(path, tag="good", model=short, strict=False)
+    deep = nxd_hf.parallelize(C.hf_parity.build_pair("llama", num_hidden_layers=5, attention_bias=False)[1],
+                              tensor_parallel_size=2)
+    _raises_everywhere("missing key: model.layers.4", load, path, model=deep)
     # corrupted, truncated, missing files and an unfinished checkpoint (copies of the good one)
     damaged = {"flipped": "model/rank_00001.safetensors", "truncated": "optim/rank_00000.safetensors",
                "lost": "model/rank_00000.safetensors", "unfinished": "done"}
@@ -120,7 +124,9 @@ def check_tags(root):
     with open(os.path.join(path, "checkpoints.json")) as f:
         assert json.load(f) == {"newest": "b", "complete": ["c", "b"]}
     assert nxd_hf.load_checkpoint(path, model=model) == "b again"
-    nxd_hf.save_checkpoint(path, model=model, optimizer=optimizer, user_content="async", async_save=True)
+    with pytest.warns(UserWarning, match="use_xser is ignored"):
+        nxd_hf.save_checkpoint(path, model=model, optimizer=optimizer, user_content="async", async_save=True,
+                               use_xser=True)
     nxd_hf.wait_for_checkpoint()
     torch.distributed.barrier()
     assert os.path.exists(os.path.join(path, "default", "done"))
@@ -174,7 +180,33 @@ def run_world1(root):
     torch.testing.assert_close(torch.tensor(got), torch.tensor(expected[1]), **C.hf_parity.TOL)
 
 
+def check_fused_qkv_padded_replicated(root):
+    """phi3 at tp=4: fused qkv_proj (strided), 6 query heads padded to 8, 2 K/V heads copied
+    twice. The checkpoint holds each logical row once; consolidated it is the original model,
+    and it loads back into another tp=4 model."""
+    import transformers
+
+    reference, model = C.hf_parity.build_pair("phi3")
+    nxd_hf.parallel_state.destroy_model_parallel()
+    nxd_hf.parallelize(model, tensor_parallel_size=4)
+    path = os.path.join(root, "phi3")
+    nxd_hf.save_checkpoint(path, model=model)
+    if torch.distributed.get_rank() == 0:
+        nxd_hf.consolidate(path, os.path.join(root, "phi3_hf"))
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(root, "phi3_hf"))
+        expected = reference.state_dict()
+        assert set(loaded.state_dict()) == set(expected)
+        for name, tensor in loaded.state_dict().items():
+            torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+    other = nxd_hf.parallelize(C.hf_parity.build_pair("phi3", seed=3)[1], tensor_parallel_size=4)
+    nxd_hf.load_checkpoint(path, model=other)
+    full, expected = nxd_hf.full_state_dict(other), reference.state_dict()
+    for name, tensor in full.items():
+        torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+
+
 def run_world4(root):
+    check_fused_qkv_padded_replicated(root)
     check_round_trip(os.path.join(root, "tp2pp2"), tp=2, pp=2)
     check_round_trip(os.path.join(root, "tp2dp2"), tp=2, zero1=True)
     check_round_trip(os.path.join(root, "tp2dp2_to_dp4"), tp=2, zero1=True, reload_tp=1)

@@ -2,6 +2,8 @@
 checkpoint format: the optimizer's parameters (named ``group<g>.param<i>`` by position, in
 their logical layout from the sharding metadata) and their state, under ``output_dir/zero1``.
 Unlike NxD's per-rank files, they load at other DP/TP sizes (same parameters and groups).
+The parameters' values are stored too and loading restores them: for fp32 parameters they are
+ZeRO-1's masters.
 
 ``checkpoint/`` sits below ``optim/`` (it writes what the sharding metadata describes and
 imports none of the things it saves), so the optimizer's two methods call these functions.

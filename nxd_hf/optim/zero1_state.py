@@ -60,7 +60,8 @@ class Zero1StateMixin:
         save_sharded(self, output_dir, save_serially)
 
     def load_sharded_state_dict(self, output_dir: str, num_workers_per_step: int = 8) -> None:
-        """Read the state ``save_sharded_state_dict`` wrote, at most ``num_workers_per_step`` ranks at a time."""
+        """Read the state ``save_sharded_state_dict`` wrote (parameters included), at most
+        ``num_workers_per_step`` ranks at a time."""
         from nxd_hf.checkpoint.zero1_shards import load_sharded
 
         load_sharded(self, output_dir, num_workers_per_step)

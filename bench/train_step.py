@@ -9,13 +9,18 @@ AdamW at lr 5e-5, clipping at 1.0), four ways, on CPU:
 - ``nxd_loop``: ``nxd_hf.parallelize(model, tensor_parallel_size=2)``, ``torch.optim.AdamW``,
   ``loss.backward()``, ``nxd_hf.parallel_layers.grads.clip_grad_norm``, ``step()``; 2 ranks;
 - ``hf_tp``: transformers' own TP, ``from_pretrained(..., distributed_config=DistributedConfig(
-  tp_size=2))`` (``from_config`` takes no distributed config, so a random checkpoint is written
-  once), trained by ``transformers.Trainer`` (``--hf-tp-loop``: the bare loop); 2 ranks;
+  tp_size=2))`` (``from_config`` takes no distributed config, so a random checkpoint of the same
+  weights is written once), trained by ``transformers.Trainer`` where accelerate lets it be built
+  (on CPU under torchrun it does not: ``use_cpu=True`` -> "ParallelismConfig is only compatible
+  ... got MULTI_CPU", without it -> "total_size (2) does not match num_processes (1)"), else by
+  the bare loop with ``Trainer``'s mixed-mesh clipping; the table says which; 2 ranks;
 - ``single``: the plain HF model, the bare loop, one process with 2 threads.
 
 2-rank cases run under ``torch.distributed.run`` (gloo, OMP_NUM_THREADS=1 per rank). Each
 launch is a fresh set of processes; the first ``--warmup`` steps are dropped. tokens/s =
-batch x seq / the step time (per step the slowest rank, then the median over steps). Peak RSS:
+batch x seq / the step time (per step the slowest rank, then the median over steps);
+tokens/CPU-s = batch x seq / the process CPU seconds of all ranks in a step (median over steps),
+which load from other processes on the machine disturbs far less than wall time. Peak RSS:
 ``VmHWM`` of the whole run per rank (the worst rank), beside its "bare" reading (imports done,
 process group up) and the training-only peak (``VmHWM`` reset once the model is built). The
 floor is (parameters + gradients + 2 AdamW moments) x 4 B / tp + bare. Every case is launched
@@ -23,7 +28,8 @@ floor is (parameters + gradients + 2 AdamW moments) x 4 B / tp + bare. Every cas
 rewritten after every launch.
 
 Run from the repo root: ``python bench/train_step.py [--layers 12] [--steps 5] [--warmup 2]
-[--repeats 3] [--out PATH]``; ``--report PATH`` prints an earlier run's table; a quick check: ``--layers 2 --steps 3 --warmup 1 --repeats 1``.
+[--repeats 3] [--cases ...] [--out PATH]``; ``--report PATH`` prints an earlier run's table;
+a quick check: ``--layers 2 --steps 3 --warmup 1 --repeats 1 --out /tmp/train_step.json``.
 """
 
 import argparse
@@ -78,8 +84,10 @@ def launch(case: str, opts: dict, timeout_s: float) -> dict:
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
             error = None if proc.returncode == 0 else f"exit {proc.returncode}: {_last_error(proc.stderr)}"
-        except subprocess.TimeoutExpired:
+            stderr_tail = None if proc.returncode == 0 else proc.stderr[-4000:]
+        except subprocess.TimeoutExpired as e:
             error = f"timed out after {timeout_s:.0f}s"
+            stderr_tail = (e.stderr or b"")[-4000:].decode(errors="replace")
         ranks = []
         for r in range(world):
             file = os.path.join(result_dir, f"rank{r}.json")
@@ -89,12 +97,12 @@ def launch(case: str, opts: dict, timeout_s: float) -> dict:
     if len(ranks) < world and error is None:
         error = "missing rank results"
     return dict(case=case, world=world, launch_seconds=time.perf_counter() - start, error=error,
-                ranks=ranks if len(ranks) == world else [])
+                stderr_tail=stderr_tail, ranks=ranks if len(ranks) == world else [])
 
 
 def _last_error(stderr: str) -> str:
     lines = [line for line in stderr.strip().splitlines() if line.strip()]
-    errors = [line for line in lines if re.match(r"^\[?\w*\]?:?\s*\w+(Error|Exception)\b", line.strip())]
+    errors = [line for line in lines if re.search(r"\w+(Error|Exception): ", line)]
     return (errors[-1] if errors else lines[-1] if lines else "no output")[:400]
 
 

@@ -70,18 +70,21 @@ def plain_model(num_layers: int, seq: int):
 
 def step_timer():
     """A ``TrainerCallback`` timing on_step_begin -> on_step_end (the data fetch before it and the
-    logging after it excluded), and on_step_end -> on_step_end (both included)."""
+    logging after it excluded; wall and process CPU seconds), and on_step_end -> on_step_end (both
+    included)."""
     from transformers import TrainerCallback
 
     class StepTimer(TrainerCallback):
         def __init__(self):
-            self.seconds, self.intervals, self._begin, self._end = [], [], None, None
+            self.seconds, self.cpu_seconds, self.intervals = [], [], []
+            self._begin, self._begin_cpu, self._end = None, None, None
 
         def on_step_begin(self, args, state, control, **kwargs):
-            self._begin = time.perf_counter()
+            self._begin, self._begin_cpu = time.perf_counter(), time.process_time()
 
         def on_step_end(self, args, state, control, **kwargs):
             now = time.perf_counter()
+            self.cpu_seconds.append(time.process_time() - self._begin_cpu)
             self.seconds.append(now - self._begin)
             if self._end is not None:
                 self.intervals.append(now - self._end)
@@ -93,16 +96,16 @@ def step_timer():
 def trainer_args(cls, out_dir: str, steps: int, batch: int, **extra):
     return cls(output_dir=out_dir, per_device_train_batch_size=batch, max_steps=steps, save_strategy="no",
                report_to=[], logging_steps=steps, disable_tqdm=True, optim="adamw_torch", learning_rate=LR,
-               max_grad_norm=MAX_NORM, lr_scheduler_type="constant", train_sampling_strategy="sequential",  # the bare loops' order
-               dataloader_num_workers=0, **extra)
+               max_grad_norm=MAX_NORM, lr_scheduler_type="constant", dataloader_num_workers=0,
+               train_sampling_strategy="sequential", **extra)  # sequential: the bare loops' order
 
 
 def run_trainer(trainer, timer) -> dict:
     """``trainer.train()`` with the peak reset after setup (the model is already built)."""
     setup_peak = reset_peak()
     output = trainer.train()
-    return dict(seconds=timer.seconds, intervals=timer.intervals, mean_loss=output.training_loss,
-                setup_peak_rss=setup_peak)
+    return dict(seconds=timer.seconds, cpu_seconds=timer.cpu_seconds, intervals=timer.intervals,
+                mean_loss=output.training_loss, setup_peak_rss=setup_peak)
 
 
 def run_bare_loop(model, rows, *, steps: int, batch: int, clip) -> dict:
@@ -114,18 +117,20 @@ def run_bare_loop(model, rows, *, steps: int, batch: int, clip) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
     model.train()
-    seconds, losses = [], []
+    seconds, cpu_seconds, losses = [], [], []
     for step in range(steps):
         ids = rows[step * batch:(step + 1) * batch]
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         clip(params)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         seconds.append(time.perf_counter() - start)
+        cpu_seconds.append(time.process_time() - start_cpu)
         losses.append(loss.item())
-    return dict(seconds=seconds, intervals=[], mean_loss=sum(losses) / len(losses), setup_peak_rss=setup_peak)
+    return dict(seconds=seconds, cpu_seconds=cpu_seconds, intervals=[], mean_loss=sum(losses) / len(losses),
+                setup_peak_rss=setup_peak)
 
 
 def case_nxd_trainer(opts: dict, rows, out_dir: str) -> dict:

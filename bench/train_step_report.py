@@ -11,10 +11,17 @@ AIMS = dict(trainer_over_loop=0.97, trainer_over_hf_tp_throughput=1.0, trainer_o
 
 def _median_step(ranks: list[dict], key: str, warmup: int) -> float | None:
     """Per step the slowest rank, then the median over the timed steps."""
-    per_rank = [r[key][warmup:] if key == "seconds" else r[key][max(warmup - 1, 0):] for r in ranks]
+    per_rank = [r[key][max(warmup - 1, 0):] if key == "intervals" else r[key][warmup:] for r in ranks]
     if not per_rank[0]:
         return None
     return statistics.median(max(steps) for steps in zip(*per_rank))
+
+
+def _median_cpu_step(ranks: list[dict], warmup: int) -> float | None:
+    """Per step the CPU seconds of all ranks together, then the median over the timed steps."""
+    if "cpu_seconds" not in ranks[0]:  # runs before the field existed
+        return None
+    return statistics.median(sum(steps) for steps in zip(*(r["cpu_seconds"][warmup:] for r in ranks)))
 
 
 def per_run(run: dict, tokens: int, warmup: int) -> dict:
@@ -22,8 +29,9 @@ def per_run(run: dict, tokens: int, warmup: int) -> dict:
     worst = max(ranks, key=lambda r: max(r["setup_peak_rss"], r["train_peak_rss"]) - r["bare_rss"])
     step = _median_step(ranks, "seconds", warmup)
     interval = _median_step(ranks, "intervals", warmup) if ranks[0]["intervals"] else None
+    cpu = _median_cpu_step(ranks, warmup)
     peak = max(worst["setup_peak_rss"], worst["train_peak_rss"])
-    return dict(tokens_per_s=tokens / step, step_seconds=step,
+    return dict(tokens_per_s=tokens / step, step_seconds=step, tokens_per_cpu_s=tokens / cpu if cpu else None,
                 tokens_per_s_incl_data_logging=tokens / interval if interval else None,
                 peak_rss=peak, bare_rss=worst["bare_rss"], peak_above_bare=peak - worst["bare_rss"],
                 train_peak_rss=max(r["train_peak_rss"] for r in ranks),
@@ -90,11 +98,12 @@ def format_table(result: dict) -> str:
     lines = [f"{result['num_params']:,} params; median (min-max) over repeats; RSS in MiB per rank (worst rank); "
              "peak: VmHWM of the whole run; train peak: after the model is built; "
              "floor: 16 B/param / tp + bare; mean loss: over all steps of a launch",
-             "| case | tokens/s | tokens/s incl. data+logging | peak RSS | peak - bare | train peak | bare | "
-             "floor | peak/floor | mean loss |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| case | tokens/s | tokens/s incl. data+logging | tokens/CPU-s | peak RSS | peak - bare | train peak | "
+             "bare | floor | peak/floor | mean loss |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for case, row in result["summary"].items():
         lines.append(f"| {names[case]} | {_fmt(row['tokens_per_s'], digits=1)} | "
-                     f"{_fmt(row['tokens_per_s_incl_data_logging'], digits=1)} | {_fmt(row['peak_rss'], MiB)} | "
+                     f"{_fmt(row['tokens_per_s_incl_data_logging'], digits=1)} | "
+                     f"{_fmt(row.get('tokens_per_cpu_s'), digits=1)} | {_fmt(row['peak_rss'], MiB)} | "
                      f"{_fmt(row['peak_above_bare'], MiB)} | {_fmt(row['train_peak_rss'], MiB)} | "
                      f"{_fmt(row['bare_rss'], MiB)} | {row['floor'] / MiB:.0f} | {row['peak_over_floor']:.2f} | "
                      f"{statistics.median(row['mean_losses']):.4f} |")

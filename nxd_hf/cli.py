@@ -2,6 +2,7 @@
 (name -> (help, add_arguments, run)); later features add theirs there."""
 
 import argparse
+import importlib.util
 import sys
 
 
@@ -24,13 +25,57 @@ def _consolidate(args: argparse.Namespace) -> None:
     print(f"wrote {args.output_dir}")
 
 
+def _env_args(parser: argparse.ArgumentParser) -> None:
+    pass
+
+
+def environment() -> str:
+    """Versions and backends this process sees: what a bug report needs."""
+    import importlib.metadata
+    import platform
+
+    import torch
+    import torch.distributed as dist
+
+    def version(name: str) -> str:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    from nxd_hf import backend
+
+    backends = [name for name, ok in (("gloo", dist.is_gloo_available()), ("nccl", dist.is_nccl_available())) if ok]
+    if importlib.util.find_spec("torch_xla") is not None:
+        backends.append("xla")
+    lines = [f"nxd_hf {version('nxd_hf')}", f"python {platform.python_version()} ({platform.platform()})",
+             *(f"{name} {version(name)}" for name in ("torch", "transformers", "peft", "accelerate", "safetensors")),
+             f"collective backends available: {', '.join(backends) or 'none'}",
+             f"backend nxd_hf would use: {backend.default_backend()} on {backend.default_device()}",
+             f"CUDA devices: {torch.cuda.device_count()}"]
+    return "\n".join(lines)
+
+
+def _env(args: argparse.Namespace) -> None:
+    print(environment())
+
+
 SUBCOMMANDS = {
     "consolidate": ("write a checkpoint's model as a plain Hugging Face model directory", _consolidate_args, _consolidate),
+    "env": ("print the versions and backends nxd_hf sees (paste it into bug reports)", _env_args, _env),
 }
 
 
+def _epilog() -> str:
+    try:
+        return "environment:\n  " + environment().replace("\n", "\n  ")
+    except Exception as error:  # --help must work even in a broken environment
+        return f"environment: unavailable ({error})"
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="nxd-hf", description="nxd_hf command-line tools")
+    parser = argparse.ArgumentParser(prog="nxd-hf", description="nxd_hf command-line tools",
+                                     epilog=_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     for name, (help_text, add_arguments, _) in SUBCOMMANDS.items():
         add_arguments(commands.add_parser(name, help=help_text, description=help_text))

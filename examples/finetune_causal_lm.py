@@ -6,6 +6,8 @@ sequence parallelism, LoRA and bf16, on any local Hugging Face model directory a
     torchrun --nproc_per_node 2 examples/finetune_causal_lm.py --pp 2          # pipeline, 2 stages
     torchrun --nproc_per_node 2 examples/finetune_causal_lm.py --lora          # LoRA adapters only
     torchrun --nproc_per_node 2 examples/finetune_causal_lm.py --model DIR --data FILE
+    torchrun --nproc_per_node 2 examples/finetune_causal_lm.py --save_strategy steps --save_steps 20
+    torchrun --nproc_per_node 2 examples/finetune_causal_lm.py --resume_from_checkpoint true  # newest one
 
 Any other ``--flag value`` is a ``TrainingArguments`` / ``NxDTrainingArguments`` field
 (``--learning_rate 1e-4``, ``--save_steps 20``, ...). The default model is the tiny Llama in
@@ -67,15 +69,32 @@ def main():
     tokenizer = transformers.AutoTokenizer.from_pretrained(args.model)
     blocks = text_blocks(tokenizer, args.data, args.seq_len)
     model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    peft_config = None
+    if args.lora:
+        import peft
+
+        peft_config = peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
     trainer = nxd_hf.NxDTrainer(model, training_args, train_dataset=blocks, eval_dataset=blocks[:8],
-                                processing_class=tokenizer)
-    trainer.train()
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+                                processing_class=tokenizer, peft_config=peft_config)
+    resume = training_args.resume_from_checkpoint
+    if resume == "true":  # the newest checkpoint-N in --output_dir
+        resume = transformers.trainer_utils.get_last_checkpoint(args.output_dir)
+    if resume and trainer.is_world_process_zero():
+        print(f"resuming from {resume}")
+    trainer.train(resume_from_checkpoint=resume)
+    logged = [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h]
+    losses = [loss for _, loss in logged]
     final_dir = os.path.join(args.output_dir, "final")
     trainer.save_model(final_dir)
     if trainer.is_world_process_zero():
-        print(f"ln(vocab) = {math.log(len(tokenizer)):.2f}; loss fell from {losses[0]:.4f} to {losses[-1]:.4f}")
-        print(f"saved to {final_dir}: load it with transformers.AutoModelForCausalLM.from_pretrained({final_dir!r})")
+        print(f"steps {logged[0][0]}..{trainer.state.global_step} on {nxd_hf.parallel_state.get_tensor_model_parallel_size()}"
+              f" tp x {training_args.pipeline_parallel_size} pp x {nxd_hf.parallel_state.get_data_parallel_size()} dp; "
+              f"ln(vocab) = {math.log(len(tokenizer)):.2f}; loss fell from {losses[0]:.4f} to {losses[-1]:.4f}")
+        if args.lora:
+            print(f"saved the adapter to {final_dir}: load it with "
+                  f"peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({args.model!r}), {final_dir!r})")
+        else:
+            print(f"saved to {final_dir}: load it with transformers.AutoModelForCausalLM.from_pretrained({final_dir!r})")
     nxd_hf.parallel_state.destroy_model_parallel()
     torch.distributed.destroy_process_group()
 

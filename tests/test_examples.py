@@ -1,24 +1,102 @@
-"""End-to-end: the README's main job under torchrun."""
+"""End-to-end under torchrun: the README's main job and the other examples (capped steps), a
+job spanning two torchrun agents (two "nodes" on localhost) resumed by a one-node job, and the
+README's first screen matching what CI runs."""
 
 import os
 import re
+import socket
 import subprocess
 import sys
 
+import torch
+import transformers
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
-def run_example(script: str, nproc: int, *args: str) -> str:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), script, *args]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+def _check(result) -> str:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout
 
 
-def test_parallelize_causal_lm_loss_falls():
-    out = run_example("examples/parallelize_causal_lm.py", 2, "--steps", "25")
+def run_example(script: str, nproc: int, *args: str) -> str:
+    command = [*TORCHRUN, "--nproc_per_node", str(nproc), script, *args]
+    return _check(subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600))
+
+
+def _loss_fell(out: str) -> tuple[float, float]:
     first, last = map(float, re.search(r"loss fell from ([\d.]+) to ([\d.]+)", out).groups())
-    assert last < first - 1.0, out
+    assert last < first, out
+    return first, last
+
+
+def test_finetune_causal_lm_tp2_output_loads_in_transformers(tmp_path):
+    """The README's main job (capped): the loss falls and the saved model opens in transformers."""
+    out = run_example("examples/finetune_causal_lm.py", 2, "--max_steps", "30", "--output_dir", str(tmp_path))
+    first, last = _loss_fell(out)
+    assert last < first - 0.5, out
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "final")
+    assert model(input_ids=torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, 301)
+
+
+def test_finetune_causal_lm_pp2_zero1_lora(tmp_path):
+    """pp=2; then LoRA with ZeRO-1 over dp=2 (adapters' state sharded); the adapter is saved."""
+    _loss_fell(run_example("examples/finetune_causal_lm.py", 2, "--pp", "2", "--max_steps", "12",
+                           "--logging_steps", "4", "--output_dir", str(tmp_path / "pp")))
+    out = run_example("examples/finetune_causal_lm.py", 2, "--lora", "--zero1", "--tp", "1", "--max_steps", "12",
+                      "--logging_steps", "4", "--learning_rate", "1e-2", "--output_dir", str(tmp_path / "lora"))
+    _loss_fell(out)
+    assert os.path.exists(tmp_path / "lora" / "final" / "adapter_model.safetensors"), out
+
+
+def test_classify_bert_accuracy(tmp_path):
+    out = run_example("examples/classify_bert.py", 2, "--max_steps", "40", "--output_dir", str(tmp_path))
+    before, after = map(float, re.search(r"accuracy on them went from ([\d.]+) to ([\d.]+)", out).groups())
+    assert after > before, out
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "final")
+    assert model.config.num_labels == 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes_then_one_node_resumes(tmp_path):
+    """Two torchrun agents (--nnodes 2, c10d rendezvous on localhost, one process each) train with
+    tp=2 spanning them and save checkpoint-10; one node with two processes resumes it."""
+    job = ["examples/finetune_causal_lm.py", "--tp", "2", "--output_dir", str(tmp_path), "--save_strategy", "steps",
+           "--save_steps", "10"]
+    agent = [*TORCHRUN, "--nnodes", "2", "--nproc_per_node", "1", "--rdzv-backend", "c10d", "--rdzv-id", "nxd_hf_test",
+             "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", *job, "--max_steps", "10"]
+    agents = [subprocess.Popen(agent, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+              for _ in range(2)]
+    outs = [agent.communicate(timeout=600) for agent in agents]
+    for agent, (stdout, stderr) in zip(agents, outs):
+        assert agent.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    two_nodes = "".join(stdout for stdout, _ in outs)
+    assert "steps 10..10 on 2 tp x 1 pp x 1 dp" in two_nodes, two_nodes
+    assert os.path.isdir(tmp_path / "checkpoint-10")
+    resumed = run_example(*job[:1], 2, *job[1:], "--max_steps", "16", "--resume_from_checkpoint", "true")
+    assert f"resuming from {tmp_path / 'checkpoint-10'}" in resumed, resumed
+    assert "steps 10..16 on 2 tp x 1 pp x 1 dp" in resumed, resumed  # step 10's log comes with the state
+
+
+def test_readme_first_screen_is_what_ci_runs():
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    first_screen = readme.split("\n## ", 1)[0]
+    assert "make train" in first_screen and "make test" in first_screen, first_screen
+    makefile = open(os.path.join(ROOT, "Makefile")).read()
+    assert "examples/finetune_causal_lm.py" in makefile.split("train:", 1)[1].split("\n\n")[0]
+    assert "-m pytest tests -q" in makefile.split("test:", 1)[1]
+    assert "make test" in open(os.path.join(ROOT, ".ci", "run")).read()
+
+
+def test_parallelize_causal_lm_loss_falls():
+    first, last = _loss_fell(run_example("examples/parallelize_causal_lm.py", 2, "--steps", "25"))
+    assert last < first - 1.0
 
 
 def test_train_with_config_api_pp2_zero1_loss_falls(tmp_path):
@@ -28,7 +106,7 @@ def test_train_with_config_api_pp2_zero1_loss_falls(tmp_path):
     out = run_example("examples/train_with_config_api.py", 4, "--pp", "2", "--zero1", "--steps", "12",
                       "--checkpoint-dir", ckpt, "--save-every", "6")
     assert "tp 1 x pp 2 x dp 2, zero1=True" in out, out
-    first, last = map(float, re.search(r"loss fell from ([\d.]+) to ([\d.]+)", out).groups())
+    first, last = _loss_fell(out)
     assert last < first - 1.0, out
     assert sorted(os.listdir(ckpt)) == ["checkpoints.json", "step12", "step6"]
     resumed = run_example("examples/train_with_config_api.py", 4, "--tp", "2", "--zero1", "--steps", "16",

@@ -30,6 +30,7 @@ from nxd_hf.model_setup import LocalSetup, set_up_local_modules
 from nxd_hf.model_setup.activation_checkpoint import decoder_layer_types
 from nxd_hf.parallel_layers.heads import HeadLayout, head_layout
 from nxd_hf.tp.apply import apply_tensor_parallel
+from nxd_hf.tp.layouts import config_head_dim
 from nxd_hf.tp.outputs import install_output_contract
 from nxd_hf.tp.plan import ModelPatch
 
@@ -131,7 +132,7 @@ def attention_layout(model, patch: ModelPatch, *, pad_model, kv_size_multiplier)
         return None
     num_kv_heads = getattr(config, patch.num_kv_heads_attr, None) if patch.num_kv_heads_attr else None
     num_kv_heads = num_kv_heads or num_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    head_dim = config_head_dim(config, num_heads)
     tp_size = parallel_state.get_tensor_model_parallel_size()
     if tp_size > num_heads:
         raise ValueError(

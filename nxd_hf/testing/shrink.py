@@ -46,6 +46,8 @@ def _shrink_value(key: str, value, values: dict, num_heads: int, num_kv_heads: i
         return _fill_missing(key, num_kv_heads)
     if key == "per_layer_config":
         return value  # remapped with the layers
+    if isinstance(value, dict) and key.endswith("_config") and "hidden_size" in value:
+        return _shrink_sub_config(value)  # a vision or audio tower of a multimodal model
     if key == "mamba_d_head":  # mamba heads x head size = expand x hidden
         return values.get("mamba_expand", 2) * num_heads * HEAD_DIM // _shrink_size(
             "mamba_n_heads", values["mamba_n_heads"], values, num_heads)
@@ -76,6 +78,15 @@ def _shrink_value(key: str, value, values: dict, num_heads: int, num_kv_heads: i
     if key in ("n_group", "num_expert_group", "topk_group"):
         return 1
     return _shrink_size(key, value, values, num_heads)
+
+
+def _shrink_sub_config(values: dict) -> dict:
+    num_heads, num_kv_heads = _head_counts(values)
+    small = {key: _shrink_value(key, value, values, num_heads, num_kv_heads) for key, value in values.items()}
+    for key in ("num_hidden_layers", "num_blocks", "depth"):
+        if isinstance(small.get(key), int):
+            small[key] = 1
+    return small
 
 
 def _fill_missing(key: str, num_kv_heads: int):

@@ -30,6 +30,17 @@ _UNSUPPORTED = {
     "local_params", "ep_dispatch_experts",
 }
 
+_DENSE = "Closest supported: the dense variant of the family (e.g. Qwen3 for Qwen3-MoE, Mistral for Mixtral). "
+_UNSUPPORTED_CONSTRUCTS = {
+    "moe_tp_experts": ("a mixture-of-experts layer with experts sharded across TP", _DENSE),
+    "ep_dispatch_experts": ("a mixture-of-experts layer with expert parallelism", _DENSE),
+    "moe_identity_expert": ("a mixture-of-experts layer with identity experts", _DENSE),
+    "mla_kv_a_proj": ("multi-head latent attention (low-rank compressed K/V)",
+                      "Closest supported: attention with grouped K/V heads (GQA, e.g. Llama or Qwen3). "),
+    "local_params": ("parameters sharded locally without collectives", ""),
+    "packed_rowwise": ("a row-parallel layer over packed experts", _DENSE),
+}
+
 
 def _split(pattern: str) -> tuple[str, str]:
     parent, _, leaf = pattern.rpartition(".")
@@ -65,9 +76,11 @@ def _style(pattern: str, hf_style: str, q_parents: set[str]):
     if style in _NO_MODULE_CHANGE:
         return None
     if style in _UNSUPPORTED:
+        construct, alternative = _UNSUPPORTED_CONSTRUCTS.get(style, (f"HF tensor-parallel style {hf_style!r}", ""))
         raise ValueError(
-            f"{pattern!r}: HF tensor-parallel style {hf_style!r} is not supported by nxd_hf; register a "
-            "hand-written patch with nxd_hf.register_patch(nxd_hf.tp.ModelPatch(model_type=..., plan={...}))"
+            f"{pattern!r}: {construct} (HF tensor-parallel style {hf_style!r}) is not supported by nxd_hf yet. "
+            f"{alternative}Or register a hand-written patch with "
+            "nxd_hf.register_patch(nxd_hf.tp.ModelPatch(model_type=..., plan={...}))"
         )
     raise ValueError(f"{pattern!r}: unknown HF tensor-parallel style {hf_style!r} in base_model_tp_plan")
 
@@ -84,7 +97,17 @@ def _decoder_layers(model_type: str, hf_plan: dict[str, str]) -> str:
 
 def _attention_modules(hf_plan: dict[str, str]) -> set[str]:
     """Parents of head-sharded q projections (a gathered one keeps every head on each rank)."""
-    return {_split(p)[0] for p, s in hf_plan.items() if _split(p)[1] in Q_PROJECTIONS and _base_style(s) == "colwise"}
+    parents = {_split(p)[0] for p, s in hf_plan.items() if _split(p)[1] in Q_PROJECTIONS and _base_style(s) == "colwise"}
+    for parent in parents:
+        rows = [p for p, s in hf_plan.items() if _split(p)[0] == parent and _base_style(s) == "rowwise"]
+        if len(rows) > 1:  # only the output projection reads query heads
+            raise ValueError(
+                f"attention module {parent!r} has several rowwise layers {rows}: nxd_hf shards the input of the "
+                "attention output projection by query heads, but another rowwise layer reads something else (e.g. "
+                "Doge's dt_proj reads the value heads) and cannot be split the same way. Closest supported: "
+                "tensor_parallel_size=1 for this architecture, or a hand-written patch with nxd_hf.register_patch"
+            )
+    return parents
 
 
 def _check_config(model_type: str, hf_plan: dict[str, str], config) -> None:

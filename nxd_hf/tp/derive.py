@@ -135,8 +135,11 @@ def patch_from_hf_plan(model_type: str, hf_plan: dict[str, str], *, config=None)
             plan.pop(pattern, None)
             continue
         parent = _split(pattern)[0]
-        if isinstance(style, Column) and parent not in q_parents and parent not in ("", f"{decoder_layers}.*"):
+        if (isinstance(style, Column) and not style.gather_output and parent not in q_parents
+                and parent not in ("", f"{decoder_layers}.*")):
             plan.setdefault(parent, ParallelRegion())  # one input collective for the MLP's column layers
+            # (a gathered column keeps its own: its input may be computed inside the module, Qwen3.5's
+            # linear attention out_proj)
         plan[pattern] = style
     # A gathered output (or split input) is full-sequence under SP, where the residual stream is
     # split, and replicated params after it see full data: no SP for such plans (OLMo-2).

@@ -74,7 +74,7 @@ def test_failing_rank_fails_promptly_on_every_rank(world2):
 def test_moe_and_mla_refused_naming_the_construct():
     from nxd_hf.tp.derive import patch_from_hf_plan
 
-    for model_type, construct in (("mixtral", "mixture-of-experts"), ("deepseek_v3", "latent attention")):
+    for model_type, construct in (("mixtral", "mixture-of-experts"), ("minicpm3", "latent attention")):
         config = transformers.AutoConfig.for_model(model_type)
         with pytest.raises(ValueError, match=construct) as info:
             patch_from_hf_plan(model_type, config.base_model_tp_plan, config=config)

@@ -143,8 +143,11 @@ def patch_from_hf_plan(model_type: str, hf_plan: dict[str, str], *, config=None)
         plan[pattern] = style
     # A gathered output (or split input) is full-sequence under SP, where the residual stream is
     # split, and replicated params after it see full data: no SP for such plans (OLMo-2).
+    # Nor when the plan leaves attention replicated (no sharded q projection: YoutU): it would see one
+    # chunk of the sequence.
     gathered = any(isinstance(s, (Column, Row)) and not _splits_sequence(s) for s in plan.values())
-    return ModelPatch(model_type=model_type, plan=plan, decoder_layers=decoder_layers, sequence_parallel=not gathered)
+    return ModelPatch(model_type=model_type, plan=plan, decoder_layers=decoder_layers,
+                      sequence_parallel=not gathered and bool(q_parents))
 
 
 def _splits_sequence(style: Column | Row) -> bool:

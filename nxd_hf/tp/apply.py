@@ -13,7 +13,9 @@ from torch import nn
 
 from nxd_hf.parallel_layers import ColumnParallelLinear, RowParallelLinear, mappings
 from nxd_hf.parallel_layers.layers import set_local_
-from nxd_hf.parallel_layers.sharding import is_sharded, set_sequence_parallel_attribute, shard_from_full
+from nxd_hf.parallel_layers.sharding import (
+    is_sharded, set_sequence_parallel_attribute, set_tensor_model_parallel_attributes, shard_from_full,
+)
 from nxd_hf.parallel_layers.heads import HeadLayout
 from nxd_hf.tp import plan
 from nxd_hf.tp.kept import build_embedding, check_kept, mark_region_parameters
@@ -99,6 +101,29 @@ def _attention_layouts(matched, layout: HeadLayout | None) -> dict[str, HeadLayo
 
 def _layout_of(name: str, layouts: dict[str, HeadLayout], default: HeadLayout | None) -> HeadLayout | None:
     return next((lay for attention, lay in layouts.items() if name.startswith(attention + ".")), default)
+
+
+def _shard_head_parameters(model: nn.Module, patch: plan.ModelPatch, layouts: dict[str, HeadLayout]) -> None:
+    """A colwise plan entry naming a bare parameter of an attention module with one value per
+    query head (attention sinks, ``[num_heads]``): keep this rank's heads (0 for padding heads)."""
+    prefix = patch.base_model_prefix if patch.base_model_prefix is not None else model.base_model_prefix
+    columns = [_pattern(p) for p, style in patch.plan.items() if isinstance(style, plan.Column)]
+    for name, param in list(model.named_parameters()):
+        relative = name[len(prefix) + 1 :] if prefix and name.startswith(prefix + ".") else name
+        if not any(regex.fullmatch(relative) for regex in columns):
+            continue
+        layout = _layout_of(name, layouts, None)
+        if layout is None or param.dim() != 1 or param.shape[0] != layout.num_heads:
+            raise ValueError(
+                f"the plan shards parameter {name!r} colwise; nxd_hf shards a bare parameter only when it holds "
+                "one value per query head of a sharded attention module. Register a hand-written patch"
+            )
+        heads = layout.q_rows.view(-1, layout.head_dim)[:, 0]
+        heads = torch.where(heads >= 0, heads // layout.head_dim, -1)
+        local = nn.Parameter(shard_from_full(param.detach(), 0, heads), requires_grad=param.requires_grad)
+        set_tensor_model_parallel_attributes(local, partition_dim=0, logical_size=layout.num_heads, shard_index=heads)
+        owner, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(owner), leaf, local)
 
 
 def _set_local_attrs(module: nn.Module, style: plan.Attention, layout: HeadLayout) -> None:
@@ -194,6 +219,7 @@ def apply_tensor_parallel(model: nn.Module, patch: plan.ModelPatch, layout: Head
                             if getattr(module, n, None) is not None and getattr(new, n, None) is not None})
             model.set_submodule(name, new)
     _retie(model, swapped)
+    _shard_head_parameters(model, patch, layouts)
     mlp_regions = [name for name, _, style in matched if type(style) is plan.ParallelRegion and any(
         n.startswith(name + ".") and isinstance(s, plan.Column) and not s.gather_output for n, _, s in matched)]
     mark_region_parameters(model, mlp_regions, {id(p) for p in swapped.values()})

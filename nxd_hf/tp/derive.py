@@ -24,10 +24,12 @@ ATTENTION_ATTRS = (
 # weight row per head over all heads, Phi's qk_layernorm a head_dim norm with partial grads.
 QK_NORM_FLAGS = ("use_qk_norm", "qk_layernorm")
 
-_NO_MODULE_CHANGE = {"sequence_parallel", "replicate"}  # our SP already covers decoder layers
+# Our SP already covers decoder layers; "local_params" marks a module whose own parameters
+# have entries of their own (attention sinks: colwise, sharded by heads in ``nxd_hf.tp.apply``).
+_NO_MODULE_CHANGE = {"sequence_parallel", "replicate", "local_params"}
 _UNSUPPORTED = {
     "packed_rowwise", "embedding_colwise", "mla_kv_a_proj", "all_reduce", "moe_tp_experts", "moe_identity_expert",
-    "local_params", "ep_dispatch_experts",
+    "ep_dispatch_experts",
 }
 
 _DENSE = "Closest supported: the dense variant of the family (e.g. Qwen3 for Qwen3-MoE, Mistral for Mixtral). "
@@ -37,7 +39,6 @@ _UNSUPPORTED_CONSTRUCTS = {
     "moe_identity_expert": ("a mixture-of-experts layer with identity experts", _DENSE),
     "mla_kv_a_proj": ("multi-head latent attention (low-rank compressed K/V)",
                       "Closest supported: attention with grouped K/V heads (GQA, e.g. Llama or Qwen3). "),
-    "local_params": ("parameters sharded locally without collectives", ""),
     "packed_rowwise": ("a row-parallel layer over packed experts", _DENSE),
 }
 
@@ -132,7 +133,8 @@ def patch_from_hf_plan(model_type: str, hf_plan: dict[str, str], *, config=None)
     for pattern, hf_style in hf_plan.items():
         style = _style(pattern, hf_style, q_parents)
         if style is None:
-            plan.pop(pattern, None)
+            if pattern not in q_parents:  # an attention module stays one ("local_params")
+                plan.pop(pattern, None)
             continue
         parent = _split(pattern)[0]
         if (isinstance(style, Column) and not style.gather_output and parent not in q_parents

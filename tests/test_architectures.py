@@ -1,7 +1,8 @@
 """A fixed subset of the architecture sweep (bench/architectures.py), one case per fixed class:
 scaled embedding (gemma), learnable activation scalar (apertus), fused gated query
 (qwen3_5_text), per-layer head_dim (gemma4_unified_text), exact statistics over sharded units
-(gemma3n_text), a non-head rowwise layer (doge: refused on every rank together); a parallelize
+(gemma3n_text), attention sinks (granite_swa), a non-head rowwise layer (doge: refused on every
+rank together); the config shrinking keeps head ratios and per-layer kinds; a parallelize
 that fails on one rank only fails promptly on every rank; ``nxd-hf check`` on a saved config."""
 
 import time
@@ -16,6 +17,7 @@ from nxd_hf.testing import run_distributed
 CASES = {
     "gemma": ("pass", True), "apertus": ("pass", True), "qwen3_5_text": ("pass", False),
     "gemma4_unified_text": ("pass", True), "gemma3n_text": ("pass", False), "doge": ("refused", False),
+    "granite_swa": ("pass", True),  # attention sinks, one per query head
 }
 
 
@@ -69,6 +71,18 @@ def test_failing_rank_fails_promptly_on_every_rank(world2):
         assert rank["failing_rank"].status == "crash"
         assert "injected failure on rank 1" in rank["failing_rank"].message
         assert rank["failing_rank_seconds"] < 30
+
+
+def test_shrink_keeps_head_ratio_and_one_layer_per_kind():
+    from nxd_hf.testing.shrink import shrink_config
+
+    small = shrink_config(transformers.AutoConfig.for_model("seed_oss"))  # 80 heads, 8 K/V heads
+    assert (small.num_attention_heads, small.num_key_value_heads) == (20, 2)
+    small = shrink_config(transformers.AutoConfig.for_model("qwen3"))  # 32 / 32: multi-head
+    assert small.num_attention_heads == small.num_key_value_heads == 6
+    small = shrink_config(transformers.AutoConfig.for_model("gemma4_unified_text"))
+    assert small.layer_types == ["sliding_attention", "full_attention"]
+    assert small.per_layer_config[1].head_dim == 2 * small.per_layer_config[0].head_dim  # 512 vs 256, shrunk
 
 
 def test_moe_and_mla_refused_naming_the_construct():

@@ -38,7 +38,7 @@ def _head_counts(values: dict) -> tuple[int, int]:
         return 6, 6
     group = heads // kv_heads
     small_kv = 1 if kv_heads == 1 else 2
-    return small_kv * min(group, 8), small_kv
+    return small_kv * group, small_kv
 
 
 def _shrink_value(key: str, value, values: dict, num_heads: int, num_kv_heads: int):

@@ -19,8 +19,11 @@ MARK = {"pass": "yes", "refused": "refused", "wrong": "**WRONG**", "crash": "**C
 
 def _reason(message: str) -> str:
     """The construct a refusal names, short enough for a table cell."""
-    first = message.split(". ")[0].split(":", 1)[-1].strip() if message else ""
-    return first.replace("|", "/")[:90]
+    first = message.split(". ")[0] if message else ""
+    if first.startswith("'"):  # "'layers.*.mlp.experts': a mixture-of-experts layer ..."
+        first = first.split(": ", 1)[-1]
+    first = first.split(" (HF tensor-parallel style")[0].split(" (TraceError")[0]
+    return first.replace("|", "/")[:100]
 
 
 def table(payload: dict) -> str:

@@ -6,6 +6,7 @@ from nxd_hf.checkpoint import (
 )
 from nxd_hf.parallelize import parallelize
 from nxd_hf.pretrained import from_pretrained
+from nxd_hf.testing.check import check_parity
 from nxd_hf.tp.plan import ModelPatch
 from nxd_hf.tp.registry import register_patch
 from nxd_hf.trainer import initialize_parallel_model, initialize_parallel_optimizer, neuronx_distributed_config
@@ -20,7 +21,8 @@ def __getattr__(name: str):
 
 __all__ = [
     "NxDTrainer", "NxDTrainingArguments",
-    "ModelPatch", "consolidate", "from_pretrained", "full_state_dict", "load_checkpoint", "save_checkpoint",
-    "save_pretrained", "wait_for_checkpoint", "initialize_parallel_model", "initialize_parallel_optimizer",
+    "ModelPatch", "check_parity", "consolidate", "from_pretrained", "full_state_dict", "load_checkpoint",
+    "save_checkpoint", "save_pretrained", "wait_for_checkpoint", "initialize_parallel_model",
+    "initialize_parallel_optimizer",
     "neuronx_distributed_config", "parallel_state", "parallelize", "register_patch",
 ]

@@ -25,6 +25,27 @@ def _consolidate(args: argparse.Namespace) -> None:
     print(f"wrote {args.output_dir}")
 
 
+def _check_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_dir", help="a directory holding the model's config.json")
+    parser.add_argument("--tp", type=int, required=True, help="tensor_parallel_size")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline_parallel_size")
+    parser.add_argument("--sp", action="store_true", help="sequence parallelism")
+
+
+def _check(args: argparse.Namespace) -> int:
+    from nxd_hf.testing.check import check_parity
+
+    result = check_parity(args.model_dir, tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
+                          sequence_parallel=args.sp)
+    layout = f"tp={args.tp} pp={args.pp}" + (" sp" if args.sp else "")
+    print(f"{args.model_dir} ({layout}): {result.status}")
+    if result.max_loss_diff is not None:
+        print(f"  max |loss diff| {result.max_loss_diff:.2e}, max |grad diff| {result.max_grad_diff:.2e}")
+    if result.message:
+        print(f"  {result.message}")
+    return 0 if result.status == "pass" else 1
+
+
 def _env_args(parser: argparse.ArgumentParser) -> None:
     pass
 
@@ -62,6 +83,8 @@ def _env(args: argparse.Namespace) -> None:
 
 SUBCOMMANDS = {
     "consolidate": ("write a checkpoint's model as a plain Hugging Face model directory", _consolidate_args, _consolidate),
+    "check": ("parity (loss and every gradient) of MODEL_DIR's architecture, shrunk, on a parallel layout",
+              _check_args, _check),
     "env": ("print the versions and backends nxd_hf sees (paste it into bug reports)", _env_args, _env),
 }
 
@@ -81,11 +104,10 @@ def main(argv: list[str] | None = None) -> int:
         add_arguments(commands.add_parser(name, help=help_text, description=help_text))
     args = parser.parse_args(argv)
     try:
-        SUBCOMMANDS[args.command][2](args)
+        return SUBCOMMANDS[args.command][2](args) or 0
     except ValueError as error:
         print(f"nxd-hf {args.command}: error: {error}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from nxd_hf.parallel_layers.input_check import install_input_check
 from nxd_hf.parallel_layers.together import fail_together
 from nxd_hf.lora import register_with_peft
 from nxd_hf.tp.apply import apply_tensor_parallel
+from nxd_hf.tp.layouts import config_head_dim
 from nxd_hf.tp.outputs import install_output_contract
 from nxd_hf.tp.plan import ModelPatch
 
@@ -155,7 +156,8 @@ def resolve_patch(model, *, sequence_parallel: bool) -> ModelPatch:
     if sequence_parallel and not patch.sequence_parallel:
         raise ValueError(
             f"sequence_parallel=True is not supported for model_type {patch.model_type!r}: "
-            "its plan gathers activations or it is an encoder. Use sequence_parallel=False"
+            "its plan gathers activations, leaves attention replicated, or it is an encoder. "
+            "Use sequence_parallel=False"
         )
     return patch
 
@@ -168,7 +170,7 @@ def attention_layout(model, patch: ModelPatch, *, pad_model, kv_size_multiplier)
         return None
     num_kv_heads = getattr(config, patch.num_kv_heads_attr, None) if patch.num_kv_heads_attr else None
     num_kv_heads = num_kv_heads or num_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    head_dim = config_head_dim(config, num_heads)
     tp_size = parallel_state.get_tensor_model_parallel_size()
     if tp_size > num_heads:
         raise ValueError(

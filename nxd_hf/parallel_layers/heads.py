@@ -101,7 +101,8 @@ class HeadLayout:
 
     def rows(self, kind: str) -> tuple[torch.Tensor, int | torch.Tensor]:
         """(local rows, copies per row) of a projection laid out as ``kind``: "q", "kv", a
-        stacked fused "qkv" ``[q; k; v]``, or GPT-NeoX's per-head interleaved "qkv_per_head"."""
+        stacked fused "qkv" ``[q; k; v]``, GPT-NeoX's per-head interleaved "qkv_per_head", or a
+        query fused with its output gate per head, "q_gated"."""
         m = self.kv_size_multiplier
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if kind == "q":
@@ -115,12 +116,17 @@ class HeadLayout:
             return rows, (replicas if m > 1 else 1)
         if kind == "qkv_per_head":  # head h holds rows [h*3d, (h+1)*3d) = [q_h; k_h; v_h]
             assert m == 1 and self.num_heads == self.num_kv_heads
-            heads = self.q_rows.view(-1, self.head_dim)[:, 0]
-            heads = torch.where(heads >= 0, heads // self.head_dim, -1)
-            offsets = torch.arange(3 * self.head_dim)
-            rows = torch.where(heads[:, None] >= 0, heads[:, None] * 3 * self.head_dim + offsets, -1)
-            return rows.reshape(-1), 1
+            return self._per_query_head(3), 1
+        if kind == "q_gated":  # head h holds rows [h*2d, (h+1)*2d) = [q_h; gate_h] (Qwen3.5)
+            return self._per_query_head(2), 1
         raise AssertionError(kind)
+
+    def _per_query_head(self, width: int) -> torch.Tensor:
+        """Rows of a projection holding ``width`` head-sized blocks per query head, head by head."""
+        heads = self.q_rows.view(-1, self.head_dim)[:, 0]
+        heads = torch.where(heads >= 0, heads // self.head_dim, -1)
+        offsets = torch.arange(width * self.head_dim)
+        return torch.where(heads[:, None] >= 0, heads[:, None] * width * self.head_dim + offsets, -1).reshape(-1)
 
 
 def _shift(rows: torch.Tensor, offset: int) -> torch.Tensor:

@@ -271,7 +271,13 @@ def trace_hf(model: nn.Module, input_names: list[str], layer_types: tuple[type, 
     leaves: dict[str, nn.Module] = {}
     patch = _patched_mask_builders if isinstance(tracer, HFSpineTracer) else _no_patch
     with patch(tracer, model, leaves):
-        graph = tracer.trace(root)
+        try:
+            graph = tracer.trace(root)
+        except (NotImplementedError, TypeError, ValueError) as exc:  # fx's TraceError is a ValueError
+            raise ValueError(
+                f"cannot trace {type(model).__name__} for pipeline parallelism ({type(exc).__name__}: {exc}); "
+                "use pipeline_parallel_size=1, or mark the untraceable modules with leaf_module_cls"
+            ) from exc
     root.__class__ = _TraceRoot
     modules = {}
     for node in graph.nodes:  # targets relative to the model itself: "model.layers.0"

@@ -11,11 +11,15 @@ import re
 import torch
 from torch import nn
 
-from nxd_hf.parallel_layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear, mappings
+from nxd_hf.parallel_layers import ColumnParallelLinear, RowParallelLinear, mappings
 from nxd_hf.parallel_layers.layers import set_local_
-from nxd_hf.parallel_layers.sharding import is_sharded, set_sequence_parallel_attribute, shard_from_full
-from nxd_hf.tp import plan
+from nxd_hf.parallel_layers.sharding import (
+    is_sharded, set_sequence_parallel_attribute, set_tensor_model_parallel_attributes, shard_from_full,
+)
 from nxd_hf.parallel_layers.heads import HeadLayout
+from nxd_hf.tp import plan
+from nxd_hf.tp.kept import build_embedding, check_kept, mark_region_parameters
+from nxd_hf.tp.layouts import module_layout
 
 
 def _pattern(pattern: str) -> re.Pattern:
@@ -64,13 +68,15 @@ def _copy_sharded(new: nn.Module, old: nn.Module, transposed: bool) -> None:
 def _build(module: nn.Module, style: plan.Style, layout: HeadLayout | None, sp: bool, in_region: bool) -> nn.Module:
     dtype = next(module.parameters()).dtype
     if isinstance(style, plan.Embedding):  # full-sequence output: SP starts at the first decoder layer
-        return ParallelEmbedding(module.num_embeddings, module.embedding_dim, module.padding_idx, dtype=dtype,
-                                 device="meta")
+        return build_embedding(module, dtype)
     in_features, out_features, conv1d = _linear_shape(module)
     bias = module.bias is not None
     if isinstance(style, plan.LMHead):  # after the decoder layers: full sequence
         return ColumnParallelLinear(in_features, out_features, bias, gather_output=False, dtype=dtype, device="meta")
-    rows, replicas = layout.rows(style.heads) if style.heads else (None, 1)
+    heads = style.heads
+    if heads == "q" and isinstance(style, plan.Column) and out_features == 2 * layout.num_heads * layout.head_dim:
+        heads = "q_gated"  # the query and its output gate, per head
+    rows, replicas = layout.rows(heads) if heads else (None, 1)
     if isinstance(style, plan.Column):
         return ColumnParallelLinear(
             in_features, out_features, bias, gather_output=style.gather_output, sequence_parallel_enabled=sp,
@@ -81,6 +87,43 @@ def _build(module: nn.Module, style: plan.Style, layout: HeadLayout | None, sp: 
         in_features, out_features, bias, input_is_parallel=style.input_is_parallel,
         sequence_parallel_enabled=sp and style.input_is_parallel, dtype=dtype, device="meta", shard_index=rows,
     )
+
+
+def _attention_layouts(matched, layout: HeadLayout | None) -> dict[str, HeadLayout]:
+    """Each attention module's own layout (its head_dim and K/V heads may differ per layer)."""
+    layouts = {}
+    for name, module, style in matched:
+        if isinstance(style, plan.Attention) and layout is not None:
+            kv = next((m for n, m, s in matched if n.startswith(name + ".") and getattr(s, "heads", None) == "kv"), None)
+            layouts[name] = module_layout(module, kv, layout)
+    return layouts
+
+
+def _layout_of(name: str, layouts: dict[str, HeadLayout], default: HeadLayout | None) -> HeadLayout | None:
+    return next((lay for attention, lay in layouts.items() if name.startswith(attention + ".")), default)
+
+
+def _shard_head_parameters(model: nn.Module, patch: plan.ModelPatch, layouts: dict[str, HeadLayout]) -> None:
+    """A colwise plan entry naming a bare parameter of an attention module with one value per
+    query head (attention sinks, ``[num_heads]``): keep this rank's heads (0 for padding heads)."""
+    prefix = patch.base_model_prefix if patch.base_model_prefix is not None else model.base_model_prefix
+    columns = [_pattern(p) for p, style in patch.plan.items() if isinstance(style, plan.Column)]
+    for name, param in list(model.named_parameters()):
+        relative = name[len(prefix) + 1 :] if prefix and name.startswith(prefix + ".") else name
+        if not any(regex.fullmatch(relative) for regex in columns):
+            continue
+        layout = _layout_of(name, layouts, None)
+        if layout is None or param.dim() != 1 or param.shape[0] != layout.num_heads:
+            raise ValueError(
+                f"the plan shards parameter {name!r} colwise; nxd_hf shards a bare parameter only when it holds "
+                "one value per query head of a sharded attention module. Register a hand-written patch"
+            )
+        heads = layout.q_rows.view(-1, layout.head_dim)[:, 0]
+        heads = torch.where(heads >= 0, heads // layout.head_dim, -1)
+        local = nn.Parameter(shard_from_full(param.detach(), 0, heads), requires_grad=param.requires_grad)
+        set_tensor_model_parallel_attributes(local, partition_dim=0, logical_size=layout.num_heads, shard_index=heads)
+        owner, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(owner), leaf, local)
 
 
 def _set_local_attrs(module: nn.Module, style: plan.Attention, layout: HeadLayout) -> None:
@@ -151,17 +194,19 @@ def apply_tensor_parallel(model: nn.Module, patch: plan.ModelPatch, layout: Head
     embedding, swapped = None, {}  # swapped: id(old param) -> new; `matched` keeps the old ones alive
     matched = match_plan(patch, model)
     regions = [name + "." for name, _, style in matched if isinstance(style, plan.ParallelRegion)]
+    layouts = _attention_layouts(matched, layout)
     for name, module, style in matched:
         if isinstance(style, plan.ParallelRegion):
             module.register_forward_pre_hook(_enter_region_hook(sequence_parallel), with_kwargs=True)
             if isinstance(style, plan.Attention):
-                _set_local_attrs(module, style, layout)
+                _set_local_attrs(module, style, layouts[name])
         elif isinstance(style, plan.PerHeadNorm):
             for p in module.parameters():
                 set_sequence_parallel_attribute(p, True)  # partial over heads: summed over TP
         else:
             in_region = any(name.startswith(r) for r in regions)
-            new = _build(module, style, layout, sequence_parallel, in_region)
+            check_kept(name, module, style)
+            new = _build(module, style, _layout_of(name, layouts, layout), sequence_parallel, in_region)
             tied = (isinstance(style, (plan.LMHead, plan.Column)) and embedding is not None
                     and module.weight is embedding[0].weight)
             _copy_sharded(new, module, transposed=type(module).__name__ == "Conv1D")
@@ -174,5 +219,11 @@ def apply_tensor_parallel(model: nn.Module, patch: plan.ModelPatch, layout: Head
                             if getattr(module, n, None) is not None and getattr(new, n, None) is not None})
             model.set_submodule(name, new)
     _retie(model, swapped)
+    _shard_head_parameters(model, patch, layouts)
+    mlp_regions = [name for name, _, style in matched if type(style) is plan.ParallelRegion and any(
+        n.startswith(name + ".") and isinstance(s, plan.Column) and not s.gather_output for n, _, s in matched)]
+    mark_region_parameters(model, mlp_regions, {id(p) for p in swapped.values()})
+    if patch.after_swap is not None:
+        patch.after_swap(model)
     if sequence_parallel:
         _install_sequence_parallel(model, patch)

@@ -24,10 +24,22 @@ ATTENTION_ATTRS = (
 # weight row per head over all heads, Phi's qk_layernorm a head_dim norm with partial grads.
 QK_NORM_FLAGS = ("use_qk_norm", "qk_layernorm")
 
-_NO_MODULE_CHANGE = {"sequence_parallel", "replicate"}  # our SP already covers decoder layers
+# Our SP already covers decoder layers; "local_params" marks a module whose own parameters
+# have entries of their own (attention sinks: colwise, sharded by heads in ``nxd_hf.tp.apply``).
+_NO_MODULE_CHANGE = {"sequence_parallel", "replicate", "local_params"}
 _UNSUPPORTED = {
     "packed_rowwise", "embedding_colwise", "mla_kv_a_proj", "all_reduce", "moe_tp_experts", "moe_identity_expert",
-    "local_params", "ep_dispatch_experts",
+    "ep_dispatch_experts",
+}
+
+_DENSE = "Closest supported: the dense variant of the family (e.g. Qwen3 for Qwen3-MoE, Mistral for Mixtral). "
+_UNSUPPORTED_CONSTRUCTS = {
+    "moe_tp_experts": ("a mixture-of-experts layer with experts sharded across TP", _DENSE),
+    "ep_dispatch_experts": ("a mixture-of-experts layer with expert parallelism", _DENSE),
+    "moe_identity_expert": ("a mixture-of-experts layer with identity experts", _DENSE),
+    "mla_kv_a_proj": ("multi-head latent attention (low-rank compressed K/V)",
+                      "Closest supported: attention with grouped K/V heads (GQA, e.g. Llama or Qwen3). "),
+    "packed_rowwise": ("a row-parallel layer over packed experts", _DENSE),
 }
 
 
@@ -65,9 +77,11 @@ def _style(pattern: str, hf_style: str, q_parents: set[str]):
     if style in _NO_MODULE_CHANGE:
         return None
     if style in _UNSUPPORTED:
+        construct, alternative = _UNSUPPORTED_CONSTRUCTS.get(style, (f"HF tensor-parallel style {hf_style!r}", ""))
         raise ValueError(
-            f"{pattern!r}: HF tensor-parallel style {hf_style!r} is not supported by nxd_hf; register a "
-            "hand-written patch with nxd_hf.register_patch(nxd_hf.tp.ModelPatch(model_type=..., plan={...}))"
+            f"{pattern!r}: {construct} (HF tensor-parallel style {hf_style!r}) is not supported by nxd_hf yet. "
+            f"{alternative}Or register a hand-written patch with "
+            "nxd_hf.register_patch(nxd_hf.tp.ModelPatch(model_type=..., plan={...}))"
         )
     raise ValueError(f"{pattern!r}: unknown HF tensor-parallel style {hf_style!r} in base_model_tp_plan")
 
@@ -84,7 +98,17 @@ def _decoder_layers(model_type: str, hf_plan: dict[str, str]) -> str:
 
 def _attention_modules(hf_plan: dict[str, str]) -> set[str]:
     """Parents of head-sharded q projections (a gathered one keeps every head on each rank)."""
-    return {_split(p)[0] for p, s in hf_plan.items() if _split(p)[1] in Q_PROJECTIONS and _base_style(s) == "colwise"}
+    parents = {_split(p)[0] for p, s in hf_plan.items() if _split(p)[1] in Q_PROJECTIONS and _base_style(s) == "colwise"}
+    for parent in parents:
+        rows = [p for p, s in hf_plan.items() if _split(p)[0] == parent and _base_style(s) == "rowwise"]
+        if len(rows) > 1:  # only the output projection reads query heads
+            raise ValueError(
+                f"attention module {parent!r} has several rowwise layers {rows}: nxd_hf shards the input of the "
+                "attention output projection by query heads, but another rowwise layer reads something else (e.g. "
+                "Doge's dt_proj reads the value heads) and cannot be split the same way. Closest supported: "
+                "tensor_parallel_size=1 for this architecture, or a hand-written patch with nxd_hf.register_patch"
+            )
+    return parents
 
 
 def _check_config(model_type: str, hf_plan: dict[str, str], config) -> None:
@@ -109,16 +133,23 @@ def patch_from_hf_plan(model_type: str, hf_plan: dict[str, str], *, config=None)
     for pattern, hf_style in hf_plan.items():
         style = _style(pattern, hf_style, q_parents)
         if style is None:
-            plan.pop(pattern, None)
+            if pattern not in q_parents:  # an attention module stays one ("local_params")
+                plan.pop(pattern, None)
             continue
         parent = _split(pattern)[0]
-        if isinstance(style, Column) and parent not in q_parents and parent not in ("", f"{decoder_layers}.*"):
+        if (isinstance(style, Column) and not style.gather_output and parent not in q_parents
+                and parent not in ("", f"{decoder_layers}.*")):
             plan.setdefault(parent, ParallelRegion())  # one input collective for the MLP's column layers
+            # (a gathered column keeps its own: its input may be computed inside the module, Qwen3.5's
+            # linear attention out_proj)
         plan[pattern] = style
     # A gathered output (or split input) is full-sequence under SP, where the residual stream is
     # split, and replicated params after it see full data: no SP for such plans (OLMo-2).
+    # Nor when the plan leaves attention replicated (no sharded q projection: YoutU): it would see one
+    # chunk of the sequence.
     gathered = any(isinstance(s, (Column, Row)) and not _splits_sequence(s) for s in plan.values())
-    return ModelPatch(model_type=model_type, plan=plan, decoder_layers=decoder_layers, sequence_parallel=not gathered)
+    return ModelPatch(model_type=model_type, plan=plan, decoder_layers=decoder_layers,
+                      sequence_parallel=not gathered and bool(q_parents))
 
 
 def _splits_sequence(style: Column | Row) -> bool:

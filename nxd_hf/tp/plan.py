@@ -7,12 +7,15 @@ patch; ``model_patches/`` holds one small module per architecture, registered in
 """
 
 import dataclasses
+from collections.abc import Callable
 from typing import Literal
 
-HeadRows = Literal["q", "kv", "qkv", "qkv_per_head", None]
+HeadRows = Literal["q", "kv", "qkv", "qkv_per_head", "q_gated", None]
 """Which attention-head layout a projection's sharded rows follow: query heads, K/V heads
 (replicated when num_kv_heads < tp), a stacked fused ``[q; k; v]``, GPT-NeoX's per-head
-interleaved ``[q_h k_h v_h]``, or None for a plain contiguous split (MLPs)."""
+interleaved ``[q_h k_h v_h]``, a query fused per head with its output gate ``[q_h gate_h]``
+(Qwen3.5; a "q" column twice the query size is taken as this), or None for a plain contiguous
+split (MLPs)."""
 
 
 @dataclasses.dataclass(kw_only=True, frozen=True)
@@ -96,3 +99,6 @@ class ModelPatch:
     """Config attribute holding the number of query heads."""
     num_kv_heads_attr: str | None = "num_key_value_heads"
     """Config attribute holding the number of K/V heads (None: same as query heads)."""
+    after_swap: Callable | None = None
+    """``fn(model)`` run after the swap for what a plan cannot say (Gemma 3n's activation
+    sparsity takes statistics over the sharded hidden units: ``model_patches/gemma3n.py``)."""

@@ -1,0 +1,106 @@
+"""A fixed subset of the architecture sweep (bench/architectures.py), one case per fixed class:
+scaled embedding (gemma), learnable activation scalar (apertus), fused gated query
+(qwen3_5_text), per-layer head_dim (gemma4_unified_text), exact statistics over sharded units
+(gemma3n_text), attention sinks (granite_swa), a non-head rowwise layer (doge: refused on every
+rank together); the config shrinking keeps head ratios and per-layer kinds; a parallelize
+that fails on one rank only fails promptly on every rank; ``nxd-hf check`` on a saved config."""
+
+import time
+
+import pytest
+import torch.distributed as dist
+import transformers
+
+from nxd_hf.testing import run_distributed
+
+# model_type -> (expected status, sequence_parallel too)
+CASES = {
+    "gemma": ("pass", True), "apertus": ("pass", True), "qwen3_5_text": ("pass", False),
+    "gemma4_unified_text": ("pass", True), "gemma3n_text": ("pass", False), "doge": ("refused", False),
+    "granite_swa": ("pass", True),  # attention sinks, one per query head
+}
+
+
+def _tiny(model_type: str):
+    from nxd_hf.testing.shrink import shrink_config
+
+    return shrink_config(transformers.AutoConfig.for_model(model_type))
+
+
+class _FailsOnRank1(transformers.LlamaForCausalLM):
+    """parallelize raises on rank 1 only (while swapping layers), as a rank-local bug would."""
+
+    def set_submodule(self, target, module, strict=False):
+        if dist.get_rank() == 1:
+            raise RuntimeError("injected failure on rank 1")
+        return super().set_submodule(target, module, strict)
+
+
+def _world2_cases() -> dict:
+    from nxd_hf.testing.parity import run_case
+
+    transformers.logging.set_verbosity_error()
+    results = {}
+    for model_type, (_, with_sp) in CASES.items():
+        for sp in (False, True) if with_sp else (False,):
+            results[(model_type, sp)] = run_case(_tiny(model_type), tensor_parallel_size=2, sequence_parallel=sp)
+    start = time.perf_counter()
+    results["failing_rank"] = run_case(_tiny("llama"), tensor_parallel_size=2, model_cls=_FailsOnRank1)
+    results["failing_rank_seconds"] = time.perf_counter() - start
+    return results
+
+
+@pytest.fixture(scope="module")
+def world2():
+    return run_distributed(_world2_cases, 2)
+
+
+@pytest.mark.parametrize("model_type", list(CASES))
+def test_fixed_architecture_classes(world2, model_type):
+    expected, with_sp = CASES[model_type]
+    for sp in (False, True) if with_sp else (False,):
+        results = [rank[(model_type, sp)] for rank in world2]
+        assert results[0] == results[1], "the ranks must agree on the outcome"
+        assert results[0].status == expected, f"{model_type} sp={sp}: {results[0].message}"
+    if expected == "refused":
+        assert "dt_proj" in results[0].message and "value heads" in results[0].message
+
+
+def test_failing_rank_fails_promptly_on_every_rank(world2):
+    """parallelize agrees on success before any collective: both ranks raise rank 1's error."""
+    for rank in world2:
+        assert rank["failing_rank"].status == "refused"
+        assert "failed on rank 1" in rank["failing_rank"].message
+        assert "injected failure on rank 1" in rank["failing_rank"].message
+        assert rank["failing_rank_seconds"] < 30
+
+
+def test_shrink_keeps_head_ratio_and_one_layer_per_kind():
+    from nxd_hf.testing.shrink import shrink_config
+
+    small = shrink_config(transformers.AutoConfig.for_model("seed_oss"))  # 80 heads, 8 K/V heads
+    assert (small.num_attention_heads, small.num_key_value_heads) == (20, 2)
+    small = shrink_config(transformers.AutoConfig.for_model("qwen3"))  # 32 / 32: multi-head
+    assert small.num_attention_heads == small.num_key_value_heads == 6
+    small = shrink_config(transformers.AutoConfig.for_model("gemma4_unified_text"))
+    assert small.layer_types == ["sliding_attention", "full_attention"]
+    assert small.per_layer_config[1].head_dim == 2 * small.per_layer_config[0].head_dim  # 512 vs 256, shrunk
+
+
+def test_moe_and_mla_refused_naming_the_construct():
+    from nxd_hf.tp.derive import patch_from_hf_plan
+
+    for model_type, construct in (("mixtral", "mixture-of-experts"), ("minicpm3", "latent attention")):
+        config = transformers.AutoConfig.for_model(model_type)
+        with pytest.raises(ValueError, match=construct) as info:
+            patch_from_hf_plan(model_type, config.base_model_tp_plan, config=config)
+        assert "Closest supported" in str(info.value)
+
+
+def test_check_command_on_saved_config(tmp_path, capsys):
+    from nxd_hf.cli import main
+
+    transformers.Qwen3Config(hidden_size=256, intermediate_size=512, num_attention_heads=8, num_key_value_heads=2,
+                             num_hidden_layers=12, vocab_size=1000).save_pretrained(tmp_path)
+    assert main(["check", str(tmp_path), "--tp", "2", "--sp"]) == 0
+    assert "pass" in capsys.readouterr().out

@@ -19,6 +19,7 @@ from nxd_hf import backend, parallel_state
 from nxd_hf.pipeline import partition
 from nxd_hf.model_setup import LocalSetup, set_up_local_modules
 from nxd_hf.model_setup.activation_checkpoint import decoder_layer_types
+from nxd_hf.parallel_layers.together import fail_together
 from nxd_hf.pipeline.runtime import SCHEDULES, build_schedule, check_schedule
 from nxd_hf.pipeline.recompute import allow_unmasked_attention, metadata_substitutes, recomputable_nodes
 from nxd_hf.pipeline.stages import boundaries, fake_propagate, flat_boundary_values, split_stages, value_kinds
@@ -66,61 +67,62 @@ class NxDPPModel(nn.Module):
         activation_checkpoint_config=None, setup: LocalSetup | None = None,
     ):
         super().__init__()
-        if num_microbatches < 1 or virtual_pipeline_size < 1:
-            raise ValueError(f"num_microbatches ({num_microbatches}) and virtual_pipeline_size "
-                             f"({virtual_pipeline_size}) must be >= 1")
-        if return_mb_loss and broadcast_and_average_loss:
-            raise ValueError("return_mb_loss and broadcast_and_average_loss cannot both be True")
-        if pipeline_cuts and auto_partition:
-            raise ValueError("pass either pipeline_cuts or auto_partition=True, not both")
-        self.is_hf = hasattr(module, "loss_function") and hasattr(module, "config")
-        if output_loss_value_spec is not None and self.is_hf:
-            warnings.warn("output_loss_value_spec is ignored for Hugging Face models: the last stage applies the "
-                          "model's own loss_function to the logits", stacklevel=2)
-        self.output_loss_value_spec = output_loss_value_spec
-        self.pp_size = parallel_state.get_pipeline_model_parallel_size()
-        self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
-        self.num_microbatches, self.virtual_pipeline_size = num_microbatches, virtual_pipeline_size
-        self.schedule_name = schedule or ("1f1b" if virtual_pipeline_size == 1 else "interleaved_1f1b")
-        check_schedule(self.schedule_name, self.pp_size, virtual_pipeline_size, num_microbatches)
-        self.return_mb_loss, self.broadcast_and_average_loss = return_mb_loss, broadcast_and_average_loss
-        setup = _local_setup(setup, param_init_fn, activation_checkpoint_config, use_zero1_optimizer)
-        self.input_names = list(input_names or ["input_ids", "attention_mask", "labels"])
-        self.config = getattr(module, "config", None)
-        self.transformer_layer_cls = decoder_layer_types(module, transformer_layer_cls)
-        self._original = [module]  # not a submodule: only local stages are this module's children
-        self._deallocate = deallocate_pipeline_outputs
+        with fail_together("NxDPPModel (tracing and splitting the model)"):  # before any collective
+            if num_microbatches < 1 or virtual_pipeline_size < 1:
+                raise ValueError(f"num_microbatches ({num_microbatches}) and virtual_pipeline_size "
+                                 f"({virtual_pipeline_size}) must be >= 1")
+            if return_mb_loss and broadcast_and_average_loss:
+                raise ValueError("return_mb_loss and broadcast_and_average_loss cannot both be True")
+            if pipeline_cuts and auto_partition:
+                raise ValueError("pass either pipeline_cuts or auto_partition=True, not both")
+            self.is_hf = hasattr(module, "loss_function") and hasattr(module, "config")
+            if output_loss_value_spec is not None and self.is_hf:
+                warnings.warn("output_loss_value_spec is ignored for Hugging Face models: the last stage applies the "
+                              "model's own loss_function to the logits", stacklevel=2)
+            self.output_loss_value_spec = output_loss_value_spec
+            self.pp_size = parallel_state.get_pipeline_model_parallel_size()
+            self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+            self.num_microbatches, self.virtual_pipeline_size = num_microbatches, virtual_pipeline_size
+            self.schedule_name = schedule or ("1f1b" if virtual_pipeline_size == 1 else "interleaved_1f1b")
+            check_schedule(self.schedule_name, self.pp_size, virtual_pipeline_size, num_microbatches)
+            self.return_mb_loss, self.broadcast_and_average_loss = return_mb_loss, broadcast_and_average_loss
+            setup = _local_setup(setup, param_init_fn, activation_checkpoint_config, use_zero1_optimizer)
+            self.input_names = list(input_names or ["input_ids", "attention_mask", "labels"])
+            self.config = getattr(module, "config", None)
+            self.transformer_layer_cls = decoder_layer_types(module, transformer_layer_cls)
+            self._original = [module]  # not a submodule: only local stages are this module's children
+            self._deallocate = deallocate_pipeline_outputs
 
-        traced_inputs = [n for n in self.input_names if n != "labels" or not self.is_hf]
-        leaf_types = _resolve_classes(module, leaf_module_cls or ())
-        tracer_kwargs = {}
-        if autowrap_modules:
-            tracer_kwargs["autowrap_modules"] = (math, *autowrap_modules)
-        if autowrap_functions:
-            tracer_kwargs["autowrap_functions"] = tuple(autowrap_functions)
-        tracer = make_tracer(tracer_cls, self.transformer_layer_cls, leaf_types, **tracer_kwargs)
-        examples = self._example_inputs(traced_inputs)
-        graph_module = trace_hf(module, traced_inputs, self.transformer_layer_cls, leaf_types, examples, tracer)
-        if trace_file_path:
-            with open(trace_file_path, "w") as f:
-                f.write(str(graph_module.graph))
-        layers = [n.target for n in graph_module.graph.nodes
-                  if n.op == "call_module" and isinstance(graph_module.get_submodule(n.target), self.transformer_layer_cls)]
-        self.num_stages = self.pp_size * virtual_pipeline_size
-        cuts = pipeline_cuts or partition.auto_cuts(layers, self.num_stages)
-        self.stage_of_layer = partition.stage_of_layers(layers, cuts, self.num_stages)
-        self.pipeline_cuts = cuts
-        self._kinds = value_kinds(graph_module, examples) if self.is_hf else _all_tensors(graph_module)
-        self._recomputed, substitutes = self._recomputation(graph_module, traced_inputs, set(layers))
-        # the inputs reach every stage as keywords when stages recompute values from them
-        self.keyword_inputs = list(traced_inputs) if self._recomputed else []
-        all_stages = split_stages(graph_module, self.stage_of_layer, self._kinds, self._recomputed, substitutes)
-        self._graph = [graph_module]  # the whole traced model, for per-shape stage metadata
-        self._boundaries = boundaries(graph_module, self.stage_of_layer, self._recomputed)
-        placement = SCHEDULES[self.schedule_name][1]
-        self.stage_to_rank = partition.stage_ranks(self.num_stages, self.pp_size, placement)
-        self.local_stage_ids = partition.local_stages(self.num_stages, self.pp_size, self.pp_rank, placement)
-        self.stages = nn.ModuleDict({str(s): all_stages[s] for s in self.local_stage_ids})
+            traced_inputs = [n for n in self.input_names if n != "labels" or not self.is_hf]
+            leaf_types = _resolve_classes(module, leaf_module_cls or ())
+            tracer_kwargs = {}
+            if autowrap_modules:
+                tracer_kwargs["autowrap_modules"] = (math, *autowrap_modules)
+            if autowrap_functions:
+                tracer_kwargs["autowrap_functions"] = tuple(autowrap_functions)
+            tracer = make_tracer(tracer_cls, self.transformer_layer_cls, leaf_types, **tracer_kwargs)
+            examples = self._example_inputs(traced_inputs)
+            graph_module = trace_hf(module, traced_inputs, self.transformer_layer_cls, leaf_types, examples, tracer)
+            if trace_file_path:
+                with open(trace_file_path, "w") as f:
+                    f.write(str(graph_module.graph))
+            layers = [n.target for n in graph_module.graph.nodes
+                      if n.op == "call_module" and isinstance(graph_module.get_submodule(n.target), self.transformer_layer_cls)]
+            self.num_stages = self.pp_size * virtual_pipeline_size
+            cuts = pipeline_cuts or partition.auto_cuts(layers, self.num_stages)
+            self.stage_of_layer = partition.stage_of_layers(layers, cuts, self.num_stages)
+            self.pipeline_cuts = cuts
+            self._kinds = value_kinds(graph_module, examples) if self.is_hf else _all_tensors(graph_module)
+            self._recomputed, substitutes = self._recomputation(graph_module, traced_inputs, set(layers))
+            # the inputs reach every stage as keywords when stages recompute values from them
+            self.keyword_inputs = list(traced_inputs) if self._recomputed else []
+            all_stages = split_stages(graph_module, self.stage_of_layer, self._kinds, self._recomputed, substitutes)
+            self._graph = [graph_module]  # the whole traced model, for per-shape stage metadata
+            self._boundaries = boundaries(graph_module, self.stage_of_layer, self._recomputed)
+            placement = SCHEDULES[self.schedule_name][1]
+            self.stage_to_rank = partition.stage_ranks(self.num_stages, self.pp_size, placement)
+            self.local_stage_ids = partition.local_stages(self.num_stages, self.pp_size, self.pp_rank, placement)
+            self.stages = nn.ModuleDict({str(s): all_stages[s] for s in self.local_stage_ids})
         self.tied = tie_across_stages(all_stages, self.stage_to_rank, self.local_stage_ids)
         self.nxd_grad_reduction = set_up_local_modules(
             list(self.stages.values()), setup, layer_types=self.transformer_layer_cls, tie=self.tied.sync_initial_values)

@@ -4,8 +4,10 @@
     torchrun --nproc_per_node 4 examples/parallelize_causal_lm.py --tp 2     # tp 2 x dp 2
     torchrun --nproc_per_node 2 examples/parallelize_causal_lm.py --model DIR  # any local HF checkpoint
 
-Without --model it trains a byte-level BPE tokenizer on examples/data/tiny_corpus.txt and a
-tiny Llama from scratch; the loss printed falls from about ln(vocab) within a few dozen steps.
+A bare training loop on ``nxd_hf.parallelize`` (``finetune_causal_lm.py`` does the same with
+``NxDTrainer``). Without --model it uses the bundled tokenizer (examples/data/tiny-llama, trained
+on examples/data/tiny_corpus.txt) and trains a tiny Llama from scratch; the loss printed falls
+from about ln(vocab) within a few dozen steps.
 """
 
 import argparse
@@ -14,7 +16,6 @@ import os
 
 import torch
 import transformers
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import nxd_hf
 from nxd_hf import parallel_state
@@ -22,6 +23,7 @@ from nxd_hf.parallel_layers import clip_grad_norm
 from nxd_hf.parallel_layers.random import model_parallel_manual_seed
 
 CORPUS = os.path.join(os.path.dirname(__file__), "data", "tiny_corpus.txt")
+TOKENIZER = os.path.join(os.path.dirname(__file__), "data", "tiny-llama")  # byte-level BPE on the corpus
 
 
 def parse_args():
@@ -35,16 +37,6 @@ def parse_args():
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
-
-
-def build_tokenizer(text: str) -> transformers.PreTrainedTokenizerFast:
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=301, special_tokens=["<eos>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator([text], trainer)
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<eos>")
 
 
 def build_model(args, tokenizer, tp: int):
@@ -66,7 +58,7 @@ def main():
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     tp = args.tp or world_size
     text = open(CORPUS).read()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(args.model) if args.model else build_tokenizer(text)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(args.model or TOKENIZER)
     model = build_model(args, tokenizer, tp)
     model_parallel_manual_seed(args.seed)
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_size()

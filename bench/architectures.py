@@ -21,6 +21,7 @@ import warnings
 
 import transformers
 
+from bench.stamp import stamp
 from nxd_hf.testing import DistributedTestError, run_distributed
 
 RESULTS = pathlib.Path(__file__).parent / "results" / "architectures.json"
@@ -151,7 +152,8 @@ def main(argv=None) -> None:
     previous = json.loads(args.out.read_text())["results"] if args.out.exists() and args.types else {}
     for model_type, cases in results.items():  # a partial run updates the types it ran
         previous.setdefault(model_type, {}).update(cases)
-    payload = dict(transformers=transformers.__version__, layouts=LAYOUTS, results=dict(sorted(previous.items())))
+    payload = dict(**stamp(), transformers=transformers.__version__, layouts=LAYOUTS,
+                   results=dict(sorted(previous.items())))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp_out = args.out.with_suffix(".json.tmp")
     tmp_out.write_text(json.dumps(payload, indent=1) + "\n")

@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script
 
+from bench.stamp import stamp  # noqa: E402
 from nxd_hf import backend  # noqa: E402
 from nxd_hf.testing import run_distributed  # noqa: E402
 
@@ -154,7 +155,7 @@ def main() -> None:
     for tp in (1, 2):
         rows.append(run_distributed(run_tp, tp, args.dir, args.layers, timeout_s=1800)[0])
         print(json.dumps(rows[-1]))
-    result = {"rows": rows, "consolidation": consolidation(args.dir, args.max_shard_size)}
+    result = {**stamp(), "rows": rows, "consolidation": consolidation(args.dir, args.max_shard_size)}
     print(json.dumps(result["consolidation"]))
     print(f"{'tp':>3} {'save GB/s':>10} {'raw write':>10} {'x':>5} {'load GB/s':>10} {'raw read':>9} {'x':>5} "
           f"{'async s':>8} {'memcpy s':>9} {'x':>5}")

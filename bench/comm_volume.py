@@ -8,9 +8,13 @@ import argparse
 import dataclasses
 import json
 import os
+import sys
 
-from nxd_hf.testing.comm_volume import run
-from nxd_hf.testing.tp_block import BlockConfig
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script
+
+from bench.stamp import stamp  # noqa: E402
+from nxd_hf.testing.comm_volume import run  # noqa: E402
+from nxd_hf.testing.tp_block import BlockConfig  # noqa: E402
 
 
 def format_case(case: dict) -> str:
@@ -47,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     print("\n\n".join(format_case(case) for case in results))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump(dict(config=dataclasses.asdict(config), head_dim=config.head_dim, dtype="float32",
+        json.dump(dict(**stamp(), config=dataclasses.asdict(config), head_dim=config.head_dim, dtype="float32",
                        payload_definition="bytes of the tensor each rank hands to the collective",
                        cases=results), f, indent=1)
     print(f"\nwrote {args.out}")

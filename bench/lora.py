@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run as a script
 
+from bench.stamp import stamp  # noqa: E402
 from nxd_hf.testing import run_distributed  # noqa: E402
 
 CONFIG = dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
@@ -125,7 +126,7 @@ def main(argv=None) -> None:
     print(f"LoRA tp=2 peak / single-process peft LoRA peak: {summary['lora_tp2_peak_over_single_peft']:.2f} "
           f"(aim <= {summary['target']})")
     with open(args.out, "w") as f:
-        json.dump(dict(config=CONFIG, lora=LORA, batch=BATCH, seq=SEQ, steps=args.steps, rows=rows,
+        json.dump(dict(**stamp(), config=CONFIG, lora=LORA, batch=BATCH, seq=SEQ, steps=args.steps, rows=rows,
                        summary=summary), f, indent=1)
 
 

@@ -38,6 +38,7 @@ sys.path.insert(0, REPO)  # run as a script
 from bench.memory_checkpoint import DEFAULT_CKPT, checkpoint_summary, ensure_checkpoint  # noqa: E402
 from bench.memory_rank import worker  # noqa: E402
 from bench.memory_report import MiB, PARAM_SLACK, PEAK_SLACK, check_targets, format_table, summarize  # noqa: E402
+from bench.stamp import stamp  # noqa: E402
 
 LOADERS = ("nxd_hf", "transformers")
 
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     with open(args.out, "w") as f:
         targets = dict(param_bytes=f"<= {PARAM_SLACK} x ideal", peak_anon=f"peak - base <= {PEAK_SLACK} x param bytes",
                        not_above_transformers="peak RssAnon <= transformers' (same base)")
-        json.dump(dict(checkpoint=checkpoint, targets=targets, rows=rows, runs=runs, all_pass=passed,
+        json.dump(dict(**stamp(), checkpoint=checkpoint, targets=targets, rows=rows, runs=runs, all_pass=passed,
                        total_seconds=total_s), f, indent=1)
     print(f"wrote {args.out}")
 

@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from bench.optimizer_methods import BenchConfig  # noqa: E402
 from bench.optimizer_rank import measure_memory, measure_times  # noqa: E402
 from bench.optimizer_report import check_targets, format_table  # noqa: E402
+from bench.stamp import stamp  # noqa: E402
 from nxd_hf.testing import run_distributed  # noqa: E402
 
 METHODS = ["plain_dp", "nxd_zero1", "torch_zero_redundancy", "deepspeed_zero1"]
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=BenchConfig.steps)
     args = parser.parse_args(argv)
     start, load_before = time.perf_counter(), os.getloadavg()[0]
-    result = run(BenchConfig(steps=args.steps))
+    result = {**stamp(), **run(BenchConfig(steps=args.steps))}
     result["wall_seconds"] = time.perf_counter() - start
     result["load_average_1min"] = [load_before, os.getloadavg()[0]]  # other processes on the machine
     os.makedirs(os.path.dirname(args.out), exist_ok=True)

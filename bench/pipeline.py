@@ -60,6 +60,7 @@ import nxd_hf  # noqa: E402
 from bench.pipeline_hand import MICROBATCH, MODEL, SEQ, build_hand, build_model, make_batch  # noqa: E402
 from bench.pipeline_summary import BUBBLE_ABS, BUBBLE_REL, LEGEND, STEP_SLACK, format_rows, summarize  # noqa: E402
 from bench.pipeline_timing import QUIET_CORES, BusyClock, timed_step, wait_until_quiet, zero_grads  # noqa: E402
+from bench.stamp import stamp  # noqa: E402
 from nxd_hf import parallel_state  # noqa: E402
 from nxd_hf.pipeline.runtime import SCHEDULES  # noqa: E402
 from nxd_hf.testing import run_distributed  # noqa: E402
@@ -181,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{sum(r['noisy'] for r in rows)} of {len(rows)} rows noisy; total {time.perf_counter() - started:.0f} s")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump(dict(model=MODEL, seq=SEQ, microbatch=MICROBATCH, ranks_as="processes", threads_per_rank=1,
+        json.dump(dict(**stamp(), model=MODEL, seq=SEQ, microbatch=MICROBATCH, ranks_as="processes", threads_per_rank=1,
                        cpu_count=os.cpu_count(), forward_ms=forward_ms, warmup=args.warmup, steps=args.steps,
                        load_average=dict(before=load_before, after=load_after), quiet_cores=QUIET_CORES,
                        targets=dict(bubble=f"|ours - theory| <= max({BUBBLE_REL} x theory, {BUBBLE_ABS}) (P=2)",

@@ -44,6 +44,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # run as a script
 
+from bench.stamp import stamp  # noqa: E402
 from bench.train_step_rank import CASES, worker  # noqa: E402
 from bench.train_step_report import format_table, summarize  # noqa: E402
 
@@ -134,8 +135,8 @@ def main(argv: list[str] | None = None) -> None:
                 warmup=args.warmup, hf_tp_loop=args.hf_tp_loop)
     if "hf_tp" in args.cases:
         opts["checkpoint"] = ensure_checkpoint(opts)
-    result = dict(config=dict(opts, timed_steps=args.steps, repeats=args.repeats), num_params=num_params(opts),
-                  cpus=os.cpu_count(), runs=[])
+    result = dict(**stamp(), config=dict(opts, timed_steps=args.steps, repeats=args.repeats),
+                  num_params=num_params(opts), cpus=os.cpu_count(), runs=[])
     for repeat in range(args.repeats):
         for case in args.cases:
             print(f"repeat {repeat + 1}/{args.repeats} {case} ...", end=" ", flush=True)

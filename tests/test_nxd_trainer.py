@@ -145,6 +145,11 @@ def checkpoint_cases(out_dir):
         lora.save_model(f"{out_dir}/adapter")
         assert os.path.exists(f"{out_dir}/adapter/adapter_model.safetensors")
         _check_saved_model(lora, f"{out_dir}/adapter", lora=True)
+        _, model = hf_parity.build_pair("llama")
+        nxd_hf.parallelize(model, tensor_parallel_size=2)  # parallel_state is still tp=2 from the LoRA run
+        args = nxd_hf.NxDTrainingArguments(output_dir=out_dir, tensor_parallel_size=1, **COMMON)
+        with pytest.raises(ValueError, match="parallelized with tp=2, pp=1 but the arguments ask for tp=1, pp=1"):
+            nxd_hf.NxDTrainer(model, args, train_dataset=_dataset())
     return True
 
 
@@ -197,3 +202,14 @@ def test_hf_argument_parser_exposes_the_layout():
                                                   "--report_to", "none", "--gradient_checkpointing"])
     assert args.zero_1 and args.num_microbatches == 4 and args.nxd_activation_checkpointing
     assert not args.gradient_checkpointing  # nxd_hf checkpoints the layers itself
+
+
+def test_model_init(tmp_path):
+    """model_init's model is parallelized as the arguments say (tp=1 in this process)."""
+    parallel_state.destroy_model_parallel()
+    args = nxd_hf.NxDTrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4,
+                                       **{**COMMON, "max_steps": 2})
+    trainer = nxd_hf.NxDTrainer(args=args, train_dataset=_dataset(), model_init=lambda: hf_parity.build_pair("llama")[1])
+    trainer.train()
+    assert trainer.state.global_step == 2 and getattr(trainer.model, "_nxd_parallelized", False)
+    parallel_state.destroy_model_parallel()

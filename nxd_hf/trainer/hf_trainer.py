@@ -19,6 +19,7 @@ It overrides the fewest hooks it can; everything else (callbacks, schedulers, lo
 """
 
 import contextlib
+import inspect
 
 import torch
 import transformers
@@ -48,14 +49,24 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
         if trainer_kwargs.get("compute_loss_func") is not None:
             raise ValueError("compute_loss_func is not supported by NxDTrainer: the model's own loss runs on "
                              "vocab-parallel logits")
+        if model is not None and _is_parallel(model):  # before nxd_config() re-creates the groups
+            _check_layout(args, pipelined=isinstance(getattr(model, "module", model), NxDPPModel))
         self.nxd_config = args.nxd_config(lora_config=peft_config)
         self.nxd_model: NxDModel | None = None
         if model is not None:
             model = self._parallel(model, args)
         if model_init is not None:
-            user_init = model_init
-            model_init = lambda *a: self._parallel(user_init(*a), args)  # noqa: E731
+            model_init = self._parallel_init(model_init, args)
         super().__init__(model, args, *trainer_args, model_init=model_init, **trainer_kwargs)
+
+    def _parallel_init(self, model_init, args: NxDTrainingArguments):
+        """``model_init`` (taking a trial or nothing, as Trainer allows) whose model is parallelized."""
+        takes_trial = len(inspect.signature(model_init).parameters) == 1
+
+        def parallel_model_init(trial=None):
+            return self._parallel(model_init(trial) if takes_trial else model_init(), args)
+
+        return parallel_model_init
 
     def _parallel(self, model, args: NxDTrainingArguments):
         """Parallelize ``model`` as ``args`` say (or check an already parallel one); returns the HF
@@ -72,7 +83,6 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
             if args.bf16_master_weights:
                 model = model.to(torch.bfloat16)
             self.nxd_model = initialize_parallel_model(self.nxd_config, lambda: model)
-        _check_layout(self.nxd_model, args)
         return self.nxd_model.hf_model
 
     # -- the process view
@@ -168,10 +178,16 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
         return loss.detach(), logits[:rows], inputs["labels"]
 
 
-def _check_layout(model: NxDModel, args: NxDTrainingArguments) -> None:
+def _is_parallel(model) -> bool:
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return isinstance(model, (NxDModel, NxDPPModel)) or getattr(base, "_nxd_parallelized", False)
+
+
+def _check_layout(args: NxDTrainingArguments, *, pipelined: bool) -> None:
+    """An already parallel model must have the layout the arguments ask for."""
     have = (parallel_state.get_tensor_model_parallel_size(), parallel_state.get_pipeline_model_parallel_size())
     want = (args.tensor_parallel_size, args.pipeline_parallel_size)
-    if have != want or model.pipelined != (args.pipeline_parallel_size > 1):
+    if have != want or pipelined != (args.pipeline_parallel_size > 1):
         raise ValueError(f"the model is parallelized with tp={have[0]}, pp={have[1]} but the arguments ask for "
                          f"tp={want[0]}, pp={want[1]}: pass the plain HF model and let NxDTrainer parallelize it")
 

@@ -105,6 +105,8 @@ def _read_states(reader: Reader, index: dict, lts, resolved) -> dict[int, dict]:
         by_param.setdefault(param_name, []).append((key, entry))
     out = {}
     for lt, name in zip(lts, resolved):
+        if id(lt.tensor) in out:  # in two sections (a LoRA model's trained bias): its state was saved once
+            continue
         state = {}
         for key, entry in by_param.get(name, []):
             per_element = entry["shape"] == list(lt.shape) and bool(entry["shape"])

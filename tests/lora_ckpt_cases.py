@@ -101,8 +101,10 @@ def check_save_modes(tmp_dir: str) -> dict:
     assert not any("lora" not in n and "modules_to_save" not in n and not n.endswith("bias")
                    for n in index["tensors"]["adapter"])
     torch.testing.assert_close(_plain_logits(hf_parity.build_pair("llama")[0], f"{directory}/adapter"), logits, **TOL)
-    with pytest.raises(ValueError, match="no model tensors"):
+    with pytest.raises(ValueError, match="LoRA adapter only"):
         consolidate(path, os.path.join(tmp_dir, f"none{backend.rank()}"), tag=ADAPTER_ONLY)
+    with pytest.raises(ValueError, match="LoRA adapters"):  # a plain HF directory cannot hold them
+        model.save_pretrained(os.path.join(tmp_dir, "hf"))
 
     save_checkpoint(path, BASE_AND_ADAPTER, model=model, optimizer=optimizer,
                     nxd_config=_with_lora(nxd_config, save_lora_base=True))

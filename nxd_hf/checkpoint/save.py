@@ -112,6 +112,16 @@ def _write_configs(model, tmp: str) -> None:
         generation.save_pretrained(tmp)
 
 
+def _what_to_save(model, adapters, nxd_config) -> tuple[dict | None, list]:
+    """(the adapters' save plan or None, the ``LogicalTensor``s to write)."""
+    if model is None:
+        return None, []
+    if adapters is None:
+        return None, logical_tensors(model)
+    plan = adapters.save_plan(nxd_config if nxd_config is not None else getattr(model, "nxd_config", None))
+    return plan, adapters.logical_tensors(model, plan, loading=False)
+
+
 def _check_same_target(path: str, tag: str) -> None:
     """Every rank must write into one directory (rank 0 assembles it): a ValueError on every rank
     otherwise, instead of a missing part found later."""
@@ -151,10 +161,7 @@ def save_checkpoint(path: str, tag: str = "", model=None, optimizer=None, schedu
     tmp = store.tmp_dir(path, tag)
     masters_in_model = _master_weights_in_ckpt(model, nxd_config)
     adapters = adapters_of(model)
-    plan = adapters.save_plan(nxd_config if nxd_config is not None else getattr(model, "nxd_config", None)) \
-        if adapters is not None else None
-    lts = [] if model is None else adapters.logical_tensors(model, plan, loading=False) if adapters is not None \
-        else logical_tensors(model)
+    plan, lts = _what_to_save(model, adapters, nxd_config)
     files, records = _tensor_shares(lts, optimizer, masters_in_model, rank, copy=async_save)
     blobs = _blobs(rank, optimizer, scheduler, user_content)
     blobs = copy.deepcopy(blobs) if async_save else blobs  # the caller may change them while we write

@@ -17,7 +17,8 @@ a directly constructed ``NxDPPModel`` all run these steps, in this order:
  5. weights: load only the local ones (``load_weights``; ``from_pretrained`` reads its slices),
     or materialize meta weights with ``param_init_fn``;
  6. tie weights shared by stages on different pipeline ranks;
- 7. adapters: LoRA through peft (``lora_config``; ``nxd_hf.lora.inject_lora``);
+ 7. adapters: LoRA through peft (``lora_config``; ``nxd_hf.lora.checkpoint.setup_lora``: inject, and
+    NxD's ``load_lora_from_ckpt``);
  8. activation checkpointing;
  9. the gradient-reduction policy (``nxd_hf.parallel_layers.grad_reduction``);
 10. move to the device.
@@ -116,9 +117,9 @@ def _adapters(model, lora_config):
     """Step 7's function for ``LocalSetup.add_adapters`` (None without ``lora_config``)."""
     if lora_config is None:
         return None
-    from nxd_hf.lora import inject_lora
+    from nxd_hf.lora.checkpoint import setup_lora
 
-    return functools.partial(inject_lora, lora_config=lora_config, model_type=model.config.model_type)
+    return functools.partial(setup_lora, lora_config=lora_config, model=model)
 
 
 def _check_model(model) -> None:

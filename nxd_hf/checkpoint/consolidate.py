@@ -84,6 +84,10 @@ def consolidate(checkpoint_dir: str, output_dir: str, tag: str | None = None, ma
     ``model.safetensors.index.json``. ``dtype``: cast the weights (default: as saved)."""
     directory, index = _open(checkpoint_dir, tag)
     entries = index["tensors"].get("model", {})
+    if not entries and index.get("adapters"):
+        raise ValueError(f"checkpoint {directory} holds a LoRA adapter only (PEFT format in "
+                         f"{os.path.join(directory, index['adapters']['adapter_dir'])}): save with "
+                         "LoraConfig(save_lora_base=True) for the base model, and merge_lora=True for a merged one")
     if not entries:
         raise ValueError(f"checkpoint {directory} holds no model tensors (it was saved without model=)")
     os.makedirs(output_dir, exist_ok=True)
@@ -112,8 +116,14 @@ def save_pretrained(model, save_directory: str, *, max_shard_size: int | str = "
     each writes its slices, rank 0 consolidates them into a plain HF model directory that
     ``from_pretrained`` (transformers' or nxd_hf's, at any tp/pp) loads. Other
     ``save_pretrained`` options are not supported (ignored with a warning)."""
+    from nxd_hf.checkpoint.logical import adapters_of
     from nxd_hf.checkpoint.save import save_checkpoint
 
+    if adapters_of(model) is not None:
+        raise ValueError(
+            "this model has LoRA adapters, which a plain HF model directory cannot hold: save the adapter with "
+            "nxd_hf.lora.save_adapter(model, directory) (PEFT format), or save_checkpoint with "
+            "LoraConfig(save_lora_base=True, merge_lora=True) and nxd_hf.consolidate it for the merged model")
     if kwargs:
         import warnings
 

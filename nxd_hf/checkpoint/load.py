@@ -19,7 +19,7 @@ from nxd_hf import backend
 from nxd_hf.checkpoint import optim_state, store, writer
 from nxd_hf.checkpoint.format import Reader, file_problem
 from nxd_hf.checkpoint.hf_safetensors import HFRenames, _checkpoint_key
-from nxd_hf.checkpoint.logical import hf_model, logical_tensors, model_config
+from nxd_hf.checkpoint.logical import adapters_of, hf_model, logical_tensors, model_config
 from nxd_hf.checkpoint.save import OPTIM_SEP, parallel_sizes
 from nxd_hf.parallel_layers.random import get_rng_state_tracker
 
@@ -53,7 +53,8 @@ def _check_files(directory: str, index: dict) -> None:
 
 
 def _resolver(model, index: dict):
-    """Model parameter -> checkpoint name: its on-disk name, else a tied weight's or a renamed key."""
+    """Model parameter -> checkpoint name (in its section): its on-disk name, else (base model
+    tensors) a tied weight's or a renamed key."""
     names = index["tensors"].get("model", {})
     hf = hf_model(model)
     prefix = getattr(hf, "base_model_prefix", "")
@@ -62,9 +63,9 @@ def _resolver(model, index: dict):
     tied = tied if isinstance(tied, dict) and getattr(getattr(hf, "config", None), "tie_word_embeddings", False) else {}
 
     def resolve(lt):
-        if lt.name in names:
+        if lt.name in index["tensors"].get(lt.section, {}):
             return lt.name
-        return _checkpoint_key(names, lt.model_name, prefix, renamed, tied)
+        return _checkpoint_key(names, lt.model_name, prefix, renamed, tied) if lt.section == "model" else None
     return resolve
 
 
@@ -77,18 +78,21 @@ def _check_model(model, index: dict, lts, resolved: list, strict: bool, director
     saved_vocab, vocab = (index.get("config") or {}).get("vocab_size"), getattr(config, "vocab_size", None)
     if saved_vocab is not None and vocab is not None and saved_vocab != vocab:
         problems.append(f"the checkpoint's vocab_size is {saved_vocab}, this model's is {vocab}")
-    names = index["tensors"].get("model", {})
     for lt, name in zip(lts, resolved):
         if name is None:
             if strict:
-                problems.append(f"missing key: {lt.name} is not in the checkpoint (strict=True)")
+                where = "" if lt.section == "model" else f" ({lt.section} section)"
+                problems.append(f"missing key: {lt.name} is not in the checkpoint{where} (strict=True)")
             continue
-        if tuple(names[name]["shape"]) != tuple(lt.shape):
-            problems.append(f"{name} has shape {tuple(names[name]['shape'])} in the checkpoint but {tuple(lt.shape)} "
+        saved = index["tensors"][lt.section][name]["shape"]
+        if tuple(saved) != tuple(lt.shape):
+            problems.append(f"{name} has shape {tuple(saved)} in the checkpoint but {tuple(lt.shape)} "
                             "in this model (another architecture or configuration)")
-    used = {n for ns in backend.all_gather_object([n for n in resolved if n]) for n in ns}
+    used = {n for ns in backend.all_gather_object([(lt.section, n) for lt, n in zip(lts, resolved) if n]) for n in ns}
+    sections = {s for ss in backend.all_gather_object(sorted({lt.section for lt in lts})) for s in ss} or {"model"}
     if strict:
-        unexpected = sorted(set(names) - used)
+        unexpected = sorted({(s, n) for s in sections for n in index["tensors"].get(s, {})} - {tuple(u) for u in used})
+        unexpected = [n for _, n in unexpected]
         problems += [f"unexpected key: {n} is in the checkpoint but not in this model (strict=True)" for n in unexpected[:20]]
     raise_collectively(problems, f"{directory} into this model")
 
@@ -101,6 +105,8 @@ def _read_states(reader: Reader, index: dict, lts, resolved) -> dict[int, dict]:
         by_param.setdefault(param_name, []).append((key, entry))
     out = {}
     for lt, name in zip(lts, resolved):
+        if id(lt.tensor) in out:  # in two sections (a LoRA model's trained bias): its state was saved once
+            continue
         state = {}
         for key, entry in by_param.get(name, []):
             per_element = entry["shape"] == list(lt.shape) and bool(entry["shape"])
@@ -108,7 +114,7 @@ def _read_states(reader: Reader, index: dict, lts, resolved) -> dict[int, dict]:
             value = reader.local("optimizer", f"{name}{OPTIM_SEP}{key}", lt, like)
             state[key] = value.to(lt.tensor.device)
         if optim_state.MASTER not in state and index.get("master_weights_in_model") and name is not None:
-            state[optim_state.MASTER] = reader.local("model", name, lt, lt.tensor.float())
+            state[optim_state.MASTER] = reader.local(lt.section, name, lt, lt.tensor.float())
         out[id(lt.tensor)] = state
     return out
 
@@ -151,21 +157,55 @@ def restore_rng_states(path: str, tag: str | None = None) -> None:
     _restore_rng(directory, index)
 
 
+def _resolve_and_check(model, index: dict, lts, strict: bool, directory: str) -> list:
+    resolve = _resolver(model, index)
+    resolved = [resolve(lt) for lt in lts]
+    _check_model(model, index, lts, resolved, strict, directory)
+    return resolved
+
+
+def load_model_tensors(path: str, tag: str | None, model, lts, *, strict: bool = True) -> dict:
+    """Copy the checkpoint's values of ``lts`` (``LogicalTensor``s of ``model``'s tensors) in
+    place, checked as ``load_checkpoint`` checks; no optimizer, scheduler or RNG state. Every
+    rank calls it. Returns the checkpoint's index (its header: e.g. "adapters")."""
+    writer.wait_for_checkpoint()
+    directory, index = _locate(path, tag)
+    _check_files(directory, index)
+    resolved = _resolve_and_check(model, index, lts, strict, directory)
+    reader = Reader(directory, index)
+    with torch.no_grad():
+        for lt, name in zip(lts, resolved):
+            if name is not None:
+                lt.tensor.copy_(reader.local(lt.section, name, lt, lt.tensor))
+    reader.close()
+    backend.barrier()
+    return index
+
+
+def read_index(path: str, tag: str | None) -> tuple[str, dict]:
+    """(directory, index) of a complete checkpoint; the same ValueError on every rank otherwise."""
+    return _locate(path, tag)
+
+
 def load_checkpoint(path: str, tag: str | None = None, model=None, optimizer=None, scheduler=None,
                     num_workers: int = 8, strict: bool = True):
     """Load a checkpoint written by ``save_checkpoint`` into ``model``/``optimizer``/``scheduler``
     in place (build the optimizer first, as with NxD) and return its ``user_content``.
     ``tag=None``: the newest complete checkpoint. Unlike NxD, any parallel sizes (tp, pp, dp,
-    ZeRO-1 or not) load; RNG states are restored when the sizes are the saved ones."""
+    ZeRO-1 or not) load; RNG states are restored when the sizes are the saved ones. A LoRA
+    model reads its adapters (and the base when it was saved unmerged): ``nxd_hf.lora.checkpoint``."""
     writer.wait_for_checkpoint()
     backend.barrier()
     directory, index = _locate(path, tag)
     _check_files(directory, index)
-    lts = logical_tensors(model) if model is not None else []
-    resolve = _resolver(model, index) if model is not None else None
-    resolved = [resolve(lt) for lt in lts]
-    if model is not None:
-        _check_model(model, index, lts, resolved, strict, directory)
+    adapters = adapters_of(model)
+    if model is None:
+        lts = []
+    elif adapters is not None:
+        lts = adapters.logical_tensors(model, index.get("adapters"), loading=True)
+    else:
+        lts = logical_tensors(model)
+    resolved = _resolve_and_check(model, index, lts, strict, directory) if model is not None else []
     reader = Reader(directory, index)
     rank, world = backend.rank(), backend.world_size()
     states = None
@@ -174,7 +214,7 @@ def load_checkpoint(path: str, tag: str | None = None, model=None, optimizer=Non
             with torch.no_grad():
                 for lt, name in zip(lts, resolved):
                     if name is not None:
-                        lt.tensor.copy_(reader.local("model", name, lt, lt.tensor))
+                        lt.tensor.copy_(reader.local(lt.section, name, lt, lt.tensor))
             if optimizer is not None:
                 states = _read_states(reader, index, lts, resolved)
         backend.barrier()

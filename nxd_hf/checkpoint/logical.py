@@ -12,7 +12,12 @@ weight tied across pipeline stages by its first holder (the others carry
 It is read from the sharding metadata every parallel layer carries
 (``nxd_hf.parallel_layers.sharding``). A model (LoRA, a custom wrapper) can instead provide
 ``nxd_logical_tensors()`` returning ``LogicalTensor``s; ``checkpoint/`` never imports the
-packages above it. Wrappers are recognized by duck typing: ``local_roots`` follows a
+packages above it. A model into which adapters were injected carries ``nxd_adapters`` (on the
+HF model; ``nxd_hf.lora.checkpoint``), which decides what ``save_checkpoint`` writes of it and
+``load_checkpoint`` reads: ``save_plan(nxd_config)`` (JSON, kept in the index as "adapters"),
+``logical_tensors(model, plan, loading=...)`` (``LogicalTensor``s, ``section`` "model" for the
+base model under HF names and "adapter" for the adapters) and ``write_files(model, directory,
+plan)`` (collective; side files). Wrappers are recognized by duck typing: ``local_roots`` follows a
 ``module`` attribute with an ``nxd_config`` (the config API's model) and a ``stages`` dict
 with ``local_stage_ids`` (a pipeline model), whose stage modules keep the original names.
 """
@@ -37,6 +42,7 @@ class LogicalTensor:
     runs: list[tuple[int, int, int]]  # (local start, local stop, logical start) rows this rank writes
     writes_whole: bool  # this rank writes the whole (replicated) tensor and scalar state
     model_name: str  # the parameter's name in the model
+    section: str = "model"  # the index section: "model" (what consolidate writes) or "adapter"
 
     def to_disk(self, local: torch.Tensor) -> torch.Tensor:
         """``local`` (laid out as ``tensor``) in on-disk orientation."""
@@ -48,6 +54,8 @@ class LogicalTensor:
 
 def local_roots(model: nn.Module) -> list[nn.Module]:
     """The modules holding this rank's parameters under their original names."""
+    if isinstance(model, (list, tuple)):  # the roots themselves (pipeline stages being set up)
+        return list(model)
     if hasattr(model, "nxd_config") and isinstance(getattr(model, "module", None), nn.Module):
         return local_roots(model.module)
     if isinstance(getattr(model, "stages", None), nn.ModuleDict) and hasattr(model, "local_stage_ids"):
@@ -61,6 +69,11 @@ def hf_model(model: nn.Module) -> nn.Module:
         return hf_model(model.module)
     original = getattr(model, "_original", None)
     return original[0] if isinstance(original, list) and original else model
+
+
+def adapters_of(model: nn.Module | None):
+    """The ``nxd_adapters`` of ``model``'s HF model (see the module docstring), or None."""
+    return None if model is None else getattr(hf_model(model), "nxd_adapters", None)
 
 
 def model_config(model: nn.Module):
@@ -119,11 +132,12 @@ def named_local_tensors(model: nn.Module, *, buffers: bool = True):
                 yield (f"{module_name}.{name}" if module_name else name), buffer
 
 
-def logical_tensors(model: nn.Module) -> list[LogicalTensor]:
+def logical_tensors(model: nn.Module, *, named=None) -> list[LogicalTensor]:
     """This rank's ``LogicalTensor``s, in the same order on every rank of a pipeline stage.
-    Collective over the TP group (the owners of replicated rows are agreed on)."""
+    Collective over the TP group (the owners of replicated rows are agreed on). ``named``:
+    (name, tensor) pairs to describe instead of ``named_local_tensors(model)``."""
     provided = getattr(model, "nxd_logical_tensors", None)
-    if callable(provided):
+    if callable(provided) and named is None:
         return list(provided())
     disk_name = DiskNames(hf_model(model))
     tp_rank, dp_rank = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_data_parallel_rank()
@@ -131,7 +145,7 @@ def logical_tensors(model: nn.Module) -> list[LogicalTensor]:
     if not parallel_state.model_parallel_is_initialized():  # plain replicas (e.g. DDP): all are DP ranks
         dp_rank, dp_size = backend.rank(), backend.world_size()
     out = []
-    for i, (name, tensor) in enumerate(named_local_tensors(model)):
+    for i, (name, tensor) in enumerate(named_local_tensors(model) if named is None else named):
         writes_here = i % dp_size == dp_rank and getattr(tensor, "count_in_grad_norm", True)
         out.append(_describe(disk_name(name), name, tensor, tp_rank, writes_here))
     return out

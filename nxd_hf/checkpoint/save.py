@@ -21,7 +21,7 @@ import torch
 from nxd_hf import backend, parallel_state
 from nxd_hf.checkpoint import optim_state, store, writer
 from nxd_hf.checkpoint.format import dtype_name, parts_of
-from nxd_hf.checkpoint.logical import hf_model, logical_tensors, model_config
+from nxd_hf.checkpoint.logical import adapters_of, hf_model, logical_tensors, model_config
 from nxd_hf.parallel_layers.random import get_rng_state_tracker
 
 OPTIM_SEP = "::"
@@ -54,11 +54,10 @@ def _master_weights_in_ckpt(model, nxd_config) -> bool:
     return bool(getattr(precision, "use_master_weights_in_ckpt", False))
 
 
-def _tensor_shares(model, optimizer, masters_in_model: bool, rank: int, copy: bool):
+def _tensor_shares(lts, optimizer, masters_in_model: bool, rank: int, copy: bool):
     """({file: {key: tensor}}, records) this rank writes."""
     model_file, optim_file = f"model/rank_{rank:05d}.safetensors", f"optim/rank_{rank:05d}.safetensors"
     files, records = {model_file: {}, optim_file: {}}, []
-    lts = logical_tensors(model) if model is not None else []
     states = optim_state.param_states(optimizer) if optimizer is not None else {}
     by_id = {id(lt.tensor): lt for lt in lts}
     unknown = [p for p, _ in states.values() if id(p) not in by_id]
@@ -71,10 +70,14 @@ def _tensor_shares(model, optimizer, masters_in_model: bool, rank: int, copy: bo
             files[file][key] = tensor.clone() if copy else tensor
             records.append([section, name, list(lt.shape) if tensor.dim() else [], dtype_name(tensor.dtype), part])
 
+    with_state = set()  # a tensor in two sections (a trained bias of a LoRA base) has its state once
     for lt in lts:
         state = states.get(id(lt.tensor), (None, {}))[1]
         value = state.get(optim_state.MASTER, lt.tensor) if masters_in_model else lt.tensor
-        add("model", model_file, lt, value, lt.name)
+        add(lt.section, model_file, lt, value, lt.name)
+        if id(lt.tensor) in with_state:
+            continue
+        with_state.add(id(lt.tensor))
         for key, tensor in state.items():
             add("optimizer", optim_file, lt, tensor, f"{lt.name}{OPTIM_SEP}{key}")
     return files, records
@@ -91,12 +94,12 @@ def _blobs(rank: int, optimizer, scheduler, user_content) -> dict:
     return blobs
 
 
-def _header(model, optimizer, masters_in_model: bool) -> dict:
+def _header(model, optimizer, masters_in_model: bool, adapters_plan) -> dict:
     config = model_config(model) if model is not None else None
     return {"format": store.FORMAT, "version": 1, "parallel": parallel_sizes(optimizer),
             "model_type": getattr(config, "model_type", None),
             "config": json.loads(config.to_json_string()) if hasattr(config, "to_json_string") else None,
-            "master_weights_in_model": masters_in_model}
+            "master_weights_in_model": masters_in_model, "adapters": adapters_plan}
 
 
 def _write_configs(model, tmp: str) -> None:
@@ -107,6 +110,16 @@ def _write_configs(model, tmp: str) -> None:
     generation = getattr(hf_model(model), "generation_config", None)
     if generation is not None and hasattr(generation, "save_pretrained"):
         generation.save_pretrained(tmp)
+
+
+def _what_to_save(model, adapters, nxd_config) -> tuple[dict | None, list]:
+    """(the adapters' save plan or None, the ``LogicalTensor``s to write)."""
+    if model is None:
+        return None, []
+    if adapters is None:
+        return None, logical_tensors(model)
+    plan = adapters.save_plan(nxd_config if nxd_config is not None else getattr(model, "nxd_config", None))
+    return plan, adapters.logical_tensors(model, plan, loading=False)
 
 
 def _check_same_target(path: str, tag: str) -> None:
@@ -130,7 +143,12 @@ def save_checkpoint(path: str, tag: str = "", model=None, optimizer=None, schedu
     ``torch.load(weights_only=True)`` reads back (tensors, numbers, strings, lists, dicts).
     ``num_workers``: ranks writing at the same time (synchronous saves). ``side_files(directory)``
     (not in NxD): rank 0 writes more files into the checkpoint before it is complete, so the
-    completion marker covers them (``NxDTrainer``'s trainer state and tokenizer)."""
+    completion marker covers them (``NxDTrainer``'s trainer state and tokenizer).
+
+    A LoRA model (``lora_config`` of ``parallelize`` / the config API) is saved as its
+    ``LoraConfig`` says (``nxd_config.lora_config``, else the model's): the adapter alone
+    (default), the base model and the adapter, or the base with the adapter merged in (for the
+    saved copy only); see ``nxd_hf.lora.checkpoint``."""
     if use_xser:
         warnings.warn("save_checkpoint: use_xser is ignored: nxd_hf always writes safetensors", stacklevel=2)
     if isinstance(optimizer, dict):
@@ -142,10 +160,12 @@ def save_checkpoint(path: str, tag: str = "", model=None, optimizer=None, schedu
     _check_same_target(path, tag)
     tmp = store.tmp_dir(path, tag)
     masters_in_model = _master_weights_in_ckpt(model, nxd_config)
-    files, records = _tensor_shares(model, optimizer, masters_in_model, rank, copy=async_save)
+    adapters = adapters_of(model)
+    plan, lts = _what_to_save(model, adapters, nxd_config)
+    files, records = _tensor_shares(lts, optimizer, masters_in_model, rank, copy=async_save)
     blobs = _blobs(rank, optimizer, scheduler, user_content)
     blobs = copy.deepcopy(blobs) if async_save else blobs  # the caller may change them while we write
-    header = _header(model, optimizer, masters_in_model)
+    header = _header(model, optimizer, masters_in_model, plan)
     if rank == 0:
         os.makedirs(path, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # a crashed save's leftovers
@@ -155,6 +175,8 @@ def save_checkpoint(path: str, tag: str = "", model=None, optimizer=None, schedu
         if side_files is not None:
             side_files(tmp)
     backend.barrier()
+    if adapters is not None:  # collective (gathers), before the completion marker
+        adapters.write_files(model, tmp, plan)
     if async_save:
         def work():
             writer.write_share(tmp, rank, files, blobs, records)

@@ -55,12 +55,12 @@ def _config_to_write(holders: list, adapter_name: str, hf_model):
     return config
 
 
-def save_adapter(model, save_directory: str, *, adapter_name: str = "default") -> None:
+def save_adapter(model, save_directory: str, *, adapter_name: str = "default", config_directory: str | None = None) -> None:
     """Write ``adapter_model.safetensors`` + ``adapter_config.json`` as plain peft's
     ``save_pretrained`` does for the unsharded model. ``model``: a parallel HF model into which
     ``inject_lora`` put adapters (whole or piecewise), or an ``NxDPPModel``. Every rank calls it (TP gathers, then the
     PP stages' pieces meet on global rank 0, which writes: tensors first under a temporary name,
-    the config last)."""
+    the config last, into ``config_directory`` when given: NxD's ``save_lora_config_adapter=False``)."""
     io.check_every_rank_saves()
     holders = _adapter_holders(model)
     hf_model = model._original[0] if hasattr(model, "_original") else model
@@ -76,5 +76,5 @@ def save_adapter(model, save_directory: str, *, adapter_name: str = "default") -
         auto_mapping = None
         if config.task_type is None and hf_model is not None:
             auto_mapping = {"base_model_class": type(hf_model).__name__, "parent_library": type(hf_model).__module__}
-        config.save_pretrained(save_directory, auto_mapping_dict=auto_mapping)
+        config.save_pretrained(config_directory or save_directory, auto_mapping_dict=auto_mapping)
     io.check_every_rank_saves()

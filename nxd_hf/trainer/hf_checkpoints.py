@@ -5,7 +5,8 @@
   directory (``nxd_hf.lora.save_adapter``); the tokenizer/processor and training arguments too.
 - ``checkpoint-N/`` every ``save_steps``: ``nxd_hf.save_checkpoint`` (model, optimizer,
   scheduler, every rank's RNG states, in logical coordinates: it resumes at other parallel
-  sizes) with ``trainer_state.json``, the training arguments and the tokenizer written inside
+  sizes; with LoRA, what the ``LoraConfig`` says: the adapter alone by default, see
+  ``nxd_hf.lora.checkpoint``) with ``trainer_state.json``, the training arguments and the tokenizer written inside
   before the completion marker; the temporary directory is ``.checkpoint-N.tmp``, which
   ``get_last_checkpoint`` never matches. ``save_total_limit`` keeps the newest complete ones.
 - ``train(resume_from_checkpoint=True | path)``: the checkpoint's model, optimizer and scheduler

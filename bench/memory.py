@@ -38,6 +38,7 @@ sys.path.insert(0, REPO)  # run as a script
 from bench.memory_checkpoint import DEFAULT_CKPT, checkpoint_summary, ensure_checkpoint  # noqa: E402
 from bench.memory_rank import worker  # noqa: E402
 from bench.memory_report import MiB, PARAM_SLACK, PEAK_SLACK, check_targets, format_table, summarize  # noqa: E402
+from bench.launch import rank_results  # noqa: E402
 from bench.stamp import stamp  # noqa: E402
 
 LOADERS = ("nxd_hf", "transformers")
@@ -56,12 +57,7 @@ def launch(loader: str, path: str, tp: int, timeout_s: float) -> dict:
             error = None if proc.returncode == 0 else f"exit {proc.returncode}: {_last_error(proc.stderr)}"
         except subprocess.TimeoutExpired:
             error = f"timed out after {timeout_s:.0f}s"
-        ranks = []
-        for r in range(tp):
-            file = os.path.join(result_dir, f"rank{r}.json")
-            if os.path.exists(file):
-                with open(file) as f:
-                    ranks.append(json.load(f))
+        ranks = rank_results(result_dir, tp)
     if len(ranks) < tp and error is None:
         error = "missing rank results"
     return dict(loader=loader, tp=tp, wall_s=time.perf_counter() - start, error=error,

@@ -44,6 +44,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)  # run as a script
 
+from bench.launch import rank_results  # noqa: E402
 from bench.stamp import stamp  # noqa: E402
 from bench.train_step_rank import CASES, worker  # noqa: E402
 from bench.train_step_report import format_table, summarize  # noqa: E402
@@ -89,12 +90,7 @@ def launch(case: str, opts: dict, timeout_s: float) -> dict:
         except subprocess.TimeoutExpired as e:
             error = f"timed out after {timeout_s:.0f}s"
             stderr_tail = (e.stderr or b"")[-4000:].decode(errors="replace")
-        ranks = []
-        for r in range(world):
-            file = os.path.join(result_dir, f"rank{r}.json")
-            if os.path.exists(file):
-                with open(file) as f:
-                    ranks.append(json.load(f))
+        ranks = rank_results(result_dir, world)
     if len(ranks) < world and error is None:
         error = "missing rank results"
     return dict(case=case, world=world, launch_seconds=time.perf_counter() - start, error=error,

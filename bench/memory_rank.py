@@ -154,9 +154,8 @@ def worker(loader: str, path: str, tp: int, result_dir: str) -> None:
                   baseline_file=baseline["RssFile"], peak_file=sampler.peak["RssFile"],
                   after_file=after["RssFile"], file_backed_param_bytes=file_backed_param_bytes(model, path),
                   **param_accounting(model, loader, path, tp))
-    report = getattr(model, "nxd_load_report", None)
-    if report is not None:
-        result["bytes_read"] = report.bytes_read
+    if loader == "nxd_hf":
+        result["bytes_read"] = model.nxd.load_report.bytes_read
     with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.barrier()

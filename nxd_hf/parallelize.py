@@ -17,13 +17,14 @@ a directly constructed ``NxDPPModel`` all run these steps, in this order:
  5. weights: load only the local ones (``load_weights``; ``from_pretrained`` reads its slices),
     or materialize meta weights with ``param_init_fn``;
  6. tie weights shared by stages on different pipeline ranks;
- 7. adapters: LoRA through peft (``lora_config``; ``nxd_hf.lora.checkpoint.setup_lora``: inject, and
+ 7. adapters: LoRA through peft (``lora_config``; ``nxd_hf.lora.setup.setup_lora``: inject, and
     NxD's ``load_lora_from_ckpt``);
  8. activation checkpointing;
  9. the gradient-reduction policy (``nxd_hf.parallel_layers.grad_reduction``);
 10. move to the device.
 Steps 5-10 run on this rank's modules (``nxd_hf.model_setup.local``): on the whole model at
-pp=1, inside ``NxDPPModel`` on its local stages otherwise.
+pp=1, inside ``NxDPPModel`` on its local stages otherwise. What the steps decide is recorded in
+one ``NxDModelState``, ``model.nxd`` (``nxd_hf.model_state``), created after step 3.
 """
 
 import functools
@@ -35,6 +36,7 @@ from nxd_hf.architectures import get_patch
 from nxd_hf.checkpoint.consolidate import save_pretrained
 from nxd_hf.model_setup import LocalSetup, set_up_local_modules
 from nxd_hf.model_setup.activation_checkpoint import decoder_layer_types
+from nxd_hf.model_state import NxDModelState, state_of
 from nxd_hf.parallel_layers.heads import HeadLayout, head_layout
 from nxd_hf.parallel_layers.input_check import install_input_check
 from nxd_hf.parallel_layers.together import fail_together
@@ -93,7 +95,10 @@ def parallelize(
         patch = resolve_patch(model, sequence_parallel=sequence_parallel)
         layout = attention_layout(model, patch, pad_model=pad_model, kv_size_multiplier=kv_size_multiplier)
         swap_layers(model, patch, layout, sequence_parallel=sequence_parallel, gather_logits=gather_logits)
-        install_input_check(model, check_inputs)
+        check = install_input_check(model, check_inputs)
+    model.nxd = NxDModelState(
+        tp_size=tensor_parallel_size, pp_size=pipeline_parallel_size, dp_size=parallel_state.get_data_parallel_size(),
+        hf_model=model, local_modules=[model], patch=patch, head_layout=layout, input_check=check)
     setup = LocalSetup(load_weights=load_weights, param_init_fn=param_init_fn,
                        add_adapters=_adapters(model, lora_config),
                        activation_checkpoint_config=activation_checkpoint_config,
@@ -107,7 +112,7 @@ def parallelize(
     layer_types = decoder_layer_types(model) if activation_checkpoint_config == "full" else ()
     policy = set_up_local_modules([model], setup, layer_types=layer_types)
     policy.install_hooks(model)
-    model.nxd_grad_reduction = policy
+    model.nxd.grad_reduction = policy
     model.no_sync = policy.no_sync
     model.save_pretrained = types.MethodType(save_pretrained, model)  # the plain HF format, gathered
     return model
@@ -117,7 +122,7 @@ def _adapters(model, lora_config):
     """Step 7's function for ``LocalSetup.add_adapters`` (None without ``lora_config``)."""
     if lora_config is None:
         return None
-    from nxd_hf.lora.checkpoint import setup_lora
+    from nxd_hf.lora.setup import setup_lora
 
     return functools.partial(setup_lora, lora_config=lora_config, model=model)
 
@@ -128,7 +133,7 @@ def _check_model(model) -> None:
             f"{type(model).__name__} is not a Hugging Face model (it has no .config): nxd_hf.parallelize takes a "
             "transformers PreTrainedModel. Build your own modules from nxd_hf.parallel_layers "
             "(ColumnParallelLinear, RowParallelLinear, ParallelEmbedding) or wrap them in NxDPPModel")
-    if getattr(model, "_nxd_parallelized", False):
+    if state_of(model) is not None:
         raise ValueError("this model is already parallelized: call nxd_hf.parallelize once, on the original model")
     if getattr(model, "is_quantized", False) or getattr(model.config, "quantization_config", None):
         raise ValueError("nxd_hf.parallelize does not support quantized models: load the model unquantized")
@@ -191,8 +196,6 @@ def swap_layers(model, patch: ModelPatch, layout: HeadLayout | None, *, sequence
     if patch.lm_head and _has(model, patch.lm_head):
         install_output_contract(model, vocab_size=model.config.vocab_size, gather_logits=gather_logits,
                                 sequence_parallel=sequence_parallel)
-    model._nxd_parallelized = True
-    model._nxd_patch = patch
 
 
 def _has(model, name: str) -> bool:

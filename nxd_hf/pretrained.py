@@ -17,7 +17,7 @@ def from_pretrained(path: str, *, auto_class=transformers.AutoModelForCausalLM, 
     reads its own rows of every tensor. ``dtype`` defaults to the checkpoint config's dtype.
     With ``pipeline_parallel_size`` > 1 it returns an ``NxDPPModel`` and each rank reads only
     the weights of its own stages. Returns the model in eval mode, as transformers does;
-    ``model.nxd_load_report`` holds the bytes this rank read.
+    ``model.nxd.load_report`` holds the bytes this rank read.
     """
     check_checkpoint_dir(path)
     with fail_together("nxd_hf.from_pretrained (reading config.json)"):
@@ -35,6 +35,6 @@ def from_pretrained(path: str, *, auto_class=transformers.AutoModelForCausalLM, 
 
     model = parallelize(hf_model, tensor_parallel_size=tensor_parallel_size,
                         pipeline_parallel_size=pipeline_parallel_size, load_weights=load_weights, **parallelize_kwargs)
-    model.nxd_load_report = reports[0]
+    model.nxd.load_report = reports[0]
     model.eval()
     return model

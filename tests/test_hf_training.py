@@ -101,7 +101,7 @@ def check_from_pretrained(path: str, tp: int) -> None:
             expected += real_rows * param.numel() // param.shape[param.partition_dim] * param.element_size()
         else:
             expected += param.numel() * param.element_size()
-    assert model.nxd_load_report.bytes_read == expected, (model.nxd_load_report.bytes_read, expected)
+    assert model.nxd.load_report.bytes_read == expected, (model.nxd.load_report.bytes_read, expected)
     full_bytes = sum(p.numel() * p.element_size() for p in reference.parameters())
     assert expected < full_bytes / tp * 1.5
 

@@ -211,5 +211,5 @@ def test_model_init(tmp_path):
                                        **{**COMMON, "max_steps": 2})
     trainer = nxd_hf.NxDTrainer(args=args, train_dataset=_dataset(), model_init=lambda: hf_parity.build_pair("llama")[1])
     trainer.train()
-    assert trainer.state.global_step == 2 and getattr(trainer.model, "_nxd_parallelized", False)
+    assert trainer.state.global_step == 2 and trainer.model.nxd.tp_size == 1
     parallel_state.destroy_model_parallel()

@@ -189,7 +189,7 @@ def check_from_pretrained_reads_only_local_stages(path: str) -> None:
     for _, param in pp_model.local_named_parameters():
         rows = int((param.shard_index >= 0).sum()) if is_sharded(param) else param.shape[0]
         expected += rows * (param.numel() // param.shape[param.partition_dim if is_sharded(param) else 0]) * 4
-    assert pp_model.nxd_load_report.bytes_read == expected, (pp_model.nxd_load_report.bytes_read, expected)
+    assert pp_model.nxd.load_report.bytes_read == expected, (pp_model.nxd.load_report.bytes_read, expected)
     reference = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
     ids, labels, attention_mask = _pp_batch()
     with torch.no_grad():

@@ -220,7 +220,7 @@ def load_checkpoint(path: str, tag: str | None = None, model=None, optimizer=Non
         backend.barrier()
     reader.close()
     if optimizer is not None:
-        optim_state.install_param_states(optimizer, states)
+        optim_state.load_param_states(optimizer, states)
     user_content = _restore_non_tensor(directory, index, optimizer, scheduler)
     _restore_rng(directory, index)
     backend.barrier()

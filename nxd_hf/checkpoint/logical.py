@@ -10,24 +10,26 @@ weight tied across pipeline stages by its first holder (the others carry
 ``count_in_grad_norm = False``), padding never; data-parallel replicas take turns by tensor.
 
 It is read from the sharding metadata every parallel layer carries
-(``nxd_hf.parallel_layers.sharding``). A model (LoRA, a custom wrapper) can instead provide
-``nxd_logical_tensors()`` returning ``LogicalTensor``s; ``checkpoint/`` never imports the
-packages above it. A model into which adapters were injected carries ``nxd_adapters`` (on the
-HF model; ``nxd_hf.lora.checkpoint``), which decides what ``save_checkpoint`` writes of it and
-``load_checkpoint`` reads: ``save_plan(nxd_config)`` (JSON, kept in the index as "adapters"),
-``logical_tensors(model, plan, loading=...)`` (``LogicalTensor``s, ``section`` "model" for the
-base model under HF names and "adapter" for the adapters) and ``write_files(model, directory,
-plan)`` (collective; side files). Wrappers are recognized by duck typing: ``local_roots`` follows a
-``module`` attribute with an ``nxd_config`` (the config API's model) and a ``stages`` dict
-with ``local_stage_ids`` (a pipeline model), whose stage modules keep the original names.
+(``nxd_hf.parallel_layers.sharding``). ``checkpoint/`` never imports the packages above it: what
+it needs to know of a model it reads from the model's setup record, ``model.nxd``
+(``nxd_hf.model_state``; any other module is a plain one): the HF model (config, renames, tied
+keys), this rank's modules (``local_roots``: a pipelined model's local stages; otherwise the
+object passed, whose wrappers ``NxDModel`` and ``peft.PeftModel`` list the inner model's
+tensors) and the adapters the setup sequence added (``nxd.adapters``, the ``Adapters`` protocol
+below, implemented by ``nxd_hf.lora.checkpoint``), which decide what ``save_checkpoint`` writes
+of the model and ``load_checkpoint`` reads. A ``TensorSet`` stands for a model made of given
+``LogicalTensor``s (ZeRO-1's ``save_sharded_state_dict`` saves its parameters through one).
 """
 
 import dataclasses
+import weakref
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from nxd_hf import backend, parallel_state
+from nxd_hf.model_state import state_of
 from nxd_hf.parallel_layers.sharding import is_sharded
 
 
@@ -52,32 +54,49 @@ class LogicalTensor:
         return disk.t() if self.transposed else disk
 
 
+@dataclasses.dataclass
+class TensorSet:
+    """Stands for a model in ``save_checkpoint``/``load_checkpoint``: exactly these tensors."""
+
+    tensors: list[LogicalTensor]
+
+
+class Adapters(Protocol):
+    """``model.nxd.adapters``: what a checkpoint holds of a model with adapters."""
+
+    def save_plan(self, nxd_config) -> dict:
+        """What to save (JSON, kept in the index as "adapters"), from ``nxd_config`` (may be None)."""
+
+    def logical_tensors(self, model, plan: dict | None, *, loading: bool) -> list[LogicalTensor]:
+        """The tensors to write or read: ``section`` "model" for the base model under HF names,
+        "adapter" for the adapters. ``plan``: the saved one when loading (None: saved without adapters)."""
+
+    def write_files(self, model, directory: str, plan: dict) -> None:
+        """Side files (collective; every rank calls it before the completion marker)."""
+
+
 def local_roots(model: nn.Module) -> list[nn.Module]:
     """The modules holding this rank's parameters under their original names."""
     if isinstance(model, (list, tuple)):  # the roots themselves (pipeline stages being set up)
         return list(model)
-    if hasattr(model, "nxd_config") and isinstance(getattr(model, "module", None), nn.Module):
-        return local_roots(model.module)
-    if isinstance(getattr(model, "stages", None), nn.ModuleDict) and hasattr(model, "local_stage_ids"):
-        return list(model.stages.values())
-    return [model]
+    state = state_of(model)
+    return list(state.local_modules) if state is not None and state.pipelined else [model]
 
 
 def hf_model(model: nn.Module) -> nn.Module:
     """The (possibly meta) Hugging Face model behind a wrapper: config, renames, tied keys."""
-    if hasattr(model, "nxd_config") and isinstance(getattr(model, "module", None), nn.Module):
-        return hf_model(model.module)
-    original = getattr(model, "_original", None)
-    return original[0] if isinstance(original, list) and original else model
+    state = state_of(model)
+    return state.hf_model if state is not None else model
 
 
-def adapters_of(model: nn.Module | None):
-    """The ``nxd_adapters`` of ``model``'s HF model (see the module docstring), or None."""
-    return None if model is None else getattr(hf_model(model), "nxd_adapters", None)
+def adapters_of(model: nn.Module | None) -> Adapters | None:
+    """The adapters the setup sequence added to ``model`` (see the module docstring), or None."""
+    state = state_of(model)
+    return state.adapters if state is not None else None
 
 
 def model_config(model: nn.Module):
-    return getattr(hf_model(model), "config", None) or getattr(model, "config", None)
+    return getattr(hf_model(model), "config", None)  # None for a plain (non-HF) module
 
 
 class DiskNames:
@@ -85,13 +104,15 @@ class DiskNames:
     them) applied to the name. Weight converters (fusions such as MoE experts) are not
     reverted: such tensors are stored under their in-memory name and layout."""
 
+    _cache: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
+
     def __init__(self, model: nn.Module | None):
-        if model is None or not hasattr(model, "config"):
+        if model_config(model) is None:
             self._renamings = []
             return
-        if not hasattr(model, "_nxd_disk_renamings"):  # building transformers' tables takes ~0.5 s
-            model._nxd_disk_renamings = _reverse_renamings(model)
-        self._renamings = model._nxd_disk_renamings
+        if model not in self._cache:  # building transformers' tables takes ~0.5 s
+            self._cache[model] = _reverse_renamings(model)
+        self._renamings = self._cache[model]
 
     def __call__(self, name: str) -> str:
         if not self._renamings:
@@ -136,9 +157,8 @@ def logical_tensors(model: nn.Module, *, named=None) -> list[LogicalTensor]:
     """This rank's ``LogicalTensor``s, in the same order on every rank of a pipeline stage.
     Collective over the TP group (the owners of replicated rows are agreed on). ``named``:
     (name, tensor) pairs to describe instead of ``named_local_tensors(model)``."""
-    provided = getattr(model, "nxd_logical_tensors", None)
-    if callable(provided) and named is None:
-        return list(provided())
+    if isinstance(model, TensorSet) and named is None:
+        return list(model.tensors)
     disk_name = DiskNames(hf_model(model))
     tp_rank, dp_rank = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_size()
@@ -147,11 +167,12 @@ def logical_tensors(model: nn.Module, *, named=None) -> list[LogicalTensor]:
     out = []
     for i, (name, tensor) in enumerate(named_local_tensors(model) if named is None else named):
         writes_here = i % dp_size == dp_rank and getattr(tensor, "count_in_grad_norm", True)
-        out.append(_describe(disk_name(name), name, tensor, tp_rank, writes_here))
+        out.append(describe(disk_name(name), name, tensor, tp_rank, writes_here))
     return out
 
 
-def _describe(name: str, model_name: str, tensor: torch.Tensor, tp_rank: int, writes_here: bool) -> LogicalTensor:
+def describe(name: str, model_name: str, tensor: torch.Tensor, tp_rank: int, writes_here: bool) -> LogicalTensor:
+    """``tensor``'s ``LogicalTensor`` under the on-disk ``name`` (collective over TP when it is sharded)."""
     transposed = bool(getattr(tensor, "hf_transposed", False))
     shape = list(tensor.shape)
     writes_whole = writes_here and tp_rank == 0

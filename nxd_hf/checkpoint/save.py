@@ -22,6 +22,7 @@ from nxd_hf import backend, parallel_state
 from nxd_hf.checkpoint import optim_state, store, writer
 from nxd_hf.checkpoint.format import dtype_name, parts_of
 from nxd_hf.checkpoint.logical import adapters_of, hf_model, logical_tensors, model_config
+from nxd_hf.model_state import state_of
 from nxd_hf.parallel_layers.random import get_rng_state_tracker
 
 OPTIM_SEP = "::"
@@ -31,7 +32,7 @@ OPTIM_SEP = "::"
 def parallel_sizes(optimizer=None) -> dict:
     return {"tp": parallel_state.get_tensor_model_parallel_size(), "pp": parallel_state.get_pipeline_model_parallel_size(),
             "dp": parallel_state.get_data_parallel_size(), "world": backend.world_size(),
-            "zero1": optimizer is not None and optim_state.kind(optimizer) == "zero1"}
+            "zero1": optimizer is not None and optim_state.shards_state(optimizer)}
 
 
 def rng_state() -> dict:
@@ -46,9 +47,14 @@ def rng_state() -> dict:
     return state
 
 
-def _master_weights_in_ckpt(model, nxd_config) -> bool:
-    config = nxd_config if nxd_config is not None else getattr(model, "nxd_config", None)
-    precision = getattr(config, "mixed_precision_config", None)
+def _nxd_config(model, nxd_config):
+    """The config API's config: the one passed, else the one the model was wrapped with."""
+    state = state_of(model)
+    return nxd_config if nxd_config is not None or state is None else state.nxd_config
+
+
+def _master_weights_in_ckpt(nxd_config) -> bool:
+    precision = getattr(nxd_config, "mixed_precision_config", None)  # NxDConfig or NxD's dict form
     if isinstance(precision, dict):
         return bool(precision.get("use_master_weights_in_ckpt", False))
     return bool(getattr(precision, "use_master_weights_in_ckpt", False))
@@ -118,7 +124,7 @@ def _what_to_save(model, adapters, nxd_config) -> tuple[dict | None, list]:
         return None, []
     if adapters is None:
         return None, logical_tensors(model)
-    plan = adapters.save_plan(nxd_config if nxd_config is not None else getattr(model, "nxd_config", None))
+    plan = adapters.save_plan(nxd_config)
     return plan, adapters.logical_tensors(model, plan, loading=False)
 
 
@@ -159,7 +165,8 @@ def save_checkpoint(path: str, tag: str = "", model=None, optimizer=None, schedu
     rank, world = backend.rank(), backend.world_size()
     _check_same_target(path, tag)
     tmp = store.tmp_dir(path, tag)
-    masters_in_model = _master_weights_in_ckpt(model, nxd_config)
+    nxd_config = _nxd_config(model, nxd_config)
+    masters_in_model = _master_weights_in_ckpt(nxd_config)
     adapters = adapters_of(model)
     plan, lts = _what_to_save(model, adapters, nxd_config)
     files, records = _tensor_shares(lts, optimizer, masters_in_model, rank, copy=async_save)

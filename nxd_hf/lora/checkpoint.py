@@ -2,10 +2,10 @@
 with LoRA adapters, and what ``load_checkpoint`` and ``LoraConfig(load_lora_from_ckpt=True)``
 read back.
 
-``setup_lora`` (the LoRA slot of ``nxd_hf.parallelize``'s setup sequence) leaves a
-``LoraCheckpoint`` on the HF model as ``nxd_adapters``; the checkpoint package calls it by duck
-typing (``nxd_hf.checkpoint.logical``), never importing ``lora/``. A checkpoint ``path/tag`` of a
-LoRA model holds:
+``setup_lora`` (``nxd_hf.lora.setup``, the LoRA slot of ``nxd_hf.parallelize``'s setup sequence)
+records a ``LoraCheckpoint`` in the model's state, ``model.nxd.adapters``; the checkpoint package
+calls it through its ``Adapters`` protocol (``nxd_hf.checkpoint.logical``), never importing
+``lora/``. A checkpoint ``path/tag`` of a LoRA model holds:
 
 - ``adapter/``: the adapter in PEFT format (``adapter_model.safetensors`` +
   ``adapter_config.json``), for ``PeftModel.from_pretrained(base_model, "path/tag/adapter")``.
@@ -27,15 +27,11 @@ alpha, targets, ...) from the saved ``adapter_config.json``, as NxD does.
 
 import dataclasses
 import os
-import warnings
 
-import peft
 from peft.tuners.lora.layer import LoraLayer
 from peft.utils.save_and_load import get_peft_model_state_dict
 
-from nxd_hf.checkpoint.load import load_model_tensors, read_index
 from nxd_hf.checkpoint.logical import hf_model, local_roots, logical_tensors, named_local_tensors
-from nxd_hf.lora.inject import _print_trainable, inject_lora
 from nxd_hf.lora.save import _adapter_holders, save_adapter
 from nxd_hf.modules.lora import LoraConfig as NxDLoraConfig
 
@@ -44,7 +40,7 @@ SEPARATE_CONFIG_DIR = "lora_adapter"
 
 
 class LoraCheckpoint:
-    """The ``nxd_adapters`` protocol of ``nxd_hf.checkpoint.logical`` for LoRA adapters.
+    """The ``Adapters`` protocol of ``nxd_hf.checkpoint.logical`` for LoRA adapters.
     ``lora_config``: NxD's ``LoraConfig`` the model was built with (its save modes), or None
     (built from a ``peft.LoraConfig``: the adapter alone is saved unless ``nxd_config`` says)."""
 
@@ -100,8 +96,7 @@ class LoraCheckpoint:
 
     def write_files(self, model, directory: str, plan: dict) -> None:
         """The PEFT-format adapter (every rank calls it; global rank 0 writes)."""
-        inner = model.module if hasattr(model, "nxd_config") and hasattr(model, "module") else model  # NxDModel
-        save_adapter(inner, os.path.join(directory, plan["adapter_dir"]), adapter_name=plan["adapter_name"],
+        save_adapter(model, os.path.join(directory, plan["adapter_dir"]), adapter_name=plan["adapter_name"],
                      config_directory=os.path.join(directory, plan["config_dir"]))
 
 
@@ -135,59 +130,3 @@ def _merged_weights(roots: list, adapter_name: str) -> dict:
             weight = module.get_base_layer().weight
             merged[id(weight)] = weight.detach() + module.get_delta_weight(adapter_name).to(weight.dtype)
     return merged
-
-
-def setup_lora(modules: list, *, lora_config, model) -> None:
-    """Step 7 of ``nxd_hf.parallelize``: LoRA adapters on ``modules`` (``inject_lora``); with
-    NxD's ``load_lora_from_ckpt``, the LoRA settings saved with the checkpoint's adapter, then its
-    adapter (and unmerged base) tensors. Leaves ``model.nxd_adapters`` for the checkpoints."""
-    nxd_config = lora_config if isinstance(lora_config, NxDLoraConfig) else None
-    if nxd_config is not None and not nxd_config.enable_lora:
-        inject_lora(modules, nxd_config)  # warns that nothing is added
-        return
-    plan = None
-    if nxd_config is not None and nxd_config.load_lora_from_ckpt:
-        directory, index = read_index(nxd_config.lora_save_dir, nxd_config.lora_load_tag)
-        plan = index.get("adapters")
-        if plan is None:
-            raise ValueError(f"LoraConfig.load_lora_from_ckpt: checkpoint {directory} holds no LoRA adapter (it was "
-                             "saved from a model without LoRA): point lora_save_dir/lora_load_tag at a LoRA checkpoint")
-        lora_config = _saved_config(os.path.join(directory, plan["config_dir"]), nxd_config)
-    inject_lora(modules, lora_config, adapter_name="default", model_type=model.config.model_type)
-    checkpoint = LoraCheckpoint(nxd_config)
-    model.nxd_adapters = checkpoint
-    if plan is None:
-        return
-    if plan["base"] == "merged":
-        warnings.warn("load_lora_from_ckpt: the checkpoint's base has the adapter merged in; only the adapter is "
-                      "loaded, the base stays as the model was built (the original base weights)")
-    lts = checkpoint.tensors_of(list(modules), model, plan, loading=True)
-    load_model_tensors(nxd_config.lora_save_dir, nxd_config.lora_load_tag, model, lts)
-    if nxd_config.lora_verbose:
-        _print_trainable(list(modules))
-
-
-_SAVED_FIELDS = {"lora_rank": "r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout", "bias": "bias",
-                 "use_rslora": "use_rslora", "target_modules": "target_modules", "modules_to_save": "modules_to_save"}
-
-
-def _saved_config(config_dir: str, nxd_config: NxDLoraConfig) -> peft.LoraConfig:
-    """The checkpoint's LoRA settings, trainable; a warning names the fields of ``nxd_config`` set
-    to other values (they are ignored)."""
-    if not os.path.isfile(os.path.join(config_dir, "adapter_config.json")):
-        raise ValueError(f"load_lora_from_ckpt: {config_dir}/adapter_config.json is missing: the checkpoint is "
-                         "incomplete or was not written by nxd_hf.save_checkpoint")
-    config = peft.LoraConfig.from_pretrained(config_dir)
-    config.inference_mode = False
-    defaults = NxDLoraConfig()
-    ignored = []
-    for ours, theirs in _SAVED_FIELDS.items():
-        value, saved = getattr(nxd_config, ours), getattr(config, theirs)
-        if isinstance(value, (list, set)) and isinstance(saved, (list, set)):
-            value, saved = set(value), set(saved)
-        if getattr(defaults, ours) != getattr(nxd_config, ours) and value != saved:
-            ignored.append(f"{ours}={getattr(nxd_config, ours)!r} (saved: {saved!r})")
-    if ignored:
-        warnings.warn(f"LoraConfig: {', '.join(ignored)} ignored: load_lora_from_ckpt uses the LoRA settings saved "
-                      f"with the adapter ({config_dir})")
-    return config

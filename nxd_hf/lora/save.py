@@ -9,6 +9,7 @@ from safetensors.torch import save_file
 
 from nxd_hf import backend, parallel_state
 from nxd_hf.lora import io
+from nxd_hf.model_state import state_of
 
 PEFT_PREFIX = "base_model.model."  # what a PeftModel around the HF model puts before every key
 
@@ -17,8 +18,9 @@ def _adapter_holders(model) -> list[tuple[str, object]]:
     """(key prefix, module) of every module peft injected into: an ``NxDPPModel``'s stages (their
     parameter names are the HF model's), else the outermost modules of ``model`` holding a
     ``peft_config`` (the model itself, or the pieces given to ``inject_lora``)."""
-    if hasattr(model, "stages"):
-        return [("", stage) for stage in model.stages.values()]
+    state = state_of(model)
+    if state is not None and state.pipelined:
+        return [("", stage) for stage in state.local_modules]
     holders = []
     for name, module in model.named_modules():
         inside = any(name.startswith(prefix) for prefix, _ in holders if prefix)
@@ -63,7 +65,8 @@ def save_adapter(model, save_directory: str, *, adapter_name: str = "default", c
     the config last, into ``config_directory`` when given: NxD's ``save_lora_config_adapter=False``)."""
     io.check_every_rank_saves()
     holders = _adapter_holders(model)
-    hf_model = model._original[0] if hasattr(model, "_original") else model
+    state = state_of(model)
+    hf_model = state.hf_model if state is not None else model
     state = _local_logical_state(holders, adapter_name)
     config = _config_to_write(holders, adapter_name, hf_model)
     pieces = backend.all_gather_object(state, parallel_state.get_pipeline_model_parallel_group())

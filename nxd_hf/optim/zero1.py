@@ -22,6 +22,7 @@ import warnings
 import torch
 
 from nxd_hf import backend, parallel_state
+from nxd_hf.model_state import state_of
 from nxd_hf.optim.flat import FlatGroup, build_flat_groups
 from nxd_hf.optim.groups import resolve_group
 from nxd_hf.optim.zero1_state import Zero1StateMixin
@@ -123,10 +124,10 @@ class NeuronZero1Optimizer(Zero1StateMixin, torch.optim.Optimizer):
     def attach(self, model) -> None:
         """Take over ``model``'s data-parallel gradient mean: the reduce-scatter in ``step()``
         replaces the one at the end of backward (``model.no_sync()`` then changes nothing)."""
-        policy = getattr(model, "nxd_grad_reduction", None)
-        if policy is None:
+        state = state_of(model)
+        if state is None or state.grad_reduction is None:
             raise ValueError("attach(model) takes a model returned by nxd_hf.parallelize (it has no gradient reduction)")
-        policy.reduce_in_optimizer()
+        state.grad_reduction.reduce_in_optimizer()
 
     def _options(self, group_index: int) -> dict:
         return {k: v for k, v in self.param_groups[group_index].items() if k != "params"}

@@ -1,12 +1,24 @@
 """ZeRO-1's state on this rank (the optimizer state of its slice and the fp32 master slice):
-state_dict / load_state_dict with a layout check, per-rank files, and its size in bytes."""
+state_dict / load_state_dict with a layout check, files in the checkpoint format, its size in
+bytes, and the checkpoint's optimizer-state protocol (``nxd_hf.checkpoint.optim_state``): each
+parameter's state decoded from the flat slices into the parameter's local layout, and back.
+
+Flat layout (``nxd_hf.optim.flat``): each ``FlatGroup``'s parameters lie end to end; this rank
+holds the elements ``[shard_start, shard_start + shard_numel)`` of its master (``masters[i]``)
+and of the inner optimizer's state, whose params are chunks of that master slice.
+"""
 
 import torch
+
+from nxd_hf import backend
+from nxd_hf.checkpoint.optim_state import MASTER, ParamStates, set_torch_state
 
 
 class Zero1StateMixin:
     """State methods of ``NeuronZero1Optimizer`` (needs its ``masters``, ``optimizer``,
     ``flat_groups``, ``param_groups``, ``dp_size``, ``dp_rank`` and ``sharding_group``)."""
+
+    shards_state_over_dp = True
 
     def optimizer_state_bytes(self) -> int:
         """Bytes of this rank's per-element state: the fp32 master slices plus every state
@@ -55,13 +67,89 @@ class Zero1StateMixin:
     def save_sharded_state_dict(self, output_dir: str, save_serially: bool = True) -> None:
         """Write this optimizer's state under ``output_dir`` in nxd_hf's checkpoint format (it
         loads at other DP/TP sizes); ``save_serially``: one rank writes at a time."""
-        from nxd_hf.checkpoint.zero1_shards import save_sharded
+        from nxd_hf.optim.zero1_checkpoint import save_sharded
 
         save_sharded(self, output_dir, save_serially)
 
     def load_sharded_state_dict(self, output_dir: str, num_workers_per_step: int = 8) -> None:
         """Read the state ``save_sharded_state_dict`` wrote (parameters included), at most
         ``num_workers_per_step`` ranks at a time."""
-        from nxd_hf.checkpoint.zero1_shards import load_sharded
+        from nxd_hf.optim.zero1_checkpoint import load_sharded
 
         load_sharded(self, output_dir, num_workers_per_step)
+
+    # -- the checkpoint's optimizer-state protocol
+    def param_states(self) -> ParamStates:
+        """Each parameter's state in its local layout: the slices held by the DP ranks are summed
+        into it (each element comes from one rank), one parameter at a time. Collective."""
+        out = {}
+        for index, (fg, master) in enumerate(zip(self.flat_groups, self.masters)):
+            flat, scalars = self._slice_state(index)
+            keys = sorted(backend.all_gather_object(sorted(flat), self.sharding_group), key=len)[-1]
+            sources = {key: flat.get(key) for key in keys}
+            if fg.dtype != torch.float32:
+                sources[MASTER] = master.detach()
+            scalar_keys = sorted(backend.all_gather_object(sorted(scalars), self.sharding_group), key=len)[-1]
+            lo, hi = fg.shard_start, fg.shard_start + fg.shard_numel
+            for param, offset in zip(fg.params, fg.offsets):
+                state = {}
+                for key, source in sources.items():
+                    full = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
+                    a, b = max(lo, offset), min(hi, offset + param.numel())
+                    if a < b and source is not None:
+                        full[a - offset : b - offset] = source[a - lo : b - lo]
+                    backend.all_reduce(full, self.sharding_group)
+                    state[key] = full.view(param.shape)
+                state.update({key: _agreed_scalar(scalars.get(key), self.sharding_group) for key in scalar_keys})
+                out[id(param)] = (param, state)
+        return out
+
+    def _slice_state(self, index: int) -> tuple[dict, dict]:
+        """(per-element state over this rank's master slice ``index``, scalar state)."""
+        chunks = self.optimizer.param_groups[index]["params"]
+        states = [self.optimizer.state.get(c, {}) for c in chunks]
+        flat, scalars = {}, {}
+        for key, value in (states[0].items() if states else ()):
+            if not isinstance(value, torch.Tensor):
+                continue
+            if value.numel() == chunks[0].numel() and value.dim() > 0:
+                flat[key] = torch.cat([s[key].reshape(-1) for s in states])
+            else:
+                scalars[key] = value
+        return flat, scalars
+
+    def load_param_states(self, states: dict[int, dict]) -> None:
+        """This rank's slice of each parameter's state (and of its master: the saved one, else
+        the parameter) into the master slices and the inner optimizer."""
+        keyed = []
+        for index, (fg, master) in enumerate(zip(self.flat_groups, self.masters)):
+            lo, hi = fg.shard_start, fg.shard_start + fg.shard_numel
+            flat, scalars = {}, {}
+            with torch.no_grad():
+                for param, offset in zip(fg.params, fg.offsets):
+                    a, b = max(lo, offset), min(hi, offset + param.numel())
+                    state = states.get(id(param), {})
+                    if a < b:
+                        src = state.get(MASTER, param).reshape(-1)
+                        master[a - lo : b - lo] = src[a - offset : b - offset].float()
+                    for key, value in state.items():
+                        if key == MASTER:
+                            continue
+                        if value.dim() == 0 or value.numel() != param.numel():
+                            scalars.setdefault(key, value)
+                            continue
+                        buffer = flat.setdefault(key, torch.zeros(fg.shard_numel, dtype=torch.float32,
+                                                                  device=master.device))
+                        if a < b:
+                            buffer[a - lo : b - lo] = value.reshape(-1)[a - offset : b - offset]
+            chunks = self.optimizer.param_groups[index]["params"]
+            pieces = {key: buffer.split([c.numel() for c in chunks]) for key, buffer in flat.items()}
+            keyed += [(c, {**{k: p[i].clone() for k, p in pieces.items()}, **{k: v.clone() for k, v in scalars.items()}})
+                      for i, c in enumerate(chunks)]
+        set_torch_state(self.optimizer, keyed)
+
+
+def _agreed_scalar(value: torch.Tensor | None, group) -> torch.Tensor:
+    """A scalar every DP rank holds equal (``step``); a rank without state holds none."""
+    values = [v for v in backend.all_gather_object(value, group) if v is not None]
+    return values[0].clone()

@@ -59,7 +59,6 @@ def install_input_check(model, check_inputs) -> InputCheck:
     """Check the inputs of ``model``'s forward (a pre-hook) as ``check_inputs`` says; the
     pipeline's step calls ``check_step_inputs`` instead."""
     check = InputCheck(vocab_size=getattr(model.config, "vocab_size", None), mode=resolve_mode(check_inputs))
-    model._nxd_input_check = check
     signature = inspect.signature(model.forward)
 
     def hook(module, args, kwargs):
@@ -74,9 +73,8 @@ def install_input_check(model, check_inputs) -> InputCheck:
     return check
 
 
-def check_step_inputs(model, inputs: dict) -> None:
-    """The input check of a pipeline step (``model``: the parallelized HF model)."""
-    check = getattr(model, "_nxd_input_check", None)
+def check_step_inputs(check: InputCheck | None, inputs: dict) -> None:
+    """The input check of a pipeline step (``check``: the model's, ``model.nxd.input_check``; None: none)."""
     if check is not None:
         check(inputs)
 

@@ -5,6 +5,8 @@ Construction: trace (``nxd_hf.pipeline.trace``), cut between transformer layers
 the local setup steps on them (``nxd_hf.model_setup.local``: weights, ties across stages,
 adapters, activation checkpointing, gradient reduction, device) — the same steps
 ``nxd_hf.parallelize`` runs at pp=1. ``run_train`` then runs one step of the chosen schedule.
+The model's setup record (``nxd``, ``nxd_hf.model_state``) is the one ``parallelize`` put on the
+HF model, now with this rank's stages; a directly constructed ``NxDPPModel`` makes its own.
 """
 
 import dataclasses
@@ -19,6 +21,7 @@ from nxd_hf import backend, parallel_state
 from nxd_hf.pipeline import partition
 from nxd_hf.model_setup import LocalSetup, set_up_local_modules
 from nxd_hf.model_setup.activation_checkpoint import decoder_layer_types
+from nxd_hf.model_state import NxDModelState, state_of
 from nxd_hf.parallel_layers.together import fail_together
 from nxd_hf.pipeline.runtime import SCHEDULES, build_schedule, check_schedule
 from nxd_hf.pipeline.recompute import allow_unmasked_attention, metadata_substitutes, recomputable_nodes
@@ -90,7 +93,9 @@ class NxDPPModel(nn.Module):
             self.input_names = list(input_names or ["input_ids", "attention_mask", "labels"])
             self.config = getattr(module, "config", None)
             self.transformer_layer_cls = decoder_layer_types(module, transformer_layer_cls)
-            self._original = [module]  # not a submodule: only local stages are this module's children
+            self.nxd = state_of(module) or NxDModelState(  # not a submodule: only local stages are children
+                tp_size=parallel_state.get_tensor_model_parallel_size(), pp_size=self.pp_size,
+                dp_size=parallel_state.get_data_parallel_size(), hf_model=module, local_modules=[])
             self._deallocate = deallocate_pipeline_outputs
 
             traced_inputs = [n for n in self.input_names if n != "labels" or not self.is_hf]
@@ -123,10 +128,11 @@ class NxDPPModel(nn.Module):
             self.stage_to_rank = partition.stage_ranks(self.num_stages, self.pp_size, placement)
             self.local_stage_ids = partition.local_stages(self.num_stages, self.pp_size, self.pp_rank, placement)
             self.stages = nn.ModuleDict({str(s): all_stages[s] for s in self.local_stage_ids})
+            self.nxd.wrapper, self.nxd.local_modules = "pipeline", list(self.stages.values())
         self.tied = tie_across_stages(all_stages, self.stage_to_rank, self.local_stage_ids)
-        self.nxd_grad_reduction = set_up_local_modules(
-            list(self.stages.values()), setup, layer_types=self.transformer_layer_cls, tie=self.tied.sync_initial_values)
-        self.nxd_grad_reduction.add_reduction(self.tied.sum_grads)
+        self.nxd.grad_reduction = set_up_local_modules(
+            self.local_modules(), setup, layer_types=self.transformer_layer_cls, tie=self.tied.sync_initial_values)
+        self.nxd.grad_reduction.add_reduction(self.tied.sum_grads)
         self._runner = StepRunner(self)
 
     def _recomputation(self, graph_module, traced_inputs: list[str], layer_targets: set[str]):
@@ -162,11 +168,20 @@ class NxDPPModel(nn.Module):
 
     def no_sync(self):
         """Skip the data-parallel gradient mean for steps inside the block (accumulation)."""
-        return self.nxd_grad_reduction.no_sync()
+        return self.nxd.grad_reduction.no_sync()
+
+    @property
+    def hf_model(self) -> nn.Module:
+        """The model this pipeline was built from (only this rank's stages hold its weights)."""
+        return self.nxd.hf_model
+
+    def local_modules(self) -> list[nn.Module]:
+        """This rank's stage modules, in stage order; their parameters carry ``hf_model``'s names."""
+        return list(self.stages.values())
 
     def local_module(self):
         """This rank's stage module (a list of them with several stages per rank)."""
-        modules = list(self.stages.values())
+        modules = self.local_modules()
         return modules[0] if len(modules) == 1 else modules
 
     def local_named_parameters(self, *args, **kwargs):

@@ -38,7 +38,7 @@ class StepRunner:
         self.train = True
 
     def _loss_fn(self, output, labels):
-        original = self.model._original[0]
+        original = self.model.hf_model
         if self.model.is_hf:  # the model's own loss (vocab-parallel under TP) on the logits
             return original.loss_function(logits=output, labels=labels, vocab_size=original.config.vocab_size,
                                           num_items_in_batch=self.num_items)
@@ -66,7 +66,7 @@ class StepRunner:
     def run(self, inputs: dict, *, train: bool, return_logits: bool = False):
         inputs = dict(inputs)
         step_count = inputs.pop("num_items_in_batch", None)
-        check_step_inputs(self.model._original[0], inputs)  # before any check one rank alone could fail
+        check_step_inputs(self.model.nxd.input_check, inputs)  # before any check one rank alone could fail
         self._check(inputs)
         model = self.model
         labels = inputs.get("labels")
@@ -86,7 +86,7 @@ class StepRunner:
         if last:
             step_kwargs.update(target=labels, losses=losses)
         if train:
-            with model.nxd_grad_reduction.one_backward():
+            with model.nxd.grad_reduction.one_backward():
                 schedule.step(*step_args, return_outputs=False, **step_kwargs)
         else:
             outputs = schedule.eval(*step_args, return_outputs=return_logits, **step_kwargs)

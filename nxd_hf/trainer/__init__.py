@@ -5,7 +5,7 @@
 from nxd_hf.checkpoint import load_checkpoint, save_checkpoint
 from nxd_hf.trainer.config import NxDConfig, neuronx_distributed_config
 from nxd_hf.trainer.model import NxDModel, initialize_parallel_model
-from nxd_hf.trainer.optimizer import NxDOptimizer, initialize_parallel_optimizer
+from nxd_hf.trainer.optimizer import initialize_parallel_optimizer
 
 _LAZY = {"NxDTrainer": "nxd_hf.trainer.hf_trainer", "NxDTrainingArguments": "nxd_hf.trainer.arguments"}
 
@@ -20,6 +20,6 @@ def __getattr__(name: str):
 
 __all__ = [
     "NxDTrainer", "NxDTrainingArguments",
-    "NxDConfig", "NxDModel", "NxDOptimizer", "initialize_parallel_model", "initialize_parallel_optimizer",
+    "NxDConfig", "NxDModel", "initialize_parallel_model", "initialize_parallel_optimizer",
     "load_checkpoint", "neuronx_distributed_config", "save_checkpoint",
 ]

@@ -25,6 +25,7 @@ import torch
 import transformers
 
 from nxd_hf import backend, parallel_state
+from nxd_hf.model_state import state_of
 from nxd_hf.optim.zero1 import ELEMENTWISE_OPTIMIZERS
 from nxd_hf.parallel_layers.loss_functions import loss_normalizer
 from nxd_hf.pipeline.model import NxDPPModel
@@ -74,7 +75,7 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
         base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model
         if isinstance(model, NxDModel):
             self.nxd_model = model
-        elif isinstance(model, NxDPPModel) or getattr(base, "_nxd_parallelized", False):
+        elif isinstance(model, NxDPPModel) or state_of(base) is not None:
             self.nxd_model = NxDModel(model, self.nxd_config)
         elif base is not model:
             raise ValueError("a peft model of an unparallelized model: pass the plain model with peft_config=..., "
@@ -180,7 +181,7 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
 
 def _is_parallel(model) -> bool:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return isinstance(model, (NxDModel, NxDPPModel)) or getattr(base, "_nxd_parallelized", False)
+    return isinstance(model, (NxDModel, NxDPPModel)) or state_of(base) is not None
 
 
 def _check_layout(args: NxDTrainingArguments, *, pipelined: bool) -> None:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from nxd_hf import backend, parallel_state
+from nxd_hf.model_state import NxDModelState, state_of
 from nxd_hf.parallel_layers.loss_functions import loss_normalizer
 from nxd_hf.parallel_layers.together import fail_together
 from nxd_hf.parallelize import parallelize
@@ -33,11 +34,18 @@ class NxDModel(nn.Module):
         super().__init__()
         self.module, self.nxd_config = module, nxd_config
         self.pipelined = isinstance(module, NxDPPModel)
+        if self.nxd is not None:
+            self.nxd.nxd_config = nxd_config  # what save_checkpoint reads of the config (master weights, LoRA)
+
+    @property
+    def nxd(self) -> NxDModelState | None:
+        """The wrapped model's setup record (``nxd_hf.model_state``)."""
+        return state_of(self.module)
 
     @property
     def hf_model(self) -> nn.Module:
         """The Hugging Face model this wraps (under PP the original one: only local stages are real)."""
-        return self.module._original[0] if self.pipelined else self.module
+        return self.module.hf_model if self.pipelined else self.module
 
     def train(self, mode: bool = True) -> "NxDModel":
         self.training = mode
@@ -109,7 +117,7 @@ class NxDModel(nn.Module):
             yield from getattr(root, method)(*args, **kwargs)
 
     def _local_roots(self) -> list[nn.Module]:
-        return list(self.module.stages.values()) if self.pipelined else [self.module]
+        return self.module.local_modules() if self.pipelined else [self.module]
 
     @property
     def config(self):

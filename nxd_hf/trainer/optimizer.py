@@ -2,83 +2,10 @@
 gradient reduction (or ZeRO-1's reduce-scatter), gradient clipping on the global norm, and the
 step, on fp32 master weights for bf16/fp16 parameters."""
 
-import torch
-
-from nxd_hf import parallel_state
-from nxd_hf.optim.mixed_precision import MasterWeights
+from nxd_hf.optim.nxd_optimizer import NxDOptimizer
 from nxd_hf.optim.zero1 import NeuronZero1Optimizer
-from nxd_hf.parallel_layers.grad_reduction import grad_reductions_of
-from nxd_hf.parallel_layers.grads import accumulated_grad, all_reduce_bucketed, clip_grad_norm
+from nxd_hf.parallel_layers.grads import accumulated_grad
 from nxd_hf.trainer.config import NxDConfig
-
-
-class NxDOptimizer(torch.optim.Optimizer):
-    """``optimizer_class`` over fp32 masters; ``step()`` = DP mean of the (fp32-accumulated)
-    gradients, clipping (``grad_norm`` keeps the norm), inner step, masters back into the model.
-    ``param_groups`` are the inner optimizer's, so LR schedulers work on this object."""
-
-    def __init__(self, params, optimizer_class, *, max_grad_norm: float | None, use_master_weights: bool,
-                 bucket_size_mb: float = 25, **defaults):
-        groups = list(params)
-        if groups and not isinstance(groups[0], dict):
-            groups = [{"params": groups}]
-        self.masters = [MasterWeights([p for p in g["params"] if p.requires_grad], enabled=use_master_weights)
-                        for g in groups]
-        inner_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": m.masters}
-                        for g, m in zip(groups, self.masters)]
-        self.optimizer = optimizer_class(inner_groups, **defaults)
-        for policy in grad_reductions_of(p for g in groups for p in g["params"]):
-            policy.reduce_in_optimizer()  # step() does the data-parallel reduction
-        self.max_grad_norm, self.bucket_size_mb = max_grad_norm, bucket_size_mb
-        self.grad_norm: torch.Tensor | None = None
-        self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = {}, {}
-        self._optimizer_state_dict_pre_hooks, self._optimizer_state_dict_post_hooks = {}, {}
-        self._optimizer_load_state_dict_pre_hooks, self._optimizer_load_state_dict_post_hooks = {}, {}
-
-    # the inner optimizer's groups, state and defaults (load_state_dict replaces its group list)
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    @property
-    def defaults(self) -> dict:
-        return self.optimizer.defaults
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        masters = [m for group in self.masters for m in group.masters]
-        for group in self.masters:
-            group.load_grads()
-        grads = [m.grad for m in masters if m.grad is not None]
-        dp_size = parallel_state.get_data_parallel_size()
-        all_reduce_bucketed(grads, parallel_state.get_data_parallel_group(), scale=1.0 / dp_size,
-                            bucket_size_mb=self.bucket_size_mb)
-        if self.max_grad_norm is not None:
-            self.grad_norm = clip_grad_norm(masters, self.max_grad_norm)
-        loss = self.optimizer.step(closure)
-        for group in self.masters:
-            group.store_params()
-        return loss
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for group in self.masters:
-            group.zero_grad()
-
-    def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(),
-                "masters": [[m.detach().clone() for m in group.masters] for group in self.masters]}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        self.optimizer.load_state_dict(state_dict["optimizer"])
-        with torch.no_grad():
-            for group, saved in zip(self.masters, state_dict["masters"]):
-                for master, value in zip(group.masters, saved):
-                    master.copy_(value)
-                group.store_params()
 
 
 def initialize_parallel_optimizer(nxd_config: NxDConfig, optimizer_class, parameters, **defaults):

@@ -1,0 +1,71 @@
+"""``setup_lora``: step 7 of ``nxd_hf.parallelize``'s setup sequence (the LoRA slot of
+``nxd_hf.model_setup.LocalSetup``): LoRA adapters injected into this rank's modules, NxD's
+``LoraConfig(load_lora_from_ckpt=True)`` read back, and the adapters' checkpoint protocol
+(``nxd_hf.lora.checkpoint.LoraCheckpoint``) recorded in the model's state, ``model.nxd.adapters``.
+"""
+
+import os
+import warnings
+
+import peft
+
+from nxd_hf.checkpoint.load import load_model_tensors, read_index
+from nxd_hf.lora.checkpoint import LoraCheckpoint
+from nxd_hf.lora.inject import _print_trainable, inject_lora
+from nxd_hf.modules.lora import LoraConfig as NxDLoraConfig
+
+
+def setup_lora(modules: list, *, lora_config, model) -> None:
+    """Step 7 of ``nxd_hf.parallelize``: LoRA adapters on ``modules`` (``inject_lora``); with
+    NxD's ``load_lora_from_ckpt``, the LoRA settings saved with the checkpoint's adapter, then its
+    adapter (and unmerged base) tensors. Records the ``LoraCheckpoint`` as ``model.nxd.adapters``."""
+    nxd_config = lora_config if isinstance(lora_config, NxDLoraConfig) else None
+    if nxd_config is not None and not nxd_config.enable_lora:
+        inject_lora(modules, nxd_config)  # warns that nothing is added
+        return
+    plan = None
+    if nxd_config is not None and nxd_config.load_lora_from_ckpt:
+        directory, index = read_index(nxd_config.lora_save_dir, nxd_config.lora_load_tag)
+        plan = index.get("adapters")
+        if plan is None:
+            raise ValueError(f"LoraConfig.load_lora_from_ckpt: checkpoint {directory} holds no LoRA adapter (it was "
+                             "saved from a model without LoRA): point lora_save_dir/lora_load_tag at a LoRA checkpoint")
+        lora_config = _saved_config(os.path.join(directory, plan["config_dir"]), nxd_config)
+    inject_lora(modules, lora_config, adapter_name="default", model_type=model.config.model_type)
+    checkpoint = LoraCheckpoint(nxd_config)
+    model.nxd.adapters = checkpoint
+    if plan is None:
+        return
+    if plan["base"] == "merged":
+        warnings.warn("load_lora_from_ckpt: the checkpoint's base has the adapter merged in; only the adapter is "
+                      "loaded, the base stays as the model was built (the original base weights)")
+    lts = checkpoint.tensors_of(list(modules), model, plan, loading=True)
+    load_model_tensors(nxd_config.lora_save_dir, nxd_config.lora_load_tag, model, lts)
+    if nxd_config.lora_verbose:
+        _print_trainable(list(modules))
+
+
+_SAVED_FIELDS = {"lora_rank": "r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout", "bias": "bias",
+                 "use_rslora": "use_rslora", "target_modules": "target_modules", "modules_to_save": "modules_to_save"}
+
+
+def _saved_config(config_dir: str, nxd_config: NxDLoraConfig) -> peft.LoraConfig:
+    """The checkpoint's LoRA settings, trainable; a warning names the fields of ``nxd_config`` set
+    to other values (they are ignored)."""
+    if not os.path.isfile(os.path.join(config_dir, "adapter_config.json")):
+        raise ValueError(f"load_lora_from_ckpt: {config_dir}/adapter_config.json is missing: the checkpoint is "
+                         "incomplete or was not written by nxd_hf.save_checkpoint")
+    config = peft.LoraConfig.from_pretrained(config_dir)
+    config.inference_mode = False
+    defaults = NxDLoraConfig()
+    ignored = []
+    for ours, theirs in _SAVED_FIELDS.items():
+        value, saved = getattr(nxd_config, ours), getattr(config, theirs)
+        if isinstance(value, (list, set)) and isinstance(saved, (list, set)):
+            value, saved = set(value), set(saved)
+        if getattr(defaults, ours) != getattr(nxd_config, ours) and value != saved:
+            ignored.append(f"{ours}={getattr(nxd_config, ours)!r} (saved: {saved!r})")
+    if ignored:
+        warnings.warn(f"LoraConfig: {', '.join(ignored)} ignored: load_lora_from_ckpt uses the LoRA settings saved "
+                      f"with the adapter ({config_dir})")
+    return config

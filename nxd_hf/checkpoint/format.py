@@ -17,6 +17,7 @@ from safetensors import safe_open
 
 from nxd_hf.checkpoint.hf_safetensors import _runs
 from nxd_hf.checkpoint.logical import LogicalTensor
+from nxd_hf.checkpoint.store import durable_open
 from nxd_hf.parallel_layers.sharding import shard_from_full
 
 
@@ -65,13 +66,11 @@ def write_file(path: str, tensors: dict[str, torch.Tensor]) -> dict:
     head = len(encoded).to_bytes(8, "little") + encoded
     os.makedirs(os.path.dirname(path), exist_ok=True)
     crcs = {}
-    with open(path, "wb") as f:
+    with durable_open(path, "wb") as f:
         f.write(head)
         for key, data in views:
             f.write(memoryview(data))
             crcs[key] = zlib.crc32(data)
-        f.flush()
-        os.fsync(f.fileno())
     return {"size": len(head) + offset, "header_crc32": zlib.crc32(head), "crc32": crcs}
 
 

@@ -136,7 +136,29 @@ def _runs(rows: torch.Tensor) -> list[tuple[int, int, bool]]:
     return runs
 
 
-def _checkpoint_key(checkpoint: SafetensorsCheckpoint, name: str, prefix: str, renamed: "HFRenames",
+class HFKeys:
+    """Model name -> the key holding it among ``keys`` (a stored HF model's names) for
+    ``hf_model`` (its base-model prefix, tied weights and HF's renames): see ``_checkpoint_key``.
+    ``follow_ties=False`` (buffers): no tied weight's key."""
+
+    def __init__(self, hf_model: nn.Module | None, keys):
+        self.keys = keys
+        self.prefix = getattr(hf_model, "base_model_prefix", "")
+        self.renamed = HFRenames(hf_model, keys)
+        self.tied = tied_weights(hf_model)
+
+    def __call__(self, name: str, *, follow_ties: bool = True) -> str | None:
+        return _checkpoint_key(self.keys, name, self.prefix, self.renamed, self.tied if follow_ties else {})
+
+
+def tied_weights(hf_model: nn.Module | None) -> dict[str, str]:
+    """HF's tied weights of ``hf_model`` (tied name -> source name) when it ties its embeddings, else {}."""
+    tied = getattr(hf_model, "_tied_weights_keys", None) or {}  # transformers' class attribute
+    ties_embeddings = getattr(getattr(hf_model, "config", None), "tie_word_embeddings", False)
+    return tied if isinstance(tied, dict) and ties_embeddings else {}
+
+
+def _checkpoint_key(checkpoint, name: str, prefix: str, renamed: "HFRenames",
                     tied: dict[str, str]) -> str | None:
     """The checkpoint key holding parameter ``name``: the same name, the name without the
     base-model prefix, for a tied weight the key of the weight it is tied to, or else one of
@@ -207,14 +229,9 @@ def load_hf_safetensors(modules: nn.Module | list[nn.Module], path: str, *,
     modules = list(modules) if isinstance(modules, (list, tuple)) else [modules]
     checkpoint = SafetensorsCheckpoint(path)
     owners = owners_of(modules)
-    hf_model = hf_model if hf_model is not None else modules[0]
-    prefix = getattr(hf_model, "base_model_prefix", "")
-    renamed = HFRenames(hf_model, checkpoint.files)
-    tied = getattr(hf_model, "_tied_weights_keys", None) or {}
-    ties_embeddings = getattr(getattr(hf_model, "config", None), "tie_word_embeddings", False)
-    tied = tied if isinstance(tied, dict) and ties_embeddings else {}
+    key_of = HFKeys(hf_model if hf_model is not None else modules[0], checkpoint.files)
     named = list(_named_parameters(modules))
-    keys = {name: _checkpoint_key(checkpoint, name, prefix, renamed, tied) for name, _ in named}
+    keys = {name: key_of(name) for name, _ in named}
     missing = [name for name, key in keys.items() if key is None]
     if missing:
         raise ValueError(f"{len(missing)} parameters are not in the checkpoint at {path}: {missing[:5]}")
@@ -233,7 +250,7 @@ def load_hf_safetensors(modules: nn.Module | list[nn.Module], path: str, *,
         for module, attr in owners[id(param)]:
             setattr(module, attr, new)
     for module in modules:
-        _load_buffers(module, checkpoint, prefix, renamed)
+        _load_buffers(module, checkpoint, key_of)
     return checkpoint.report
 
 
@@ -258,7 +275,7 @@ def _check_shapes(expected: list[tuple[str, tuple]], checkpoint: SafetensorsChec
             "weights were saved with")
 
 
-def _load_buffers(model: nn.Module, checkpoint: SafetensorsCheckpoint, prefix: str, renamed: HFRenames) -> None:
+def _load_buffers(model: nn.Module, checkpoint: SafetensorsCheckpoint, key_of: HFKeys) -> None:
     """Persistent buffers come from the file; meta non-persistent ones (RoPE ``inv_freq``) are
     left for the setup sequence to recompute (``nxd_hf.model_setup.materialize``)."""
     for module_name, module in model.named_modules():
@@ -267,7 +284,7 @@ def _load_buffers(model: nn.Module, checkpoint: SafetensorsCheckpoint, prefix: s
                 continue
             full_name = f"{module_name}.{name}" if module_name else name
             persistent = name not in module._non_persistent_buffers_set
-            key = _checkpoint_key(checkpoint, full_name, prefix, renamed, {}) if persistent else None
+            key = key_of(full_name, follow_ties=False) if persistent else None
             if key is not None:
                 _check_shapes([(key, tuple(buffer.shape))], checkpoint, checkpoint.files[key])
                 module._buffers[name] = checkpoint.read(key).to(buffer.dtype)

@@ -18,7 +18,7 @@ import torch
 from nxd_hf import backend
 from nxd_hf.checkpoint import optim_state, store, writer
 from nxd_hf.checkpoint.format import Reader, file_problem
-from nxd_hf.checkpoint.hf_safetensors import HFRenames, _checkpoint_key
+from nxd_hf.checkpoint.hf_safetensors import HFKeys
 from nxd_hf.checkpoint.logical import adapters_of, hf_model, logical_tensors, model_config
 from nxd_hf.checkpoint.save import OPTIM_SEP, parallel_sizes
 from nxd_hf.parallel_layers.random import get_rng_state_tracker
@@ -55,17 +55,12 @@ def _check_files(directory: str, index: dict) -> None:
 def _resolver(model, index: dict):
     """Model parameter -> checkpoint name (in its section): its on-disk name, else (base model
     tensors) a tied weight's or a renamed key."""
-    names = index["tensors"].get("model", {})
-    hf = hf_model(model)
-    prefix = getattr(hf, "base_model_prefix", "")
-    renamed = HFRenames(hf, names)
-    tied = getattr(hf, "_tied_weights_keys", None) or {}
-    tied = tied if isinstance(tied, dict) and getattr(getattr(hf, "config", None), "tie_word_embeddings", False) else {}
+    key_of = HFKeys(hf_model(model), index["tensors"].get("model", {}))
 
     def resolve(lt):
         if lt.name in index["tensors"].get(lt.section, {}):
             return lt.name
-        return _checkpoint_key(names, lt.model_name, prefix, renamed, tied) if lt.section == "model" else None
+        return key_of(lt.model_name) if lt.section == "model" else None
     return resolve
 
 

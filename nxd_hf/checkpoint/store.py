@@ -10,6 +10,7 @@ temporary directory is never read, and a crash between the two renames leaves th
 ``.<tag>.old``, which ``resolve`` falls back to.
 """
 
+import contextlib
 import json
 import os
 import shutil
@@ -38,13 +39,23 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_json_atomic(path: str, obj) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
+@contextlib.contextmanager
+def durable_open(path: str, mode: str = "wb", *, atomic: bool = False):
+    """``open(path, mode)`` for writing whose content is on disk (flushed and fsync'd) when the
+    block ends. ``atomic``: written under a temporary name and renamed into place, so a reader
+    sees the old file or the whole new one, never part of it."""
+    target = f"{path}.tmp.{os.getpid()}" if atomic else path
+    with open(target, mode) as f:
+        yield f
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
+    if atomic:
+        os.replace(target, path)
+
+
+def write_json_atomic(path: str, obj) -> None:
+    with durable_open(path, "w", atomic=True) as f:
+        json.dump(obj, f, indent=1)
 
 
 def read_tracker(path: str) -> dict:
@@ -59,10 +70,8 @@ def finalize(path: str, tag: str, index: dict, num_kept_ckpts: int | None) -> No
     """Rank 0, once every rank's files are in the temporary directory: make it the checkpoint."""
     tmp, name = tmp_dir(path, tag), dir_name(tag)
     write_json_atomic(os.path.join(tmp, INDEX), index)
-    with open(os.path.join(tmp, DONE), "w") as f:
+    with durable_open(os.path.join(tmp, DONE), "w") as f:
         f.write("complete\n")
-        f.flush()
-        os.fsync(f.fileno())
     fsync_dir(tmp)
     final, old = os.path.join(path, name), os.path.join(path, f".{name}.old")
     shutil.rmtree(old, ignore_errors=True)

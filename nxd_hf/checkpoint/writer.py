@@ -45,10 +45,8 @@ def write_share(tmp: str, rank: int, files: dict[str, dict], blobs: dict[str, ob
         torch.save(obj, buffer)
         path = os.path.join(tmp, rel)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "wb") as f:
+        with store.durable_open(path, "wb") as f:
             f.write(buffer.getvalue())
-            f.flush()
-            os.fsync(f.fileno())
     os.makedirs(os.path.join(tmp, RECORDS), exist_ok=True)
     store.write_json_atomic(record_path(tmp, rank), {"files": meta, "records": records})
 

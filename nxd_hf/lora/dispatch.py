@@ -32,6 +32,7 @@ from peft.tuners.lora.model import LoraModel
 from peft.tuners import tuners_utils
 from peft.tuners.tuners_utils import BaseTunerLayer
 from peft.utils.other import ModulesToSaveWrapper
+from transformers import PreTrainedModel
 
 from nxd_hf.lora import io
 from nxd_hf.lora.layers import LORA_LAYERS
@@ -104,7 +105,7 @@ def _wrap_include_all_linear(original):
             peft_config.target_modules.lower() == "all-linear"
         peft_config = original(peft_config, model)
         if shorthand and io.is_parallel_model(model):  # peft only knows nn.Linear and Conv1D
-            output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+            output = model.get_output_embeddings() if isinstance(model, PreTrainedModel) else None
             peft_config.target_modules |= {name for name, module in model.named_modules()
                                            if isinstance(module, tuple(LORA_LAYERS)) and module is not output
                                            and ".base_layer" not in name and ".modules_to_save." not in name}

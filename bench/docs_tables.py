@@ -1,12 +1,12 @@
-"""Render README.md's benchmark tables from the JSON in ``bench/results/``, each between
-``<!-- bench:NAME:begin -->`` and ``<!-- bench:NAME:end -->`` in the "Benchmarks" section and
-headed by the date and machine it was measured on (the JSON's ``date`` and ``machine``, from
-``bench/common/stamp.py``). Each table comes from its benchmark's own formatter, so the README shows
-what the benchmark printed. The architecture table (``bench/architectures_table.py``, its own
-markers) is rendered too, unchanged.
+"""Render the generated tables of ``docs/`` from the JSON in ``bench/results/``: the benchmark
+tables of ``docs/benchmarks.md``, each between ``<!-- bench:NAME:begin -->`` and
+``<!-- bench:NAME:end -->`` and headed by the date and machine it was measured on (the JSON's
+``date`` and ``machine``, from ``bench/common/stamp.py``), and the architecture table of
+``docs/architectures.md`` (``bench/architectures/table.py``, its own markers). Each table comes
+from its benchmark's own formatter, so the page shows what the benchmark printed.
 
-    python bench/readme_tables.py           # rewrite README.md in place
-    python bench/readme_tables.py --check   # exit 1 if README.md is not what this would write
+    python -m bench.docs_tables           # rewrite the pages in place
+    python -m bench.docs_tables --check   # exit 1 if a page is not what this would write
 """
 
 import argparse
@@ -14,20 +14,18 @@ import json
 import pathlib
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run as a script
+from bench.architectures import table as architectures_table
+from bench.common import REPO, RESULTS
+from bench.checkpoint.run import GB
+from bench.comm_volume.run import format_case
+from bench.lora.run import format_table as lora_table
+from bench.memory.report import format_table as memory_table
+from bench.optimizer.report import format_table as optimizer_table
+from bench.pipeline.summary import LEGEND, format_rows
+from bench.train_step.report import format_table as train_step_table
 
-from bench.architectures import table as architectures_table  # noqa: E402
-from bench.checkpoint.run import GB  # noqa: E402
-from bench.comm_volume.run import format_case  # noqa: E402
-from bench.lora.run import format_table as lora_table  # noqa: E402
-from bench.memory.report import format_table as memory_table  # noqa: E402
-from bench.optimizer.report import format_table as optimizer_table  # noqa: E402
-from bench.pipeline.summary import LEGEND, format_rows  # noqa: E402
-from bench.train_step.report import format_table as train_step_table  # noqa: E402
-
-RESULTS = ROOT / "bench" / "results"
-README = ROOT / "README.md"
+BENCHMARKS = REPO / "docs" / "benchmarks.md"
+ARCHITECTURES = REPO / "docs" / "architectures.md"
 
 
 def _markdown(text: str) -> str:
@@ -113,35 +111,48 @@ TABLES = dict(comm_volume=comm_volume, memory=memory, pipeline=pipeline, lora=lo
               checkpoint=checkpoint, train_step=train_step)
 
 
-def _splice(readme: str, begin: str, end: str, body: str) -> str:
-    if readme.count(begin) != 1 or readme.count(end) != 1:
-        raise ValueError(f"README.md needs exactly one {begin} ... {end} pair; add them where the table goes")
-    head, rest = readme.split(begin, 1)
+def _splice(page: str, begin: str, end: str, body: str) -> str:
+    if page.count(begin) != 1 or page.count(end) != 1:
+        raise ValueError(f"the page needs exactly one {begin} ... {end} pair; add them where the table goes")
+    head, rest = page.split(begin, 1)
     return f"{head}{begin}\n{body}\n{end}{rest.split(end, 1)[1]}"
 
 
-def render(readme: str, results: pathlib.Path = RESULTS) -> str:
-    """``readme`` with every generated block replaced by what the JSON in ``results`` renders."""
+def render(page: str, results: pathlib.Path = RESULTS) -> str:
+    """``docs/benchmarks.md`` (``page``) with every benchmark table replaced by what the JSON in
+    ``results`` renders."""
     for name, table in TABLES.items():
         result = json.loads((results / f"{name}.json").read_text())
         body = f"*Measured {result['date']} on {result['machine']}.*\n\n{table(result)}"
-        readme = _splice(readme, f"<!-- bench:{name}:begin -->", f"<!-- bench:{name}:end -->", body)
+        page = _splice(page, f"<!-- bench:{name}:begin -->", f"<!-- bench:{name}:end -->", body)
+    return page
+
+
+def render_architectures(page: str, results: pathlib.Path = RESULTS) -> str:
+    """``docs/architectures.md`` (``page``) with its table replaced by what the JSON renders."""
     architectures = json.loads((results / "architectures.json").read_text())
-    return _splice(readme, architectures_table.BEGIN, architectures_table.END, architectures_table.table(architectures))
+    return _splice(page, architectures_table.BEGIN, architectures_table.END, architectures_table.table(architectures))
+
+
+PAGES = {BENCHMARKS: render, ARCHITECTURES: render_architectures}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--check", action="store_true", help="exit 1 if README.md differs from what would be written")
+    parser.add_argument("--check", action="store_true", help="exit 1 if a page differs from what would be written")
     args = parser.parse_args(argv)
-    readme = README.read_text()
-    rendered = render(readme)
-    if args.check:
-        if rendered != readme:
-            print("README.md's benchmark tables are stale: run python bench/readme_tables.py", file=sys.stderr)
-            return 1
-        return 0
-    README.write_text(rendered)
+    stale = []
+    for path, render_page in PAGES.items():
+        page = path.read_text()
+        rendered = render_page(page)
+        if rendered == page:
+            continue
+        stale.append(path.relative_to(REPO))
+        if not args.check:
+            path.write_text(rendered)
+    if args.check and stale:
+        print(f"stale generated tables in {', '.join(map(str, stale))}: run python -m bench.docs_tables", file=sys.stderr)
+        return 1
     return 0
 
 

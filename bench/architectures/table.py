@@ -1,16 +1,7 @@
-"""Generate README.md's supported-architecture table from ``bench/results/architectures.json``
-(written by ``bench/architectures/run.py``), between the marker comments; the only source of that
-table.
+"""The supported-architecture table of ``docs/architectures.md`` from
+``bench/results/architectures.json`` (written by ``python -m bench.architectures``), between the
+marker comments; the only source of that table. ``python -m bench.docs_tables`` writes it."""
 
-    python -m bench.architectures_table
-"""
-
-import json
-import pathlib
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results" / "architectures.json"
-README = ROOT / "README.md"
 BEGIN, END = "<!-- architectures-table:begin -->", "<!-- architectures-table:end -->"
 COLUMNS = {"tp2": "tp=2", "tp2_sp": "tp=2 SP", "tp4": "tp=4", "tp4_sp": "tp=4 SP", "pp2": "pp=2",
            "tp2_pp2": "tp=2 pp=2"}
@@ -46,17 +37,3 @@ def table(payload: dict) -> str:
     lines += ["", "Totals: " + "; ".join(
         f"{COLUMNS[n]}: " + ", ".join(f"{v} {k}" for k, v in sorted(counts[n].items())) for n in layouts) + "."]
     return "\n".join(lines)
-
-
-def main() -> None:
-    payload = json.loads(RESULTS.read_text())
-    readme = README.read_text()
-    if BEGIN not in readme or END not in readme:
-        raise ValueError(f"README.md has no {BEGIN} ... {END} markers")
-    head, rest = readme.split(BEGIN, 1)
-    tail = rest.split(END, 1)[1]
-    README.write_text(f"{head}{BEGIN}\n{table(payload)}\n{END}{tail}")
-
-
-if __name__ == "__main__":
-    main()

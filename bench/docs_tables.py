@@ -151,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.check:
             path.write_text(rendered)
     if args.check and stale:
-        print(f"stale generated tables in {', '.join(map(str, stale))}: run python -m bench.docs_tables", file=sys.stderr)
+        print(f"stale generated tables in {', '.join(map(str, stale))}: run python -m bench.docs_tables",
+              file=sys.stderr)
         return 1
     return 0
 

@@ -133,7 +133,7 @@ def sweep_world(world_size: int, types: list[str], layouts: list[str], log_path:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.architectures", description=__doc__.split("\n\n")[0])
     parser.add_argument("--world", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--types", nargs="+", default=None)
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS))

@@ -142,7 +142,7 @@ def consolidation(directory: str, max_shard_size: str) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(prog="python -m bench.checkpoint", )
     parser.add_argument("--out", default=str(RESULTS / "checkpoint.json"))
     parser.add_argument("--dir", default="/tmp/nxd_hf_bench_checkpoint")
     parser.add_argument("--layers", type=int, default=34, help="34 layers: ~0.49B parameters")

@@ -36,7 +36,7 @@ def format_case(case: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.comm_volume", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(RESULTS / "comm_volume.json"))
     parser.add_argument("--batch", type=int, default=BlockConfig.batch)
     parser.add_argument("--seq", type=int, default=BlockConfig.seq)

@@ -110,7 +110,7 @@ def format_table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.lora", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=str(RESULTS / "lora.json"))
     parser.add_argument("--steps", type=int, default=4)
     args = parser.parse_args(argv)

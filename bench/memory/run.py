@@ -69,7 +69,7 @@ def _last_error(stderr: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.memory", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(RESULTS / "memory.json"))
     parser.add_argument("--ckpt-dir", default=DEFAULT_CKPT)
     parser.add_argument("--tp", type=int, nargs="+", default=[1, 2, 4])

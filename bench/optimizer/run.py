@@ -83,7 +83,7 @@ def run(config: BenchConfig) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.optimizer", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=str(RESULTS / "optimizer.json"))
     parser.add_argument("--steps", type=int, default=BenchConfig.steps)
     args = parser.parse_args(argv)

@@ -142,7 +142,7 @@ def _logged(measure, name: str, num_microbatches: int, *args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.pipeline", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(RESULTS / "pipeline.json"))
     parser.add_argument("--pp", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8])

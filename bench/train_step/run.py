@@ -102,7 +102,7 @@ def _last_error(stderr: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.train_step", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=str(RESULTS / "train_step.json"))
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per launch")

@@ -1,4 +1,4 @@
-"""A fixed subset of the architecture sweep (bench/architectures.py), one case per fixed class:
+"""A fixed subset of the architecture sweep (``python -m bench.architectures``), one case per fixed class:
 scaled embedding (gemma), learnable activation scalar (apertus), fused gated query
 (qwen3_5_text), per-layer head_dim (gemma4_unified_text), exact statistics over sharded units
 (gemma3n_text), attention sinks (granite_swa), a non-head rowwise layer (doge: refused on every

@@ -6,7 +6,6 @@ from nxd_hf.checkpoint import (
 )
 from nxd_hf.parallelize import parallelize
 from nxd_hf.pretrained import from_pretrained
-from nxd_hf.testing.check import check_parity
 from nxd_hf.tp.plan import ModelPatch
 from nxd_hf.tp.registry import register_patch
 from nxd_hf.trainer import initialize_parallel_model, initialize_parallel_optimizer, neuronx_distributed_config
@@ -16,6 +15,10 @@ def __getattr__(name: str):
         from nxd_hf import trainer
 
         return getattr(trainer, name)
+    if name == "check_parity":  # loads on first use, so that import nxd_hf leaves the spawn harness out
+        from nxd_hf.parity import check_parity
+
+        return check_parity
     raise AttributeError(f"module 'nxd_hf' has no attribute {name!r}")
 
 

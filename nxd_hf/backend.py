@@ -2,7 +2,7 @@
 
 Everything in nxd_hf that communicates goes through these functions, so gloo (CPU), nccl
 (CUDA) and xla (torch-xla) differ here only, and so the payload bytes of every collective can
-be counted in one place (``count_comm``; used by ``bench/comm_volume.py`` and the tests).
+be counted in one place (``count_comm``; used by ``bench/comm_volume/run.py`` and the tests).
 
 Payload is the size of the tensor a rank hands to the collective: the whole tensor for
 all-reduce, broadcast and reduce-scatter, the local shard for all-gather. Collectives over a

@@ -33,7 +33,7 @@ def _check_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _check(args: argparse.Namespace) -> int:
-    from nxd_hf.testing.check import check_parity
+    from nxd_hf.parity import check_parity
 
     result = check_parity(args.model_dir, tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
                           sequence_parallel=args.sp)

@@ -6,10 +6,9 @@ import torch
 import transformers
 
 import nxd_hf
-from nxd_hf import parallel_state
-from nxd_hf.parallel_layers.pad import gather_full_tensor
+from nxd_hf import parallel_state, parity
 
-TOL = dict(rtol=1e-4, atol=1e-5)
+TOL = dict(rtol=parity.RTOL, atol=parity.ATOL)
 VOCAB = 101  # prime: never divisible by tp
 
 # model_type -> (config class, task model class, config kwargs). Heads 6 with 2 K/V heads:
@@ -58,37 +57,18 @@ ENCODER_TASKS = {
 
 
 def build_pair(model_type: str, seed: int = 0, *, task_model_cls=None, **overrides):
-    """(reference, copy to parallelize), with identical weights; ``overrides`` change the config."""
+    """(reference, copy to parallelize), with identical weights and random norm weights;
+    ``overrides`` change the config."""
     config_cls, model_cls, kwargs = TINY[model_type] if model_type in TINY else ENCODER_TINY[model_type]
-    model_cls = task_model_cls or model_cls
     config = config_cls(**{**kwargs, **overrides})
-    torch.manual_seed(seed)
-    reference = model_cls(config)
-    model = model_cls(config)
-    model.load_state_dict(reference.state_dict())
-    # random norm weights, so that norm gradients are not trivially symmetric
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(seed + 1)
-        for (name, p), q in zip(reference.named_parameters(), model.parameters()):
-            if "norm" in name.lower() or "ln" in name:  # BERT: LayerNorm
-                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
-                q.copy_(p)
-    return reference, model
+    return parity.build_pair(config, task_model_cls or model_cls, seed=seed, perturb="norms")
 
 
 def batch(seed: int = 1, b: int = 2, s: int = 8):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, VOCAB, (b, s), generator=g)
-    labels = ids.clone()
-    labels[0, :3] = -100  # ignored tokens
-    labels[1, -2:] = -100
-    return ids, labels
+    return parity.make_batch(VOCAB, batch_size=b, seq_len=s, seed=seed)
 
 
-def gathered_grad(param: torch.nn.Parameter) -> torch.Tensor:
-    """The full gradient in the HF layout (Conv1D weights ``[in, out]``)."""
-    grad = gather_full_tensor(param, param.grad) if getattr(param, "tensor_model_parallel", False) else param.grad
-    return grad.t() if getattr(param, "hf_transposed", False) else grad
+gathered_grad = parity.gathered_grad
 
 
 def check_parity(model_type: str, tp: int, sp: bool) -> None:

@@ -1,4 +1,4 @@
-"""A fixed subset of the architecture sweep (bench/architectures.py), one case per fixed class:
+"""A fixed subset of the architecture sweep (``python -m bench.architectures``), one case per fixed class:
 scaled embedding (gemma), learnable activation scalar (apertus), fused gated query
 (qwen3_5_text), per-layer head_dim (gemma4_unified_text), exact statistics over sharded units
 (gemma3n_text), attention sinks (granite_swa), a non-head rowwise layer (doge: refused on every
@@ -22,7 +22,7 @@ CASES = {
 
 
 def _tiny(model_type: str):
-    from nxd_hf.testing.shrink import shrink_config
+    from nxd_hf.parity.shrink import shrink_config
 
     return shrink_config(transformers.AutoConfig.for_model(model_type))
 
@@ -37,7 +37,7 @@ class _FailsOnRank1(transformers.LlamaForCausalLM):
 
 
 def _world2_cases() -> dict:
-    from nxd_hf.testing.parity import run_case
+    from nxd_hf.parity.cases import run_case
 
     transformers.logging.set_verbosity_error()
     results = {}
@@ -76,7 +76,7 @@ def test_failing_rank_fails_promptly_on_every_rank(world2):
 
 
 def test_shrink_keeps_head_ratio_and_one_layer_per_kind():
-    from nxd_hf.testing.shrink import shrink_config
+    from nxd_hf.parity.shrink import shrink_config
 
     small = shrink_config(transformers.AutoConfig.for_model("seed_oss"))  # 80 heads, 8 K/V heads
     assert (small.num_attention_heads, small.num_key_value_heads) == (20, 2)

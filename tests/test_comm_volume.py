@@ -1,10 +1,10 @@
-"""nxd_hf.testing.comm_volume (bench/comm_volume.py): the bytes counted in the backend for one TP block forward + backward
+"""bench.comm_volume.measure (bench/comm_volume/run.py): the bytes counted in the backend for one TP block forward + backward
 equal the itemized theory, and the block it measures matches the unsharded reference."""
 
 import pytest
 
-from nxd_hf.testing.comm_volume import CASES, run, theory
-from nxd_hf.testing.tp_block import BlockConfig
+from bench.comm_volume.measure import CASES, run, theory
+from bench.comm_volume.tp_block import BlockConfig
 
 # head_dim 8, 2 K/V heads: kv_size_multiplier 1 at tp=2, 2 at tp=4 (K/V replicated)
 CONFIG = BlockConfig(batch=2, seq=8, hidden=64, num_heads=8, num_kv_heads=2, intermediate=128, qkv_bias=True)

@@ -7,7 +7,7 @@ import torch
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 import hf_parity
-from nxd_hf.pipeline import bubbles
+from bench.pipeline import bubbles
 from nxd_hf.pipeline.partition import auto_cuts, local_stages, stage_of_layers, stage_ranks
 from nxd_hf.pipeline.runtime import SCHEDULES
 from nxd_hf.pipeline.stages import split_stages, value_kinds

@@ -1,0 +1,5 @@
+"""``python -m bench.checkpoint``: see ``bench/checkpoint/run.py``."""
+
+from bench.checkpoint.run import main
+
+main()

@@ -1,0 +1,5 @@
+"""``python -m bench.memory``: see ``bench/memory/run.py``."""
+
+from bench.memory.run import main
+
+main()

@@ -1,0 +1,116 @@
+"""The per-case summary (median and min-max over repeats), the ratios and the table of
+``bench/train_step/run.py``."""
+
+import statistics
+
+MiB = 2**20
+STATE_BYTES_PER_PARAM = 16  # fp32 parameter + gradient + AdamW exp_avg + exp_avg_sq
+TP = {"nxd_trainer": 2, "nxd_loop": 2, "hf_tp": 2, "single": 1}
+AIMS = dict(trainer_over_loop=0.97, trainer_over_hf_tp_throughput=1.0, trainer_over_hf_tp_rss=1.0)
+
+
+def _median_step(ranks: list[dict], key: str, warmup: int) -> float | None:
+    """Per step the slowest rank, then the median over the timed steps."""
+    per_rank = [r[key][max(warmup - 1, 0):] if key == "intervals" else r[key][warmup:] for r in ranks]
+    if not per_rank[0]:
+        return None
+    return statistics.median(max(steps) for steps in zip(*per_rank))
+
+
+def _median_cpu_step(ranks: list[dict], warmup: int) -> float | None:
+    """Per step the CPU seconds of all ranks together, then the median over the timed steps."""
+    if "cpu_seconds" not in ranks[0]:  # runs before the field existed
+        return None
+    return statistics.median(sum(steps) for steps in zip(*(r["cpu_seconds"][warmup:] for r in ranks)))
+
+
+def per_run(run: dict, tokens: int, warmup: int) -> dict:
+    ranks = run["ranks"]
+    worst = max(ranks, key=lambda r: max(r["setup_peak_rss"], r["train_peak_rss"]) - r["bare_rss"])
+    step = _median_step(ranks, "seconds", warmup)
+    interval = _median_step(ranks, "intervals", warmup) if ranks[0]["intervals"] else None
+    cpu = _median_cpu_step(ranks, warmup)
+    peak = max(worst["setup_peak_rss"], worst["train_peak_rss"])
+    return dict(tokens_per_s=tokens / step, step_seconds=step, tokens_per_cpu_s=tokens / cpu if cpu else None,
+                tokens_per_s_incl_data_logging=tokens / interval if interval else None,
+                peak_rss=peak, bare_rss=worst["bare_rss"], peak_above_bare=peak - worst["bare_rss"],
+                train_peak_rss=max(r["train_peak_rss"] for r in ranks),
+                setup_peak_rss=max(r["setup_peak_rss"] for r in ranks), mean_loss=ranks[0]["mean_loss"],
+                trained_by=ranks[0].get("trained_by"), trainer_refused=ranks[0].get("trainer_refused"))
+
+
+def _spread(values: list) -> dict | None:
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    return dict(median=statistics.median(values), min=min(values), max=max(values))
+
+
+def summarize(result: dict) -> dict:
+    config, num_params = result["config"], result["num_params"]
+    tokens = config["batch"] * config["seq"]
+    cases, errors = {}, {}
+    for run in result["runs"]:
+        if run["error"]:
+            errors.setdefault(run["case"], []).append(run["error"])
+            continue
+        cases.setdefault(run["case"], []).append(per_run(run, tokens, config["warmup"]))
+    summary = {}
+    for case, runs in cases.items():
+        row = {key: _spread([r[key] for r in runs]) for key in runs[0]
+               if key not in ("mean_loss", "trained_by", "trainer_refused")}
+        row.update(tp=TP[case], repeats=len(runs), mean_losses=[r["mean_loss"] for r in runs],
+                   trained_by=runs[-1]["trained_by"], trainer_refused=runs[-1]["trainer_refused"])
+        row["floor"] = STATE_BYTES_PER_PARAM * num_params / TP[case] + row["bare_rss"]["median"]
+        row["peak_over_floor"] = row["peak_rss"]["median"] / row["floor"]
+        summary[case] = row
+    return dict(summary=summary, errors=errors, ratios=_ratios(summary))
+
+
+def _ratios(summary: dict) -> dict:
+    def med(case, key):
+        return summary[case][key]["median"] if case in summary else None
+
+    out = {}
+    if med("nxd_trainer", "tokens_per_s") and med("nxd_loop", "tokens_per_s"):
+        value = med("nxd_trainer", "tokens_per_s") / med("nxd_loop", "tokens_per_s")
+        out["trainer_over_loop"] = dict(value=value, aim=">= 0.97", met=value >= AIMS["trainer_over_loop"])
+    if med("nxd_trainer", "tokens_per_s") and med("hf_tp", "tokens_per_s"):
+        value = med("nxd_trainer", "tokens_per_s") / med("hf_tp", "tokens_per_s")
+        out["trainer_over_hf_tp_throughput"] = dict(value=value, aim=">= 1.0", met=value >= 1.0)
+        value = med("nxd_trainer", "peak_rss") / med("hf_tp", "peak_rss")
+        out["trainer_over_hf_tp_rss"] = dict(value=value, aim="<= 1.0", met=value <= 1.0)
+    return out
+
+
+def _fmt(spread: dict | None, scale: float = 1.0, digits: int = 0) -> str:
+    if spread is None:
+        return "-"
+    return (f"{spread['median'] / scale:.{digits}f} ({spread['min'] / scale:.{digits}f}-"
+            f"{spread['max'] / scale:.{digits}f})")
+
+
+def format_table(result: dict) -> str:
+    hf_tp_row = result["summary"].get("hf_tp", {})
+    hf_tp = f"transformers TP tp=2, {hf_tp_row.get('trained_by') or 'transformers.Trainer'}"
+    names = {"nxd_trainer": "NxDTrainer tp=2", "nxd_loop": "nxd_hf bare loop tp=2", "hf_tp": hf_tp,
+             "single": "1 process, 2 threads"}
+    lines = [f"{result['num_params']:,} params; median (min-max) over repeats; RSS in MiB per rank (worst rank); "
+             "peak: VmHWM of the whole run; train peak: after the model is built; "
+             "floor: 16 B/param / tp + bare; mean loss: over all steps of a launch",
+             "| case | tokens/s | tokens/s incl. data+logging | tokens/CPU-s | peak RSS | peak - bare | train peak | "
+             "bare | floor | peak/floor | mean loss |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for case, row in result["summary"].items():
+        lines.append(f"| {names[case]} | {_fmt(row['tokens_per_s'], digits=1)} | "
+                     f"{_fmt(row['tokens_per_s_incl_data_logging'], digits=1)} | "
+                     f"{_fmt(row.get('tokens_per_cpu_s'), digits=1)} | {_fmt(row['peak_rss'], MiB)} | "
+                     f"{_fmt(row['peak_above_bare'], MiB)} | {_fmt(row['train_peak_rss'], MiB)} | "
+                     f"{_fmt(row['bare_rss'], MiB)} | {row['floor'] / MiB:.0f} | {row['peak_over_floor']:.2f} | "
+                     f"{statistics.median(row['mean_losses']):.4f} |")
+    for case, errors in result["errors"].items():
+        lines.append(f"| {names[case]} | FAILED {len(errors)}x: {errors[-1][:200]} |")
+    if hf_tp_row.get("trainer_refused"):
+        lines.append(f"transformers TP trained by the bare loop: {hf_tp_row['trainer_refused']}")
+    for name, ratio in result["ratios"].items():
+        lines.append(f"{name}: {ratio['value']:.3f} (aim {ratio['aim']}: {'met' if ratio['met'] else 'NOT met'})")
+    return "\n".join(lines)

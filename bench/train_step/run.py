@@ -1,0 +1,148 @@
+"""Training throughput and peak memory per rank on the ~125M llama of ``bench/`` (hidden 768,
+12 layers, 12 heads, 4 KV heads, intermediate 2048, vocab 32000; batch 4 x 128 tokens; fp32;
+AdamW at lr 5e-5, clipping at 1.0), four ways, on CPU:
+
+- ``nxd_trainer``: ``nxd_hf.NxDTrainer`` with ``NxDTrainingArguments(tensor_parallel_size=2)``
+  on 2 ranks, a dataset of random token rows (labels = input_ids); steps timed by a
+  ``TrainerCallback`` from ``on_step_begin`` to ``on_step_end`` (setup, the data fetch and the
+  logging outside; on_step_end -> on_step_end, with them, recorded beside);
+- ``nxd_loop``: ``nxd_hf.parallelize(model, tensor_parallel_size=2)``, ``torch.optim.AdamW``,
+  ``loss.backward()``, ``nxd_hf.parallel_layers.grads.clip_grad_norm``, ``step()``; 2 ranks;
+- ``hf_tp``: transformers' own TP, ``from_pretrained(..., distributed_config=DistributedConfig(
+  tp_size=2))`` (``from_config`` takes no distributed config, so a random checkpoint of the same
+  weights is written once), trained by ``transformers.Trainer`` where accelerate lets it be built
+  (on CPU under torchrun it does not: ``use_cpu=True`` -> "ParallelismConfig is only compatible
+  ... got MULTI_CPU", without it -> "total_size (2) does not match num_processes (1)"), else by
+  the bare loop with ``Trainer``'s mixed-mesh clipping; the table says which; 2 ranks;
+- ``single``: the plain HF model, the bare loop, one process with 2 threads.
+
+2-rank cases run under ``torch.distributed.run`` (gloo, OMP_NUM_THREADS=1 per rank). Each
+launch is a fresh set of processes; the first ``--warmup`` steps are dropped. tokens/s =
+batch x seq / the step time (per step the slowest rank, then the median over steps);
+tokens/CPU-s = batch x seq / the process CPU seconds of all ranks in a step (median over steps),
+which load from other processes on the machine disturbs far less than wall time. Peak RSS:
+``VmHWM`` of the whole run per rank (the worst rank), beside its "bare" reading (imports done,
+process group up) and the training-only peak (``VmHWM`` reset once the model is built). The
+floor is (parameters + gradients + 2 AdamW moments) x 4 B / tp + bare. Every case is launched
+``--repeats`` times, the cases taking turns; median and min-max over repeats. The JSON is
+rewritten after every launch.
+
+Run from the repo root: ``python -m bench.train_step [--layers 12] [--steps 5] [--warmup 2]
+[--repeats 3] [--cases ...] [--out PATH]``; ``--report PATH`` prints an earlier run's table;
+a quick check: ``--layers 2 --steps 3 --warmup 1 --repeats 1 --out /tmp/train_step.json``.
+"""
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+from bench.common.rank_results import rank_results
+from bench.common import REPO, RESULTS
+from bench.common.stamp import stamp
+from bench.train_step.rank import CASES, worker
+from bench.train_step.report import format_table, summarize
+
+WORLD = {"nxd_trainer": 2, "nxd_loop": 2, "hf_tp": 2, "single": 1}
+
+
+def ensure_checkpoint(opts: dict) -> str:
+    """The random fp32 checkpoint ``hf_tp`` loads (the same weights as ``plain_model``)."""
+    from bench.train_step.rank import plain_model
+
+    path = os.path.join(tempfile.gettempdir(), f"nxd_hf_bench_train_step_l{opts['layers']}_s{opts['seq']}")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        plain_model(opts["layers"], opts["seq"]).save_pretrained(path)
+    return path
+
+
+def num_params(opts: dict) -> int:
+    import torch
+    import transformers
+
+    from bench.train_step.rank import llama_config
+
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(llama_config(opts["layers"], opts["seq"]))
+    return sum(p.numel() for p in model.parameters())
+
+
+def launch(case: str, opts: dict, timeout_s: float) -> dict:
+    """One fresh world for ``case``; the per-rank results or the error."""
+    world = WORLD[case]
+    with tempfile.TemporaryDirectory() as result_dir:
+        script = ["-m", "bench.train_step", "--worker", case, "--opts", json.dumps(opts), "--result-dir", result_dir]
+        cmd = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
+                                  if world > 1 else []) + script
+        env = dict(os.environ, OMP_NUM_THREADS=str(1 if world > 1 else 2), PYTHONPATH=str(REPO),
+                   TRANSFORMERS_VERBOSITY="error", TOKENIZERS_PARALLELISM="false")
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
+            error = None if proc.returncode == 0 else f"exit {proc.returncode}: {_last_error(proc.stderr)}"
+            stderr_tail = None if proc.returncode == 0 else proc.stderr[-4000:]
+        except subprocess.TimeoutExpired as e:
+            error = f"timed out after {timeout_s:.0f}s"
+            stderr_tail = (e.stderr or b"")[-4000:].decode(errors="replace")
+        ranks = rank_results(result_dir, world)
+    if len(ranks) < world and error is None:
+        error = "missing rank results"
+    return dict(case=case, world=world, launch_seconds=time.perf_counter() - start, error=error,
+                stderr_tail=stderr_tail, ranks=ranks if len(ranks) == world else [])
+
+
+def _last_error(stderr: str) -> str:
+    lines = [line for line in stderr.strip().splitlines() if line.strip()]
+    errors = [line for line in lines if re.search(r"\w+(Error|Exception): ", line)]
+    return (errors[-1] if errors else lines[-1] if lines else "no output")[:400]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.train_step", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=str(RESULTS / "train_step.json"))
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per launch")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--hf-tp-loop", action="store_true", help="train hf_tp with the bare loop, not Trainer")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
+    parser.add_argument("--report", metavar="JSON", help="print the table of an earlier (or partial) run and exit")
+    parser.add_argument("--worker", choices=list(CASES), help=argparse.SUPPRESS)
+    parser.add_argument("--opts", help=argparse.SUPPRESS)
+    parser.add_argument("--result-dir", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return worker(args.worker, json.loads(args.opts), args.result_dir)
+    if args.report:
+        with open(args.report) as f:
+            return print(format_table(json.load(f)))
+
+    start, load_before = time.perf_counter(), os.getloadavg()[0]
+    opts = dict(layers=args.layers, seq=args.seq, batch=args.batch, steps=args.warmup + args.steps,
+                warmup=args.warmup, hf_tp_loop=args.hf_tp_loop)
+    if "hf_tp" in args.cases:
+        opts["checkpoint"] = ensure_checkpoint(opts)
+    result = dict(**stamp(), config=dict(opts, timed_steps=args.steps, repeats=args.repeats),
+                  num_params=num_params(opts), cpus=os.cpu_count(), runs=[])
+    for repeat in range(args.repeats):
+        for case in args.cases:
+            print(f"repeat {repeat + 1}/{args.repeats} {case} ...", end=" ", flush=True)
+            run = launch(case, opts, args.timeout)
+            print(f"{run['launch_seconds']:.0f}s" + (f" FAILED: {run['error']}" if run["error"] else ""), flush=True)
+            result["runs"].append(dict(run, repeat=repeat))
+            result.update(summarize(result), wall_seconds=time.perf_counter() - start,
+                          load_average_1min=[load_before, os.getloadavg()[0]])  # other processes on the machine
+            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+            with open(args.out, "w") as f:
+                json.dump(result, f, indent=1)
+    print()
+    print(format_table(result))
+    print(f"wrote {args.out} in {result['wall_seconds']:.0f}s (1-min load average {load_before:.1f} before, "
+          f"{result['load_average_1min'][1]:.1f} after, {os.cpu_count()} cpus)")

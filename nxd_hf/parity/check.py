@@ -1,0 +1,38 @@
+"""``nxd_hf.check_parity``: before a long run, the user's own architecture and config, shrunk
+(``nxd_hf.parity.shrink``: few layers but one of each kind, small hidden size, head and K/V
+ratios kept), run on the requested layout against the unparallelized model: loss and every
+gradient. NxD has no such check."""
+
+import transformers
+
+from nxd_hf.parity.cases import CaseResult, run_case
+from nxd_hf.parity.shrink import shrink_config
+
+
+def check_parity(config, *, tensor_parallel_size: int, pipeline_parallel_size: int = 1,
+                 sequence_parallel: bool = False, shrink: bool = True, timeout_s: float = 300.0) -> CaseResult:
+    """Parity of ``config`` (a ``PretrainedConfig``, or a model directory / hub id holding one)
+    at ``tensor_parallel_size`` x ``pipeline_parallel_size``. Under torchrun (the process group
+    already started, world size = tp x pp) every rank calls it; otherwise it spawns the ranks on
+    CPU itself. Returns the agreed ``CaseResult`` ("pass", "refused", "wrong" or "crash")."""
+    import torch.distributed as dist
+
+    if isinstance(config, str):
+        config = transformers.AutoConfig.from_pretrained(config)
+    if shrink:
+        config = shrink_config(config)
+    world_size = tensor_parallel_size * pipeline_parallel_size
+    kwargs = dict(tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+                  sequence_parallel=sequence_parallel)
+    if dist.is_available() and dist.is_initialized():
+        if dist.get_world_size() != world_size:
+            raise ValueError(f"check_parity needs world size tp x pp = {world_size}, got {dist.get_world_size()}: "
+                             f"launch it with torchrun --nproc-per-node {world_size}, or without torchrun")
+        return run_case(config, **kwargs)
+    from nxd_hf.testing import run_distributed  # the spawn harness, only when spawning
+
+    return run_distributed(_check_rank, world_size, config, kwargs, timeout_s=timeout_s)[0]
+
+
+def _check_rank(config, kwargs: dict) -> CaseResult:
+    return run_case(config, **kwargs)

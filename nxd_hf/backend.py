@@ -45,7 +45,8 @@ import torch.distributed as dist
 
 
 def default_backend() -> str:
-    """``xla`` when torch-xla is installed and an XLA device is requested, else nccl/gloo."""
+    """``$NXD_HF_BACKEND`` when set (e.g. ``cuda:gloo``), ``xla`` when an XLA device is
+    requested, else nccl with a GPU, gloo without."""
     requested = os.environ.get("NXD_HF_BACKEND")
     if requested:
         return requested
@@ -102,10 +103,11 @@ def collective_device(group=None) -> torch.device:
     return device if device.type in _served_devices(group) else torch.device("cpu")
 
 
-def p2p_device(group=None) -> torch.device:
-    """Where tensors sent point-to-point on ``group`` live: the CPU when the backend is gloo
-    (gloo's send/recv of a CUDA tensor fails and breaks the group), else the compute device."""
-    device = default_device()
+def p2p_device(group=None, device: torch.device | None = None) -> torch.device:
+    """Where tensors computed on ``device`` (default: the compute device) are sent point-to-point
+    on ``group``: the CPU when gloo serves that device (gloo's send/recv of a CUDA tensor fails
+    and breaks the group), else ``device`` itself."""
+    device = device or default_device()
     return torch.device("cpu") if _served_devices(group).get(device.type) == "gloo" else device
 
 
@@ -130,6 +132,32 @@ def set_cuda_device_from_env() -> None:
     """Select this rank's GPU (``LOCAL_RANK`` modulo the GPUs there) when the backend computes on CUDA."""
     if _computes_on_cuda(_config_devices(default_backend())) and torch.cuda.is_available():
         torch.cuda.set_device(_local_cuda_device())
+
+
+def init_process_group_from_env(timeout: datetime.timedelta | None = None) -> None:
+    """Initialize the default group from the torchrun environment (RANK, WORLD_SIZE, ...), or
+    as a world of one process when the script was started without torchrun (module
+    docstring). ``timeout`` bounds its collectives (None: torch's default)."""
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:  # plain `python script.py`
+        _init_world_of_one()
+        return
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        if var not in os.environ:
+            raise ValueError(
+                f"torch.distributed is not initialized and ${var} is not set: launch with "
+                "torchrun, or call torch.distributed.init_process_group() first"
+            )
+    backend = default_backend()
+    kwargs = {}
+    if backend == "xla":
+        import torch_xla.distributed.xla_backend  # noqa: F401  registers the backend
+
+        kwargs["init_method"] = "xla://"
+    else:
+        set_cuda_device_from_env()
+    dist.init_process_group(backend, timeout=timeout, **kwargs)
 
 
 def world_size() -> int:

@@ -109,3 +109,17 @@ def test_the_check_sees_device_less_creations(tmp_path, source, expected):
     path = tmp_path / "m.py"
     path.write_text(source)
     assert _unplaced_calls(path) == expected
+
+
+@pytest.mark.parametrize("config, served, computes_on_cuda", [
+    ("gloo", {"cpu": "gloo", "cuda": "gloo"}, False),  # plain gloo: CPU compute, CUDA tensors accepted
+    ("cpu:gloo,cuda:gloo", {"cpu": "gloo", "cuda": "gloo"}, False),
+    ("cuda:gloo", {"cuda": "gloo"}, True),  # the GPU lane: refuses CPU tensors as nccl does
+    ("nccl", {"cuda": "nccl"}, True),
+    ("cpu:gloo,cuda:nccl", {"cpu": "gloo", "cuda": "nccl"}, True),
+])
+def test_backend_configs_decide_the_devices(config, served, computes_on_cuda):
+    from nxd_hf import backend
+
+    assert backend._config_devices(config) == served
+    assert backend._computes_on_cuda(served) == computes_on_cuda

@@ -6,7 +6,7 @@ import torch
 import transformers
 
 import nxd_hf
-from nxd_hf import parallel_state
+from nxd_hf import backend, parallel_state
 from nxd_hf.parallel_layers.pad import gather_full_tensor
 
 TOL = dict(rtol=1e-4, atol=1e-5)
@@ -58,7 +58,9 @@ ENCODER_TASKS = {
 
 
 def build_pair(model_type: str, seed: int = 0, *, task_model_cls=None, **overrides):
-    """(reference, copy to parallelize), with identical weights; ``overrides`` change the config."""
+    """(reference, copy to parallelize), with identical weights; ``overrides`` change the config.
+    The reference is on the backend's compute device (the GPU in the ``cuda`` lane); the copy
+    stays on the CPU, as a model loaded the usual way: nxd_hf must move it."""
     config_cls, model_cls, kwargs = TINY[model_type] if model_type in TINY else ENCODER_TINY[model_type]
     model_cls = task_model_cls or model_cls
     config = config_cls(**{**kwargs, **overrides})
@@ -73,7 +75,7 @@ def build_pair(model_type: str, seed: int = 0, *, task_model_cls=None, **overrid
             if "norm" in name.lower() or "ln" in name:  # BERT: LayerNorm
                 p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
                 q.copy_(p)
-    return reference, model
+    return reference.to(backend.default_device()), model
 
 
 def batch(seed: int = 1, b: int = 2, s: int = 8):
@@ -82,7 +84,8 @@ def batch(seed: int = 1, b: int = 2, s: int = 8):
     labels = ids.clone()
     labels[0, :3] = -100  # ignored tokens
     labels[1, -2:] = -100
-    return ids, labels
+    device = backend.default_device()  # where the model computes (the GPU in the cuda lane)
+    return ids.to(device), labels.to(device)
 
 
 def gathered_grad(param: torch.nn.Parameter) -> torch.Tensor:

@@ -75,7 +75,9 @@ def _served_devices(group=None) -> dict[str, str]:
 
 def _local_cuda_device() -> torch.device:
     count = torch.cuda.device_count()
-    assert count > 0, "a CUDA backend without a visible GPU"
+    if count == 0:
+        raise ValueError(f"the backend {default_backend()!r} computes on CUDA but no GPU is visible: run on a GPU "
+                         "machine, or unset $NXD_HF_BACKEND (gloo on the CPU)")
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank())) % count)
 
 
@@ -118,6 +120,17 @@ def p2p_group(group):
 
 
 _p2p_twins: dict = {}
+
+
+def launch_device(name: str, local_rank: int = 0) -> str:
+    """The device a rank with ``local_rank`` computes on under backend ``name`` (``nxd-hf env``)."""
+    served = _config_devices(name)
+    if "xla" in served:
+        return "the XLA device"
+    if _computes_on_cuda(served):
+        count = torch.cuda.device_count()
+        return f"cuda:{local_rank % count}" if count else "cuda (no GPU visible: it would fail)"
+    return "cpu"
 
 
 def _init_world_of_one() -> None:

@@ -14,6 +14,7 @@ import ast
 import pathlib
 
 import pytest
+import torch
 
 import nxd_hf
 
@@ -123,3 +124,16 @@ def test_backend_configs_decide_the_devices(config, served, computes_on_cuda):
 
     assert backend._config_devices(config) == served
     assert backend._computes_on_cuda(served) == computes_on_cuda
+
+
+def test_env_reports_the_backend_and_device_of_each_launch(monkeypatch):
+    from nxd_hf import cli
+
+    monkeypatch.delenv("NXD_HF_BACKEND", raising=False)
+    text = cli.environment()
+    expected = "cuda:0" if torch.cuda.is_available() else "cpu"
+    assert f"`python script.py`: a world of one on {'nccl' if expected != 'cpu' else 'gloo'} (the default), " \
+           f"computing on {expected}" in text, text
+    assert "`torchrun --nproc_per_node N script.py`:" in text, text
+    monkeypatch.setenv("NXD_HF_BACKEND", "cuda:gloo")
+    assert "a world of one on cuda:gloo (from $NXD_HF_BACKEND), computing on cuda" in cli.environment()

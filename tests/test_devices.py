@@ -137,3 +137,18 @@ def test_env_reports_the_backend_and_device_of_each_launch(monkeypatch):
     assert "`torchrun --nproc_per_node N script.py`:" in text, text
     monkeypatch.setenv("NXD_HF_BACKEND", "cuda:gloo")
     assert "a world of one on cuda:gloo (from $NXD_HF_BACKEND), computing on cuda" in cli.environment()
+
+
+def test_setup_places_on_the_backend_device_by_default():
+    """parallelize's step 10 defaults to backend.default_device() (the CPU here, cuda:LOCAL_RANK
+    under nccl), decided before the weights exist so meta weights materialize there."""
+    from torch import nn
+
+    from nxd_hf import backend
+    from nxd_hf.model_setup.local import target_device
+
+    with torch.device("meta"):
+        meta = nn.Linear(2, 2)
+    assert target_device(None, [meta]) == backend.default_device()
+    assert target_device(None, [nn.Linear(2, 2)]) == backend.default_device()
+    assert target_device("cpu", [meta]) == torch.device("cpu")

@@ -63,7 +63,7 @@ def _config_devices(config: str) -> dict[str, str]:
         device, _, name = part.rpartition(":")
         for d in (device,) if device else defaults.get(name, ("cpu",)):
             devices[d] = name
-    return devices
+    return {"xla": "xla"} if "xla" in devices.values() else devices  # however torch-xla registers it
 
 
 def _served_devices(group=None) -> dict[str, str]:
@@ -136,8 +136,9 @@ def launch_device(name: str, local_rank: int = 0) -> str:
 def _init_world_of_one() -> None:
     """A plain ``python script.py``: one process on the default backend (module docstring)."""
     name = default_backend()
-    if "cuda" in _config_devices(name) and torch.cuda.is_available():
-        torch.cuda.set_device(0)
+    if name == "xla":  # a world of one makes no collective call: gloo, as before torch-xla's init
+        name = "gloo"
+    set_cuda_device_from_env()
     dist.init_process_group(name, store=dist.HashStore(), rank=0, world_size=1)
 
 

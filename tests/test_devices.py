@@ -11,6 +11,7 @@ are not checked. On a GPU the ``cuda`` lane (tests/test_gpu.py) is the behaviour
 """
 
 import ast
+import os
 import pathlib
 
 import pytest
@@ -152,3 +153,19 @@ def test_setup_places_on_the_backend_device_by_default():
     assert target_device(None, [meta]) == backend.default_device()
     assert target_device(None, [nn.Linear(2, 2)]) == backend.default_device()
     assert target_device("cpu", [meta]) == torch.device("cpu")
+
+
+def _backend_seen():
+    import torch.distributed as dist
+
+    from nxd_hf import backend
+
+    return str(dist.get_backend_config()), str(backend.collective_device()), os.environ["NXD_HF_BACKEND"]
+
+
+def test_spawned_ranks_take_the_backend_from_the_environment(monkeypatch):
+    """run_distributed reads $NXD_HF_BACKEND when called (the GPU lane sets cuda:gloo)."""
+    from nxd_hf.testing import run_distributed
+
+    monkeypatch.setenv("NXD_HF_BACKEND", "cpu:gloo")
+    assert run_distributed(_backend_seen, 2) == [("cpu:gloo", "cpu", "cpu:gloo")] * 2

@@ -70,9 +70,10 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 300.0, **kwar
     ctx = _get_context()
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False)
     results = ctx.Queue()
+    process_group_backend = os.environ.get("NXD_HF_BACKEND", "gloo")  # read here: the forkserver's env is older
     procs = [
         ctx.Process(target=_rank_main, daemon=True,
-                    args=(fn, r, world_size, store.port, results, args, kwargs, os.environ.get("NXD_HF_BACKEND", "gloo")))
+                    args=(fn, r, world_size, store.port, results, args, kwargs, process_group_backend))
         for r in range(world_size)
     ]
     for p in procs:

@@ -169,3 +169,20 @@ def test_spawned_ranks_take_the_backend_from_the_environment(monkeypatch):
 
     monkeypatch.setenv("NXD_HF_BACKEND", "cpu:gloo")
     assert run_distributed(_backend_seen, 2) == [("cpu:gloo", "cpu", "cpu:gloo")] * 2
+
+
+def test_stage_through_moves_inputs_to_compute_and_outputs_to_send_device():
+    """The pipeline's CPU staging (gloo cannot send CUDA tensors), with meta standing in for the
+    send device: inputs arrive anywhere and run on the compute device; a non-last stage hands
+    its outputs over on the send device, once however often the stage is rebuilt."""
+    from torch import nn
+
+    from nxd_hf.pipeline.runtime import stage_through
+
+    middle, last = nn.Linear(2, 2), nn.Linear(2, 2)
+    for _ in range(2):
+        stage_through(middle, torch.device("cpu"), torch.device("meta"), is_last=False)
+        stage_through(last, torch.device("cpu"), torch.device("meta"), is_last=True)
+    assert len(middle._forward_pre_hooks) == len(middle._forward_hooks) == 1
+    assert middle(torch.ones(1, 2)).device.type == "meta"
+    assert len(last._forward_hooks) == 0 and last(torch.ones(1, 2)).device.type == "cpu"  # feeds the loss

@@ -2,10 +2,12 @@
 # does (torch pinned first, so no CUDA build is ever pulled), then runs its job.
 #   make train   the main job: a tiny fine-tune with NxDTrainer under torchrun (tp=2)
 #   make test    the tests (multi-process gloo on CPU); .ci/run calls it in a fresh virtualenv
+#   make test-gpu  the GPU lane (tests marked cuda: 2-4 ranks on one GPU through cuda:gloo, one-rank
+#                nccl, the examples under torchrun); on a machine with a GPU and torch for CUDA
 VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 
-.PHONY: train test install
+.PHONY: train test test-gpu install
 
 install: $(VENV)/.installed
 
@@ -20,3 +22,8 @@ train: install
 
 test: install
 	$(PYTHON) -m pytest tests -q
+
+# not through `install`: that pins the CPU build of torch; use the environment's CUDA torch
+GPU_PYTHON ?= python3
+test-gpu:
+	PYTHONPATH=$(CURDIR):$$PYTHONPATH $(GPU_PYTHON) -m pytest -m cuda tests/test_gpu.py -q

@@ -18,7 +18,7 @@ import torch
 import transformers
 
 import nxd_hf
-from nxd_hf import parallel_state
+from nxd_hf import backend, parallel_state
 from nxd_hf.parallel_layers import clip_grad_norm
 from nxd_hf.parallel_layers.random import model_parallel_manual_seed
 
@@ -69,12 +69,14 @@ def main():
     windows = torch.Generator().manual_seed(args.seed)  # same windows on every rank
     rank0 = int(os.environ.get("RANK", 0)) == 0
     if rank0:
-        print(f"world {world_size}: tp {tp} x dp {dp_size}, vocab {len(tokenizer)}, {stream.numel()} tokens, "
+        print(f"world {world_size}: tp {tp} x dp {dp_size} on {backend.default_device()}, vocab {len(tokenizer)}, "
+              f"{stream.numel()} tokens, "
               f"ln(vocab) = {math.log(len(tokenizer)):.2f}")
     first = last = None
     for step in range(args.steps):
         starts = torch.randint(0, stream.numel() - args.seq_len, (args.batch_size,), generator=windows)
         batch = torch.stack([stream[s : s + args.seq_len] for s in starts]).chunk(dp_size)[dp_rank]
+        batch = batch.to(backend.default_device())  # where parallelize put the model (a GPU if any)
         loss = model(input_ids=batch, labels=batch).loss
         loss.backward()  # the post-backward hook averages gradients over data-parallel ranks
         clip_grad_norm(model.parameters(), max_norm=1.0)

@@ -16,7 +16,7 @@ import torch
 import transformers
 
 import nxd_hf
-from nxd_hf import parallel_state
+from nxd_hf import backend, parallel_state
 
 CORPUS = os.path.join(os.path.dirname(__file__), "data", "tiny_corpus.txt")
 
@@ -69,6 +69,7 @@ def main():
     for step in range(first_step, args.steps):
         starts = torch.randint(0, stream.numel() - args.seq_len, (args.batch_size,), generator=windows)
         batch = torch.stack([stream[s : s + args.seq_len] for s in starts]).chunk(dp_size)[dp_rank]
+        batch = batch.to(backend.default_device())  # where the model was put (a GPU if any)
         loss = model.run_train(input_ids=batch, attention_mask=torch.ones_like(batch), labels=batch)
         optimizer.step()
         optimizer.zero_grad()

@@ -7,6 +7,32 @@ be counted in one place (``count_comm``; used by ``bench/comm_volume/run.py`` an
 Payload is the size of the tensor a rank hands to the collective: the whole tensor for
 all-reduce, broadcast and reduce-scatter, the local shard for all-gather. Collectives over a
 group of size 1 are skipped and not counted.
+
+Devices. ``default_device()`` is where a rank computes: ``cuda:LOCAL_RANK`` (modulo the GPUs
+there) when the backend serves CUDA only (nccl, ``cuda:gloo``) or maps CUDA to nccl, the XLA
+device under xla, else the CPU. ``collective_device(group)`` is where every tensor handed to
+a collective on ``group`` lives — control tensors included (failure flags, input-check sums,
+sizes, norms, checkpoint metadata): the compute device when the group's backend serves it,
+else the CPU. Control tensors are built on that device rather than on a CPU side channel
+(a ``cpu:gloo,cuda:nccl`` default group): that works whoever created the process group (a
+user's own ``init_process_group("nccl")`` has no CPU backend), keeps one backend per group
+(no second set of gloo connections per group), and the hot path (gradients, norms,
+activations) is already on the device; the few control values cost one small host-device
+copy, made where the host reads them anyway. Every collective checks that its tensor's
+device type is one the group's backend serves and raises naming the op otherwise
+(``tests/test_devices.py`` checks statically, without a GPU, that every tensor nxd_hf builds
+names its device).
+
+``NXD_HF_BACKEND`` overrides the backend: ``cuda:gloo`` runs 2-4 ranks on one GPU (nccl
+refuses that) and, like nccl, refuses CPU tensors — the GPU test lane uses it. gloo cannot
+send/recv CUDA tensors, so point-to-point (the pipeline) under a gloo backend that computes on
+CUDA is staged through the CPU on a plain gloo twin of the group (``p2p_group``,
+``p2p_device``).
+
+A script started with plain ``python`` (no torchrun) gets a world of one process on the
+default backend: nccl on ``cuda:0`` when a GPU is there — the same backend and device as
+``torchrun --nproc_per_node 1``, so the two launches run the same code; a world of one makes
+no collective call, so nccl costs nothing there.
 """
 
 import contextlib
@@ -19,7 +45,8 @@ import torch.distributed as dist
 
 
 def default_backend() -> str:
-    """``xla`` when torch-xla is installed and an XLA device is requested, else nccl/gloo."""
+    """``$NXD_HF_BACKEND`` when set (e.g. ``cuda:gloo``), ``xla`` when an XLA device is
+    requested, else nccl with a GPU, gloo without."""
     requested = os.environ.get("NXD_HF_BACKEND")
     if requested:
         return requested
@@ -28,26 +55,107 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def _config_devices(config: str) -> dict[str, str]:
+    """device type -> backend name of a backend config ("cpu:gloo,cuda:gloo", "nccl", "cuda:gloo")."""
+    defaults = {"gloo": ("cpu", "cuda"), "nccl": ("cuda",), "xla": ("xla",)}
+    devices = {}
+    for part in config.split(","):
+        device, _, name = part.rpartition(":")
+        for d in (device,) if device else defaults.get(name, ("cpu",)):
+            devices[d] = name
+    return {"xla": "xla"} if "xla" in devices.values() else devices  # however torch-xla registers it
+
+
+def _served_devices(group=None) -> dict[str, str]:
+    """device type -> backend name for ``group`` (the default group for None; SELF: the default backend)."""
+    if not dist.is_initialized():
+        return _config_devices(default_backend())
+    return _config_devices(str(dist.get_backend_config(None if group is SELF else group)))
+
+
+def _local_cuda_device() -> torch.device:
+    count = torch.cuda.device_count()
+    if count == 0:
+        raise ValueError(f"the backend {default_backend()!r} computes on CUDA but no GPU is visible: run on a GPU "
+                         "machine, or unset $NXD_HF_BACKEND (gloo on the CPU)")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank())) % count)
+
+
 def default_device() -> torch.device:
-    """The device a rank computes on for the backend in use."""
-    backend = dist.get_backend() if dist.is_initialized() else default_backend()
-    if backend == "xla":
+    """The device a rank computes on for the backend in use (module docstring)."""
+    served = _served_devices()
+    if "xla" in served:
         import torch_xla.core.xla_model as xm  # optional extra
 
         return xm.xla_device()
-    if backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
+    if _computes_on_cuda(served):
+        return _local_cuda_device()
     return torch.device("cpu")
+
+
+def _computes_on_cuda(served: dict[str, str]) -> bool:
+    """CUDA-only backends, or CUDA on nccl; plain gloo (CPU and CUDA) computes on the CPU."""
+    return "cuda" in served and ("cpu" not in served or served["cuda"] == "nccl")
+
+
+def collective_device(group=None) -> torch.device:
+    """Where tensors handed to a collective on ``group`` live (control tensors included): the
+    compute device when the group's backend serves it, else the CPU."""
+    device = default_device()
+    return device if device.type in _served_devices(group) else torch.device("cpu")
+
+
+def p2p_device(group=None, device: torch.device | None = None) -> torch.device:
+    """Where tensors computed on ``device`` (default: the compute device) are sent point-to-point
+    on ``group``: the CPU when gloo serves that device (gloo's send/recv of a CUDA tensor fails
+    and breaks the group), else ``device`` itself."""
+    device = device or default_device()
+    return torch.device("cpu") if _served_devices(group).get(device.type) == "gloo" else device
+
+
+def p2p_group(group):
+    """The group to send point-to-point on for ``group``: its plain-gloo twin when sends are
+    staged through the CPU (``p2p_device``) and the group itself does not serve the CPU."""
+    return _p2p_twins.get(group, group)
+
+
+_p2p_twins: dict = {}
+
+
+def launch_device(name: str, local_rank: int = 0) -> str:
+    """The device a rank with ``local_rank`` computes on under backend ``name`` (``nxd-hf env``)."""
+    served = _config_devices(name)
+    if "xla" in served:
+        return "the XLA device"
+    if _computes_on_cuda(served):
+        count = torch.cuda.device_count()
+        return f"cuda:{local_rank % count}" if count else "cuda (no GPU visible: it would fail)"
+    return "cpu"
+
+
+def _init_world_of_one() -> None:
+    """A plain ``python script.py``: one process on the default backend (module docstring)."""
+    name = default_backend()
+    if name == "xla":  # a world of one makes no collective call: gloo, as before torch-xla's init
+        name = "gloo"
+    set_cuda_device_from_env()
+    dist.init_process_group(name, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def set_cuda_device_from_env() -> None:
+    """Select this rank's GPU (``LOCAL_RANK`` modulo the GPUs there) when the backend computes on CUDA."""
+    if _computes_on_cuda(_config_devices(default_backend())) and torch.cuda.is_available():
+        torch.cuda.set_device(_local_cuda_device())
 
 
 def init_process_group_from_env(timeout: datetime.timedelta | None = None) -> None:
     """Initialize the default group from the torchrun environment (RANK, WORLD_SIZE, ...), or
-    as a world of one process when the script was started without torchrun. ``timeout``
-    bounds its collectives (None: torch's default)."""
+    as a world of one process when the script was started without torchrun (module
+    docstring). ``timeout`` bounds its collectives (None: torch's default)."""
     if dist.is_initialized():
         return
     if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:  # plain `python script.py`
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        _init_world_of_one()
         return
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         if var not in os.environ:
@@ -61,8 +169,8 @@ def init_process_group_from_env(timeout: datetime.timedelta | None = None) -> No
         import torch_xla.distributed.xla_backend  # noqa: F401  registers the backend
 
         kwargs["init_method"] = "xla://"
-    elif backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    else:
+        set_cuda_device_from_env()
     dist.init_process_group(backend, timeout=timeout, **kwargs)
 
 
@@ -74,16 +182,28 @@ def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def new_group(ranks: list[int], *, timeout: datetime.timedelta | None = None, name: str = ""):
+def new_group(ranks: list[int], *, timeout: datetime.timedelta | None = None, name: str = "",
+              point_to_point: bool = False):
     """A process group of ``ranks``; ``timeout`` bounds every collective on it (None: torch's
-    default, 30 minutes; 10 for nccl); ``name`` says which group it is in error messages."""
+    default, 30 minutes; 10 for nccl); ``name`` says which group it is in error messages.
+    ``point_to_point``: the group sends point-to-point (the pipeline), so it gets a plain gloo
+    twin when sends are staged through the CPU (``p2p_group``). Called on every rank, as
+    ``torch.distributed.new_group``."""
     group = dist.new_group(ranks, timeout=timeout)
     _group_names[group] = (name, list(ranks), timeout)
+    served = _served_devices()  # a new group has the default group's backends
+    if point_to_point and served.get(default_device().type) == "gloo" and "cpu" not in served:
+        twin = dist.new_group(ranks, timeout=timeout, backend="gloo")
+        if rank() in ranks:
+            _p2p_twins[group] = twin
     return group
 
 
 def destroy_group(group) -> None:
     _group_names.pop(group, None)
+    twin = _p2p_twins.pop(group, None)
+    if twin is not None:
+        dist.destroy_process_group(twin)
     dist.destroy_process_group(group)
 
 
@@ -178,6 +298,11 @@ def _is_abstract(tensor: torch.Tensor) -> bool:
 
 
 def _record(op: str, tensor: torch.Tensor, group) -> None:
+    """Check the tensor's device against the group's backend, and count the collective."""
+    served = _served_devices(group)
+    assert tensor.device.type in served, (
+        f"nxd_hf bug: {op} of a {tensor.device.type} tensor on a group whose backend serves {sorted(served)} "
+        "(build tensors handed to collectives on backend.collective_device(group))")
     if _records is not None:
         size = tensor.numel() * tensor.element_size()
         ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(world_size()))
@@ -240,7 +365,7 @@ def all_gather_into(out: torch.Tensor, tensor: torch.Tensor, group) -> torch.Ten
         return out.copy_(tensor)
     _record("all_gather", tensor, group)
     with _named_errors("all_gather", group):
-        if dist.get_backend(group) != "gloo":
+        if "gloo" not in dist.get_backend(group):  # cuda:gloo too
             _all_gather_flat(out, tensor, group=group)
             return out
         chunks = out.view(size, -1)
@@ -262,7 +387,7 @@ def reduce_scatter_into(out: torch.Tensor, tensor: torch.Tensor, group) -> torch
     assert tensor.numel() == out.numel() * size, (tensor.shape, out.shape)
     _record("reduce_scatter", tensor, group)
     with _named_errors("reduce_scatter", group):
-        if dist.get_backend(group) != "gloo":
+        if "gloo" not in dist.get_backend(group):  # cuda:gloo too
             _reduce_scatter_flat(out, tensor, group=group)
             return out
         chunks = tensor.view(size, -1)

@@ -3,6 +3,7 @@
 
 import argparse
 import importlib.util
+import os
 import sys
 
 
@@ -72,9 +73,23 @@ def environment() -> str:
     lines = [f"nxd_hf {version('nxd_hf')}", f"python {platform.python_version()} ({platform.platform()})",
              *(f"{name} {version(name)}" for name in ("torch", "transformers", "peft", "accelerate", "safetensors")),
              f"collective backends available: {', '.join(backends) or 'none'}",
-             f"backend nxd_hf would use: {backend.default_backend()} on {backend.default_device()}",
+             f"backend nxd_hf would use: {backend.default_backend()} on "
+             f"{backend.launch_device(backend.default_backend(), int(os.environ.get('LOCAL_RANK', 0)))}",
+             *_launches(backend),
              f"CUDA devices: {torch.cuda.device_count()}"]
     return "\n".join(lines)
+
+
+def _launches(backend) -> list[str]:
+    """The backend and device of each launch (docs/gpu.md)."""
+    import torch
+
+    name = backend.default_backend()
+    source = "from $NXD_HF_BACKEND" if os.environ.get("NXD_HF_BACKEND") else "the default"
+    one = backend.launch_device(name, 0)
+    each = f"cuda:(LOCAL_RANK % {torch.cuda.device_count()})" if one.startswith("cuda:") else one
+    return [f"  `python script.py`: a world of one on {name} ({source}), computing on {one}",
+            f"  `torchrun --nproc_per_node N script.py`: {name} ({source}), rank computing on {each}"]
 
 
 def _env(args: argparse.Namespace) -> None:

@@ -96,7 +96,8 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     groups, my_ranks = {}, {}
     for kind, rank_groups in lists.items():
         for ranks in rank_groups:  # every rank must create every group
-            group = backend.new_group(ranks, timeout=timeout, name=GROUP_NAMES[kind])
+            group = backend.new_group(ranks, timeout=timeout, name=GROUP_NAMES[kind],
+                                      point_to_point=kind == "pipeline")
             if me in ranks:
                 groups[kind], my_ranks[kind] = group, ranks.index(me)
     dp = world // (tp * pp)

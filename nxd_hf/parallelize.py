@@ -69,7 +69,9 @@ def parallelize(
     activation_checkpoint_config: "full" (every transformer layer), a module class or a list
         of classes to recompute in backward; None for none.
     fp32_grad_accumulation: accumulate bf16/fp16 gradients in an fp32 ``param.main_grad``.
-    device: where the model ends up (default: where it is).
+    device: where the model ends up (default: the backend's compute device, ``cuda:LOCAL_RANK``
+        under nccl, the CPU under gloo; a model already on an accelerator stays there). Meta
+        weights are materialized and loaded straight on it.
     lora_config: a ``peft.LoraConfig`` (or NxD's ``nxd_hf.modules.lora.LoraConfig``): LoRA
         adapters on this rank's layers, exactly sharded (``nxd_hf.lora``); only they train.
     check_inputs: check id/label ranges and that the TP/PP ranks got the same batch on the first

@@ -4,6 +4,7 @@ import accelerate
 import torch
 import transformers
 
+from nxd_hf import backend
 from nxd_hf.checkpoint.hf_safetensors import check_checkpoint_dir, load_hf_safetensors
 from nxd_hf.parallel_layers.together import fail_together
 from nxd_hf.parallelize import parallelize
@@ -16,7 +17,8 @@ def from_pretrained(path: str, *, auto_class=transformers.AutoModelForCausalLM, 
     device (buffers such as RoPE ``inv_freq`` are computed normally), sharded, and each rank
     reads its own rows of every tensor. ``dtype`` defaults to the checkpoint config's dtype.
     With ``pipeline_parallel_size`` > 1 it returns an ``NxDPPModel`` and each rank reads only
-    the weights of its own stages. Returns the model in eval mode, as transformers does;
+    the weights of its own stages. Slices go from the file straight to ``device`` (default: the
+    backend's compute device, as ``parallelize``). Returns the model in eval mode, as transformers does;
     ``model.nxd.load_report`` holds the bytes this rank read.
     """
     check_checkpoint_dir(path)
@@ -30,8 +32,9 @@ def from_pretrained(path: str, *, auto_class=transformers.AutoModelForCausalLM, 
     reports = []
 
     def load_weights(modules):  # setup step 5, on this rank's modules (its stages with PP)
+        device = parallelize_kwargs.get("device") or backend.default_device()  # as parallelize's default
         with fail_together(f"nxd_hf.from_pretrained (reading the weights in {path})"):
-            reports.append(load_hf_safetensors(modules, path, hf_model=hf_model))
+            reports.append(load_hf_safetensors(modules, path, hf_model=hf_model, device=device))
 
     model = parallelize(hf_model, tensor_parallel_size=tensor_parallel_size,
                         pipeline_parallel_size=pipeline_parallel_size, load_weights=load_weights, **parallelize_kwargs)

@@ -6,7 +6,7 @@ import torch
 import transformers
 
 import nxd_hf
-from nxd_hf import parallel_state, parity
+from nxd_hf import backend, parallel_state, parity
 
 TOL = dict(rtol=parity.RTOL, atol=parity.ATOL)
 VOCAB = 101  # prime: never divisible by tp
@@ -58,14 +58,18 @@ ENCODER_TASKS = {
 
 def build_pair(model_type: str, seed: int = 0, *, task_model_cls=None, **overrides):
     """(reference, copy to parallelize), with identical weights and random norm weights;
-    ``overrides`` change the config."""
+    ``overrides`` change the config. The reference is on the backend's compute device (the GPU in
+    the ``cuda`` lane); the copy stays on the CPU, as a model loaded the usual way: nxd_hf must move it."""
     config_cls, model_cls, kwargs = TINY[model_type] if model_type in TINY else ENCODER_TINY[model_type]
     config = config_cls(**{**kwargs, **overrides})
-    return parity.build_pair(config, task_model_cls or model_cls, seed=seed, perturb="norms")
+    reference, model = parity.build_pair(config, task_model_cls or model_cls, seed=seed, perturb="norms")
+    return reference.to(backend.default_device()), model
 
 
 def batch(seed: int = 1, b: int = 2, s: int = 8):
-    return parity.make_batch(VOCAB, batch_size=b, seq_len=s, seed=seed)
+    ids, labels = parity.make_batch(VOCAB, batch_size=b, seq_len=s, seed=seed)
+    device = backend.default_device()  # where the model computes (the GPU in the cuda lane)
+    return ids.to(device), labels.to(device)
 
 
 gathered_grad = parity.gathered_grad

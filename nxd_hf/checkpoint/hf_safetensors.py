@@ -221,11 +221,11 @@ def _named_parameters(modules: list[nn.Module]):
 
 
 def load_hf_safetensors(modules: nn.Module | list[nn.Module], path: str, *,
-                        hf_model: nn.Module | None = None) -> LoadReport:
+                        hf_model: nn.Module | None = None, device=None) -> LoadReport:
     """Fill every parameter and persistent buffer of a (parallelized) model, or of a list of
     its modules under the model's names (pipeline stages), from ``path``. ``hf_model``: the HF
     model they were made from (default: ``modules``), for its renames, tied-weight keys and
-    base-model prefix."""
+    base-model prefix. ``device``: where the read slices go (None: the CPU)."""
     modules = list(modules) if isinstance(modules, (list, tuple)) else [modules]
     checkpoint = SafetensorsCheckpoint(path)
     owners = owners_of(modules)
@@ -245,12 +245,12 @@ def load_hf_safetensors(modules: nn.Module | list[nn.Module], path: str, *,
             local = local.t() if transposed else local
         else:
             local = checkpoint.read(key)
-        new = nn.Parameter(local.to(param.dtype).contiguous(), requires_grad=param.requires_grad)
+        new = nn.Parameter(local.to(device=device, dtype=param.dtype).contiguous(), requires_grad=param.requires_grad)
         new.__dict__.update(param.__dict__)  # sharding metadata
         for module, attr in owners[id(param)]:
             setattr(module, attr, new)
     for module in modules:
-        _load_buffers(module, checkpoint, key_of)
+        _load_buffers(module, checkpoint, key_of, device)
     return checkpoint.report
 
 
@@ -275,7 +275,7 @@ def _check_shapes(expected: list[tuple[str, tuple]], checkpoint: SafetensorsChec
             "weights were saved with")
 
 
-def _load_buffers(model: nn.Module, checkpoint: SafetensorsCheckpoint, key_of: HFKeys) -> None:
+def _load_buffers(model: nn.Module, checkpoint: SafetensorsCheckpoint, key_of: HFKeys, device=None) -> None:
     """Persistent buffers come from the file; meta non-persistent ones (RoPE ``inv_freq``) are
     left for the setup sequence to recompute (``nxd_hf.model_setup.materialize``)."""
     for module_name, module in model.named_modules():
@@ -287,4 +287,4 @@ def _load_buffers(model: nn.Module, checkpoint: SafetensorsCheckpoint, key_of: H
             key = key_of(full_name, follow_ties=False) if persistent else None
             if key is not None:
                 _check_shapes([(key, tuple(buffer.shape))], checkpoint, checkpoint.files[key])
-                module._buffers[name] = checkpoint.read(key).to(buffer.dtype)
+                module._buffers[name] = checkpoint.read(key).to(device=device, dtype=buffer.dtype)

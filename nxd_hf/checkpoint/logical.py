@@ -194,7 +194,7 @@ def _owned_runs(rows: torch.Tensor, tp_rank: int) -> list[tuple[int, int, int]]:
     """Runs (local start, local stop, logical start) of the local rows whose logical row this
     rank holds first in TP-rank order: each logical row has exactly one owner."""
     group = parallel_state.get_tensor_model_parallel_group()
-    gathered = backend.all_gather(rows, 0, group)  # [tp * local]
+    gathered = backend.all_gather(rows.to(backend.collective_device(group)), 0, group).cpu()  # [tp * local]
     local = len(rows)
     positions = torch.arange(len(gathered))
     real = gathered >= 0

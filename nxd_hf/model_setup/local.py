@@ -11,6 +11,11 @@ pp=1, while ``NxDPPModel`` runs them on its local stages (however it was constru
 9. the gradient-reduction policy (``nxd_hf.parallel_layers.grad_reduction``), with fp32
    gradient accumulation for low-precision parameters when asked;
 10. move to ``device``, keeping the sharding metadata.
+
+The device defaults to the backend's compute device (``backend.default_device()``:
+``cuda:LOCAL_RANK`` under nccl, the CPU under gloo), resolved before step 5 so meta weights
+are materialized and loaded straight there; a model the user already put on an accelerator
+stays where it is.
 """
 
 import dataclasses
@@ -20,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from nxd_hf import backend
 from nxd_hf.model_setup.activation_checkpoint import checkpoint_layers, checkpoint_types
 from nxd_hf.model_setup.materialize import has_meta_tensors, materialize, rebuild_all_meta_buffers
 from nxd_hf.parallel_layers.grad_reduction import GradReduction
@@ -46,18 +52,19 @@ class LocalSetup:
     dp_in_optimizer: bool = False
     """The optimizer does the data-parallel reduction (NxD's ``use_zero1_optimizer``)."""
     device: torch.device | str | None = None
-    """Where the modules end up (None: where they are)."""
+    """Where the modules end up (None: ``target_device``'s default)."""
 
 
 def set_up_local_modules(modules: list[nn.Module], setup: LocalSetup, *, layer_types: tuple[type, ...] = (),
                          tie: Callable[[], None] | None = None) -> GradReduction:
     """Run steps 5-10 on ``modules`` (see the module docstring); returns their gradient policy.
     ``layer_types``: the transformer layer classes ("full" activation checkpointing)."""
+    device = target_device(setup.device, modules)
     if setup.load_weights is not None:
         setup.load_weights(modules)
         rebuild_all_meta_buffers(modules)
     elif has_meta_tensors(modules) or setup.param_init_fn is not None:
-        materialize(modules, setup.param_init_fn)
+        materialize(modules, setup.param_init_fn, device=device or "cpu")
     if tie is not None:
         tie()
     if setup.add_adapters is not None:
@@ -67,7 +74,18 @@ def set_up_local_modules(modules: list[nn.Module], setup: LocalSetup, *, layer_t
     policy = GradReduction(modules, bucket_size_mb=setup.bucket_size_mb, dp_in_optimizer=setup.dp_in_optimizer)
     if setup.fp32_grad_accumulation:
         install_fp32_grad_accumulation(policy.params())
-    if setup.device is not None:
+    if device is not None:
         for module in modules:
-            move_model_to_device(module, setup.device)
+            move_model_to_device(module, device)
     return policy
+
+
+def target_device(requested, modules: list[nn.Module]) -> torch.device | None:
+    """Where step 10 puts ``modules``: ``requested``, else the backend's compute device; None
+    (leave them) when they already hold real tensors on an accelerator (the user placed them)."""
+    if requested is not None:
+        return torch.device(requested)
+    placed = {t.device.type for m in modules for t in (*m.parameters(), *m.buffers()) if not t.is_meta}
+    if placed - {"cpu"}:
+        return None
+    return backend.default_device()

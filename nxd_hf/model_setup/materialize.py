@@ -19,8 +19,8 @@ def rebuild_all_meta_buffers(modules: list[nn.Module]) -> None:
                 rebuild_meta_buffers(module, module_name or type(module).__name__)
 
 
-def materialize(modules: list[nn.Module], param_init_fn=None) -> None:
-    """Allocate the meta parameters of ``modules`` on CPU (sharding metadata and ties kept),
+def materialize(modules: list[nn.Module], param_init_fn=None, *, device="cpu") -> None:
+    """Allocate the meta parameters of ``modules`` on ``device`` (sharding metadata and ties kept),
     rebuild their meta buffers, then let ``param_init_fn(module)`` initialize each module's
     own parameters."""
     owners = owners_of(modules)
@@ -30,7 +30,7 @@ def materialize(modules: list[nn.Module], param_init_fn=None) -> None:
         param = getattr(module, name)
         if not param.is_meta:
             continue
-        new = nn.Parameter(torch.empty_like(param, device="cpu"), requires_grad=param.requires_grad)
+        new = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
         new.__dict__.update(param.__dict__)
         for owner, attr in holders:
             setattr(owner, attr, new)

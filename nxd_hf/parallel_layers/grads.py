@@ -110,7 +110,7 @@ def get_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) ->
         p for p in _as_list(parameters)
         if p.grad is not None and getattr(p, "count_in_grad_norm", True) and (is_sharded(p) or tp_rank == 0)
     ]
-    device = counted[0].grad.device if counted else backend.default_device()
+    device = counted[0].grad.device if counted else backend.collective_device(parallel_state.get_model_parallel_group())
     if norm_type == float("inf"):
         total = torch.zeros((), dtype=torch.float32, device=device)
         for p in counted:

@@ -89,10 +89,10 @@ def check_inputs(tensors: dict[str, torch.Tensor], vocab_size: int | None) -> No
     labels_low, labels_high, labels_bad = _range(tensors.get("labels"), vocab_size, allow_ignore=True)
     failing = [backend.rank() if bad else world for bad in (ids_bad, labels_bad)]
     # one MAX all-reduce: minima (of the fingerprint, the lowest failing ranks, the lowest ids) negated
-    status = torch.cat([fingerprint, -fingerprint, torch.tensor(
-        [-failing[0], -failing[1], -ids_low, ids_high, -labels_low, labels_high], dtype=torch.long)])
-    status = status.to(backend.default_device())
-    backend.all_reduce(status, parallel_state.get_model_parallel_group(), op="max")
+    group = parallel_state.get_model_parallel_group()
+    status = torch.tensor([*fingerprint, *(-v for v in fingerprint), -failing[0], -failing[1], -ids_low, ids_high,
+                           -labels_low, labels_high], dtype=torch.long, device=backend.collective_device(group))
+    backend.all_reduce(status, group, op="max")
     status = status.cpu()
     n = len(fingerprint)
     differs = not torch.equal(status[:n], -status[n : 2 * n])
@@ -125,7 +125,7 @@ def _range(tensor: torch.Tensor | None, vocab_size: int | None, *, allow_ignore:
     return low, high, low < 0 or high >= vocab_size
 
 
-def _fingerprint(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+def _fingerprint(tensors: dict[str, torch.Tensor]) -> list[int]:
     """Fixed size whatever the inputs (so ranks with different shapes still meet in one
     collective): a CRC of names, shapes and dtypes, and two checksums of the bytes."""
     layout = repr(sorted((name, tuple(t.shape), str(t.dtype)) for name, t in tensors.items()))
@@ -135,7 +135,7 @@ def _fingerprint(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
         weights = torch.arange(data.numel(), device=data.device) % 65521 + 1
         total += int(data.sum())
         weighted += int((data * weights).sum())
-    return torch.tensor([zlib.crc32(layout.encode()), total, weighted], dtype=torch.long)
+    return [zlib.crc32(layout.encode()), total, weighted]
 
 
 def _differs_message(tensors: dict[str, torch.Tensor]) -> str:

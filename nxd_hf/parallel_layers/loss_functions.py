@@ -105,4 +105,5 @@ def loss_normalizer(labels: torch.Tensor, num_items_in_batch=None, *, ignore_ind
     if num_items_in_batch is None:
         num_items_in_batch = (labels[..., 1:] != ignore_index).sum().to(torch.float32)
         backend.all_reduce(num_items_in_batch, parallel_state.get_data_parallel_group())
-    return torch.as_tensor(num_items_in_batch, dtype=torch.float32) / parallel_state.get_data_parallel_size()
+    count = torch.as_tensor(num_items_in_batch, dtype=torch.float32, device=labels.device)
+    return count / parallel_state.get_data_parallel_size()

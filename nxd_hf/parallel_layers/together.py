@@ -36,15 +36,16 @@ def _agree(what: str, error: Exception | None) -> None:
     if world == 1:
         return
     me = backend.rank()
-    failed = torch.tensor([me if error is not None else world], dtype=torch.long)
+    device = backend.collective_device()
+    failed = torch.tensor([me if error is not None else world], dtype=torch.long, device=device)
     backend.all_reduce(failed, None, op="min")  # the lowest failing rank, or world if none
     source = int(failed)
     if source == world:
         return
-    message = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8)
+    message = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8, device=device)
     if me == source:
         encoded = f"{type(error).__name__}: {error}".encode()[:_MESSAGE_BYTES]
-        message[: len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
+        message[: len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8, device=device)
     backend.broadcast(message, source, None)
     text = bytes(message.tolist()).rstrip(b"\0").decode(errors="replace")
     agreed = ValueError(f"{what} failed on rank {source} (every rank stops here): {text}")

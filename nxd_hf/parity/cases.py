@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from nxd_hf import parallel_state
+from nxd_hf import backend, parallel_state
 from nxd_hf.parallel_layers.pad import gather_full_tensor
 from nxd_hf.parallelize import parallelize
 
@@ -144,6 +144,8 @@ def run_case(config, *, tensor_parallel_size: int, pipeline_parallel_size: int =
     reference, model = build_pair(config, model_cls)
     pp = pipeline_parallel_size
     ids, labels = make_batch(config.get_text_config().vocab_size, batch_size=4 if pp > 1 else 2)
+    device = backend.default_device()  # where parallelize puts the copy (a GPU under nccl)
+    reference, ids, labels = reference.to(device), ids.to(device), labels.to(device)
     status, message = "pass", ""
     try:
         kwargs = dict(num_microbatches=2, broadcast_and_average_loss=True) if pp > 1 else {}

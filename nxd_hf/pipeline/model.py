@@ -233,9 +233,12 @@ class NxDPPModel(nn.Module):
         return meta
 
     def build_schedule(self, loss_fn, microbatch_inputs: list[torch.Tensor]):
+        group = parallel_state.get_pipeline_model_parallel_group()
+        compute = next((p.device for p in self.local_parameters()), backend.default_device())
+        send = backend.p2p_device(group, compute)
         return build_schedule(
             self.schedule_name, dict(zip(self.local_stage_ids, self.stages.values())), self.num_stages,
-            device=backend.default_device(), group=parallel_state.get_pipeline_model_parallel_group(),
+            device=send, group=backend.p2p_group(group), compute_device=compute,
             num_microbatches=self.num_microbatches, loss_fn=loss_fn, deallocate_outputs=self._deallocate,
             stage_metadata=self.stage_metadata(microbatch_inputs), layer_types=self.transformer_layer_cls,
         )

@@ -8,7 +8,9 @@ instead of taken from torch. The runtime's own gradient scaling is off: the loss
 normalized by the step's global token count. Two stage subclasses change what torch's stage
 does: ``DeallocatingStage`` (frees sent activations) and ``SplitBackwardFirstStage`` (gives the
 first stage a real input-gradient step for the zero-bubble schedules); their base ``Stage``
-fixes torch's ``eval`` for V-shaped schedules.
+fixes torch's ``eval`` for V-shaped schedules and leaves the stage where the setup sequence
+put it. Where sends cannot carry the compute device's tensors (gloo with CUDA: see
+``nxd_hf.backend.p2p_device``), ``stage_through`` stages them through the CPU.
 """
 
 import warnings
@@ -56,7 +58,11 @@ def check_schedule(name: str, pp_size: int, virtual_pipeline_size: int, num_micr
 class Stage(PipelineStage):
     """torch's stage, fixed for ``eval`` under V-shaped schedules: torch 2.13's ``eval`` runs the
     schedule's backward actions as no-ops but still hands gradients between a rank's adjacent
-    stages, which asserts on a stage without backward. Here that hand-over is a no-op too."""
+    stages, which asserts on a stage without backward. Here that hand-over is a no-op too.
+    torch moves the stage module to the stage's (send) device; nxd_hf placed it already."""
+
+    def _move_submod_to_device(self) -> None:
+        pass
 
     def get_local_bwd_output(self, mb_index: int):
         return super().get_local_bwd_output(mb_index) if self.has_backward else ()
@@ -189,12 +195,33 @@ def _first_layer(stage_module: torch.nn.Module, layer_types: tuple[type, ...]) -
     return next((m for m in modules if isinstance(m, layer_types)), None)
 
 
+def stage_through(module: torch.nn.Module, compute_device: torch.device, send_device: torch.device, *,
+                  is_last: bool) -> None:
+    """Make ``module`` take its inputs on any device (moved to ``compute_device``) and hand its
+    outputs over on ``send_device`` (the last stage's feed the loss and stay). The moves are
+    in the autograd graph, so the gradients torch's stage sends back are on ``send_device``
+    too. Once per module: stages are rebuilt per input shape around the same modules."""
+    if getattr(module, "_nxd_staged_through", None) == send_device:
+        return
+    module._nxd_staged_through = send_device
+
+    def to(device):
+        return lambda v: v.to(device) if isinstance(v, torch.Tensor) and v.device != device else v
+
+    module.register_forward_pre_hook(lambda m, args, kwargs: (tree_map(to(compute_device), args),
+                                                              tree_map(to(compute_device), kwargs)), with_kwargs=True)
+    if not is_last:
+        module.register_forward_hook(lambda m, args, output: tree_map(to(send_device), output))
+
+
 def build_schedule(name: str, stage_modules: dict[int, torch.nn.Module], num_stages: int, *, device, group,
                    num_microbatches: int, loss_fn, deallocate_outputs: bool, stage_metadata: dict,
-                   layer_types: tuple[type, ...] = ()):
+                   layer_types: tuple[type, ...] = (), compute_device: torch.device | None = None):
     """A torch schedule over this rank's stages (``stage_modules``: stage index -> module;
     ``stage_metadata``: stage index -> (example inputs, example outputs), static
-    shapes; ``layer_types``: the transformer layer classes)."""
+    shapes; ``layer_types``: the transformer layer classes). ``device`` is where sent and
+    received tensors live; when it is not ``compute_device`` (the stages' own), they are
+    staged through it (``stage_through``)."""
     schedule_cls, _, multi = SCHEDULES[name]
     if deallocate_outputs and name != "1f1b":
         warnings.warn(f"deallocate_pipeline_outputs is implemented for the '1f1b' schedule only; "
@@ -202,6 +229,8 @@ def build_schedule(name: str, stage_modules: dict[int, torch.nn.Module], num_sta
         deallocate_outputs = False
     stages = []
     for index, module in sorted(stage_modules.items()):
+        if compute_device is not None and torch.device(compute_device) != torch.device(device):
+            stage_through(module, torch.device(compute_device), torch.device(device), is_last=index == num_stages - 1)
         stage_cls, extra = DeallocatingStage if deallocate_outputs else Stage, {}
         first_layer = _first_layer(module, layer_types) if index == 0 and name in SPLIT_BACKWARD else None
         if first_layer is not None and num_stages > 1:

@@ -14,6 +14,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from nxd_hf import backend
 from nxd_hf.parallel_layers.sharding import copy_tensor_model_parallel_attributes
 
 
@@ -80,7 +81,7 @@ def _make_tuple(*items):
 
 
 def _shape_to_tensor(value) -> torch.Tensor:
-    return torch.tensor(value, dtype=torch.long)
+    return torch.tensor(value, dtype=torch.long, device=backend.default_device())  # sent to the next stage
 
 
 def _tensor_to_ints(t: torch.Tensor) -> tuple[int, ...]:
@@ -110,7 +111,7 @@ def flat_boundary_values(nodes: list[fx.Node], kinds: dict[str, object]) -> list
         if kind == "tensor":
             flat.append(value)
         elif kind in ("int", "ints"):
-            flat.append(torch.empty(() if kind == "int" else (len(value),), dtype=torch.long))
+            flat.append(torch.empty(() if kind == "int" else (len(value),), dtype=torch.long, device="meta"))
         elif kind is not None:
             flat.extend(value)
     return flat

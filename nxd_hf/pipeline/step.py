@@ -73,7 +73,7 @@ class StepRunner:
         if labels is None and model.is_hf:
             raise ValueError("run_train/run_eval need labels to compute the loss")
         if not model.is_hf:  # the loss is in the traced graph; the schedule still wants a target
-            labels = torch.zeros(inputs[model.input_names[0]].shape[0])
+            labels = torch.zeros(inputs[model.input_names[0]].shape[0], device=backend.default_device())
         if model.is_hf and "attention_mask" in model.input_names and "attention_mask" not in inputs:
             inputs = {**inputs, "attention_mask": torch.ones_like(inputs["input_ids"])}
         self.num_items = loss_normalizer(labels, step_count) if model.is_hf else None
@@ -102,15 +102,16 @@ class StepRunner:
     def _logits_everywhere(self, logits, batch_shape) -> torch.Tensor:
         """The last stage's logits, gathered over TP, unpadded and in fp32, on every PP rank."""
         vocab_size = self.model.config.vocab_size
+        group = parallel_state.get_pipeline_model_parallel_group()
         if logits is not None:
             logits = gather_logical(logits, None, vocab_size).float().contiguous()  # gloo sends storage
         else:
-            logits = torch.empty(*batch_shape, vocab_size, device=backend.default_device())
-        return backend.broadcast(logits, self._last_stage_rank(), parallel_state.get_pipeline_model_parallel_group())
+            logits = torch.empty(*batch_shape, vocab_size, device=backend.collective_device(group))
+        return backend.broadcast(logits, self._last_stage_rank(), group)
 
     def _reduce_losses(self, losses):
         model = self.model
-        device = backend.default_device()
+        device = backend.collective_device(parallel_state.get_pipeline_model_parallel_group())
         if losses is not None:
             mb_losses = torch.stack([l.detach().float() for l in losses])
         else:

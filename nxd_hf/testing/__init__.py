@@ -1,5 +1,9 @@
 """Run a function on N gloo ranks on CPU: the spawn helper behind nxd_hf's tests.
 
+The ranks' backend is ``gloo`` unless ``$NXD_HF_BACKEND`` names another when
+``run_distributed`` is called: ``cuda:gloo`` puts 2-4 ranks on one GPU (the ``cuda`` test lane,
+``make test-gpu``), each rank on ``cuda:LOCAL_RANK % GPUs``.
+
 ``run_distributed(fn, world_size=4)`` starts one process per rank from a forkserver that has
 already imported torch and transformers (so a rank starts in well under a second), joins them
 through a TCPStore the parent owns (no port race), and returns every rank's return value. A
@@ -32,18 +36,21 @@ def _get_context():
     return _context
 
 
-def _rank_main(fn, rank, world_size, port, results, args, kwargs):
+def _rank_main(fn, rank, world_size, port, results, args, kwargs, process_group_backend="gloo"):
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-        OMP_NUM_THREADS="1",
+        OMP_NUM_THREADS="1", NXD_HF_BACKEND=process_group_backend,
     )
     try:
         import torch
 
         torch.set_num_threads(1)
+        from nxd_hf import backend
+
+        backend.set_cuda_device_from_env()
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=datetime.timedelta(seconds=60))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+        dist.init_process_group(process_group_backend, store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=120))
         value = fn(*args, **kwargs)
         from nxd_hf import parallel_state
@@ -63,8 +70,10 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 300.0, **kwar
     ctx = _get_context()
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False)
     results = ctx.Queue()
+    process_group_backend = os.environ.get("NXD_HF_BACKEND", "gloo")  # read here: the forkserver's env is older
     procs = [
-        ctx.Process(target=_rank_main, args=(fn, r, world_size, store.port, results, args, kwargs), daemon=True)
+        ctx.Process(target=_rank_main, daemon=True,
+                    args=(fn, r, world_size, store.port, results, args, kwargs, process_group_backend))
         for r in range(world_size)
     ]
     for p in procs:

@@ -23,6 +23,7 @@ HF's fields keep HF's meaning; the table says what nxd_hf does with each one tha
 """
 
 import dataclasses
+import datetime
 import os
 from typing import Literal
 
@@ -56,7 +57,9 @@ class NxDTrainingArguments(TrainingArguments):
         self.use_cpu = _check_use_cpu(self.use_cpu)
         _refuse_unsupported(self)
         checkpoint_layers = bool(self.activation_checkpointing or self.gradient_checkpointing)
-        super().__post_init__()
+        if "RANK" in os.environ:  # under torchrun: nxd_hf's backend ($NXD_HF_BACKEND honoured), not accelerate's
+            backend.init_process_group_from_env(datetime.timedelta(seconds=self.ddp_timeout))  # as accelerate
+        super().__post_init__()  # accelerate's device: cuda:LOCAL_RANK % GPUs on a GPU, as backend.default_device()
         # nxd_hf checkpoints layers in its setup sequence; Trainer must not call the model's own hook
         self.nxd_activation_checkpointing = checkpoint_layers
         self.activation_checkpointing = self.gradient_checkpointing = False

@@ -28,6 +28,7 @@ from nxd_hf import backend, parallel_state
 from nxd_hf.model_state import state_of
 from nxd_hf.optim.zero1 import ELEMENTWISE_OPTIMIZERS
 from nxd_hf.parallel_layers.loss_functions import loss_normalizer
+from nxd_hf.parallel_layers.sharding import move_model_to_device
 from nxd_hf.pipeline.model import NxDPPModel
 from nxd_hf.trainer.arguments import NxDTrainingArguments
 from nxd_hf.trainer.hf_checkpoints import CheckpointHooks
@@ -84,6 +85,7 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
             if args.bf16_master_weights:
                 model = model.to(torch.bfloat16)
             self.nxd_model = initialize_parallel_model(self.nxd_config, lambda: model)
+        _place(self.nxd_model, args.device)  # every layout, as Trainer places its model
         return self.nxd_model.hf_model
 
     # -- the process view
@@ -177,6 +179,18 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
             return result.detach(), None, None
         loss, logits = result
         return loss.detach(), logits[:rows], inputs["labels"]
+
+
+def _place(nxd_model: NxDModel, device) -> None:
+    """This rank's modules on ``args.device``, where ``Trainer`` puts the batches (``Trainer``
+    itself moves the model there; ``place_model_on_device`` is off for NxDTrainer because the
+    setup sequence must run first). Under torchrun and nccl that is the setup's own default,
+    ``cuda:LOCAL_RANK``; an already parallel model, or a layout built elsewhere, is moved here."""
+    device = torch.device(device)
+    for root in nxd_model._local_roots():
+        if any(t.device.type != device.type or (device.index is not None and t.device != device)
+               for t in (*root.parameters(), *root.buffers())):
+            move_model_to_device(root, device)
 
 
 def _is_parallel(model) -> bool:

@@ -1,0 +1,152 @@
+"""The GPU lane (``make test-gpu``; issue 31): the parity cases that matter, on a GPU.
+
+Marked ``cuda`` and skipped without one. Two to four ranks share the one GPU through
+``NXD_HF_BACKEND=cuda:gloo``: gloo for CUDA tensors only, so — as under nccl — a control tensor
+left on the CPU fails its collective, and pipeline sends go through the CPU staging path
+(``nxd_hf.backend.p2p_device``). One-rank cases run on nccl itself. The cases are the CPU
+suite's own functions (tests/test_*.py and the *_cases.py helpers); ``hf_parity`` puts the
+reference models and batches on the backend's device, the models under test start on the CPU
+as a model loaded the usual way, so nxd_hf has to place them.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import ckpt_cases
+import hf_parity
+import test_architectures
+import test_checkpoint
+import test_examples
+import test_layers
+import test_lora
+import test_nxd_trainer
+import test_pipeline
+import test_trainer_api
+import test_zero1
+from nxd_hf.testing import run_distributed
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU: run `make test-gpu` on a GPU machine")]
+
+
+@pytest.fixture
+def cuda_gloo(monkeypatch):
+    """Spawned ranks share the GPU through gloo for CUDA tensors (nccl refuses 2 ranks on 1 GPU)."""
+    monkeypatch.setenv("NXD_HF_BACKEND", "cuda:gloo")
+
+
+@pytest.fixture
+def nccl(monkeypatch):
+    monkeypatch.setenv("NXD_HF_BACKEND", "nccl")
+
+
+def _on_gpu() -> str:
+    from nxd_hf import backend
+
+    device = backend.default_device()
+    assert device.type == "cuda", device
+    return str(device)
+
+
+def _tp_parity_world2():
+    _on_gpu()
+    for model_type in ("llama", "gpt2", "qwen2", "phi3"):
+        for sp in (False, True):
+            hf_parity.check_parity(model_type, 2, sp)
+    return True
+
+
+def test_tp2_parity(cuda_gloo):
+    """TP block: logits, loss and gathered gradients at tp=2 (with and without SP) vs plain HF."""
+    assert run_distributed(_tp_parity_world2, 2, timeout_s=600) == [True, True]
+
+
+def test_architectures_tp2(cuda_gloo):
+    run_distributed(test_architectures._world2_cases, 2, timeout_s=600)
+
+
+def test_layers_world4(cuda_gloo):
+    run_distributed(test_layers.run_all_layer_cases, 4, timeout_s=600)
+
+
+def test_pipeline_pp2(cuda_gloo):
+    """pp=2: sends staged through the CPU (gloo cannot send CUDA tensors)."""
+    run_distributed(test_pipeline.run_pp2_cases, 2, timeout_s=600)
+
+
+def test_zero1_world4(cuda_gloo, tmp_path):
+    run_distributed(test_zero1.run_cases, 4, str(tmp_path), timeout_s=600)
+
+
+def test_lora_world2(cuda_gloo, tmp_path):
+    run_distributed(test_lora.run_two_rank_cases, 2, str(tmp_path), timeout_s=600)
+
+
+def test_checkpoints_saved_on_gpu_load_at_other_layouts(tmp_path, monkeypatch):
+    """Round trips at tp=2, pp=2, dp=2+ZeRO-1 and tp=2 -> pp=2 on 2 ranks; then the tp=2
+    checkpoint loads on one nccl rank and trains on exactly."""
+    monkeypatch.setenv("NXD_HF_BACKEND", "cuda:gloo")
+    run_distributed(test_checkpoint.run_world2, 2, str(tmp_path), timeout_s=600)
+    monkeypatch.setenv("NXD_HF_BACKEND", "nccl")
+    run_distributed(test_checkpoint.run_world1, 1, str(tmp_path))
+
+
+def test_nxd_trainer_matches_trainer(cuda_gloo):
+    """tp=2, pp=2, dp=2+ZeRO-1 with accumulation, tp=2 LoRA: NxDTrainer against Trainer."""
+    assert run_distributed(test_nxd_trainer.trainer_cases, 2, timeout_s=600) == [True, True]
+
+
+def test_nxd_trainer_checkpoints(cuda_gloo, tmp_path):
+    assert run_distributed(test_nxd_trainer.checkpoint_cases, 2, str(tmp_path), timeout_s=600) == [True, True]
+
+
+def test_config_api_dp2_zero1_matches_single_process(cuda_gloo):
+    run_distributed(test_trainer_api.check_matches_single_process, 2, timeout_s=600)
+
+
+def _one_rank_cases():
+    _on_gpu()
+    for model_type in ("llama", "gpt2"):
+        hf_parity.check_parity(model_type, 1, False)  # a CPU-loaded model placed on the GPU
+    model, optimizer, scheduler, _ = ckpt_cases.build(zero1=True)
+    assert next(model.parameters()).device.type == "cuda"
+    ckpt_cases.train(model, optimizer, scheduler, 2)
+    return True
+
+
+def test_one_rank_nccl(nccl):
+    assert run_distributed(_one_rank_cases, 1, timeout_s=600) == [True]
+
+
+@pytest.mark.parametrize("script, args", [
+    ("examples/finetune_causal_lm.py", ["--tp", "1", "--max_steps", "20"]),
+    ("examples/parallelize_causal_lm.py", ["--steps", "20"]),
+])
+def test_examples_torchrun_one_gpu(script, args, tmp_path):
+    """torchrun --nproc_per_node 1 on nccl (the default with a GPU)."""
+    extra = ["--output_dir", str(tmp_path)] if "finetune" in script else []
+    test_examples._loss_fell(test_examples.run_example(script, 1, *args, *extra))
+
+
+@pytest.mark.parametrize("script, args", [
+    ("examples/finetune_causal_lm.py", ["--tp", "2", "--max_steps", "20"]),
+    ("examples/finetune_causal_lm.py", ["--pp", "2", "--max_steps", "12", "--logging_steps", "4"]),
+    ("examples/parallelize_causal_lm.py", ["--steps", "20"]),
+])
+def test_examples_torchrun_two_ranks_one_gpu(script, args, tmp_path, cuda_gloo):
+    extra = ["--output_dir", str(tmp_path)] if "finetune" in script else []
+    test_examples._loss_fell(test_examples.run_example(script, 2, *args, *extra))
+
+
+def test_plain_python_uses_the_gpu():
+    """`python script.py` (no torchrun): a world of one on nccl, on cuda:0."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "NXD_HF_BACKEND")}
+    result = subprocess.run([sys.executable, "examples/parallelize_causal_lm.py", "--steps", "10"],
+                            cwd=test_examples.ROOT, capture_output=True, text=True, timeout=600, env=env)
+    out = test_examples._check(result)
+    assert "on cuda:0" in out, out
+    test_examples._loss_fell(out)

@@ -119,3 +119,43 @@ def check_saved(ours, directory: str, *, kind: str, lora: bool, case) -> None:
     for key in EVAL_KEYS:
         assert got[key] == pytest.approx(want[key], rel=1e-4), (case, key, got, want)
     backend.barrier()
+
+
+def shared_dir(local: str) -> str:
+    """Rank 0's directory, the same on every rank."""
+    from nxd_hf import backend
+
+    return backend.all_gather_object(local)[0]
+
+
+def _token_rows(n=16, s=8, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    vocab = model().config.vocab_size
+    rows = []
+    for i in range(n):
+        ids = torch.randint(0, vocab, (s,), generator=g)
+        labels = ids.clone()
+        labels[: i % 3] = -100
+        rows.append({"input_ids": ids, "labels": labels})
+    return rows
+
+
+def run_trainer_pair(trainer_cls, *, reference: bool = True, **layout):
+    """(trainer_cls on one process, nxd_hf.parallel_trainer(trainer_cls)) after STEPS steps."""
+    import nxd_hf
+    from nxd_hf import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    rows = _token_rows()
+    kwargs = dict(max_steps=STEPS, learning_rate=1e-3, logging_steps=1, eval_strategy="steps", eval_steps=2,
+                  save_strategy="no", report_to=[], seed=7, max_grad_norm=0.5, disable_tqdm=True,
+                  per_device_train_batch_size=4)
+    ref = None
+    if reference:
+        ref = trainer_cls(model(), transformers.TrainingArguments(output_dir="unused", **kwargs), train_dataset=rows,
+                          eval_dataset=rows[:4])
+        ref.train()
+    args = nxd_hf.NxDTrainingArguments(output_dir="unused", **kwargs, **layout)
+    ours = nxd_hf.parallel_trainer(trainer_cls)(model(), args, train_dataset=rows, eval_dataset=rows[:4])
+    ours.train()
+    return ref, ours

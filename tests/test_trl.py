@@ -1,0 +1,123 @@
+"""TRL's SFTTrainer on nxd_hf (nxd_hf.NxDSFTTrainer) against plain SFTTrainer on one process, on
+the same data and seed: training loss, grad norm and SFT metrics (entropy, mean_token_accuracy,
+num_tokens) every step, eval loss and metrics at every eval step, and the saved model / adapter
+evaluating in plain transformers / peft to the run's eval loss; at tp=2, pp=2 (2 microbatches),
+dp=2 with ZeRO-1 and accumulation, tp=2 with LoRA (peft_config); conversations through the bundled
+tokenizer's chat template and plain text. Then the general rule for Trainer subclasses
+(nxd_hf.parallel_trainer): an overridden hook gets parity or a clear error."""
+
+import os
+import tempfile
+
+import pytest
+import torch
+import transformers
+import trl
+
+import trl_cases
+from nxd_hf.integrations.subclass import parallel_trainer, refused_overrides
+from nxd_hf.testing import run_distributed
+
+CASES = [  # (name, data, per-replica batch, LoRA, SFTConfig overrides, layout)
+    ("tp2-chat", "chat", 4, False, {}, {"tensor_parallel_size": 2}),
+    ("pp2-text", "text", 4, False, {}, {"pipeline_parallel_size": 2, "num_microbatches": 2}),
+    ("dp2-zero1-chat-accumulate", "chat", 2, False, {"gradient_accumulation_steps": 2}, {"zero_1": True}),
+    ("tp2-lora-chat-completion-only", "chat", 4, True, {"assistant_only_loss": True}, {"tensor_parallel_size": 2}),
+    ("tp2-dft-text", "text", 4, False, {"loss_type": "dft"}, {"tensor_parallel_size": 2}),
+]
+
+
+def _sft_layouts() -> None:
+    for name, kind, batch, lora, sft, layout in CASES:
+        with tempfile.TemporaryDirectory() as out:
+            out = trl_cases.shared_dir(out)
+            ref, ours = trl_cases.run_pair(out, kind=kind, batch=batch, lora=lora, sft=sft, **layout)
+            trl_cases.check_logs(ref, ours, name)
+            trl_cases.check_saved(ours, f"{out}/final", kind=kind, lora=lora, case=name)
+
+
+def test_sft_trainer_parity_at_every_layout():
+    run_distributed(_sft_layouts, 2, timeout_s=900)
+
+
+class ScaledLoss(transformers.Trainer):
+    """A subclass whose loss is not the model's: nxd_hf must train on it, not on the model's."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
+        return (2.0 * loss, outputs) if return_outputs else 2.0 * loss
+
+
+class ExtraEval(transformers.Trainer):
+    """evaluate() adding a metric computed from the model's own logits."""
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
+        metrics = super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+        ids = torch.stack([row["input_ids"] for row in self.eval_dataset])
+        with torch.no_grad():
+            logits = self.model(input_ids=ids).logits
+        metrics[f"{metric_key_prefix}_logsumexp"] = float(logits.logsumexp(-1).mean())
+        self.log({"eval_logsumexp": metrics[f"{metric_key_prefix}_logsumexp"]})
+        return metrics
+
+
+class OwnPrediction(transformers.Trainer):
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        loss, logits, labels = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        return loss * 3.0, logits, labels
+
+
+class OwnSave(transformers.Trainer):
+    def _save(self, output_dir=None, state_dict=None):
+        super()._save(output_dir, state_dict)
+
+
+def test_refused_overrides_name_the_hook():
+    assert refused_overrides(ScaledLoss, pipelined=False) == []
+    assert refused_overrides(ExtraEval, pipelined=False) == []
+    assert refused_overrides(OwnPrediction, pipelined=False) == []
+    assert "ScaledLoss.compute_loss" in refused_overrides(ScaledLoss, pipelined=True)[0]
+    assert "ExtraEval.evaluate" in refused_overrides(ExtraEval, pipelined=True)[0]
+    assert "OwnPrediction.prediction_step" in refused_overrides(OwnPrediction, pipelined=True)[0]
+    assert "OwnSave._save" in refused_overrides(OwnSave, pipelined=False)[0]
+    assert refused_overrides(trl.SFTTrainer, pipelined=False) == []
+    assert parallel_trainer(ScaledLoss).__name__ == "NxDScaledLoss"
+    with pytest.raises(ValueError, match="Trainer subclass"):
+        parallel_trainer(object)
+
+
+def _subclass_rule() -> None:
+    import nxd_hf
+
+    for cls in (ScaledLoss, ExtraEval, OwnPrediction):  # parity at tp=2
+        ref, ours = trl_cases.run_trainer_pair(cls, tensor_parallel_size=2)
+        for key in ("loss", "grad_norm", "eval_loss", "eval_logsumexp"):
+            got, want = trl_cases.logged(ours, key), trl_cases.logged(ref, key)
+            assert [s for s, _ in got] == [s for s, _ in want], (cls.__name__, key, got, want)
+            torch.testing.assert_close(torch.tensor([v for _, v in got]), torch.tensor([v for _, v in want]),
+                                       **trl_cases.TOL, msg=lambda m: f"{cls.__name__} {key}: {m}")
+    for cls, layout in ((ScaledLoss, {"pipeline_parallel_size": 2, "num_microbatches": 2}),
+                        (ExtraEval, {"pipeline_parallel_size": 2, "num_microbatches": 2}),
+                        (OwnPrediction, {"pipeline_parallel_size": 2, "num_microbatches": 2}),
+                        (OwnSave, {"tensor_parallel_size": 2})):
+        with pytest.raises(ValueError, match=f"{cls.__name__}.* cannot run with nxd_hf"):
+            trl_cases.run_trainer_pair(cls, reference=False, **layout)
+    with pytest.raises(ValueError, match="NxDSFTConfig"):
+        nxd_hf.NxDSFTTrainer(trl_cases.model(), nxd_hf.NxDTrainingArguments(output_dir="unused"),
+                             train_dataset=trl_cases.datasets("text")[0])
+
+
+def test_trainer_subclass_overrides_get_parity_or_an_error():
+    run_distributed(_subclass_rule, 2)
+
+
+def test_sft_example_under_torchrun(tmp_path):
+    """examples/sft_trl.py (capped) at tp=2 with LoRA: the loss falls; the adapter loads in peft."""
+    import peft
+    from test_examples import _loss_fell, run_example
+
+    out = run_example("examples/sft_trl.py", 2, "--tensor_parallel_size", "2", "--lora", "--max_steps", "20",
+                      "--output_dir", str(tmp_path))
+    _loss_fell(out)
+    plain = peft.PeftModel.from_pretrained(trl_cases.model(), tmp_path / "final")
+    assert sum("lora_B" in name for name, _ in plain.named_parameters()) == 2 * 2  # q_proj, v_proj x 2 layers

@@ -33,7 +33,7 @@ def _sft_layouts() -> None:
             out = trl_cases.shared_dir(out)
             ref, ours = trl_cases.run_pair(out, kind=kind, batch=batch, lora=lora, sft=sft, **layout)
             trl_cases.check_logs(ref, ours, name)
-            trl_cases.check_saved(ours, f"{out}/final", kind=kind, lora=lora, case=name)
+            trl_cases.check_saved(ours, f"{out}/final", kind=kind, lora=lora, case=name, sft=sft)
 
 
 def test_sft_trainer_parity_at_every_layout():
@@ -105,10 +105,53 @@ def _subclass_rule() -> None:
     with pytest.raises(ValueError, match="NxDSFTConfig"):
         nxd_hf.NxDSFTTrainer(trl_cases.model(), nxd_hf.NxDTrainingArguments(output_dir="unused"),
                              train_dataset=trl_cases.datasets("text")[0])
+    # the model parallelized first: SFTTrainer's peft_config would be lost (and the saved adapter miss keys)
+    parallel = nxd_hf.parallelize(trl_cases.model(), tensor_parallel_size=2)
+    args = nxd_hf.NxDSFTConfig(output_dir="unused", tensor_parallel_size=2, **trl_cases.common())
+    with pytest.raises(ValueError, match="already parallelized"):
+        nxd_hf.NxDSFTTrainer(parallel, args, train_dataset=trl_cases.datasets("text")[0],
+                             processing_class=trl_cases.tokenizer(), peft_config=trl_cases.lora_config())
 
 
 def test_trainer_subclass_overrides_get_parity_or_an_error():
     run_distributed(_subclass_rule, 2)
+
+
+def _pipeline_saving() -> None:
+    """pp=2: eval_loss at every eval step; the user's model object saves through nxd_hf (gathered,
+    loadable in transformers) and, with LoRA adapters, refuses as at tp=2."""
+    import nxd_hf
+    from nxd_hf import backend, parallel_state
+
+    with tempfile.TemporaryDirectory() as out:
+        out = trl_cases.shared_dir(out)
+        for lora in (False, True):
+            parallel_state.destroy_model_parallel()
+            rows = trl_cases._token_rows()
+            args = nxd_hf.NxDTrainingArguments(output_dir=out, pipeline_parallel_size=2, num_microbatches=2,
+                                               max_steps=4, eval_strategy="steps", eval_steps=2, save_strategy="no",
+                                               report_to=[], per_device_train_batch_size=4, disable_tqdm=True)
+            model = trl_cases.model()
+            trainer = nxd_hf.NxDTrainer(model, args, train_dataset=rows, eval_dataset=rows[:4],
+                                        peft_config=trl_cases.lora_config() if lora else None)
+            trainer.train()
+            assert [s for s, _ in trl_cases.logged(trainer, "eval_loss")] == [2, 4]
+            if lora:
+                with pytest.raises(ValueError, match="LoRA adapters"):
+                    model.save_pretrained(f"{out}/user")
+                continue
+            model.save_pretrained(f"{out}/user")
+            trainer.save_model(f"{out}/trainer")
+            backend.barrier()
+            ours = transformers.AutoModelForCausalLM.from_pretrained(f"{out}/user").state_dict()
+            want = transformers.AutoModelForCausalLM.from_pretrained(f"{out}/trainer").state_dict()
+            assert ours.keys() == want.keys()
+            for name, tensor in ours.items():
+                torch.testing.assert_close(tensor, want[name], rtol=0, atol=0)
+
+
+def test_pp2_eval_every_step_and_model_save_pretrained():
+    run_distributed(_pipeline_saving, 2)
 
 
 def test_sft_example_under_torchrun(tmp_path):

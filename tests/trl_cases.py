@@ -98,7 +98,7 @@ def check_logs(ref, ours, case) -> None:
                                    msg=lambda m: f"{case} {key}: {m}")
 
 
-def check_saved(ours, directory: str, *, kind: str, lora: bool, case) -> None:
+def check_saved(ours, directory: str, *, kind: str, lora: bool, case, sft=None) -> None:
     """save_model's directory, opened in plain transformers / peft, evaluates (plain SFTTrainer)
     to the run's eval loss."""
     import trl
@@ -113,7 +113,7 @@ def check_saved(ours, directory: str, *, kind: str, lora: bool, case) -> None:
     else:
         plain = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
     _, evaluation = datasets(kind)
-    args = trl.SFTConfig(output_dir=f"{directory}-eval", **common())
+    args = trl.SFTConfig(output_dir=f"{directory}-eval", **common(**(sft or {})))
     got = trl.SFTTrainer(plain, args, train_dataset=evaluation, eval_dataset=evaluation,
                          processing_class=tokenizer()).evaluate()
     for key in EVAL_KEYS:

@@ -75,6 +75,10 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
         if isinstance(model, NxDModel):
             self.nxd_model = model
         elif isinstance(model, NxDPPModel) or getattr(base, "_nxd_parallelized", False):
+            if self.nxd_config.lora_config is not None:  # the adapters would be missing, and missing when saved
+                raise ValueError("peft_config with an already parallelized model: pass the plain HF model with "
+                                 "peft_config=... (nxd_hf adds the adapters as it parallelizes), or apply "
+                                 "peft.get_peft_model to the parallel model and pass peft_config=None")
             self.nxd_model = NxDModel(model, self.nxd_config)
         elif base is not model:
             raise ValueError("a peft model of an unparallelized model: pass the plain model with peft_config=..., "

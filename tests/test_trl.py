@@ -3,7 +3,8 @@ the same data and seed: training loss, grad norm and SFT metrics (entropy, mean_
 num_tokens) every step, eval loss and metrics at every eval step, and the saved model / adapter
 evaluating in plain transformers / peft to the run's eval loss; at tp=2, pp=2 (2 microbatches),
 dp=2 with ZeRO-1 and accumulation, tp=2 with LoRA (peft_config); conversations through the bundled
-tokenizer's chat template and plain text. Then the general rule for Trainer subclasses
+tokenizer's chat template (completion-only: assistant_only_loss), prompt/completion data, plain
+text, packed padding-free batches; loss_type "nll" and "dft". Then the general rule for Trainer subclasses
 (nxd_hf.parallel_trainer): an overridden hook gets parity or a clear error."""
 
 import os
@@ -23,7 +24,8 @@ CASES = [  # (name, data, per-replica batch, LoRA, SFTConfig overrides, layout)
     ("pp2-text", "text", 4, False, {}, {"pipeline_parallel_size": 2, "num_microbatches": 2}),
     ("dp2-zero1-chat-accumulate", "chat", 2, False, {"gradient_accumulation_steps": 2}, {"zero_1": True}),
     ("tp2-lora-chat-completion-only", "chat", 4, True, {"assistant_only_loss": True}, {"tensor_parallel_size": 2}),
-    ("tp2-dft-text", "text", 4, False, {"loss_type": "dft"}, {"tensor_parallel_size": 2}),
+    ("tp2-dft-prompt-completion", "prompt", 4, False, {"loss_type": "dft"}, {"tensor_parallel_size": 2}),
+    ("tp2-packed-padding-free-text", "text", 2, False, {"packing": True}, {"tensor_parallel_size": 2}),
 ]
 
 
@@ -105,6 +107,9 @@ def _subclass_rule() -> None:
     with pytest.raises(ValueError, match="NxDSFTConfig"):
         nxd_hf.NxDSFTTrainer(trl_cases.model(), nxd_hf.NxDTrainingArguments(output_dir="unused"),
                              train_dataset=trl_cases.datasets("text")[0])
+    with pytest.raises(ValueError, match="padding-free"):  # one row: data parallelism cannot split it
+        nxd_hf.NxDSFTTrainer(trl_cases.model(), nxd_hf.NxDSFTConfig(output_dir="unused", packing=True),
+                             train_dataset=trl_cases.datasets("text")[0], processing_class=trl_cases.tokenizer())
     # the model parallelized first: SFTTrainer's peft_config would be lost (and the saved adapter miss keys)
     parallel = nxd_hf.parallelize(trl_cases.model(), tensor_parallel_size=2)
     args = nxd_hf.NxDSFTConfig(output_dir="unused", tensor_parallel_size=2, **trl_cases.common())

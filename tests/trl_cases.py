@@ -24,8 +24,8 @@ def _sentence(rng, n):
 
 
 def datasets(kind: str, n: int = 24, seed: int = 5):
-    """(train, eval) datasets: "chat" (conversations through the tokenizer's chat template) or
-    "text" (plain text), of varied lengths."""
+    """(train, eval) datasets: "chat" (conversations through the tokenizer's chat template),
+    "prompt" (prompt / completion: completion-only loss) or "text" (plain text), of varied lengths."""
     from datasets import Dataset
 
     rng = random.Random(seed)
@@ -34,6 +34,8 @@ def datasets(kind: str, n: int = 24, seed: int = 5):
         if kind == "chat":
             rows.append({"messages": [{"role": "user", "content": _sentence(rng, 2 + i % 4)},
                                       {"role": "assistant", "content": _sentence(rng, 3 + i % 5)}]})
+        elif kind == "prompt":
+            rows.append({"prompt": _sentence(rng, 2 + i % 4), "completion": " " + _sentence(rng, 3 + i % 5)})
         else:
             rows.append({"text": _sentence(rng, 4 + i % 7)})
     return Dataset.from_list(rows[6:]), Dataset.from_list(rows[:6])

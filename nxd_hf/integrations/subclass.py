@@ -37,7 +37,6 @@ KEPT = {
     "trl.trainer.sft_trainer.SFTTrainer.training_step": "enters activation offloading only (refused by "
                                                         "NxDSFTConfig) before Trainer's step",
     "trl.trainer.sft_trainer.SFTTrainer._save_checkpoint": "writes a model card (NxDSFTTrainer does too)",
-    "trl.trainer.sft_trainer.SFTTrainer.prediction_step": "calls compute_loss, run on the parallel model",
 }
 
 

@@ -164,8 +164,8 @@ def test_sft_example_under_torchrun(tmp_path):
     import peft
     from test_examples import _loss_fell, run_example
 
-    out = run_example("examples/sft_trl.py", 2, "--tensor_parallel_size", "2", "--lora", "--max_steps", "20",
-                      "--output_dir", str(tmp_path))
+    out = run_example("examples/sft_trl.py", 2, "--tensor_parallel_size", "2", "--lora", "--max_steps", "8",
+                      "--logging_steps", "4", "--eval_steps", "4", "--output_dir", str(tmp_path))
     _loss_fell(out)
     plain = peft.PeftModel.from_pretrained(trl_cases.model(), tmp_path / "final")
     assert sum("lora_B" in name for name, _ in plain.named_parameters()) == 2 * 2  # q_proj, v_proj x 2 layers

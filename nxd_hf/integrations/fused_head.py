@@ -66,8 +66,8 @@ def _fused(model, settings, args, kwargs, labels, shift_labels, num_items_in_bat
         logits, labels = logits[:, :-1], labels[:, 1:]
     else:
         labels = shift_labels
-    stats = token_stats(transform(logits, settings), labels.to(logits.device), model.config.get_text_config().vocab_size,
-                        outputs=settings["outputs"])
+    vocab_size = model.config.get_text_config().vocab_size
+    stats = token_stats(transform(logits, settings), labels.to(logits.device), vocab_size, outputs=settings["outputs"])
     mask = stats["label_mask"]
     count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
     return FusedCausalLMOutput(loss=-stats["log_probs"].sum() / count,

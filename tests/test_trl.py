@@ -88,6 +88,20 @@ def test_refused_overrides_name_the_hook():
         parallel_trainer(object)
 
 
+@pytest.mark.parametrize("fields, message", [
+    ({"sequence_parallel": True}, "sequence_parallel"),
+    ({"activation_offloading": True}, "activation_offloading"),
+    ({"pipeline_parallel_size": 2, "packing": True}, "packing and padding_free"),
+    ({"pipeline_parallel_size": 2, "padding_free": True}, "packing and padding_free"),
+])
+def test_sft_config_refuses_what_it_cannot_do(monkeypatch, tmp_path, fields, message):
+    import nxd_hf
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=message):
+        nxd_hf.NxDSFTConfig(output_dir=str(tmp_path), **fields)
+
+
 def _subclass_rule() -> None:
     import nxd_hf
 
@@ -157,6 +171,47 @@ def _pipeline_saving() -> None:
 
 def test_pp2_eval_every_step_and_model_save_pretrained():
     run_distributed(_pipeline_saving, 2)
+
+
+def _token_stats_parity() -> None:
+    """nxd_hf.integrations.token_stats on vocab shards (vocab 301, padded to 302 at tp=2) equals
+    torch on the full logits: every field, the argmax's first-maximum rule, and the gradients of
+    log_probs and entropy."""
+    import nxd_hf
+    from nxd_hf import parallel_state
+    from nxd_hf.integrations.token_stats import token_stats
+
+    parallel_state.destroy_model_parallel()
+    nxd_hf.parallelize(trl_cases.model(), tensor_parallel_size=2)  # the TP groups
+    vocab, rank = 301, parallel_state.get_tensor_model_parallel_rank()
+    full = torch.randn(2, 5, vocab, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    labels = torch.randint(0, vocab, (2, 5), generator=torch.Generator().manual_seed(1))
+    labels[0, 0] = -100
+    full[1, 1, [3, 200]] = full[1, 1].max() + 1.0  # a tie: the label, 200, is not the first maximum
+    labels[1, 1] = 200
+    full[1, 2, 250] = full[1, 2].max() + 1.0  # the label on the second shard is the maximum
+    labels[1, 2] = 250
+    full.requires_grad_(True)
+    local = torch.nn.functional.pad(full, (0, 1))[..., rank * 151:(rank + 1) * 151].detach().requires_grad_(True)
+    got = token_stats(local, labels, vocab)
+    mask = labels != -100
+    log_p = full.log_softmax(-1)
+    want = {"log_probs": log_p.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1),
+            "entropy": -(log_p.exp() * log_p).sum(-1), "log_sum_sq_probs": (2 * log_p).exp().sum(-1).log(),
+            "mean_logits": full.mean(-1), "is_top1": full.argmax(-1) == labels}
+    for key, value in want.items():
+        expected = value.masked_fill(~mask, 0)
+        torch.testing.assert_close(got[key].to(expected.dtype), expected.detach(), **trl_cases.TOL,
+                                   msg=lambda m: f"{key}: {m}")
+    assert got["is_top1"][1, 2] and not got["is_top1"][1, 1]
+    (got["log_probs"].sum() + got["entropy"].sum()).backward()
+    (want["log_probs"].masked_fill(~mask, 0).sum() + want["entropy"].masked_fill(~mask, 0).sum()).backward()
+    expected_grad = torch.nn.functional.pad(full.grad, (0, 1))[..., rank * 151:(rank + 1) * 151]
+    torch.testing.assert_close(local.grad.double(), expected_grad, **trl_cases.TOL)
+
+
+def test_token_stats_match_full_vocabulary():
+    run_distributed(_token_stats_parity, 2)
 
 
 def test_sft_example_under_torchrun(tmp_path):

@@ -4,7 +4,7 @@ num_tokens) every step, eval loss and metrics at every eval step, and the saved 
 evaluating in plain transformers / peft to the run's eval loss; at tp=2, pp=2 (2 microbatches),
 dp=2 with ZeRO-1 and accumulation, tp=2 with LoRA (peft_config); conversations through the bundled
 tokenizer's chat template (completion-only: assistant_only_loss), prompt/completion data, plain
-text, packed padding-free batches; loss_type "nll" and "dft". Then the general rule for Trainer subclasses
+text, packed padding-free batches; loss_type "nll" and "dft"; sequence parallelism. Then the general rule for Trainer subclasses
 (nxd_hf.parallel_trainer): an overridden hook gets parity or a clear error."""
 
 import os
@@ -24,7 +24,8 @@ CASES = [  # (name, data, per-replica batch, LoRA, SFTConfig overrides, layout)
     ("pp2-text", "text", 4, False, {}, {"pipeline_parallel_size": 2, "num_microbatches": 2}),
     ("dp2-zero1-chat-accumulate", "chat", 2, False, {"gradient_accumulation_steps": 2}, {"zero_1": True}),
     ("tp2-lora-chat-completion-only", "chat", 4, True, {"assistant_only_loss": True}, {"tensor_parallel_size": 2}),
-    ("tp2-dft-prompt-completion", "prompt", 4, False, {"loss_type": "dft"}, {"tensor_parallel_size": 2}),
+    ("tp2-sp-dft-prompt-completion", "prompt", 4, False, {"loss_type": "dft", "pad_to_multiple_of": 2},
+     {"tensor_parallel_size": 2, "sequence_parallel": True}),
     ("tp2-packed-padding-free-text", "text", 2, False, {"packing": True}, {"tensor_parallel_size": 2}),
 ]
 
@@ -89,7 +90,8 @@ def test_refused_overrides_name_the_hook():
 
 
 @pytest.mark.parametrize("fields, message", [
-    ({"sequence_parallel": True}, "sequence_parallel"),
+    ({"tensor_parallel_size": 2, "sequence_parallel": True}, "pad_to_multiple_of"),
+    ({"tensor_parallel_size": 2, "sequence_parallel": True, "pad_to_multiple_of": 3}, "pad_to_multiple_of"),
     ({"activation_offloading": True}, "activation_offloading"),
     ({"pipeline_parallel_size": 2, "packing": True}, "packing and padding_free"),
     ({"pipeline_parallel_size": 2, "padding_free": True}, "packing and padding_free"),

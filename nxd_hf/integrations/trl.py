@@ -34,8 +34,11 @@ class NxDSFTConfig(parallel_arguments(SFTConfig)):
                              "checkpoints every layer with nxd_hf)")
         if self.use_liger_kernel:
             raise ValueError("use_liger_kernel is not supported with nxd_hf's parallel layers: drop it")
-        if self.sequence_parallel:
-            raise ValueError("sequence_parallel is not supported by NxDSFTTrainer yet: drop it")
+        if self.sequence_parallel and (self.padding_free or self.packing or not self.pad_to_multiple_of
+                                       or self.pad_to_multiple_of % self.tensor_parallel_size):
+            raise ValueError("sequence_parallel splits every sequence over the tensor-parallel ranks: set "
+                             f"pad_to_multiple_of to a multiple of tensor_parallel_size={self.tensor_parallel_size}, "
+                             "without packing or padding_free")
         if self.pipeline_parallel_size > 1 and (self.padding_free or self.packing):
             raise ValueError("packing and padding_free batches are not supported with pipeline parallelism (the "
                              "schedule takes input_ids, attention_mask and labels): use pipeline_parallel_size=1")

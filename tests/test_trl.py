@@ -22,7 +22,8 @@ from nxd_hf.testing import run_distributed
 CASES = [  # (name, data, per-replica batch, LoRA, SFTConfig overrides, layout)
     ("tp2-chat", "chat", 4, False, {}, {"tensor_parallel_size": 2}),
     ("pp2-text", "text", 4, False, {}, {"pipeline_parallel_size": 2, "num_microbatches": 2}),
-    ("dp2-zero1-chat-accumulate", "chat", 2, False, {"gradient_accumulation_steps": 2}, {"zero_1": True}),
+    ("dp2-zero1-chat-accumulate-checkpoint", "chat", 2, False,
+     {"gradient_accumulation_steps": 2, "save_strategy": "steps", "save_steps": 4}, {"zero_1": True}),
     ("tp2-lora-chat-completion-only", "chat", 4, True, {"assistant_only_loss": True}, {"tensor_parallel_size": 2}),
     ("tp2-sp-dft-prompt-completion", "prompt", 4, False, {"loss_type": "dft", "pad_to_multiple_of": 2},
      {"tensor_parallel_size": 2, "sequence_parallel": True}),
@@ -36,6 +37,9 @@ def _sft_layouts() -> None:
             out = trl_cases.shared_dir(out)
             ref, ours = trl_cases.run_pair(out, kind=kind, batch=batch, lora=lora, sft=sft, **layout)
             trl_cases.check_logs(ref, ours, name)
+            if sft.get("save_strategy") == "steps":  # SFTTrainer's checkpoint: nxd_hf's, with TRL's model card
+                assert "trainer_state.json" in os.listdir(f"{out}/nxd/checkpoint-4"), name
+                assert "README.md" in os.listdir(f"{out}/ref") and "README.md" in os.listdir(f"{out}/nxd"), name
             trl_cases.check_saved(ours, f"{out}/final", kind=kind, lora=lora, case=name, sft=sft)
 
 

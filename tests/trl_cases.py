@@ -47,10 +47,10 @@ def lora_config():
 
 
 def common(**overrides) -> dict:
-    return dict(max_steps=STEPS, learning_rate=1e-3, logging_steps=1, eval_strategy="steps", eval_steps=2,
-                save_strategy="no", report_to=[], seed=7, max_grad_norm=0.5, disable_tqdm=True, warmup_steps=1,
-                bf16=False, gradient_checkpointing=False, max_length=24, per_device_eval_batch_size=4,
-                dataset_num_proc=None, **overrides)
+    return {**dict(max_steps=STEPS, learning_rate=1e-3, logging_steps=1, eval_strategy="steps", eval_steps=2,
+                   save_strategy="no", report_to=[], seed=7, max_grad_norm=0.5, disable_tqdm=True, warmup_steps=1,
+                   bf16=False, gradient_checkpointing=False, max_length=24, per_device_eval_batch_size=4,
+                   dataset_num_proc=None), **overrides}
 
 
 def model():

@@ -1,7 +1,8 @@
 """Rebuild the tiny model bundled in examples/data/tiny-llama (the examples' default):
 a byte-level BPE tokenizer trained on examples/data/tiny_corpus.txt and a randomly initialized
 Llama whose shapes hit the hard cases (vocab 301: padded at any tp > 1; 4 query heads over 2
-K/V heads: K/V replicated at tp=4).
+K/V heads: K/V replicated at tp=4). The tokenizer has a chat template (assistant turns marked
+for TRL's ``assistant_only_loss``).
 
     python examples/make_tiny_model.py [--out DIR]
 """
@@ -14,6 +15,12 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] + ': ' }}"
+    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] + '<eos>' }}{% endgeneration %}"
+    "{% else %}{{ message['content'] + '\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
+)
 
 
 def build_tokenizer(text: str) -> transformers.PreTrainedTokenizerFast:
@@ -23,7 +30,8 @@ def build_tokenizer(text: str) -> transformers.PreTrainedTokenizerFast:
     trainer = trainers.BpeTrainer(vocab_size=301, special_tokens=["<eos>"], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tokenizer.train_from_iterator([text], trainer)
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<eos>")
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<eos>", pad_token="<eos>",
+                                                chat_template=CHAT_TEMPLATE)
 
 
 def main():

@@ -19,11 +19,15 @@ def __getattr__(name: str):
         from nxd_hf.parity import check_parity
 
         return check_parity
+    if name in ("NxDSFTTrainer", "NxDSFTConfig", "parallel_trainer", "parallel_arguments"):  # TRL: an optional extra
+        from nxd_hf import integrations
+
+        return getattr(integrations, name)
     raise AttributeError(f"module 'nxd_hf' has no attribute {name!r}")
 
 
 __all__ = [
-    "NxDTrainer", "NxDTrainingArguments",
+    "NxDTrainer", "NxDTrainingArguments", "NxDSFTTrainer", "NxDSFTConfig", "parallel_trainer", "parallel_arguments",
     "ModelPatch", "check_parity", "consolidate", "from_pretrained", "full_state_dict", "load_checkpoint",
     "save_checkpoint", "save_pretrained", "wait_for_checkpoint", "initialize_parallel_model",
     "initialize_parallel_optimizer",

@@ -110,6 +110,7 @@ def parallelize(
 
         pp_model = NxDPPModel(model, setup=setup, **pipeline_kwargs)
         pp_model.save_pretrained = types.MethodType(save_pretrained, pp_model)  # the plain HF format, gathered
+        model.save_pretrained = functools.partial(save_pretrained, pp_model)  # the user's object: its stages' weights
         return pp_model
     layer_types = decoder_layer_types(model) if activation_checkpoint_config == "full" else ()
     policy = set_up_local_modules([model], setup, layer_types=layer_types)

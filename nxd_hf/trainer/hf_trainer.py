@@ -57,9 +57,9 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
         self.nxd_model: NxDModel | None = None
         if model is not None:
             model = self._parallel(model, args)
-        if model_init is not None:
-            model_init = self._parallel_init(model_init, args)
-        super().__init__(model, args, *trainer_args, model_init=model_init, **trainer_kwargs)
+        if model_init is not None:  # passed only when given: a Trainer subclass may not take it (TRL's)
+            trainer_kwargs["model_init"] = self._parallel_init(model_init, args)
+        super().__init__(model, args, *trainer_args, **trainer_kwargs)
 
     def _parallel_init(self, model_init, args: NxDTrainingArguments):
         """``model_init`` (taking a trial or nothing, as Trainer allows) whose model is parallelized."""
@@ -77,6 +77,10 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
         if isinstance(model, NxDModel):
             self.nxd_model = model
         elif isinstance(model, NxDPPModel) or state_of(base) is not None:
+            if self.nxd_config.lora_config is not None:  # the adapters would be missing, and missing when saved
+                raise ValueError("peft_config with an already parallelized model: pass the plain HF model with "
+                                 "peft_config=... (nxd_hf adds the adapters as it parallelizes), or apply "
+                                 "peft.get_peft_model to the parallel model and pass peft_config=None")
             self.nxd_model = NxDModel(model, self.nxd_config)
         elif base is not model:
             raise ValueError("a peft model of an unparallelized model: pass the plain model with peft_config=..., "
@@ -148,11 +152,16 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
                 return model.run_train(**_pipeline_inputs(model, inputs), num_items_in_batch=num_items_in_batch)
             if num_items_in_batch is not None and self.model_accepts_loss_kwargs:
                 normalizer = loss_normalizer(inputs["labels"], num_items_in_batch)
-                loss = model(**inputs, num_items_in_batch=normalizer).loss
+                loss = self._nxd_loss(model, inputs, num_items_in_batch=normalizer)
             else:  # a per-batch mean: weight this replica's rows, average over accumulation steps
-                loss = model(**inputs).loss * row_weight / self.current_gradient_accumulation_steps
+                loss = self._nxd_loss(model, inputs) * row_weight / self.current_gradient_accumulation_steps
         loss.backward()
         return _data_parallel_mean(loss.detach())
+
+    def _nxd_loss(self, model, inputs: dict, **loss_kwargs) -> torch.Tensor:
+        """This rank's training loss (not pipelined); ``nxd_hf.parallel_trainer`` routes a subclass's
+        ``compute_loss`` through here."""
+        return model(**inputs, **loss_kwargs).loss
 
     def _clip_grad_norm(self, model):
         return None  # the optimizer clips on the global norm in step()

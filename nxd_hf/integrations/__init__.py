@@ -1,0 +1,17 @@
+"""nxd_hf for ``transformers.Trainer`` subclasses: ``parallel_trainer`` / ``parallel_arguments``
+(any subclass) and TRL's ``NxDSFTTrainer`` / ``NxDSFTConfig`` (``nxd_hf.integrations.trl``;
+TRL is an optional extra). All imported on first use."""
+
+_LAZY = {"parallel_trainer": "nxd_hf.integrations.subclass", "parallel_arguments": "nxd_hf.integrations.subclass",
+         "NxDSFTTrainer": "nxd_hf.integrations.trl", "NxDSFTConfig": "nxd_hf.integrations.trl"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'nxd_hf.integrations' has no attribute {name!r}")
+
+
+__all__ = sorted(_LAZY)

@@ -159,6 +159,7 @@ def initialize_parallel_model(nxd_config: NxDConfig, model_fn, *model_args, **mo
     wrapped = parallelize(
         model, tensor_parallel_size=nxd_config.tensor_parallel_size, pipeline_parallel_size=pp,
         sequence_parallel=nxd_config.sequence_parallel, pad_model=nxd_config.pad_model,
+        kv_size_multiplier=nxd_config.kv_size_multiplier,
         param_init_fn=init.param_init_fn if init.meta_device_init else None,
         activation_checkpoint_config=nxd_config.activation_checkpoint_config,
         fp32_grad_accumulation=nxd_config.mixed_precision_config.use_fp32_grad_acc,

@@ -18,7 +18,7 @@ from nxd_hf.parallel_layers.sharding import (
 )
 from nxd_hf.parallel_layers.heads import HeadLayout
 from nxd_hf.tp import plan
-from nxd_hf.tp.kept import build_embedding, check_kept, mark_region_parameters
+from nxd_hf.tp.custom_modules import build_embedding, check_kept, mark_region_parameters
 from nxd_hf.tp.layouts import module_layout
 
 

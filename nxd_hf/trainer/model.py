@@ -11,7 +11,7 @@ from torch import nn
 
 from nxd_hf import backend, parallel_state
 from nxd_hf.parallel_layers.loss_functions import loss_normalizer
-from nxd_hf.parallel_layers.together import fail_together
+from nxd_hf.guards.fail_together import fail_together
 from nxd_hf.parallelize import parallelize
 from nxd_hf.pipeline.model import NxDPPModel
 from nxd_hf.trainer.config import NxDConfig

@@ -7,7 +7,7 @@ import transformers
 
 import nxd_hf
 from nxd_hf import parallel_state
-from nxd_hf.parallel_layers.pad import gather_full_tensor
+from nxd_hf.parallel_layers.sharding import full_tensor
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 VOCAB = 101  # prime: never divisible by tp
@@ -87,7 +87,7 @@ def batch(seed: int = 1, b: int = 2, s: int = 8):
 
 def gathered_grad(param: torch.nn.Parameter) -> torch.Tensor:
     """The full gradient in the HF layout (Conv1D weights ``[in, out]``)."""
-    grad = gather_full_tensor(param, param.grad) if getattr(param, "tensor_model_parallel", False) else param.grad
+    grad = full_tensor(param, param.grad)
     return grad.t() if getattr(param, "hf_transposed", False) else grad
 
 

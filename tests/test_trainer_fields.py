@@ -13,8 +13,7 @@ import hf_parity
 import nxd_hf
 from nxd_hf import parallel_state
 from nxd_hf.optim.zero1 import NeuronZero1Optimizer
-from nxd_hf.parallel_layers.pad import gather_full_tensor
-from nxd_hf.parallel_layers.sharding import is_sharded
+from nxd_hf.parallel_layers.sharding import full_tensor
 from nxd_hf.testing import run_distributed
 
 TOL = hf_parity.TOL
@@ -78,8 +77,7 @@ def check_kv_size_multiplier(out_dir):
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), **TOL)
     ref_params = dict(ref.model.named_parameters())
     for name, param in trainer.nxd_model.named_parameters():
-        full = gather_full_tensor(param) if is_sharded(param) else param.detach()
-        torch.testing.assert_close(full, ref_params[name].detach(), **TOL, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(full_tensor(param), ref_params[name].detach(), **TOL, msg=lambda m: f"{name}: {m}")
     auto = _trainer(out_dir, hf_parity.build_pair("llama", **overrides)[1], tensor_parallel_size=4)
     assert _local_rows(auto, "model.layers.0.self_attn.k_proj.weight") == 6
     with pytest.raises(ValueError, match="kv_size_multiplier=4"):  # 1 head x 2 copies do not split over 4 ranks

@@ -18,7 +18,7 @@ import torch.distributed as dist
 import transformers
 
 from nxd_hf import parallel_state
-from nxd_hf.parallel_layers.pad import gather_full_tensor
+from nxd_hf.parallel_layers.sharding import full_tensor
 from nxd_hf.parallelize import parallelize
 
 RTOL, ATOL = 1e-4, 1e-5
@@ -92,7 +92,7 @@ def _failure(exc: BaseException, *, setup: bool) -> tuple[str, str]:
 
 def _grad(param):
     grad = param.grad if param.grad is not None else torch.zeros_like(param)
-    full = gather_full_tensor(param, grad) if getattr(param, "tensor_model_parallel", False) else grad
+    full = full_tensor(param, grad)
     return full.t() if getattr(param, "hf_transposed", False) else full
 
 

@@ -4,8 +4,9 @@ Setup code (``parallelize``, ``nxd_hf.from_pretrained``, the config API's model 
 fail on one rank only: a layer shape only one rank's slice runs into, a file only one node
 cannot read. Without agreement the other ranks go on into the next collective and wait there
 until its timeout. ``fail_together`` ends such a block with one small all-reduce over the
-world (the lowest failing rank, or none) and, when some rank failed, a broadcast of its
-message, so every rank raises the same ``ValueError`` naming that rank and its error.
+world (every rank's message length, zero when it succeeded) and, when some rank failed, a
+broadcast of each failing rank's message, so every rank raises the same ``ValueError`` naming
+the lowest failing rank and its error (``failures_on_every_rank``).
 """
 
 import contextlib
@@ -13,8 +14,6 @@ import contextlib
 import torch
 
 from nxd_hf import backend
-
-_MESSAGE_BYTES = 2048  # fixed size: every rank sends the same shape, failing or not
 
 
 @contextlib.contextmanager
@@ -26,26 +25,35 @@ def fail_together(what: str):
     except Exception as error:
         if backend.world_size() == 1:
             raise
-        _agree(what, error)
-        raise AssertionError("unreachable: _agree raises when a rank failed") from error
-    _agree(what, None)
+        _raise_first(what, failures_on_every_rank(f"{type(error).__name__}: {error}"), error)
+        raise AssertionError("unreachable: a failing rank is among the failures") from error
+    _raise_first(what, failures_on_every_rank(None), None)
 
 
-def _agree(what: str, error: Exception | None) -> None:
+def _raise_first(what: str, failures: dict[int, str], error: Exception | None) -> None:
+    if failures:
+        source = min(failures)
+        raise ValueError(f"{what} failed on rank {source} (every rank stops here): {failures[source]}") from error
+
+
+def failures_on_every_rank(problem: str | None) -> dict[int, str]:
+    """Collective over the world: every failing rank's ``problem`` (None: this rank is fine), by
+    rank, the same dict on every rank. One small all-reduce of the message lengths when no rank
+    failed; then one broadcast per failing rank. The one way nxd_hf makes every rank raise the
+    same error (``fail_together``, checkpoint loading's checks)."""
     world = backend.world_size()
     if world == 1:
-        return
+        return {} if problem is None else {0: problem}
     me = backend.rank()
-    failed = torch.tensor([me if error is not None else world], dtype=torch.long)
-    backend.all_reduce(failed, None, op="min")  # the lowest failing rank, or world if none
-    source = int(failed)
-    if source == world:
-        return
-    message = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8)
-    if me == source:
-        encoded = f"{type(error).__name__}: {error}".encode()[:_MESSAGE_BYTES]
-        message[: len(encoded)] = torch.frombuffer(bytearray(encoded), dtype=torch.uint8)
-    backend.broadcast(message, source, None)
-    text = bytes(message.tolist()).rstrip(b"\0").decode(errors="replace")
-    agreed = ValueError(f"{what} failed on rank {source} (every rank stops here): {text}")
-    raise agreed from error
+    encoded = None if problem is None else problem.encode()
+    lengths = torch.zeros(world, dtype=torch.long)
+    lengths[me] = 0 if encoded is None else len(encoded) + 1  # +1: an empty message still fails
+    backend.all_reduce(lengths, None)
+    failures = {}
+    for source in lengths.nonzero().flatten().tolist():
+        message = torch.zeros(int(lengths[source]), dtype=torch.uint8)
+        if me == source:
+            message[: len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
+        backend.broadcast(message, source, None)
+        failures[source] = bytes(message.tolist()).rstrip(b"\0").decode(errors="replace")
+    return failures

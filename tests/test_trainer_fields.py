@@ -1,6 +1,6 @@
 """Every field of ``NxDTrainingArguments`` and of the config API (``neuronx_distributed_config``)
 changes what happens: one check per field that has no other test proving it (the others are
-listed in ``ELSEWHERE``), all in one spawn of 4 ranks."""
+listed below), all in one spawn of 4 ranks."""
 
 import tempfile
 import warnings
@@ -20,20 +20,17 @@ TOL = hf_parity.TOL
 COMMON = dict(learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[], seed=7, max_grad_norm=0.5,
               disable_tqdm=True)
 
-# field -> the test that already shows it changes behaviour
-ELSEWHERE = {
-    "NxDTrainingArguments.tensor_parallel_size": "test_nxd_trainer.py::test_nxd_trainer_matches_trainer_world2 (tp2)",
-    "NxDTrainingArguments.max_grad_norm": "test_nxd_trainer.py (clipping at 0.5 matches Trainer's)",
-    "config.tensor_parallel_size / pipeline_parallel_size / pipeline_config":
-        "test_trainer_api.py::test_config_api_world4",
-    "config.optimizer_config.max_grad_norm": "test_trainer_api.py (MAX_NORM clips every step)",
-    "config.model_init_config.sequential_move_factor": "test_trainer_api.py::check_sequential_build",
-    "config.mixed_precision_config.use_master_weights=True": "test_trainer_api.py::check_bf16_tracks_fp32",
-    "config.mixed_precision_config.use_master_weights_in_ckpt": "test_checkpoint.py (ckpt_cases)",
-    "config.lora_config": "test_nxd_trainer.py (tp2 lora, through peft_config)",
-    "config.check_inputs": "test_errors.py::test_errors_world2 (errors_world2.check_inputs_*)",
-    "config.timeout": "test_errors.py::test_errors_world2 (errors_world2.check_timeouts)",
-}
+# Fields whose effect another test already shows:
+#   NxDTrainingArguments tensor_parallel_size, per_device_train_batch_size, gradient_accumulation_steps,
+#     max_grad_norm (clipping at 0.5), seed: test_nxd_trainer.py::test_nxd_trainer_matches_trainer_world2
+#   fp16, label_smoothing_factor, train_sampling_strategy (refused): test_nxd_trainer.py
+#   config tensor_parallel_size, pipeline_parallel_size, pipeline_config, optimizer_config zero_one_enabled and
+#     max_grad_norm: test_trainer_api.py::test_config_api_world4 (against single-process training)
+#   config model_init_config sequential_move_factor: test_trainer_api.py (check_sequential_build)
+#   config mixed_precision_config use_master_weights=True: test_trainer_api.py (check_bf16_tracks_fp32)
+#   config mixed_precision_config use_master_weights_in_ckpt: test_checkpoint.py (ckpt_cases)
+#   config lora_config: test_nxd_trainer.py (tp2 lora, through peft_config)
+#   config check_inputs, timeout: test_errors.py::test_errors_world2 (errors_world2.py)
 
 
 def _dataset(n=16, s=8, seed=3):
@@ -150,6 +147,19 @@ def check_gradient_checkpointing(out_dir):
     assert _attention_calls(_trainer(out_dir, tensor_parallel_size=2)) == 1
 
 
+def check_bf16_autocast(out_dir):
+    """bf16=True: the training step computes in bf16 over the fp32 weights, as Trainer's autocast."""
+    for bf16, dtype in ((True, torch.bfloat16), (False, torch.float32)):
+        trainer = _trainer(out_dir, tensor_parallel_size=2, bf16=bf16)
+        seen = []
+        projection = trainer.nxd_model.hf_model.model.layers[0].self_attn.q_proj
+        handle = projection.register_forward_hook(lambda module, inputs, output: seen.append(output.dtype))
+        with trainer.compute_loss_context_manager():
+            _one_step(trainer)
+        handle.remove()
+        assert seen == [dtype] and trainer.nxd_model.dtype == torch.float32, (bf16, seen)
+
+
 def _config(**kwargs):
     parallel_state.destroy_model_parallel()
     return nxd_hf.neuronx_distributed_config(tensor_parallel_size=2, **kwargs)
@@ -218,12 +228,22 @@ def world4_cases():
         check_pad_model(out_dir)
         check_bf16_master_weights(out_dir)
         check_gradient_checkpointing(out_dir)
+        check_bf16_autocast(out_dir)
         check_config_fields()
     return True
 
 
 def test_fields_change_behaviour_world4():
     assert run_distributed(world4_cases, 4, timeout_s=600) == [True] * 4
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("torch_compile", True, "torch_compile is not supported"), ("fsdp", "full_shard", "fsdp is not used"),
+    ("deepspeed", "ds_config.json", "deepspeed is not used"),
+])
+def test_refused_hf_fields(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        nxd_hf.NxDTrainingArguments(output_dir="/tmp/x", report_to=[], **{field: value})
 
 
 @pytest.mark.parametrize("field,value", [("num_microbatches", 4), ("virtual_pipeline_size", 2),
@@ -239,3 +259,16 @@ def test_kv_size_multiplier_reaches_the_config():
         args = nxd_hf.NxDTrainingArguments(output_dir="/tmp/x", report_to=[], kv_size_multiplier="4")
     assert args.nxd_config().kv_size_multiplier == 4
     parallel_state.destroy_model_parallel()
+
+
+def test_config_api_kv_size_multiplier_is_type_checked():
+    with pytest.raises(ValueError, match="kv_size_multiplier.*wrong type"):
+        nxd_hf.neuronx_distributed_config(kv_size_multiplier="8")
+
+
+def test_use_cpu_is_dropped_without_a_gpu():
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="use_cpu=True on a machine with a GPU"):
+            nxd_hf.NxDTrainingArguments(output_dir="/tmp/x", report_to=[], use_cpu=True)
+    else:  # accelerate would otherwise wrap the model in DDP over every rank
+        assert nxd_hf.NxDTrainingArguments(output_dir="/tmp/x", report_to=[], use_cpu=True).use_cpu is False

@@ -67,6 +67,18 @@ class NxDTrainingArguments(TrainingArguments):
         self.activation_checkpointing = self.gradient_checkpointing = False
         self._check_layout()
 
+    def _validate_args(self) -> None:
+        if self.bf16 and not torch.cuda.is_available():
+            # HF refuses bf16 on a CPU-only machine unless use_cpu, which nxd_hf drops (_check_use_cpu);
+            # the autocast nxd_hf does runs on the CPU
+            self.use_cpu = True
+            try:
+                super()._validate_args()
+            finally:
+                self.use_cpu = False
+        else:
+            super()._validate_args()
+
     def _check_layout(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "num_microbatches", "virtual_pipeline_size"):
             value = getattr(self, name)

@@ -38,13 +38,13 @@ def _dataset(n=16, s=8, seed=3):
     return [{"input_ids": ids, "labels": ids.clone()} for ids in torch.randint(0, hf_parity.VOCAB, (n, s), generator=g)]
 
 
-def _trainer(out_dir, model=None, *, peft_config=None, **fields):
+def _trainer(out_dir, model=None, **fields):
     parallel_state.destroy_model_parallel()
     if model is None:
         model = hf_parity.build_pair("llama", num_hidden_layers=4)[1]
     args = nxd_hf.NxDTrainingArguments(output_dir=out_dir, per_device_train_batch_size=4, max_steps=3,
                                        **{**COMMON, **fields})
-    return nxd_hf.NxDTrainer(model, args, train_dataset=_dataset(), peft_config=peft_config)
+    return nxd_hf.NxDTrainer(model, args, train_dataset=_dataset())
 
 
 def _one_step(trainer):

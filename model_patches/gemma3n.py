@@ -4,7 +4,7 @@ Gemma 3n's MLP keeps, in its first layers, only the activations above ``mean + z
 intermediate units (``_gaussian_topk``). Column-parallel, each rank holds a shard of those
 units, so per-shard statistics would differ from the model's: the mean and the mean square are
 summed over TP here (all-reduce forward, and backward, since every rank's cutoff depends on
-every shard). The embedding is Gemma's scaled one, kept by ``nxd_hf.tp.kept``."""
+every shard). The embedding is Gemma's scaled one, kept by ``nxd_hf.tp.custom_modules``."""
 
 import dataclasses
 

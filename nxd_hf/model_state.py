@@ -16,7 +16,7 @@ from torch import nn
 
 from nxd_hf.parallel_layers.grad_reduction import GradReduction
 from nxd_hf.parallel_layers.heads import HeadLayout
-from nxd_hf.parallel_layers.input_check import InputCheck
+from nxd_hf.guards.input_check import InputCheck
 
 
 @dataclasses.dataclass(kw_only=True, eq=False)

@@ -10,7 +10,7 @@ a directly constructed ``NxDPPModel`` all run these steps, in this order:
     replication, zero heads where tp does not divide them);
  3. swap layers for parallel ones (TP, SP), copying this rank's slices of real weights, and
     install the output contract (vocab-parallel loss, gathered logits) — ``nxd_hf.tp`` — and
-    the first-step input check (``nxd_hf.parallel_layers.input_check``);
+    the first-step input check (``nxd_hf.guards.input_check``);
     steps 1-3 run without collectives inside ``fail_together``: a rank failing alone there
     fails every rank with the same ValueError instead of leaving them in the next collective;
  4. partition into pipeline stages, keeping this rank's (``NxDPPModel``, when pp > 1);
@@ -38,8 +38,8 @@ from nxd_hf.model_setup import LocalSetup, set_up_local_modules
 from nxd_hf.model_setup.activation_checkpoint import decoder_layer_types
 from nxd_hf.model_state import NxDModelState, state_of
 from nxd_hf.parallel_layers.heads import HeadLayout, head_layout
-from nxd_hf.parallel_layers.input_check import install_input_check
-from nxd_hf.parallel_layers.together import fail_together
+from nxd_hf.guards.input_check import install_input_check
+from nxd_hf.guards.fail_together import fail_together
 from nxd_hf.lora import register_with_peft
 from nxd_hf.tp.apply import apply_tensor_parallel
 from nxd_hf.tp.layouts import config_head_dim
@@ -75,7 +75,7 @@ def parallelize(
     lora_config: a ``peft.LoraConfig`` (or NxD's ``nxd_hf.modules.lora.LoraConfig``): LoRA
         adapters on this rank's layers, exactly sharded (``nxd_hf.lora``); only they train.
     check_inputs: check id/label ranges and that the TP/PP ranks got the same batch on the first
-        step (True), every step ("always") or never (False); see ``parallel_layers.input_check``.
+        step (True), every step ("always") or never (False); see ``guards.input_check``.
     timeout: seconds (or a timedelta) a collective waits for the other ranks before raising a
         TimeoutError naming its group (None: torch's default, 30 minutes; 10 for nccl).
     pipeline_kwargs: with pipeline_parallel_size > 1, ``NxDPPModel`` arguments (num_microbatches,

@@ -6,7 +6,7 @@ import transformers
 
 from nxd_hf import backend
 from nxd_hf.checkpoint.hf_safetensors import check_checkpoint_dir, load_hf_safetensors
-from nxd_hf.parallel_layers.together import fail_together
+from nxd_hf.guards.fail_together import fail_together
 from nxd_hf.parallelize import parallelize
 
 

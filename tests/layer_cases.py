@@ -6,7 +6,7 @@ from torch import nn
 
 from nxd_hf import parallel_state
 from nxd_hf.parallel_layers import mappings
-from nxd_hf.parallel_layers.pad import gather_full_tensor
+from nxd_hf.parallel_layers.sharding import full_tensor
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 
@@ -31,11 +31,7 @@ def last_dim_chunk(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def assert_grads_match(param: nn.Parameter, reference_grad: torch.Tensor, name: str) -> None:
-    if getattr(param, "tensor_model_parallel", False):
-        got = gather_full_tensor(param, param.grad)
-    else:
-        got = param.grad
-    torch.testing.assert_close(got, reference_grad, **TOL, msg=lambda m: f"{name}: {m}")
+    torch.testing.assert_close(full_tensor(param, param.grad), reference_grad, **TOL, msg=lambda m: f"{name}: {m}")
 
 
 def sharded_input(x_full: torch.Tensor, sp: bool) -> torch.Tensor:

@@ -9,8 +9,7 @@ import torch
 import hf_parity
 import nxd_hf
 from nxd_hf import backend, parallel_state
-from nxd_hf.parallel_layers.pad import gather_full_tensor
-from nxd_hf.parallel_layers.sharding import is_sharded, shard_from_full
+from nxd_hf.parallel_layers.sharding import full_tensor, local_shard
 
 TOL = hf_parity.TOL
 STEPS = 5
@@ -24,7 +23,7 @@ def lora_config(**kwargs) -> peft.LoraConfig:
 
 
 def logical(param: torch.Tensor) -> torch.Tensor:
-    full = gather_full_tensor(param) if is_sharded(param) else param.detach()
+    full = full_tensor(param)
     return full.t() if getattr(param, "hf_transposed", False) else full
 
 
@@ -210,7 +209,7 @@ def check_pipeline(tp: int, pp: int, tmp_dir: str) -> None:
                 param.copy_(0.1 * torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name))))
         for name, param in adapters:
             full = ref_params[name]
-            param.copy_(shard_from_full(full, param.partition_dim, param.shard_index) if is_sharded(param) else full)
+            param.copy_(local_shard(param, full))
     ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=LR)
     opt = torch.optim.AdamW([p for _, p in adapters], lr=LR)
     for step in range(STEPS):

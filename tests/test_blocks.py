@@ -11,7 +11,7 @@ from nxd_hf.parallel_layers import ColumnParallelLinear, RowParallelLinear, mapp
 from nxd_hf.parallel_layers.grads import allreduce_sequence_parallel_gradients
 from nxd_hf.parallel_layers.pad import get_number_of_extra_heads
 from nxd_hf.parallel_layers.random import get_rng_state_tracker, model_parallel_manual_seed
-from nxd_hf.parallel_layers.sharding import set_sequence_parallel_attribute
+from nxd_hf.parallel_layers.sharding import mark_partial_grad_over_tp
 from nxd_hf.testing import run_distributed
 
 from layer_cases import TOL, assert_grads_match, seq_chunk, sharded_input, tp_info
@@ -71,7 +71,7 @@ def check_mlp(sp: bool) -> None:
     torch.testing.assert_close(y, seq_chunk(y_ref, sp).detach(), **TOL)
     y.square().sum().backward()
     if sp:
-        set_sequence_parallel_attribute(mlp.down.bias, True)
+        mark_partial_grad_over_tp(mlp.down.bias)
         allreduce_sequence_parallel_gradients(mlp.parameters())
     torch.testing.assert_close(x.grad, seq_chunk(x_full.grad, sp), **TOL)
     assert_grads_match(mlp.up.weight, ref.up.weight.grad, "up weight")

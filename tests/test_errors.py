@@ -15,7 +15,7 @@ from torch import nn
 import hf_parity
 import nxd_hf
 from nxd_hf import backend, parallel_state
-from nxd_hf.parallel_layers.input_check import ENV_VAR
+from nxd_hf.guards.input_check import ENV_VAR
 from errors_world2 import MISMATCHES, run_world2_cases
 from nxd_hf.testing import run_distributed
 

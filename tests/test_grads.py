@@ -12,10 +12,7 @@ from nxd_hf.backend import count_comm
 from nxd_hf.modules.qkv_linear import GQAQKVColumnParallelLinear
 from nxd_hf.parallel_layers.grads import allreduce_sequence_parallel_gradients, clip_grad_norm, sync_data_parallel_grads
 from nxd_hf.parallel_layers.layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
-from nxd_hf.parallel_layers.pad import gather_full_tensor
-from nxd_hf.parallel_layers.sharding import (
-    copy_tensor_model_parallel_attributes, is_sharded, set_sequence_parallel_attribute, shard_from_full,
-)
+from nxd_hf.parallel_layers.sharding import full_tensor, is_sharded, local_shard, mark_partial_grad_over_tp
 from nxd_hf.testing import run_distributed
 
 VOCAB, HIDDEN, FFN = 11, 4, 6  # VOCAB 11 and FFN 6 are padded at tp 2 / tp 4
@@ -25,16 +22,12 @@ TOL = dict(rtol=1e-4, atol=1e-5)
 
 def _full_grad(param: torch.Tensor) -> torch.Tensor:
     """The unsharded gradient of ``param`` (every rank gets it)."""
-    if not is_sharded(param):
-        return param.grad
-    grad = param.grad.detach().clone()
-    copy_tensor_model_parallel_attributes(grad, param)
-    return gather_full_tensor(grad)
+    return full_tensor(param, param.grad)
 
 
 def _local(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """This rank's shard of the unsharded ``full`` (zeros at padding rows)."""
-    return shard_from_full(full, param.partition_dim, param.shard_index) if is_sharded(param) else full
+    return local_shard(param, full)
 
 
 def _load(param: torch.Tensor, full: torch.Tensor) -> None:
@@ -219,8 +212,9 @@ def _check_sequence_parallel() -> None:
     up = ColumnParallelLinear(HIDDEN, FFN, gather_output=False, sequence_parallel_enabled=True)
     down = RowParallelLinear(FFN, HIDDEN, input_is_parallel=True, sequence_parallel_enabled=True)
     norm, tail = nn.LayerNorm(HIDDEN), nn.LayerNorm(HIDDEN)  # `tail` is not marked: its grad stays partial
-    for p in (*norm.parameters(), up.weight):  # a sharded param is never summed, even if marked
-        set_sequence_parallel_attribute(p, True)
+    for p in norm.parameters():
+        p.sequence_parallel_enabled = True  # NxD's name for the marking: an alias of partial_grad_over_tp
+    mark_partial_grad_over_tp(up.weight)  # a sharded param is never summed, even if marked
     pairs = [("up.weight", up.weight, up_ref.weight), ("up.bias", up.bias, up_ref.bias),
              ("down.weight", down.weight, down_ref.weight), ("down.bias", down.bias, down_ref.bias),
              ("norm.weight", norm.weight, norm_ref.weight), ("norm.bias", norm.bias, norm_ref.bias),

@@ -10,8 +10,7 @@ import transformers
 import hf_parity
 import nxd_hf
 from nxd_hf import parallel_state
-from nxd_hf.parallel_layers.pad import gather_full_tensor
-from nxd_hf.parallel_layers.sharding import is_sharded
+from nxd_hf.parallel_layers.sharding import full_tensor, is_sharded
 from nxd_hf.testing import run_distributed
 
 TOL = hf_parity.TOL
@@ -60,7 +59,7 @@ def check_training_matches(tp: int, accumulate: int) -> None:
     torch.testing.assert_close(losses / dp_size, ref_losses, **TOL)  # each rank's loss was scaled by dp
     ref_params = dict(reference.named_parameters())
     for name, param in model.named_parameters():
-        full = gather_full_tensor(param) if is_sharded(param) else param.detach()
+        full = full_tensor(param)
         torch.testing.assert_close(full, ref_params[name].detach(), **TOL, msg=lambda m: f"{name}: {m}")
 
 

@@ -12,6 +12,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 LAYERS = [
     ["nxd_hf.backend", "nxd_hf.utils"],
     ["nxd_hf.parallel_state"],
+    ["nxd_hf.guards"],  # setup guards: every rank raises the same ValueError (fail_together, input check)
     ["nxd_hf.parallel_layers"],
     ["nxd_hf.modules", "nxd_hf.model_state"],  # model.nxd: read by checkpoint/ and everything above
     ["nxd_hf.checkpoint"],

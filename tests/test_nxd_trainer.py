@@ -15,8 +15,7 @@ import transformers
 import hf_parity
 import nxd_hf
 from nxd_hf import backend, parallel_state
-from nxd_hf.parallel_layers.pad import gather_full_tensor
-from nxd_hf.parallel_layers.sharding import is_sharded
+from nxd_hf.parallel_layers.sharding import full_tensor
 from nxd_hf.testing import run_distributed
 
 TOL = hf_parity.TOL
@@ -81,7 +80,7 @@ def _check_training(ref, ours, case):
     ref_params = {n.removeprefix("base_model.model."): p for n, p in ref.model.named_parameters()}
     checked = 0
     for name, param in ours.nxd_model.named_parameters():
-        full = gather_full_tensor(param) if is_sharded(param) else param.detach()
+        full = full_tensor(param)
         torch.testing.assert_close(full, ref_params[name].detach(), **TOL, msg=lambda m: f"{case} {name}: {m}")
         assert param.requires_grad == ref_params[name].requires_grad, (case, name)
         checked += 1

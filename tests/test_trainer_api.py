@@ -8,8 +8,7 @@ import torch
 import hf_parity
 import nxd_hf
 from nxd_hf import backend, parallel_state
-from nxd_hf.parallel_layers.pad import gather_full_tensor
-from nxd_hf.parallel_layers.sharding import is_sharded
+from nxd_hf.parallel_layers.sharding import full_tensor
 from nxd_hf.testing import run_distributed
 
 TOL = hf_parity.TOL
@@ -79,7 +78,7 @@ def check_matches_single_process(tp=1, pp=1, zero1=True, accumulate=1) -> None:
     torch.testing.assert_close(losses, ref_losses, **TOL)
     ref_params = dict(reference.named_parameters())
     for name, param in model.named_parameters():
-        full = gather_full_tensor(param) if is_sharded(param) else param.detach()
+        full = full_tensor(param)
         torch.testing.assert_close(full, ref_params[name].detach(), **TOL, msg=lambda m: f"{name}: {m}")
 
 

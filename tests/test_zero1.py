@@ -15,8 +15,7 @@ import hf_parity
 import nxd_hf
 from nxd_hf import backend, parallel_state
 from nxd_hf.optim import NeuronZero1Optimizer, zero1
-from nxd_hf.parallel_layers.pad import gather_full_tensor
-from nxd_hf.parallel_layers.sharding import is_sharded
+from nxd_hf.parallel_layers.sharding import full_tensor
 from nxd_hf.testing import run_distributed
 
 TOL = dict(rtol=1e-4, atol=1e-5)
@@ -145,7 +144,7 @@ def check_zero1_matches(reference, tp: int, accumulate: int) -> None:
     torch.testing.assert_close(losses / dp_size, ref_losses, **TOL)
     torch.testing.assert_close(torch.stack(norms), ref_norms, **TOL)
     for name, param in model.named_parameters():
-        full = gather_full_tensor(param) if is_sharded(param) else param.detach()
+        full = full_tensor(param)
         torch.testing.assert_close(full, ref_params[name].detach(), **TOL, msg=lambda m: f"tp={tp} {name}: {m}")
     _check_state_bytes(optimizer, model)
 

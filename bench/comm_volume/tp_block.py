@@ -19,7 +19,7 @@ from torch import nn
 from nxd_hf import parallel_state
 from nxd_hf.modules.qkv_linear import GQAQKVColumnParallelLinear
 from nxd_hf.parallel_layers.layers import ColumnParallelLinear, RowParallelLinear
-from nxd_hf.parallel_layers.sharding import is_sharded, set_sequence_parallel_attribute, shard_from_full
+from nxd_hf.parallel_layers.sharding import local_shard, mark_partial_grad_over_tp
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -99,7 +99,7 @@ class TPBlock(nn.Module):
         self.head_dim = d
         self.norm1, self.norm2 = RMSNorm(c.hidden), RMSNorm(c.hidden)
         for norm in (self.norm1, self.norm2):
-            set_sequence_parallel_attribute(norm.weight, sp)
+            mark_partial_grad_over_tp(norm.weight, sp)
         self.qkv = GQAQKVColumnParallelLinear(
             c.hidden, [c.num_heads * d, c.num_kv_heads * d], bias=c.qkv_bias, gather_output=False,
             sequence_parallel_enabled=sp, kv_size_multiplier=m, head_dim=d,
@@ -142,7 +142,7 @@ def unsharded_tensors(ref: ReferenceBlock, pick) -> dict[str, torch.Tensor]:
 
 def local_part(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """The part of the unsharded ``full`` that ``param`` holds on this rank."""
-    return shard_from_full(full, param.partition_dim, param.shard_index) if is_sharded(param) else full
+    return local_shard(param, full)
 
 
 def load_from_reference_(block: TPBlock, ref: ReferenceBlock) -> None:

@@ -11,7 +11,7 @@ import torch
 from nxd_hf import backend, parallel_state
 from nxd_hf.checkpoint import optim_state
 from nxd_hf.checkpoint.logical import LogicalTensor, logical_tensors
-from nxd_hf.parallel_layers.pad import gather_full_tensor
+from nxd_hf.parallel_layers.sharding import gather_full_tensor
 
 
 def _gather_tp(lt: LogicalTensor, value: torch.Tensor) -> torch.Tensor:

@@ -21,12 +21,14 @@ from nxd_hf.checkpoint.format import Reader, file_problem
 from nxd_hf.checkpoint.hf_safetensors import HFKeys
 from nxd_hf.checkpoint.logical import adapters_of, hf_model, logical_tensors, model_config
 from nxd_hf.checkpoint.save import OPTIM_SEP, parallel_sizes
+from nxd_hf.guards.fail_together import failures_on_every_rank
 from nxd_hf.parallel_layers.random import get_rng_state_tracker
 
 
 def raise_collectively(problems: list[str], what: str) -> None:
     """Every rank raises the same ValueError when any rank found a problem."""
-    everyone = sorted({p for ps in backend.all_gather_object(problems) for p in ps})
+    failures = failures_on_every_rank("\x1e".join(problems) if problems else None)
+    everyone = sorted({p for text in failures.values() for p in text.split("\x1e")})
     if everyone:
         shown = "\n  ".join(everyone[:10]) + (f"\n  ... and {len(everyone) - 10} more" if len(everyone) > 10 else "")
         raise ValueError(f"cannot load checkpoint {what}:\n  {shown}")

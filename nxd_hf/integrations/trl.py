@@ -108,11 +108,14 @@ class NxDSFTTrainer(parallel_trainer(SFTTrainer)):
 
     def _record_pipeline_metrics(self, mode: str, tokens: torch.Tensor | None) -> None:
         """What SFTTrainer.compute_loss records, from the last stage's sums (every replica's in training)."""
-        sums = torch.stack(self._nxd_sums).sum(0) if self._nxd_sums else torch.zeros(len(_METRICS))
+        pp_group = parallel_state.get_pipeline_model_parallel_group()
+        device = backend.collective_device(pp_group)
+        sums = torch.stack(self._nxd_sums).sum(0) if self._nxd_sums else torch.zeros(len(_METRICS), device=device)
         self._nxd_sums.clear()
-        sums = torch.cat([sums.to(backend.default_device()), torch.zeros(1) if tokens is None else tokens.view(1)])
+        extra = torch.zeros(1, device=device) if tokens is None else tokens.view(1)
+        sums = torch.cat([sums.to(device), extra.to(device)])
         runner = self.nxd_model.module._runner
-        backend.broadcast(sums, runner._last_stage_rank(), parallel_state.get_pipeline_model_parallel_group())
+        backend.broadcast(sums, runner._last_stage_rank(), pp_group)
         if mode == "train":  # each replica holds its rows of the batch
             backend.all_reduce(sums, parallel_state.get_data_parallel_group())
         entropy, correct, valid, tokens = sums.tolist()

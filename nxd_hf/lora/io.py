@@ -10,10 +10,9 @@ from torch import nn
 
 from nxd_hf import backend
 from nxd_hf.parallel_layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
-from nxd_hf.parallel_layers.pad import gather_full_tensor
-from nxd_hf.parallel_layers.sharding import TP_ATTRIBUTES, is_sharded, shard_from_full
+from nxd_hf.parallel_layers.sharding import TP_ATTRIBUTES, full_tensor, is_sharded, local_shard
 
-_EXTRA_ATTRIBUTES = ("hf_transposed", "partial_grad_over_tp")
+_EXTRA_ATTRIBUTES = ("hf_transposed",)
 SAVE_ARRIVAL_TIMEOUT_S = 300.0
 PARALLEL_LAYERS = (ColumnParallelLinear, RowParallelLinear, ParallelEmbedding)
 
@@ -35,7 +34,7 @@ def copy_parallel_metadata(dst: nn.Module, src: nn.Module) -> None:
 
 def logical_tensor(param: torch.Tensor) -> torch.Tensor:
     """The unsharded, unpadded tensor in HF's layout (a collective over TP when sharded)."""
-    full = gather_full_tensor(param) if is_sharded(param) else param.detach()
+    full = full_tensor(param)
     return full.t().contiguous() if getattr(param, "hf_transposed", False) else full
 
 
@@ -61,7 +60,7 @@ def _local_value(key: str, value: torch.Tensor, param: torch.Tensor) -> torch.Te
             f"adapter tensor {key} has shape {tuple(value.shape)} but this model expects {logical_shape} (unsharded): "
             "the adapter was trained for another model or configuration (r, target modules, sizes)"
         )
-    return shard_from_full(value, param.partition_dim, param.shard_index) if is_sharded(param) else value
+    return local_shard(param, value)
 
 
 def localize_hook(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:

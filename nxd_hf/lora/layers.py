@@ -22,17 +22,10 @@ from torch import nn
 
 from nxd_hf.parallel_layers import ColumnParallelLinear, RowParallelLinear, mappings
 from nxd_hf.parallel_layers.sharding import (
-    local_rows_mask, set_sequence_parallel_attribute, set_tensor_model_parallel_attributes, shard_from_full,
+    local_rows_mask, mark_partial_grad_over_tp, set_tensor_model_parallel_attributes, shard_from_full,
 )
 
 SUPPORTED_INITS = (True, False, "gaussian")
-
-
-def mark_partial_grad_over_tp(param: torch.Tensor) -> None:
-    """A replicated parameter whose gradient on each TP rank is partial: the post-backward sync
-    sums it over TP (today through the ``sequence_parallel_enabled`` marking)."""
-    param.partial_grad_over_tp = True
-    set_sequence_parallel_attribute(param, True)
 
 
 def check_supported_config(config, where: str) -> None:

@@ -5,7 +5,8 @@ After a backward (a pipeline step counts as one), this model's gradients get, in
 
 1. the model's own extra reductions (``add_reduction``: tied weights held by stages on
    different pipeline ranks are summed over their group);
-2. partial gradients summed over TP: replicated parameters marked ``sequence_parallel_enabled``
+2. partial gradients summed over TP: replicated parameters marked ``partial_grad_over_tp``
+   (``sharding.mark_partial_grad_over_tp``; NxD's ``sequence_parallel_enabled`` is its alias)
    see only this rank's part of the data (norms under sequence parallelism, per-head norms).
    Only this backward's contribution is summed, so accumulation stays correct;
 3. the data-parallel mean, done by exactly one party:
@@ -27,6 +28,7 @@ from torch import nn
 
 from nxd_hf import parallel_state
 from nxd_hf.parallel_layers.grads import accumulated_grad, all_reduce_bucketed
+from nxd_hf.parallel_layers.sharding import has_partial_grad_over_tp
 
 _LIVE: "weakref.WeakSet[GradReduction]" = weakref.WeakSet()
 
@@ -124,7 +126,7 @@ def _snapshot(params: list[torch.Tensor]) -> list:
     before a backward adds to them."""
     result = []
     for p in params:
-        if getattr(p, "sequence_parallel_enabled", False):
+        if has_partial_grad_over_tp(p):
             grad = accumulated_grad(p)
             result.append((p, None if grad is None else grad.detach().clone()))
     return result

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 import torch
 
 from nxd_hf import backend, parallel_state
-from nxd_hf.parallel_layers.sharding import is_sharded
+from nxd_hf.parallel_layers.sharding import has_partial_grad_over_tp, is_sharded
 
 
 def accumulated_grad(param: torch.Tensor) -> torch.Tensor | None:
@@ -94,10 +94,11 @@ def sync_data_parallel_grads(parameters: Iterable[torch.Tensor], *, bucket_size_
 
 
 def allreduce_sequence_parallel_gradients(parameters: Iterable[torch.Tensor], *, bucket_size_mb: float = 25) -> None:
-    """Sum over TP the grads of replicated parameters marked ``sequence_parallel_enabled``."""
+    """Sum over TP the grads of replicated parameters marked ``partial_grad_over_tp`` (or NxD's
+    ``sequence_parallel_enabled``)."""
     grads = [
         p.grad for p in _as_list(parameters)
-        if p.grad is not None and getattr(p, "sequence_parallel_enabled", False) and not is_sharded(p)
+        if p.grad is not None and has_partial_grad_over_tp(p) and not is_sharded(p)
     ]
     all_reduce_bucketed(grads, parallel_state.get_tensor_model_parallel_group(), bucket_size_mb=bucket_size_mb)
 

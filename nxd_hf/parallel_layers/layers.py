@@ -16,7 +16,7 @@ from torch import nn
 
 from nxd_hf.parallel_layers import mappings
 from nxd_hf.parallel_layers.sharding import (
-    contiguous_shard_index, gather_logical, gather_positions, local_rows_mask, set_sequence_parallel_attribute,
+    contiguous_shard_index, gather_logical, gather_positions, local_rows_mask, mark_partial_grad_over_tp,
     set_tensor_model_parallel_attributes, shard_from_full, tp_coords,
 )
 from nxd_hf import parallel_state
@@ -157,7 +157,7 @@ class RowParallelLinear(nn.Module):
         )
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype, device=device))
-            set_sequence_parallel_attribute(self.bias, sequence_parallel_enabled)
+            mark_partial_grad_over_tp(self.bias, sequence_parallel_enabled)
         else:
             self.register_parameter("bias", None)
         self.set_input_padding(shard_index)

@@ -14,32 +14,17 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from nxd_hf import backend, parallel_state
+from nxd_hf import parallel_state
 from nxd_hf.parallel_layers.heads import padded_head_rows
 from nxd_hf.parallel_layers.layers import ColumnParallelLinear, RowParallelLinear
 from nxd_hf.parallel_layers.sharding import (
-    gather_positions, new_parameter, shard_from_full, tp_coords,
+    gather_full_tensor, gather_positions, new_parameter, shard_from_full, tp_coords,
 )
 
 
 def get_number_of_extra_heads(n_head: int, tp_degree: int) -> int:
     """Zero heads to add so ``tp_degree`` divides the head count."""
     return 0 if n_head % tp_degree == 0 else tp_degree - n_head % tp_degree
-
-
-def gather_full_tensor(param: torch.Tensor, tensor: torch.Tensor | None = None) -> torch.Tensor:
-    """The unsharded, unpadded ``tensor`` (default: ``param`` itself; e.g. ``param.grad``) laid
-    out as the TP-sharded ``param``; every rank gets it. Replicated rows (K/V copies) are equal,
-    so any copy serves."""
-    group = parallel_state.get_tensor_model_parallel_group()
-    dim = param.partition_dim
-    tensor = param if tensor is None else tensor
-    shards = backend.all_gather(tensor.detach(), dim, group).movedim(dim, 0)
-    rows = backend.all_gather(param.shard_index.to(shards.device), 0, group)
-    full = shards.new_zeros((param.logical_size, *shards.shape[1:]))
-    real = rows >= 0
-    full[rows[real]] = shards[real]
-    return full.movedim(0, dim)
 
 
 def _repad(layer: nn.Module, dim: int, logical_size: int, n_heads: int, extra: int) -> list[torch.Tensor]:

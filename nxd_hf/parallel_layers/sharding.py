@@ -11,7 +11,7 @@ import functools
 import torch
 from torch import nn
 
-from nxd_hf import parallel_state
+from nxd_hf import backend, parallel_state
 
 TP_ATTRIBUTES = (
     "tensor_model_parallel",  # bool: sharded over the TP group
@@ -20,7 +20,8 @@ TP_ATTRIBUTES = (
     "logical_size",  # int: unsharded, unpadded size along partition_dim
     "shard_index",  # LongTensor: logical row of each local row, -1 for padding
     "num_replicas",  # int: copies of each logical row across the TP group (replicated K/V)
-    "sequence_parallel_enabled",  # bool: replicated param with partial grads under SP
+    "partial_grad_over_tp",  # bool: replicated param whose grad is partial per TP rank (summed over TP)
+    "sequence_parallel_enabled",  # bool: NxD's name for partial_grad_over_tp (read as an alias)
 )
 
 
@@ -107,9 +108,18 @@ def set_tensor_model_parallel_attributes(
     param.num_replicas = num_replicas
 
 
-def set_sequence_parallel_attribute(param: torch.Tensor, enabled: bool) -> None:
-    """Mark a replicated parameter whose grad is partial per TP rank under sequence parallelism."""
-    param.sequence_parallel_enabled = enabled
+def mark_partial_grad_over_tp(param: torch.Tensor, enabled: bool = True) -> None:
+    """Mark a replicated parameter whose gradient on each TP rank is partial (it saw this rank's
+    sequence shard under SP, or this rank's heads or hidden units): the gradient reduction sums
+    it over TP."""
+    param.partial_grad_over_tp = enabled
+
+
+def has_partial_grad_over_tp(param: torch.Tensor) -> bool:
+    """Whether the gradient reduction sums ``param``'s gradient over TP: marked by
+    ``mark_partial_grad_over_tp``, or with NxD's ``param.sequence_parallel_enabled = True``
+    (what NxD code sets on norm weights under sequence parallelism)."""
+    return bool(getattr(param, "partial_grad_over_tp", False) or getattr(param, "sequence_parallel_enabled", False))
 
 
 def copy_tensor_model_parallel_attributes(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -120,6 +130,34 @@ def copy_tensor_model_parallel_attributes(dst: torch.Tensor, src: torch.Tensor) 
 
 def is_sharded(param: torch.Tensor) -> bool:
     return getattr(param, "tensor_model_parallel", False)
+
+
+def gather_full_tensor(param: torch.Tensor, tensor: torch.Tensor | None = None) -> torch.Tensor:
+    """The unsharded, unpadded ``tensor`` (default: ``param`` itself; e.g. ``param.grad``) laid
+    out as the TP-sharded ``param``; every rank gets it. Replicated rows (K/V copies) are equal,
+    so any copy serves."""
+    group = parallel_state.get_tensor_model_parallel_group()
+    dim = param.partition_dim
+    tensor = param if tensor is None else tensor
+    shards = backend.all_gather(tensor.detach(), dim, group).movedim(dim, 0)
+    rows = backend.all_gather(param.shard_index.to(shards.device), 0, group)
+    full = shards.new_zeros((param.logical_size, *shards.shape[1:]))
+    real = rows >= 0
+    full[rows[real]] = shards[real]
+    return full.movedim(0, dim)
+
+
+def full_tensor(param: torch.Tensor, tensor: torch.Tensor | None = None) -> torch.Tensor:
+    """The whole (logical) ``tensor`` of ``param`` (default: ``param`` itself; e.g. its grad),
+    detached: gathered over TP when ``param`` is sharded (a collective), as is otherwise."""
+    tensor = param if tensor is None else tensor
+    return gather_full_tensor(param, tensor) if is_sharded(param) else tensor.detach()
+
+
+def local_shard(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``param``'s whole (logical) tensor ``full``: its rows when ``param``
+    is sharded (zeros at padding rows), ``full`` itself otherwise."""
+    return shard_from_full(full, param.partition_dim, param.shard_index) if is_sharded(param) else full
 
 
 def new_parameter(data: torch.Tensor, like: torch.Tensor | None = None) -> nn.Parameter:

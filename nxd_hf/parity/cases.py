@@ -18,7 +18,7 @@ import torch.distributed as dist
 import transformers
 
 from nxd_hf import backend, parallel_state
-from nxd_hf.parallel_layers.pad import gather_full_tensor
+from nxd_hf.parallel_layers.sharding import full_tensor
 from nxd_hf.parallelize import parallelize
 
 RTOL, ATOL = 1e-4, 1e-5
@@ -89,7 +89,7 @@ def gathered_grad(param, grad: torch.Tensor | None = None) -> torch.Tensor:
     """The full gradient of ``param`` in the HF layout (Conv1D weights ``[in, out]``), from this
     rank's shard ``grad`` (default ``param.grad``)."""
     grad = param.grad if grad is None else grad
-    full = gather_full_tensor(param, grad) if getattr(param, "tensor_model_parallel", False) else grad
+    full = full_tensor(param, grad)
     return full.t() if getattr(param, "hf_transposed", False) else full
 
 

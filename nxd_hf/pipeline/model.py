@@ -21,8 +21,8 @@ from nxd_hf import backend, parallel_state
 from nxd_hf.pipeline import partition
 from nxd_hf.model_setup import LocalSetup, set_up_local_modules
 from nxd_hf.model_setup.activation_checkpoint import decoder_layer_types
+from nxd_hf.guards.fail_together import fail_together
 from nxd_hf.model_state import NxDModelState, state_of
-from nxd_hf.parallel_layers.together import fail_together
 from nxd_hf.pipeline.runtime import SCHEDULES, build_schedule, check_schedule
 from nxd_hf.pipeline.recompute import allow_unmasked_attention, metadata_substitutes, recomputable_nodes
 from nxd_hf.pipeline.stages import boundaries, fake_propagate, flat_boundary_values, split_stages, value_kinds

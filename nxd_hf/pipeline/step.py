@@ -11,7 +11,7 @@ gradients are averaged; ``loss_normalizer``), so the gradients equal those of on
 import torch
 
 from nxd_hf import backend, parallel_state
-from nxd_hf.parallel_layers.input_check import check_step_inputs
+from nxd_hf.guards.input_check import check_step_inputs
 from nxd_hf.parallel_layers.loss_functions import loss_normalizer
 from nxd_hf.parallel_layers.sharding import gather_logical
 

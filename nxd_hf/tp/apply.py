@@ -14,12 +14,13 @@ from torch import nn
 from nxd_hf.parallel_layers import ColumnParallelLinear, RowParallelLinear, mappings
 from nxd_hf.parallel_layers.layers import set_local_
 from nxd_hf.parallel_layers.sharding import (
-    is_sharded, set_sequence_parallel_attribute, set_tensor_model_parallel_attributes, shard_from_full,
+    is_sharded, local_shard, mark_partial_grad_over_tp, set_tensor_model_parallel_attributes, shard_from_full,
 )
 from nxd_hf.parallel_layers.heads import HeadLayout
 from nxd_hf.tp import plan
-from nxd_hf.tp.kept import build_embedding, check_kept, mark_region_parameters
+from nxd_hf.tp.custom_modules import build_embedding, check_kept
 from nxd_hf.tp.layouts import module_layout
+from nxd_hf.tp.region_parameters import mark_region_parameters
 
 
 def _pattern(pattern: str) -> re.Pattern:
@@ -61,7 +62,7 @@ def _copy_sharded(new: nn.Module, old: nn.Module, transposed: bool) -> None:
         if source.is_meta:
             continue
         full = source.detach().t() if param.hf_transposed else source.detach()
-        local = shard_from_full(full, param.partition_dim, param.shard_index) if is_sharded(param) else full
+        local = local_shard(param, full)
         set_local_(new, name, local)
 
 
@@ -161,7 +162,7 @@ def _install_sequence_parallel(model: nn.Module, patch: plan.ModelPatch) -> None
     layers[len(layers) - 1].register_forward_hook(_last_layer_hook, with_kwargs=True)
     for p in layers.parameters():
         if not is_sharded(p):
-            set_sequence_parallel_attribute(p, True)
+            mark_partial_grad_over_tp(p)
 
 
 def _enter_region_hook(sequence_parallel: bool):
@@ -202,7 +203,7 @@ def apply_tensor_parallel(model: nn.Module, patch: plan.ModelPatch, layout: Head
                 _set_local_attrs(module, style, layouts[name])
         elif isinstance(style, plan.PerHeadNorm):
             for p in module.parameters():
-                set_sequence_parallel_attribute(p, True)  # partial over heads: summed over TP
+                mark_partial_grad_over_tp(p)  # partial over heads: summed over TP
         else:
             in_region = any(name.startswith(r) for r in regions)
             check_kept(name, module, style)

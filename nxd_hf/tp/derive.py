@@ -55,27 +55,34 @@ def _base_style(hf_style: str) -> str:
     return hf_style
 
 
+def _colwise(parent: str, leaf: str, q_parents: set[str]) -> Column:
+    return Column(heads="q" if leaf in Q_PROJECTIONS else "kv" if leaf in KV_PROJECTIONS else None)
+
+
+def _rowwise(parent: str, leaf: str, q_parents: set[str]) -> Row:
+    return Row(heads="q" if parent in q_parents else None)
+
+
+# HF style (after ``_base_style``) -> our style for one entry, from the entry's parent module,
+# its leaf name and the attention modules; None: nothing to change.
+_STYLES = {
+    "colwise": _colwise,
+    "rowwise": _rowwise,
+    **dict.fromkeys(("colwise_rep", "colwise_gather_output", "gather"), lambda *_: Column(gather_output=True)),
+    **dict.fromkeys(("rowwise_rep", "rowwise_split_input"), lambda *_: Row(input_is_parallel=False)),
+    "packed_colwise": lambda *_: Column(stride=2),
+    "replicated_with_grad_allreduce": lambda *_: PerHeadNorm(),
+    "embedding_rowwise": lambda *_: Embedding(),
+    **dict.fromkeys(_NO_MODULE_CHANGE, lambda *_: None),
+}
+
+
 def _style(pattern: str, hf_style: str, q_parents: set[str]):
     """Our style for one HF plan entry (None: nothing to change)."""
     parent, leaf = _split(pattern)
     style = _base_style(hf_style)
-    if style == "colwise":
-        heads = "q" if leaf in Q_PROJECTIONS else "kv" if leaf in KV_PROJECTIONS else None
-        return Column(heads=heads)
-    if style == "rowwise":
-        return Row(heads="q" if parent in q_parents else None)
-    if style in ("colwise_rep", "colwise_gather_output", "gather"):
-        return Column(gather_output=True)
-    if style in ("rowwise_rep", "rowwise_split_input"):
-        return Row(input_is_parallel=False)
-    if style == "packed_colwise":
-        return Column(stride=2)
-    if style == "replicated_with_grad_allreduce":
-        return PerHeadNorm()
-    if style == "embedding_rowwise":
-        return Embedding()
-    if style in _NO_MODULE_CHANGE:
-        return None
+    if style in _STYLES:
+        return _STYLES[style](parent, leaf, q_parents)
     if style in _UNSUPPORTED:
         construct, alternative = _UNSUPPORTED_CONSTRUCTS.get(style, (f"HF tensor-parallel style {hf_style!r}", ""))
         raise ValueError(

@@ -19,12 +19,17 @@ HF's fields keep HF's meaning; the table says what nxd_hf does with each one tha
 ``torch_compile``                 refused: not supported with nxd_hf's parallel layers
 ``label_smoothing_factor``        refused: HF's label smoother needs full logits
 ``train_sampling_strategy``       "random" and "sequential"; others refused
+``kv_size_multiplier`` (ours)     K/V head copies across TP ("auto": the fewest that fit)
+``num_microbatches``,             pipeline options: ignored, with a warning, at
+``virtual_pipeline_size``,        ``pipeline_parallel_size=1``
+``pipeline_schedule`` (ours)
 ================================  ===========================================================
 """
 
 import dataclasses
 import datetime
 import os
+import warnings
 from typing import Literal
 
 import torch
@@ -65,6 +70,18 @@ class NxDTrainingArguments(TrainingArguments):
         self.activation_checkpointing = self.gradient_checkpointing = False
         self._check_layout()
 
+    def _validate_args(self) -> None:
+        if self.bf16 and not torch.cuda.is_available():
+            # HF refuses bf16 on a CPU-only machine unless use_cpu, which nxd_hf drops (_check_use_cpu);
+            # the autocast nxd_hf does runs on the CPU
+            self.use_cpu = True
+            try:
+                super()._validate_args()
+            finally:
+                self.use_cpu = False
+        else:
+            super()._validate_args()
+
     def _check_layout(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "num_microbatches", "virtual_pipeline_size"):
             value = getattr(self, name)
@@ -78,6 +95,11 @@ class NxDTrainingArguments(TrainingArguments):
                 f"{model_parallel}: launch with `torchrun --nproc_per_node {model_parallel}` (or a multiple of it)")
         if self.kv_size_multiplier != "auto" and not str(self.kv_size_multiplier).isdigit():
             raise ValueError(f"kv_size_multiplier must be 'auto' or a positive integer, got {self.kv_size_multiplier!r}")
+        if self.pipeline_parallel_size == 1:
+            for name, default in (("num_microbatches", 1), ("virtual_pipeline_size", 1), ("pipeline_schedule", None)):
+                if getattr(self, name) != default:
+                    warnings.warn(f"{name} is ignored: pipeline_parallel_size is 1 (set pipeline_parallel_size > 1 "
+                                  "for pipeline parallelism)", stacklevel=3)
 
     # -- the process view: every rank is a real process, whatever accelerate sees
     @property
@@ -101,9 +123,11 @@ class NxDTrainingArguments(TrainingArguments):
             if self.pipeline_schedule:
                 pipeline_config["schedule"] = self.pipeline_schedule
         pad = {"auto": "auto", "true": True, "false": False}[str(self.pad_model).lower()]
+        kv = "auto" if self.kv_size_multiplier == "auto" else int(self.kv_size_multiplier)
         return neuronx_distributed_config(
             tensor_parallel_size=self.tensor_parallel_size, pipeline_parallel_size=self.pipeline_parallel_size,
             pipeline_config=pipeline_config, sequence_parallel=self.sequence_parallel, pad_model=pad,
+            kv_size_multiplier=kv,
             optimizer_config={"zero_one_enabled": self.zero_1, "grad_clipping": self.max_grad_norm > 0,
                               "max_grad_norm": self.max_grad_norm if self.max_grad_norm > 0 else 1.0},
             activation_checkpoint_config="full" if self.nxd_activation_checkpointing else None,

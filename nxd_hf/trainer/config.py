@@ -71,6 +71,9 @@ class NxDConfig:
     """Check input ranges and same-batch-per-TP/PP-group on the first step, every step or never (not in NxD)."""
     timeout: float | datetime.timedelta | None = None
     """Seconds a collective waits for the other ranks (None: torch's default, 30 min; not in NxD)."""
+    kv_size_multiplier: int | Literal["auto"] = "auto"
+    """Copies of each K/V head across TP ("auto": the fewest that fit; not in NxD, where it is an argument of
+    ``GQAQKVColumnParallelLinear``)."""
 
     def __getitem__(self, key: str):  # NxD hands the config around as a dict
         return getattr(self, key)
@@ -121,6 +124,7 @@ def neuronx_distributed_config(
     optimizer_config: dict | None = None, activation_checkpoint_config=None, pad_model: bool | str = "auto",
     sequence_parallel: bool = False, model_init_config: dict | None = None, lora_config=None,
     mixed_precision_config: dict | None = None, *, check_inputs: bool | str = True, timeout=None,
+    kv_size_multiplier: int | str = "auto",
 ) -> NxDConfig:
     """Validate the training configuration and initialize model parallelism (see ``NxDConfig``)."""
     config = NxDConfig(
@@ -132,11 +136,11 @@ def neuronx_distributed_config(
         model_init_config=_build(ModelInitConfig, model_init_config, "model_init_config"),
         lora_config=lora_config,
         mixed_precision_config=_build(MixedPrecisionConfig, mixed_precision_config, "mixed_precision_config"),
-        check_inputs=check_inputs, timeout=timeout,
+        check_inputs=check_inputs, timeout=timeout, kv_size_multiplier=kv_size_multiplier,
     )
     hints = typing.get_type_hints(NxDConfig)
     for key in ("tensor_parallel_size", "pipeline_parallel_size", "pad_model", "sequence_parallel", "check_inputs",
-                "timeout"):
+                "timeout", "kv_size_multiplier"):
         _check_type("neuronx_distributed_config", key, getattr(config, key), hints[key])
     _check_pipeline_config(config.pipeline_config)
     if not 1 <= config.model_init_config.sequential_move_factor <= 32:

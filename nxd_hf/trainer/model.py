@@ -12,7 +12,7 @@ from torch import nn
 from nxd_hf import backend, parallel_state
 from nxd_hf.model_state import NxDModelState, state_of
 from nxd_hf.parallel_layers.loss_functions import loss_normalizer
-from nxd_hf.parallel_layers.together import fail_together
+from nxd_hf.guards.fail_together import fail_together
 from nxd_hf.parallelize import parallelize
 from nxd_hf.pipeline.model import NxDPPModel
 from nxd_hf.trainer.config import NxDConfig
@@ -167,6 +167,7 @@ def initialize_parallel_model(nxd_config: NxDConfig, model_fn, *model_args, **mo
     wrapped = parallelize(
         model, tensor_parallel_size=nxd_config.tensor_parallel_size, pipeline_parallel_size=pp,
         sequence_parallel=nxd_config.sequence_parallel, pad_model=nxd_config.pad_model,
+        kv_size_multiplier=nxd_config.kv_size_multiplier,
         param_init_fn=init.param_init_fn if init.meta_device_init else None,
         activation_checkpoint_config=nxd_config.activation_checkpoint_config,
         fp32_grad_accumulation=nxd_config.mixed_precision_config.use_fp32_grad_acc,

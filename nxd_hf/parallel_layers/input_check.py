@@ -49,6 +49,7 @@ class InputCheck:
 
     def __call__(self, inputs: dict) -> None:
         tensors = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+        check_not_empty(tensors.get("input_ids"))
         if self.done or any(backend._is_abstract(t) for t in tensors.values()):
             return
         self.done = self.mode == "first"
@@ -63,6 +64,7 @@ def install_input_check(model, check_inputs) -> InputCheck:
     signature = inspect.signature(model.forward)
 
     def hook(module, args, kwargs):
+        check_not_empty(kwargs.get("input_ids", args[0] if args else None))  # every step: shapes only
         if not check.done:
             try:
                 named = signature.bind_partial(*args, **kwargs).arguments
@@ -72,6 +74,19 @@ def install_input_check(model, check_inputs) -> InputCheck:
 
     model.register_forward_pre_hook(hook, with_kwargs=True)
     return check
+
+
+def check_not_empty(input_ids) -> None:
+    """An empty batch or sequence fails deep inside a model (a reshape of 0 elements, a
+    collective of mismatched sizes): a ValueError naming it instead. Every rank of a
+    tensor-parallel group gets the same batch, so each of them raises it."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() == 0 or backend._is_abstract(input_ids):
+        return
+    if input_ids.shape[0] == 0 or input_ids.shape[-1] == 0:
+        what = "batch (no rows)" if input_ids.shape[0] == 0 else "sequence (no tokens)"
+        raise ValueError(f"empty {what}: input_ids has shape {list(input_ids.shape)}. Every batch needs at least one "
+                         "row of at least one token: drop empty examples from the dataset (e.g. dataset.filter(lambda "
+                         "x: len(x['input_ids']) > 0)) and check the collator and the data-parallel split")
 
 
 def check_step_inputs(model, inputs: dict) -> None:

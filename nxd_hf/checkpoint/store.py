@@ -90,12 +90,24 @@ def read_tracker(path: str) -> dict:
         return {"newest": None, "complete": []}
     data, problem = _tracker_problem(tracker)
     if problem is None:
-        return data
+        return _existing(path, data)
     complete = complete_tags(path)
     warnings.warn(f"{tracker} {problem}: using the newest complete checkpoint found in {path} instead "
                   f"({complete[-1] if complete else 'none'}; complete: {complete}). Pass tag=... (or --tag) to "
                   "choose another; the next save rewrites the file", stacklevel=3)
     return {"newest": complete[-1] if complete else None, "complete": complete}
+
+
+def _existing(path: str, tracker: dict) -> dict:
+    """The tracker without checkpoints deleted since (``Trainer`` deletes all but the best at the
+    end of a run with ``save_total_limit=1``)."""
+    def exists(tag):
+        name = dir_name(tag)
+        return os.path.isdir(os.path.join(path, name)) or os.path.isdir(os.path.join(path, f".{name}.old"))
+
+    complete = [t for t in tracker["complete"] if exists(t)]
+    newest = tracker["newest"] if tracker["newest"] in complete else (complete[-1] if complete else None)
+    return {"newest": newest, "complete": complete}
 
 
 def remove_leftovers(path: str) -> None:
@@ -150,14 +162,19 @@ def finalize(path: str, tag: str, index: dict, num_kept_ckpts: int | None) -> No
     write_tracker(path, tag, complete)
     shutil.rmtree(old, ignore_errors=True)
     if num_kept_ckpts is not None:
-        _prune(path, complete, num_kept_ckpts)
+        prune(path, num_kept_ckpts)
 
 
-def _prune(path: str, complete: list[str], num_kept: int) -> None:
-    """Delete the oldest complete checkpoints beyond ``num_kept`` (the tracker first)."""
-    dropped, kept = complete[: max(0, len(complete) - num_kept)], complete[max(0, len(complete) - num_kept) :]
+def prune(path: str, num_kept: int, keep: tuple[str, ...] = ()) -> None:
+    """Delete the oldest complete checkpoints beyond ``num_kept`` (the tracker first), never the
+    newest nor those in ``keep`` (``NxDTrainer``'s best checkpoint: as ``Trainer``'s rotation)."""
+    complete = read_tracker(path)["complete"]
+    protected = {complete[-1], *keep} if complete else set(keep)
+    excess = len(complete) - max(num_kept, len(protected & set(complete)))
+    dropped = [t for t in complete if t not in protected][: max(0, excess)]
     if not dropped:
         return
+    kept = [t for t in complete if t not in dropped]
     write_tracker(path, kept[-1], kept)
     for tag in dropped:
         shutil.rmtree(os.path.join(path, dir_name(tag)), ignore_errors=True)

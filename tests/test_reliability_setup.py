@@ -14,6 +14,7 @@ import hf_parity
 import nxd_hf
 from nxd_hf import backend, parallel_state
 from nxd_hf.parallel_layers.heads import head_layout
+from nxd_hf.parallel_layers.input_check import CHECK_EVERY
 from nxd_hf.testing import run_distributed
 
 
@@ -63,7 +64,21 @@ def setup_cases():
     out["empty_sequence"] = _error(model, input_ids=torch.zeros(2, 0, dtype=torch.long))
     ids, labels = hf_parity.batch()
     out["still_works"] = float(model(input_ids=ids, labels=labels).loss)
+    out["later_steps"] = _different_batches_after_first_step()
     return out
+
+
+def _different_batches_after_first_step():
+    """TP ranks given the same first batch, then different ones (a sampler not split by DP rank)."""
+    model = _parallel()
+    with torch.no_grad():
+        for call in range(CHECK_EVERY + 1):
+            ids, _ = hf_parity.batch(seed=1 if call == 0 else 100 * call + backend.rank())
+            try:
+                model(input_ids=ids)
+            except ValueError as error:
+                return call, str(error)
+    return None, "no error"
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +102,14 @@ def results():
 def test_same_value_error_on_every_rank(results, case, pattern):
     assert results[0][case] == results[1][case], [r[case] for r in results]
     assert re.search(pattern, results[0][case], re.S), results[0][case]
+
+
+def test_different_batches_after_the_first_step_are_caught(results):
+    """Caught at the first periodic check, on both ranks; the default check costs one tiny
+    all-reduce every CHECK_EVERY forwards."""
+    assert results[0]["later_steps"] == results[1]["later_steps"]
+    call, message = results[0]["later_steps"]
+    assert call == CHECK_EVERY and "got different inputs" in message, (call, message)
 
 
 def test_model_still_trains_after_the_errors(results):

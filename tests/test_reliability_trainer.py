@@ -4,6 +4,7 @@
 would resume at the wrong step); datasets and batches too small for the data-parallel world. One
 spawn of 2 ranks (tp=2 for the Trainer comparison, dp=2 for the data cases)."""
 
+import json
 import os
 import re
 
@@ -69,6 +70,24 @@ def _error(fn, *args, **kwargs):
     return "no error"
 
 
+def _old_format_without_state(run_dir):
+    """A checkpoint as versions before checksummed metadata wrote it (``done`` without the index's
+    checksum, metadata files not in the index), whose trainer_state.json is lost."""
+    _train(run_dir, _dataset(), steps=2, tensor_parallel_size=2)
+    checkpoint = f"{run_dir}/checkpoint-2"
+    if backend.rank() == 0:
+        os.remove(f"{checkpoint}/trainer_state.json")
+        with open(f"{checkpoint}/index.json") as f:
+            index = json.load(f)
+        index["files"] = {k: v for k, v in index["files"].items() if k.endswith(".safetensors")}
+        with open(f"{checkpoint}/index.json", "w") as f:
+            json.dump(index, f)
+        with open(f"{checkpoint}/done", "w") as f:
+            f.write("complete\n")
+    backend.barrier()
+    return checkpoint
+
+
 def trainer_cases(out_dir):
     out = {"best": _best_case(out_dir)}
     out["resolved_after_run"] = os.path.basename(nxd_hf.checkpoint.load.read_index(f"{out_dir}/nxd", None)[0])
@@ -83,6 +102,8 @@ def trainer_cases(out_dir):
     backend.barrier()
     out["tampered_state"] = _error(_train, f"{out_dir}/run", _dataset(), resume=f"{out_dir}/run/checkpoint-2",
                                    steps=4, tensor_parallel_size=2)
+    out["old_format_no_state"] = _error(_train, f"{out_dir}/old", _dataset(), resume=_old_format_without_state(
+        f"{out_dir}/old"), steps=4, tensor_parallel_size=2)
     out["one_sample"] = _error(_train, f"{out_dir}/one", _dataset(n=1))  # dp=2
     out["short_last_batch"] = _error(_train, f"{out_dir}/three", _dataset(n=3), steps=2)  # batches of 2, 1 rows
     return out
@@ -107,6 +128,7 @@ def test_load_best_model_at_end_as_trainer(results, tmp_path):
 
 @pytest.mark.parametrize("case, pattern", [
     ("tampered_state", r"checkpoint-2/trainer_state.json does not match its checksum"),
+    ("old_format_no_state", r"checkpoint-2: it was saved at step 2 but the trainer state resumes at step 0"),
     ("one_sample", r"the train_dataset has 1 samples but there are 2 data-parallel replicas"),
     ("short_last_batch", r"a training batch has 1 rows but there are 2 data-parallel replicas.*dataloader_drop_last"),
 ])

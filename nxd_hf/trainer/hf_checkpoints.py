@@ -8,7 +8,10 @@
   sizes; with LoRA, what the ``LoraConfig`` says: the adapter alone by default, see
   ``nxd_hf.lora.checkpoint``) with ``trainer_state.json``, the training arguments and the tokenizer written inside
   before the completion marker; the temporary directory is ``.checkpoint-N.tmp``, which
-  ``get_last_checkpoint`` never matches. ``save_total_limit`` keeps the newest complete ones.
+  ``get_last_checkpoint`` never matches. ``save_total_limit`` keeps the newest complete ones (and
+  the best one, as ``Trainer``).
+- ``load_best_model_at_end``: ``best_metric`` / ``best_model_checkpoint`` tracked as ``Trainer``
+  tracks them; the best checkpoint's model (or adapter) is loaded at the end.
 - ``train(resume_from_checkpoint=True | path)``: the checkpoint's model, optimizer and scheduler
   once the optimizer exists; RNG states where ``Trainer`` restores them (after skipping the
   trained batches: the data position follows from ``global_step``, as in ``Trainer``).

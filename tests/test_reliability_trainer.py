@@ -7,6 +7,7 @@ spawn of 2 ranks (tp=2 for the Trainer comparison, dp=2 for the data cases)."""
 import json
 import os
 import re
+import shutil
 
 import pytest
 import torch
@@ -70,13 +71,13 @@ def _error(fn, *args, **kwargs):
     return "no error"
 
 
-def _old_format_without_state(run_dir):
-    """A checkpoint as versions before checksummed metadata wrote it (``done`` without the index's
-    checksum, metadata files not in the index), whose trainer_state.json is lost."""
+def _old_format(run_dir):
+    """Checkpoints as versions before checksummed metadata wrote them (``done`` without the index's
+    checksum, metadata files not in the index): one whose trainer_state.json is lost, one whose
+    global_step was changed. Returns their paths."""
     _train(run_dir, _dataset(), steps=2, tensor_parallel_size=2)
     checkpoint = f"{run_dir}/checkpoint-2"
     if backend.rank() == 0:
-        os.remove(f"{checkpoint}/trainer_state.json")
         with open(f"{checkpoint}/index.json") as f:
             index = json.load(f)
         index["files"] = {k: v for k, v in index["files"].items() if k.endswith(".safetensors")}
@@ -84,8 +85,14 @@ def _old_format_without_state(run_dir):
             json.dump(index, f)
         with open(f"{checkpoint}/done", "w") as f:
             f.write("complete\n")
+        shutil.copytree(checkpoint, f"{run_dir}/lost/checkpoint-2")
+        os.remove(f"{run_dir}/lost/checkpoint-2/trainer_state.json")
+        with open(f"{checkpoint}/trainer_state.json") as f:
+            text = f.read()
+        with open(f"{checkpoint}/trainer_state.json", "w") as f:
+            f.write(text.replace('"global_step": 2,', '"global_step": 3,'))
     backend.barrier()
-    return checkpoint
+    return f"{run_dir}/lost/checkpoint-2", checkpoint
 
 
 def trainer_cases(out_dir):
@@ -102,8 +109,11 @@ def trainer_cases(out_dir):
     backend.barrier()
     out["tampered_state"] = _error(_train, f"{out_dir}/run", _dataset(), resume=f"{out_dir}/run/checkpoint-2",
                                    steps=4, tensor_parallel_size=2)
-    out["old_format_no_state"] = _error(_train, f"{out_dir}/old", _dataset(), resume=_old_format_without_state(
-        f"{out_dir}/old"), steps=4, tensor_parallel_size=2)
+    lost, changed = _old_format(f"{out_dir}/old")
+    out["old_format_lost_state"] = _error(_train, f"{out_dir}/old1", _dataset(), resume=lost, steps=4,
+                                          tensor_parallel_size=2)
+    out["old_format_changed_step"] = _error(_train, f"{out_dir}/old2", _dataset(), resume=changed, steps=4,
+                                            tensor_parallel_size=2)
     out["one_sample"] = _error(_train, f"{out_dir}/one", _dataset(n=1))  # dp=2
     out["short_last_batch"] = _error(_train, f"{out_dir}/three", _dataset(n=3), steps=2)  # batches of 2, 1 rows
     return out
@@ -128,7 +138,8 @@ def test_load_best_model_at_end_as_trainer(results, tmp_path):
 
 @pytest.mark.parametrize("case, pattern", [
     ("tampered_state", r"checkpoint-2/trainer_state.json does not match its checksum"),
-    ("old_format_no_state", r"checkpoint-2: it was saved at step 2 but the trainer state resumes at step 0"),
+    ("old_format_lost_state", r"lost/checkpoint-2 has no trainer_state.json"),
+    ("old_format_changed_step", r"checkpoint-2: it was saved at step 2 but the trainer state resumes at step 3"),
     ("one_sample", r"the train_dataset has 1 samples but there are 2 data-parallel replicas"),
     ("short_last_batch", r"a training batch has 1 rows but there are 2 data-parallel replicas.*dataloader_drop_last"),
 ])

@@ -105,6 +105,10 @@ class CheckpointHooks:
                              "from the checkpoint-N directories it saved")
         # before Trainer reads trainer_state.json: every file against its checksum, on every rank
         verify_checkpoint(*os.path.split(os.path.normpath(resume_from_checkpoint)))
+        if not os.path.isfile(os.path.join(resume_from_checkpoint, TRAINER_STATE_NAME)):  # older checkpoints
+            raise ValueError(f"{resume_from_checkpoint} has no {TRAINER_STATE_NAME}: it was not saved by NxDTrainer "
+                             "or the file was lost. Resume from another checkpoint-N, or load only the weights with "
+                             "nxd_hf.load_checkpoint(run_dir, tag=..., model=...)")
         # the weights load with the optimizer and scheduler, once they exist
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
@@ -134,5 +138,5 @@ def _check_resumed_step(checkpoint: str, saved, global_step: int) -> None:
     if step is not None and step != global_step:
         raise ValueError(
             f"resuming from {checkpoint}: it was saved at step {step} but the trainer state resumes at step "
-            f"{global_step} ({TRAINER_STATE_NAME} is missing or from another run). Resume from a checkpoint-N "
+            f"{global_step} ({TRAINER_STATE_NAME} was changed or is from another run). Resume from a checkpoint-N "
             "directory NxDTrainer saved, unchanged, or from an older one")

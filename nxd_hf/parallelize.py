@@ -28,10 +28,12 @@ one ``NxDModelState``, ``model.nxd`` (``nxd_hf.model_state``), created after ste
 """
 
 import functools
+import json
 import types
 import warnings
+import zlib
 
-from nxd_hf import parallel_state
+from nxd_hf import backend, parallel_state
 from nxd_hf.architectures import get_patch
 from nxd_hf.checkpoint.consolidate import save_pretrained
 from nxd_hf.model_setup import LocalSetup, set_up_local_modules
@@ -90,6 +92,12 @@ def parallelize(
     register_with_peft()  # peft.get_peft_model on the result then knows the parallel layers
     if bucket_size_mb <= 0:
         raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
+    _check_same_arguments(model, timeout, tensor_parallel_size=tensor_parallel_size,
+                          pipeline_parallel_size=pipeline_parallel_size, sequence_parallel=sequence_parallel,
+                          pad_model=pad_model, kv_size_multiplier=kv_size_multiplier, gather_logits=gather_logits,
+                          check_inputs=check_inputs, lora_config=type(lora_config).__name__,
+                          activation_checkpoint_config=repr(activation_checkpoint_config),
+                          pipeline_options=sorted(pipeline_kwargs))
     _init_parallel_state(tensor_parallel_size, pipeline_parallel_size, timeout)
     with fail_together("nxd_hf.parallelize"):  # no collective inside: a rank failing alone fails every rank
         if pipeline_kwargs and pipeline_parallel_size == 1:
@@ -140,6 +148,36 @@ def _check_model(model) -> None:
         raise ValueError("this model is already parallelized: call nxd_hf.parallelize once, on the original model")
     if getattr(model, "is_quantized", False) or getattr(model.config, "quantization_config", None):
         raise ValueError("nxd_hf.parallelize does not support quantized models: load the model unquantized")
+
+
+def _model_summary(model) -> dict:
+    """What must be the same model on every rank: its class and its config (a checksum; the keys
+    that differ are named by ``_check_same_arguments``)."""
+    config = model.config.to_dict() if hasattr(model.config, "to_dict") else {}
+    config = {k: v for k, v in config.items() if not k.startswith("_")}
+    return {"model": type(model).__name__,
+            "config": {k: zlib.crc32(json.dumps(v, sort_keys=True, default=str).encode()) for k, v in config.items()}}
+
+
+def _check_same_arguments(model, timeout, **arguments) -> None:
+    """Every rank must call parallelize alike: one all-gather at setup compares the arguments
+    and the model, so different sizes or models on some ranks are one ValueError naming the
+    argument and every rank's value, on every rank, instead of a hang in the next collective."""
+    backend.init_process_group_from_env(parallel_state.as_timeout(timeout))
+    mine = {**arguments, **_model_summary(model)}
+    everyone = backend.all_gather_object(mine)
+    differ = []
+    for key in mine:
+        values = [ranks.get(key) for ranks in everyone]
+        if any(v != values[0] for v in values):
+            if key == "config":
+                keys = sorted({k for v in values for k in v if any(w.get(k) != v.get(k) for w in values)})
+                differ.append(f"the model config (keys {keys}) differs across ranks")
+            else:
+                differ.append(f"{key}: " + ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values)))
+    if differ:
+        raise ValueError("nxd_hf.parallelize was called with different arguments on different ranks: "
+                         + "; ".join(differ) + ". Every rank must call it with the same arguments and the same model")
 
 
 def _init_parallel_state(tensor_parallel_size: int, pipeline_parallel_size: int, timeout) -> None:

@@ -54,11 +54,13 @@ def _open(checkpoint_dir: str, tag: str | None) -> tuple[str, dict]:
     if problem is None:
         index, problem = store.read_index(directory)
     if problem is not None:
-        raise ValueError(f"cannot consolidate: {problem}")
-    problems = [f"file {rel} {p}" for rel, meta in sorted(index["files"].items())
+        advice = f". To do: {store.what_to_do(checkpoint_dir, directory)}" if directory is not None else ""
+        raise ValueError(f"cannot consolidate: {problem}{advice}")
+    problems = [f"file {os.path.join(directory, rel)} {p}" for rel, meta in sorted(index["files"].items())
                 if (p := file_problem(os.path.join(directory, rel), meta))]
     if problems:
-        raise ValueError("cannot consolidate {}: {}".format(directory, "; ".join(problems)))
+        raise ValueError("cannot consolidate checkpoint {}: {}. To do: {}".format(
+            directory, "; ".join(problems), store.what_to_do(checkpoint_dir, directory)))
     return directory, index
 
 

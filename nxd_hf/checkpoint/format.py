@@ -74,13 +74,26 @@ def write_file(path: str, tensors: dict[str, torch.Tensor]) -> dict:
     return {"size": len(head) + offset, "header_crc32": zlib.crc32(head), "crc32": crcs}
 
 
+def file_checksum(path: str) -> dict:
+    """Size and CRC-32 of a whole (non-tensor) file."""
+    value = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            value = zlib.crc32(chunk, value)
+    return {"size": os.path.getsize(path), "file_crc32": value}
+
+
 def file_problem(path: str, expected: dict) -> str | None:
-    """What is wrong with a checkpoint file (its size, header and every tensor's checksum), or None."""
+    """What is wrong with a checkpoint file (its size, header and every tensor's checksum, or
+    the whole file's checksum), or None."""
     if not os.path.exists(path):
         return "is missing"
     size = os.path.getsize(path)
     if size != expected["size"]:
         return f"has {size} bytes, the index says {expected['size']} (truncated or overwritten)"
+    if "file_crc32" in expected:
+        return None if file_checksum(path)["file_crc32"] == expected["file_crc32"] else (
+            "does not match its checksum (corrupted or edited)")
     with open(path, "rb") as f:
         length = int.from_bytes(f.read(8), "little")
         encoded = f.read(length) if 0 < length <= size - 8 else b""

@@ -25,13 +25,13 @@ from nxd_hf.guards.fail_together import failures_on_every_rank
 from nxd_hf.parallel_layers.random import get_rng_state_tracker
 
 
-def raise_collectively(problems: list[str], what: str) -> None:
+def raise_collectively(problems: list[str], what: str, advice: str = "") -> None:
     """Every rank raises the same ValueError when any rank found a problem."""
     failures = failures_on_every_rank("\x1e".join(problems) if problems else None)
     everyone = sorted({p for text in failures.values() for p in text.split("\x1e")})
     if everyone:
         shown = "\n  ".join(everyone[:10]) + (f"\n  ... and {len(everyone) - 10} more" if len(everyone) > 10 else "")
-        raise ValueError(f"cannot load checkpoint {what}:\n  {shown}")
+        raise ValueError(f"cannot load checkpoint {what}:\n  {shown}" + (f"\nTo do: {advice}" if advice else ""))
 
 
 def _locate(path: str, tag: str | None) -> tuple[str, dict]:
@@ -39,11 +39,14 @@ def _locate(path: str, tag: str | None) -> tuple[str, dict]:
     index = None
     if problem is None:
         index, problem = store.read_index(directory)
-    raise_collectively([problem] if problem else [], f"from {path} (tag={tag!r})")
+    advice = store.what_to_do(path, directory) if problem and directory is not None else ""
+    raise_collectively([problem] if problem else [], f"from {path} (tag={tag!r})", advice)
     return directory, index
 
 
 def _check_files(directory: str, index: dict) -> None:
+    """Every file the index lists (tensors and metadata: state.pt, RNG states, config.json,
+    trainer_state.json, ...) against its size and checksums, shared out over the ranks."""
     rank, world = backend.rank(), backend.world_size()
     problems = []
     for i, (rel, expected) in enumerate(sorted(index["files"].items())):
@@ -51,7 +54,15 @@ def _check_files(directory: str, index: dict) -> None:
             problem = file_problem(os.path.join(directory, rel), expected)
             if problem:
                 problems.append(f"file {os.path.join(directory, rel)} {problem}")
-    raise_collectively(problems, f"{directory}")
+    raise_collectively(problems, f"{directory}", store.what_to_do(os.path.dirname(directory), directory))
+
+
+def verify_checkpoint(path: str, tag: str | None) -> str:
+    """The directory of a complete, undamaged checkpoint (every file checked); the same
+    ValueError on every rank otherwise. Every rank calls it."""
+    directory, index = _locate(path, tag)
+    _check_files(directory, index)
+    return directory
 
 
 def _resolver(model, index: dict):

@@ -8,7 +8,9 @@ coordinates under the on-disk HF names (``nxd_hf.checkpoint.logical``), so a che
 reshards by reading other slices, and consolidation is a concatenation.
 """
 
+import contextlib
 import copy
+import io
 import json
 import os
 import random
@@ -24,6 +26,7 @@ from nxd_hf.checkpoint.format import dtype_name, parts_of
 from nxd_hf.checkpoint.logical import adapters_of, hf_model, logical_tensors, model_config
 from nxd_hf.model_state import state_of
 from nxd_hf.parallel_layers.random import get_rng_state_tracker
+from nxd_hf.guards.fail_together import fail_together
 
 OPTIM_SEP = "::"
 """Optimizer state tensor names: ``<parameter's on-disk name>::<state key>``."""
@@ -128,13 +131,38 @@ def _what_to_save(model, adapters, nxd_config) -> tuple[dict | None, list]:
     return plan, adapters.logical_tensors(model, plan, loading=False)
 
 
-def _check_same_target(path: str, tag: str) -> None:
-    """Every rank must write into one directory (rank 0 assembles it): a ValueError on every rank
-    otherwise, instead of a missing part found later."""
-    targets = backend.all_gather_object((os.path.abspath(path), tag))
-    if len(set(targets)) > 1:
-        raise ValueError(f"save_checkpoint: the ranks were given different (path, tag): {sorted(set(targets))}; "
+def _unloadable(obj, where: str = "user_content") -> str | None:
+    """Where ``obj`` holds something ``torch.load(weights_only=True)`` cannot read back, or None."""
+    buffer = io.BytesIO()
+    try:
+        torch.save(obj, buffer)
+        buffer.seek(0)
+        torch.load(buffer, weights_only=True)
+        return None
+    except Exception as error:
+        if isinstance(obj, dict):
+            items = obj.items()
+        elif isinstance(obj, (list, tuple)):
+            items = enumerate(obj)
+        else:
+            return f"{where} is a {type(obj).__module__}.{type(obj).__qualname__} ({type(error).__name__})"
+        return next((p for k, v in items if (p := _unloadable(v, f"{where}[{k!r}]"))), f"{where}: {error}")
+
+
+def _check_same_target(path: str, tag: str, user_content) -> None:
+    """Every rank must write into one directory (rank 0 assembles it), and rank 0's
+    ``user_content`` must load back: a ValueError on every rank otherwise (one gather), instead
+    of a missing part found later or a checkpoint marked complete that cannot load."""
+    unloadable = _unloadable(user_content) if backend.rank() == 0 and user_content is not None else None
+    gathered = backend.all_gather_object((os.path.abspath(path), tag, unloadable))
+    targets, unloadable = {g[:2] for g in gathered}, gathered[0][2]
+    if len(targets) > 1:
+        raise ValueError(f"save_checkpoint: the ranks were given different (path, tag): {sorted(targets)}; "
                          "every rank must pass the same path (on a filesystem all ranks share) and tag")
+    if unloadable is not None:
+        raise ValueError(f"save_checkpoint: {unloadable}, which torch.load(weights_only=True) cannot read back, "
+                         "so the checkpoint could not be loaded. Store plain data in user_content (tensors, numbers, "
+                         "strings, lists, dicts), e.g. obj.state_dict() or vars(obj), and rebuild the object on load")
 
 
 def save_checkpoint(path: str, tag: str = "", model=None, optimizer=None, scheduler=None, user_content=None,
@@ -163,7 +191,7 @@ def save_checkpoint(path: str, tag: str = "", model=None, optimizer=None, schedu
         raise ValueError(f"num_workers ({num_workers}) and num_kept_ckpts ({num_kept_ckpts}) must be >= 1")
     writer.wait_for_checkpoint()
     rank, world = backend.rank(), backend.world_size()
-    _check_same_target(path, tag)
+    _check_same_target(path, tag, user_content)
     tmp = store.tmp_dir(path, tag)
     nxd_config = _nxd_config(model, nxd_config)
     masters_in_model = _master_weights_in_ckpt(nxd_config)
@@ -175,7 +203,7 @@ def save_checkpoint(path: str, tag: str = "", model=None, optimizer=None, schedu
     header = _header(model, optimizer, masters_in_model, plan)
     if rank == 0:
         os.makedirs(path, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)  # a crashed save's leftovers
+        store.remove_leftovers(path)  # of saves that crashed or ran out of disk
         os.makedirs(tmp)
         if model is not None:
             _write_configs(model, tmp)
@@ -192,10 +220,23 @@ def save_checkpoint(path: str, tag: str = "", model=None, optimizer=None, schedu
                 store.finalize(path, tag, writer.merge(tmp, world, header), num_kept_ckpts)
         writer.submit(work)
         return
-    for wave in range(-(-world // num_workers)):
-        if rank // num_workers == wave:
-            writer.write_share(tmp, rank, files, blobs, records)
-        backend.barrier()
-    if rank == 0:
-        store.finalize(path, tag, writer.merge(tmp, world, header), num_kept_ckpts)
-    backend.barrier()
+    with _cleaned_up_on_failure(tmp):
+        for wave in range(-(-world // num_workers)):
+            with fail_together(f"save_checkpoint({path!r}, tag={tag!r})"):  # also the wave's barrier
+                if rank // num_workers == wave:
+                    writer.write_share(tmp, rank, files, blobs, records)
+        with fail_together(f"save_checkpoint({path!r}, tag={tag!r})"):
+            if rank == 0:
+                store.finalize(path, tag, writer.merge(tmp, world, header), num_kept_ckpts)
+
+
+@contextlib.contextmanager
+def _cleaned_up_on_failure(tmp: str):
+    """A failed save (a full disk, ...) deletes its temporary directory (rank 0) before the
+    error propagates; earlier checkpoints are untouched."""
+    try:
+        yield
+    except BaseException:
+        if backend.rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -19,7 +19,7 @@ import torch
 
 from nxd_hf import parallel_state
 from nxd_hf.checkpoint import store
-from nxd_hf.checkpoint.format import write_file
+from nxd_hf.checkpoint.format import file_checksum, write_file
 
 RECORDS = "records"
 ASYNC_TIMEOUT_S = 3600.0
@@ -66,7 +66,20 @@ def merge(tmp: str, world: int, header: dict) -> dict:
     for section in tensors.values():
         for name, entry in section.items():
             _check_coverage(name, entry)
+    files.update(_other_files(tmp, set(files)))
     return {**header, "tensors": tensors, "files": files}
+
+
+def _other_files(tmp: str, known: set[str]) -> dict:
+    """Checksums of every other file in the checkpoint (state.pt, RNG states, config.json,
+    trainer_state.json, adapters, tokenizer, ...): loading checks them as it checks tensors."""
+    out = {}
+    for root, _, names in os.walk(tmp):
+        for name in names:
+            rel = os.path.relpath(os.path.join(root, name), tmp)
+            if rel not in known and rel.split(os.sep)[0] != RECORDS and rel not in (store.INDEX, store.DONE):
+                out[rel] = file_checksum(os.path.join(tmp, rel))
+    return out
 
 
 def _check_coverage(name: str, entry: dict) -> None:

@@ -26,11 +26,11 @@ Also wrapped, each only acting on a model that holds nxd_hf parallel layers:
 
 import functools
 
-from peft import PeftModel
+from peft import PeftModel, PeftType
 from peft import peft_model as peft_model_module
 from peft.tuners.lora.model import LoraModel
 from peft.tuners import tuners_utils
-from peft.tuners.tuners_utils import BaseTunerLayer
+from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 from peft.utils.other import ModulesToSaveWrapper
 from transformers import PreTrainedModel
 
@@ -124,7 +124,34 @@ def _wrap_modules_to_save_update(original):
     return update
 
 
+def refuse_unsharded_methods(peft_config, model) -> None:
+    """nxd_hf shards LoRA only: any other peft method on a parallel model (prefix or prompt
+    tuning would feed full-size virtual tokens into sharded attention; IA3, LoHa, ... would wrap
+    sharded layers as plain ones) is a ValueError on every rank, before peft changes the model."""
+    configs = peft_config.values() if isinstance(peft_config, dict) else [peft_config]
+    refused = sorted({getattr(getattr(c, "peft_type", None), "value", str(c)) for c in configs
+                      if getattr(c, "peft_type", None) != PeftType.LORA})
+    if refused and io.is_parallel_model(model):
+        others = ", ".join(t.value for t in PeftType if t != PeftType.LORA)
+        raise ValueError(
+            f"peft method {', '.join(refused)} is not supported on an nxd_hf parallel model: nxd_hf shards only "
+            f"LoRA adapters (peft.LoraConfig). Refused: {others}. Use a LoraConfig (lora_config= of "
+            "nxd_hf.parallelize, peft_config= of NxDTrainer, or peft.get_peft_model after parallelize), or apply "
+            "the method to the unparallelized model")
+
+
+def _wrap_peft_model_init(original):
+    @functools.wraps(original)
+    def __init__(self, model, peft_config, *args, **kwargs):
+        refuse_unsharded_methods(peft_config, model)
+        original(self, model, peft_config, *args, **kwargs)
+
+    return __init__
+
+
 _PATCHES = (  # (owner, attribute, wrapper, as a staticmethod)
+    (PeftModel, "__init__", _wrap_peft_model_init, False),
+    (BaseTuner, "__init__", _wrap_peft_model_init, False),  # inject_adapter_in_model
     (LoraModel, "_create_new_module", _wrap_create_new_module, True),
     (PeftModel, "save_pretrained", _wrap_save_pretrained, False),
     (peft_model_module, "set_peft_model_state_dict", _wrap_set_state_dict, False),

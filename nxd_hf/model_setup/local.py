@@ -31,6 +31,7 @@ from nxd_hf.model_setup.materialize import has_meta_tensors, materialize, rebuil
 from nxd_hf.parallel_layers.grad_reduction import GradReduction
 from nxd_hf.parallel_layers.grads import install_fp32_grad_accumulation
 from nxd_hf.parallel_layers.sharding import move_model_to_device
+from nxd_hf.guards.fail_together import fail_together
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -60,15 +61,30 @@ def set_up_local_modules(modules: list[nn.Module], setup: LocalSetup, *, layer_t
     """Run steps 5-10 on ``modules`` (see the module docstring); returns their gradient policy.
     ``layer_types``: the transformer layer classes ("full" activation checkpointing)."""
     device = target_device(setup.device, modules)
+    # the steps without collectives run inside fail_together: a rank failing there alone (user
+    # code in load_weights / param_init_fn, a device out of memory) fails every rank with its error
+    with fail_together("nxd_hf.parallelize (step 5: the weights)"):
+        _weights(modules, setup, device)
+    if tie is not None:
+        tie()
+    if setup.add_adapters is not None:
+        setup.add_adapters(modules)
+    with fail_together("nxd_hf.parallelize (steps 8-10: checkpointing, gradient policy, device)"):
+        return _finish(modules, setup, layer_types, device)
+
+
+def _weights(modules: list[nn.Module], setup: LocalSetup, device: torch.device | None) -> None:
+    """Step 5."""
     if setup.load_weights is not None:
         setup.load_weights(modules)
         rebuild_all_meta_buffers(modules)
     elif has_meta_tensors(modules) or setup.param_init_fn is not None:
         materialize(modules, setup.param_init_fn, device=device or "cpu")
-    if tie is not None:
-        tie()
-    if setup.add_adapters is not None:
-        setup.add_adapters(modules)
+
+
+def _finish(modules: list[nn.Module], setup: LocalSetup, layer_types: tuple[type, ...],
+            device: torch.device | None) -> GradReduction:
+    """Steps 8-10."""
     if setup.activation_checkpoint_config is not None:
         checkpoint_layers(modules, checkpoint_types(setup.activation_checkpoint_config, layer_types))
     policy = GradReduction(modules, bucket_size_mb=setup.bucket_size_mb, dp_in_optimizer=setup.dp_in_optimizer)

@@ -36,6 +36,7 @@ def gqa_layout(num_heads: int, num_kv_heads: int, head_dim: int, kv_size_multipl
             f"num_kv_heads ({num_kv_heads}) x kv_size_multiplier ({m}) must be divisible by the tensor "
             f"parallel size ({tp_size}); use kv_size_multiplier={fits} (or a multiple of it)"
         )
+    _check_replication(num_kv_heads, m, tp_size)
     group = num_heads // num_kv_heads
     padded_group = -(-group // m) * m
     padded_num_heads = num_kv_heads * padded_group
@@ -45,6 +46,17 @@ def gqa_layout(num_heads: int, num_kv_heads: int, head_dim: int, kv_size_multipl
     q_heads = torch.where(in_group < group, slots // padded_group * group + in_group, -1)
     kv_heads = torch.arange(tp_rank * kv_local, (tp_rank + 1) * kv_local) // m
     return _head_rows(q_heads, head_dim), _head_rows(kv_heads, head_dim), padded_num_heads
+
+
+def _check_replication(num_kv_heads: int, m: int, tp_size: int) -> None:
+    """A K/V replication factor places each head's m copies on m different ranks: m divides tp
+    (m > tp, or one not dividing it, would store one head several times on a rank)."""
+    if tp_size % m:
+        valid = [k for k in range(1, tp_size + 1) if tp_size % k == 0 and (num_kv_heads * k) % tp_size == 0]
+        raise ValueError(
+            f"kv_size_multiplier={m} is not a valid K/V replication factor for num_kv_heads={num_kv_heads} and "
+            f"tensor_parallel_size={tp_size}: it must divide tensor_parallel_size, with num_kv_heads x "
+            f"kv_size_multiplier a multiple of it. Use one of {valid} (or 'auto': {valid[0]})")
 
 
 def _head_rows(heads: torch.Tensor, head_dim: int) -> torch.Tensor:

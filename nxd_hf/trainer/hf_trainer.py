@@ -104,6 +104,7 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
 
     # -- data
     def get_train_dataloader(self):
+        _check_dataset_size(self.train_dataset, "train_dataset")
         per_replica = self._train_batch_size
         self._train_batch_size = per_replica * parallel_state.get_data_parallel_size()
         try:
@@ -221,11 +222,35 @@ def _replica_rows(batch: dict) -> dict:
     ``tensor_split`` does), and the weight of its rows in the global batch."""
     dp_size, dp_rank = parallel_state.get_data_parallel_size(), parallel_state.get_data_parallel_rank()
     rows = next(v.shape[0] for v in batch.values() if torch.is_tensor(v) and v.dim() > 0)
+    _check_rows(batch, rows, dp_size)
     local = {k: v.tensor_split(dp_size)[dp_rank] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == rows else v
              for k, v in batch.items()}
     local_rows = len(torch.arange(rows).tensor_split(dp_size)[dp_rank])
     local[_ROW_WEIGHT] = local_rows * dp_size / rows
     return type(batch)(local) if isinstance(batch, dict) else local
+
+
+def _check_dataset_size(dataset, name: str) -> None:
+    """Every data-parallel replica needs a sample (the same check on every rank: same dataset)."""
+    dp_size = parallel_state.get_data_parallel_size()
+    size = len(dataset) if dataset is not None and hasattr(dataset, "__len__") else None
+    if size is not None and size < dp_size:
+        raise ValueError(f"the {name} has {size} samples but there are {dp_size} data-parallel replicas: each needs "
+                         "at least one sample per step. Use a larger dataset or fewer data-parallel replicas "
+                         "(a larger tensor_parallel_size x pipeline_parallel_size, or fewer processes)")
+
+
+def _check_rows(batch: dict, rows: int, dp_size: int) -> None:
+    """The global batch (the same on every rank) must give every replica at least one row of at
+    least one token: a ValueError naming it on every rank, not a reshape error on one."""
+    ids = batch.get("input_ids")
+    if rows == 0 or (torch.is_tensor(ids) and ids.dim() > 1 and ids.shape[-1] == 0):
+        shapes = {k: list(v.shape) for k, v in batch.items() if torch.is_tensor(v)}
+        raise ValueError(f"empty training batch {shapes}: drop empty examples from the dataset and check the collator")
+    if rows < dp_size:
+        raise ValueError(f"a training batch has {rows} rows but there are {dp_size} data-parallel replicas: each "
+                         "needs at least one row. Set dataloader_drop_last=True (the last batch of an epoch can be "
+                         "short), or use a dataset whose size is a multiple of the global batch size")
 
 
 def _pipeline_inputs(model: NxDModel, inputs: dict) -> dict:

@@ -10,6 +10,7 @@ adapters, activation checkpointing, gradient reduction, device) — the same ste
 import dataclasses
 import math
 import warnings
+from collections.abc import Mapping
 
 import torch
 import torch.utils._pytree as pytree
@@ -58,7 +59,8 @@ class NxDPPModel(nn.Module):
     ``no_sync()`` defers that reduction for accumulation micro-steps, as in DDP."""
 
     def __init__(
-        self, module: nn.Module, transformer_layer_cls=None, num_microbatches: int = 1, virtual_pipeline_size: int = 1,
+        self, module: nn.Module, transformer_layer_cls=None, num_microbatches: int | None = None,
+        virtual_pipeline_size: int = 1,
         output_loss_value_spec=None, return_mb_loss: bool = False, broadcast_and_average_loss: bool = False,
         pipeline_cuts: list[str] | None = None, input_names: list[str] | None = None, leaf_module_cls=None,
         autowrap_functions=None, autowrap_modules=None, tracer_cls=None, param_init_fn=None,
@@ -68,6 +70,7 @@ class NxDPPModel(nn.Module):
     ):
         super().__init__()
         with fail_together("NxDPPModel (tracing and splitting the model)"):  # before any collective
+            num_microbatches = _default_microbatches(num_microbatches)
             if num_microbatches < 1 or virtual_pipeline_size < 1:
                 raise ValueError(f"num_microbatches ({num_microbatches}) and virtual_pipeline_size "
                                  f"({virtual_pipeline_size}) must be >= 1")
@@ -89,7 +92,9 @@ class NxDPPModel(nn.Module):
             setup = _local_setup(setup, param_init_fn, activation_checkpoint_config, use_zero1_optimizer)
             self.input_names = list(input_names or ["input_ids", "attention_mask", "labels"])
             self.config = getattr(module, "config", None)
-            self.transformer_layer_cls = decoder_layer_types(module, transformer_layer_cls)
+            self.layer_types = decoder_layer_types(module, transformer_layer_cls)
+            # NxD's attribute: the class (a tuple only when several were given)
+            self.transformer_layer_cls = self.layer_types[0] if len(self.layer_types) == 1 else self.layer_types
             self._original = [module]  # not a submodule: only local stages are this module's children
             self._deallocate = deallocate_pipeline_outputs
 
@@ -100,14 +105,16 @@ class NxDPPModel(nn.Module):
                 tracer_kwargs["autowrap_modules"] = (math, *autowrap_modules)
             if autowrap_functions:
                 tracer_kwargs["autowrap_functions"] = tuple(autowrap_functions)
-            tracer = make_tracer(tracer_cls, self.transformer_layer_cls, leaf_types, **tracer_kwargs)
+            tracer = make_tracer(tracer_cls, self.layer_types, leaf_types, **tracer_kwargs)
             examples = self._example_inputs(traced_inputs)
-            graph_module = trace_hf(module, traced_inputs, self.transformer_layer_cls, leaf_types, examples, tracer)
+            graph_module = trace_hf(module, traced_inputs, self.layer_types, leaf_types, examples, tracer)
+            if not self.is_hf:
+                self.output_loss_value_spec = _outputs_as_tuple(graph_module, output_loss_value_spec)
             if trace_file_path:
                 with open(trace_file_path, "w") as f:
                     f.write(str(graph_module.graph))
             layers = [n.target for n in graph_module.graph.nodes
-                      if n.op == "call_module" and isinstance(graph_module.get_submodule(n.target), self.transformer_layer_cls)]
+                      if n.op == "call_module" and isinstance(graph_module.get_submodule(n.target), self.layer_types)]
             self.num_stages = self.pp_size * virtual_pipeline_size
             cuts = pipeline_cuts or partition.auto_cuts(layers, self.num_stages)
             self.stage_of_layer = partition.stage_of_layers(layers, cuts, self.num_stages)
@@ -125,7 +132,7 @@ class NxDPPModel(nn.Module):
             self.stages = nn.ModuleDict({str(s): all_stages[s] for s in self.local_stage_ids})
         self.tied = tie_across_stages(all_stages, self.stage_to_rank, self.local_stage_ids)
         self.nxd_grad_reduction = set_up_local_modules(
-            list(self.stages.values()), setup, layer_types=self.transformer_layer_cls, tie=self.tied.sync_initial_values)
+            list(self.stages.values()), setup, layer_types=self.layer_types, tie=self.tied.sync_initial_values)
         self.nxd_grad_reduction.add_reduction(self.tied.sum_grads)
         self._runner = StepRunner(self)
 
@@ -147,27 +154,46 @@ class NxDPPModel(nn.Module):
         return [torch.ones(1, seq, dtype=torch.long) for _ in names]
 
     # -- NxD's API
-    def run_train(self, **inputs):
-        """One training step over ``num_microbatches`` microbatches; returns the loss. Every PP
-        rank passes the same full inputs (as in NxD): each stage recomputes the attention mask
-        and positions from them."""
-        return self._runner.run(inputs, train=True)
+    def run_train(self, *args, **inputs):
+        """One training step over ``num_microbatches`` microbatches; returns the loss. Inputs by
+        name, or positionally in ``input_names`` order, or as one dict (a tokenizer's batch).
+        Every PP rank passes the same full inputs (as in NxD): each stage recomputes the
+        attention mask and positions from them."""
+        return self._runner.run(self._named_inputs(args, inputs), train=True)
 
-    def run_eval(self, *, return_logits: bool = False, **inputs):
+    def run_eval(self, *args, return_logits: bool = False, **inputs):
         """Forward only; returns the loss (labels given) like ``run_train``. With
         ``return_logits=True`` (not in NxD), ``(loss, logits)``: the full logits ``[b, s, vocab]``,
         gathered over TP, unpadded, fp32, on every rank."""
         with torch.no_grad():
-            return self._runner.run(inputs, train=False, return_logits=return_logits)
+            return self._runner.run(self._named_inputs(args, inputs), train=False, return_logits=return_logits)
+
+    def _named_inputs(self, args: tuple, inputs: dict) -> dict:
+        if len(args) == 1 and isinstance(args[0], Mapping):
+            args, inputs = (), {**args[0], **inputs}
+        if len(args) > len(self.input_names):
+            raise ValueError(f"got {len(args)} positional inputs but input_names has {len(self.input_names)}: "
+                             f"{self.input_names}")
+        named = dict(zip(self.input_names, args))
+        twice = sorted(set(named) & set(inputs))
+        if twice:
+            raise ValueError(f"inputs {twice} given both positionally and by name")
+        return {**named, **inputs}
+
+    @property
+    def local_module(self):
+        """This rank's stage module (a list of them with several stages per rank); an attribute,
+        as in NxD's ``NxDPPModel``."""
+        modules = list(self.stages.values())
+        return modules[0] if len(modules) == 1 else modules
+
+    @property
+    def pipeline_parallel_rank(self) -> int:
+        return self.pp_rank
 
     def no_sync(self):
         """Skip the data-parallel gradient mean for steps inside the block (accumulation)."""
         return self.nxd_grad_reduction.no_sync()
-
-    def local_module(self):
-        """This rank's stage module (a list of them with several stages per rank)."""
-        modules = list(self.stages.values())
-        return modules[0] if len(modules) == 1 else modules
 
     def local_named_parameters(self, *args, **kwargs):
         seen = set()
@@ -222,8 +248,49 @@ class NxDPPModel(nn.Module):
             self.schedule_name, dict(zip(self.local_stage_ids, self.stages.values())), self.num_stages,
             device=backend.default_device(), group=parallel_state.get_pipeline_model_parallel_group(),
             num_microbatches=self.num_microbatches, loss_fn=loss_fn, deallocate_outputs=self._deallocate,
-            stage_metadata=self.stage_metadata(microbatch_inputs), layer_types=self.transformer_layer_cls,
+            stage_metadata=self.stage_metadata(microbatch_inputs), layer_types=self.layer_types,
         )
+
+
+_warned_microbatches = False
+
+
+def _default_microbatches(num_microbatches: int | None) -> int:
+    """NxD's default is 1 microbatch; torch's 1F1B schedule needs one per stage at least, so
+    with PP and no ``num_microbatches`` given, one per pipeline rank (warned once)."""
+    global _warned_microbatches
+    pp_size = parallel_state.get_pipeline_model_parallel_size()
+    if num_microbatches is not None:
+        return num_microbatches
+    if pp_size == 1:
+        return 1
+    if not _warned_microbatches:
+        _warned_microbatches = True
+        warnings.warn(f"num_microbatches not given: using {pp_size} (one per pipeline stage, the fewest the "
+                      "pipeline schedules run); pass num_microbatches= to choose", stacklevel=4)
+    return pp_size
+
+
+def _outputs_as_tuple(graph_module, spec):
+    """A traced module returning a dict returns its values as a tuple instead (torch's stages
+    hand on tuples of tensors); a dict ``output_loss_value_spec`` becomes the matching tuple."""
+    output = next(n for n in graph_module.graph.nodes if n.op == "output")
+    value = output.args[0]
+    if not isinstance(value, dict):
+        if isinstance(spec, dict):
+            raise ValueError(f"output_loss_value_spec is a dict {spec} but the module's forward does not return a "
+                             "dict: give a tuple of bools, one per output")
+        return spec
+    keys = list(value)
+    if isinstance(spec, dict):
+        unknown = sorted(set(spec) - set(keys))
+        if unknown or sum(map(bool, spec.values())) != 1:
+            raise ValueError(f"output_loss_value_spec {spec} must mark exactly one of the forward's outputs "
+                             f"{keys} True{f'; unknown: {unknown}' if unknown else ''}")
+        spec = tuple(bool(spec.get(k, False)) for k in keys)
+    output.args = (tuple(value[k] for k in keys),)
+    graph_module.recompile()
+    return spec
 
 
 def _local_setup(setup: LocalSetup | None, param_init_fn, activation_checkpoint_config,

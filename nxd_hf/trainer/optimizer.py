@@ -86,7 +86,7 @@ def initialize_parallel_optimizer(nxd_config: NxDConfig, optimizer_class, parame
     opt_config, precision = nxd_config.optimizer_config, nxd_config.mixed_precision_config
     max_norm = opt_config.max_grad_norm if opt_config.grad_clipping else None
     if opt_config.zero_one_enabled:  # fp32 masters and the DP reduce-scatter live in ZeRO-1
-        return NeuronZero1Optimizer(parameters, optimizer_class, max_norm=max_norm,
-                                    grad_source=accumulated_grad, **defaults)
+        return NeuronZero1Optimizer(parameters, optimizer_class, grad_clipping=opt_config.grad_clipping,
+                                    max_norm=max_norm, grad_source=accumulated_grad, **defaults)
     return NxDOptimizer(parameters, optimizer_class, max_grad_norm=max_norm,
                         use_master_weights=precision.use_master_weights, **defaults)

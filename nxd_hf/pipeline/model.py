@@ -20,6 +20,7 @@ from nxd_hf import backend, parallel_state
 from nxd_hf.pipeline import partition
 from nxd_hf.model_setup import LocalSetup, set_up_local_modules
 from nxd_hf.model_setup.activation_checkpoint import decoder_layer_types
+from nxd_hf.model_setup.materialize import refuse_deferred_init
 from nxd_hf.parallel_layers.together import fail_together
 from nxd_hf.pipeline.runtime import SCHEDULES, build_schedule, check_schedule
 from nxd_hf.pipeline.recompute import allow_unmasked_attention, metadata_substitutes, recomputable_nodes
@@ -70,6 +71,7 @@ class NxDPPModel(nn.Module):
     ):
         super().__init__()
         with fail_together("NxDPPModel (tracing and splitting the model)"):  # before any collective
+            refuse_deferred_init(module)
             num_microbatches = _default_microbatches(num_microbatches)
             if num_microbatches < 1 or virtual_pipeline_size < 1:
                 raise ValueError(f"num_microbatches ({num_microbatches}) and virtual_pipeline_size "

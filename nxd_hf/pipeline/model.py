@@ -8,6 +8,7 @@ adapters, activation checkpointing, gradient reduction, device) — the same ste
 """
 
 import dataclasses
+import inspect
 import math
 import warnings
 from collections.abc import Mapping
@@ -27,6 +28,7 @@ from nxd_hf.pipeline.recompute import allow_unmasked_attention, metadata_substit
 from nxd_hf.pipeline.stages import boundaries, fake_propagate, flat_boundary_values, split_stages, value_kinds
 from nxd_hf.pipeline.trace import make_tracer, trace_hf
 from nxd_hf.pipeline.step import StepRunner
+from nxd_hf.pipeline.stage_view import StageView
 from nxd_hf.pipeline.ties import tie_across_stages
 
 
@@ -112,6 +114,7 @@ class NxDPPModel(nn.Module):
             graph_module = trace_hf(module, traced_inputs, self.layer_types, leaf_types, examples, tracer)
             if not self.is_hf:
                 self.output_loss_value_spec = _outputs_as_tuple(graph_module, output_loss_value_spec)
+            _layer_kwargs_in_signature_order(graph_module, self.layer_types)
             if trace_file_path:
                 with open(trace_file_path, "w") as f:
                     f.write(str(graph_module.graph))
@@ -184,10 +187,13 @@ class NxDPPModel(nn.Module):
 
     @property
     def local_module(self):
-        """This rank's stage module (a list of them with several stages per rank); an attribute,
-        as in NxD's ``NxDPPModel``."""
-        modules = list(self.stages.values())
-        return modules[0] if len(modules) == 1 else modules
+        """NxD's attribute: this rank's stage module (a list with several stages per rank), seen
+        as NxD's split module: its ``named_children()`` are the modules the stage calls (the
+        transformer layers among them) under their dotted names, and ``add_module(name, m)``
+        replaces one of them (NxD's activation-checkpointing sample wraps layers this way);
+        everything else is the stage module's own."""
+        views = [StageView(stage) for stage in self.stages.values()]
+        return views[0] if len(views) == 1 else views
 
     @property
     def pipeline_parallel_rank(self) -> int:
@@ -271,6 +277,18 @@ def _default_microbatches(num_microbatches: int | None) -> int:
         warnings.warn(f"num_microbatches not given: using {pp_size} (one per pipeline stage, the fewest the "
                       "pipeline schedules run); pass num_microbatches= to choose", stacklevel=4)
     return pp_size
+
+
+def _layer_kwargs_in_signature_order(graph_module, layer_types: tuple[type, ...]) -> None:
+    """Each transformer layer call passes its keyword arguments in the order of the layer's
+    forward signature (HF calls them in another order): NxD's activation-checkpointing sample
+    wraps layers in a module that hands keyword arguments on positionally, in call order."""
+    for node in graph_module.graph.nodes:
+        if node.op != "call_module" or not isinstance(graph_module.get_submodule(node.target), layer_types):
+            continue
+        order = list(inspect.signature(graph_module.get_submodule(node.target).forward).parameters)
+        node.kwargs = dict(sorted(node.kwargs.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)))
+    graph_module.recompile()
 
 
 def _outputs_as_tuple(graph_module, spec):

@@ -55,7 +55,10 @@ class NxDModel(nn.Module):
                 param.main_grad = None if set_to_none else param.main_grad.zero_()
 
     def local_module(self):
-        return self.module.local_module if self.pipelined else self.module
+        if not self.pipelined:
+            return self.module
+        stages = list(self.module.stages.values())
+        return stages[0] if len(stages) == 1 else stages
 
     def forward(self, *args, **kwargs):
         if self.pipelined:

@@ -304,14 +304,18 @@ CASES = [case_dict_output_loss_value_spec, case_positional_run_train, case_num_m
          case_parallel_layers_save_load, case_lora_model, case_dp_replicas_must_match]
 
 
-def run_cases(tmp: str, names: list[str]) -> dict:
+def run_named(cases: list, tmp: str, names: list[str]) -> dict:
+    """{name: None or its traceback} for each of ``cases`` named in ``names``, run in order."""
     results = {}
-    for case in CASES:
-        if case.__name__ not in names:
-            continue
-        try:
-            case(tmp)
-            results[case.__name__] = None
-        except Exception:
-            results[case.__name__] = traceback.format_exc()
+    for case in cases:
+        if case.__name__ in names:
+            try:
+                case(tmp)
+                results[case.__name__] = None
+            except Exception:
+                results[case.__name__] = traceback.format_exc()
     return results
+
+
+def run_cases(tmp: str, names: list[str]) -> dict:
+    return run_named(CASES, tmp, names)

@@ -6,7 +6,6 @@ spawn and returns {name: None or the traceback}."""
 
 import copy
 import os
-import traceback
 import warnings
 from types import SimpleNamespace
 
@@ -16,6 +15,7 @@ import transformers
 from torch import nn
 
 import hf_parity
+from reference_fix_cases import run_named
 from nxd_hf import backend
 from nxd_hf.parallel_layers.pad import gather_full_tensor
 
@@ -847,12 +847,4 @@ SAMPLES = [core_parallel_state, core_parallel_layers, core_pad_model, core_paral
 
 
 def run_samples(tmp: str, names: list[str]) -> dict:
-    results = {}
-    for sample in SAMPLES:
-        if sample.__name__ in names:
-            try:
-                sample(tmp)
-                results[sample.__name__] = None
-            except Exception:
-                results[sample.__name__] = traceback.format_exc()
-    return results
+    return run_named(SAMPLES, tmp, names)

@@ -87,12 +87,22 @@ class NxDModel(nn.Module):
             return self.module(**inputs).loss
 
     def _named_inputs(self, args: tuple, inputs: dict) -> dict:
+        if not args:
+            return inputs
         if len(args) == 1 and isinstance(args[0], Mapping):
             return {**args[0], **inputs}
+        signature = inspect.signature(self.module.forward)
         try:
-            return dict(inspect.signature(self.module.forward).bind_partial(*args, **inputs).arguments)
+            bound = signature.bind_partial(*args, **inputs).arguments
         except TypeError as error:
             raise ValueError(f"run_train/run_eval inputs do not fit the model's forward: {error}") from None
+        named = {}
+        for name, value in bound.items():
+            kind = signature.parameters[name].kind
+            if kind == inspect.Parameter.VAR_POSITIONAL:
+                raise ValueError("run_train/run_eval take the model's named inputs; got more positional ones")
+            named.update(value if kind == inspect.Parameter.VAR_KEYWORD else {name: value})
+        return named
 
     # this rank's parameters, buffers and modules, under the original names
     def named_parameters(self, *args, **kwargs):

@@ -94,9 +94,9 @@ def case_positional_run_train(tmp: str) -> None:
 
 
 def case_num_microbatches_default(tmp: str) -> None:
-    import nxd_hf.pipeline.model as pipeline_model
+    import nxd_hf.pipeline.nxd_inputs as nxd_inputs
 
-    pipeline_model._warned_microbatches = False
+    nxd_inputs._warned = False
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         reference, pp_model = _llama_pp()

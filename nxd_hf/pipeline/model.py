@@ -8,10 +8,8 @@ adapters, activation checkpointing, gradient reduction, device) — the same ste
 """
 
 import dataclasses
-import inspect
 import math
 import warnings
-from collections.abc import Mapping
 
 import torch
 import torch.utils._pytree as pytree
@@ -19,6 +17,9 @@ from torch import nn
 
 from nxd_hf import backend, parallel_state
 from nxd_hf.pipeline import partition
+from nxd_hf.pipeline.nxd_inputs import (
+    default_microbatches, layer_kwargs_in_signature_order, named_inputs, outputs_as_tuple,
+)
 from nxd_hf.model_setup import LocalSetup, set_up_local_modules
 from nxd_hf.model_setup.activation_checkpoint import decoder_layer_types
 from nxd_hf.model_setup.materialize import refuse_deferred_init
@@ -74,7 +75,7 @@ class NxDPPModel(nn.Module):
         super().__init__()
         with fail_together("NxDPPModel (tracing and splitting the model)"):  # before any collective
             refuse_deferred_init(module)
-            num_microbatches = _default_microbatches(num_microbatches)
+            num_microbatches = default_microbatches(num_microbatches)
             if num_microbatches < 1 or virtual_pipeline_size < 1:
                 raise ValueError(f"num_microbatches ({num_microbatches}) and virtual_pipeline_size "
                                  f"({virtual_pipeline_size}) must be >= 1")
@@ -113,8 +114,8 @@ class NxDPPModel(nn.Module):
             examples = self._example_inputs(traced_inputs)
             graph_module = trace_hf(module, traced_inputs, self.layer_types, leaf_types, examples, tracer)
             if not self.is_hf:
-                self.output_loss_value_spec = _outputs_as_tuple(graph_module, output_loss_value_spec)
-            _layer_kwargs_in_signature_order(graph_module, self.layer_types)
+                self.output_loss_value_spec = outputs_as_tuple(graph_module, output_loss_value_spec)
+            layer_kwargs_in_signature_order(graph_module, self.layer_types)
             if trace_file_path:
                 with open(trace_file_path, "w") as f:
                     f.write(str(graph_module.graph))
@@ -164,26 +165,15 @@ class NxDPPModel(nn.Module):
         name, or positionally in ``input_names`` order, or as one dict (a tokenizer's batch).
         Every PP rank passes the same full inputs (as in NxD): each stage recomputes the
         attention mask and positions from them."""
-        return self._runner.run(self._named_inputs(args, inputs), train=True)
+        return self._runner.run(named_inputs(self.input_names, args, inputs), train=True)
 
     def run_eval(self, *args, return_logits: bool = False, **inputs):
         """Forward only; returns the loss (labels given) like ``run_train``. With
         ``return_logits=True`` (not in NxD), ``(loss, logits)``: the full logits ``[b, s, vocab]``,
         gathered over TP, unpadded, fp32, on every rank."""
         with torch.no_grad():
-            return self._runner.run(self._named_inputs(args, inputs), train=False, return_logits=return_logits)
-
-    def _named_inputs(self, args: tuple, inputs: dict) -> dict:
-        if len(args) == 1 and isinstance(args[0], Mapping):
-            args, inputs = (), {**args[0], **inputs}
-        if len(args) > len(self.input_names):
-            raise ValueError(f"got {len(args)} positional inputs but input_names has {len(self.input_names)}: "
-                             f"{self.input_names}")
-        named = dict(zip(self.input_names, args))
-        twice = sorted(set(named) & set(inputs))
-        if twice:
-            raise ValueError(f"inputs {twice} given both positionally and by name")
-        return {**named, **inputs}
+            return self._runner.run(named_inputs(self.input_names, args, inputs), train=False,
+                                    return_logits=return_logits)
 
     @property
     def local_module(self):
@@ -258,59 +248,6 @@ class NxDPPModel(nn.Module):
             num_microbatches=self.num_microbatches, loss_fn=loss_fn, deallocate_outputs=self._deallocate,
             stage_metadata=self.stage_metadata(microbatch_inputs), layer_types=self.layer_types,
         )
-
-
-_warned_microbatches = False
-
-
-def _default_microbatches(num_microbatches: int | None) -> int:
-    """NxD's default is 1 microbatch; torch's 1F1B schedule needs one per stage at least, so
-    with PP and no ``num_microbatches`` given, one per pipeline rank (warned once)."""
-    global _warned_microbatches
-    pp_size = parallel_state.get_pipeline_model_parallel_size()
-    if num_microbatches is not None:
-        return num_microbatches
-    if pp_size == 1:
-        return 1
-    if not _warned_microbatches:
-        _warned_microbatches = True
-        warnings.warn(f"num_microbatches not given: using {pp_size} (one per pipeline stage, the fewest the "
-                      "pipeline schedules run); pass num_microbatches= to choose", stacklevel=4)
-    return pp_size
-
-
-def _layer_kwargs_in_signature_order(graph_module, layer_types: tuple[type, ...]) -> None:
-    """Each transformer layer call passes its keyword arguments in the order of the layer's
-    forward signature (HF calls them in another order): NxD's activation-checkpointing sample
-    wraps layers in a module that hands keyword arguments on positionally, in call order."""
-    for node in graph_module.graph.nodes:
-        if node.op != "call_module" or not isinstance(graph_module.get_submodule(node.target), layer_types):
-            continue
-        order = list(inspect.signature(graph_module.get_submodule(node.target).forward).parameters)
-        node.kwargs = dict(sorted(node.kwargs.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)))
-    graph_module.recompile()
-
-
-def _outputs_as_tuple(graph_module, spec):
-    """A traced module returning a dict returns its values as a tuple instead (torch's stages
-    hand on tuples of tensors); a dict ``output_loss_value_spec`` becomes the matching tuple."""
-    output = next(n for n in graph_module.graph.nodes if n.op == "output")
-    value = output.args[0]
-    if not isinstance(value, dict):
-        if isinstance(spec, dict):
-            raise ValueError(f"output_loss_value_spec is a dict {spec} but the module's forward does not return a "
-                             "dict: give a tuple of bools, one per output")
-        return spec
-    keys = list(value)
-    if isinstance(spec, dict):
-        unknown = sorted(set(spec) - set(keys))
-        if unknown or sum(map(bool, spec.values())) != 1:
-            raise ValueError(f"output_loss_value_spec {spec} must mark exactly one of the forward's outputs "
-                             f"{keys} True{f'; unknown: {unknown}' if unknown else ''}")
-        spec = tuple(bool(spec.get(k, False)) for k in keys)
-    output.args = (tuple(value[k] for k in keys),)
-    graph_module.recompile()
-    return spec
 
 
 def _local_setup(setup: LocalSetup | None, param_init_fn, activation_checkpoint_config,

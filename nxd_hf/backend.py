@@ -318,17 +318,6 @@ def post_first(key: str, value: str) -> str:
     return store.compare_set(key, "", value).decode(errors="replace")
 
 
-def read_posted(key: str, timeout_s: float) -> str | None:
-    """The value some rank posted under ``key`` (``post_first``), waiting up to ``timeout_s``;
-    None if nothing came."""
-    store = dist.distributed_c10d._get_default_store()
-    try:
-        store.wait([key], datetime.timedelta(seconds=timeout_s))
-    except (RuntimeError, dist.DistStoreError):
-        return None
-    return store.get(key).decode(errors="replace")
-
-
 def abort_groups() -> None:
     """Abort every process group of this rank (the default one included): a peer waiting on
     this rank in a send, receive or collective gets an error at once instead of waiting for

@@ -24,7 +24,7 @@ from nxd_hf.parallel_layers.sharding import (
 def nxd_row_layout(q_size: int, kv_size: int, kv_size_multiplier: int, tp_rank: int, tp_size: int):
     """NxD's layout, by rows (no head size needed): Q split contiguously; K (and V) stacked
     ``kv_size_multiplier`` times whole (``k k``) and that stack split contiguously. Returns
-    (q_rows, kv_rows, q_size) like ``gqa_layout``. The attention using it must match each
+    (q_rows, kv_rows, None): ``gqa_layout``'s rows (the head counts are unknown here). The attention using it must match each
     rank's query rows to its K/V rows, as NxD's models do; ``head_dim=`` gives the layout that
     keeps Hugging Face's head order instead."""
     if q_size % tp_size or (kv_size * kv_size_multiplier) % tp_size:
@@ -35,7 +35,7 @@ def nxd_row_layout(q_size: int, kv_size: int, kv_size_multiplier: int, tp_rank: 
     q_local, kv_local = q_size // tp_size, kv_size * kv_size_multiplier // tp_size
     q_rows = torch.arange(tp_rank * q_local, (tp_rank + 1) * q_local)
     kv_rows = torch.arange(tp_rank * kv_local, (tp_rank + 1) * kv_local) % kv_size
-    return q_rows, kv_rows, q_size
+    return q_rows, kv_rows, None
 
 
 class GQAQKVColumnParallelLinear(nn.Module):
@@ -63,11 +63,11 @@ class GQAQKVColumnParallelLinear(nn.Module):
                 gqa_layout(q_size // head_dim, kv_size // head_dim, head_dim, kv_size_multiplier, r, tp_size)
                 for r in range(tp_size)
             ]
-        self.q_shard_index, self.kv_shard_index, padded_q_rows = layouts[tp_rank]
+        self.q_shard_index, self.kv_shard_index, padded_heads = layouts[tp_rank]
         self.q_output_size_per_partition, self.kv_output_size_per_partition = (
             len(self.q_shard_index), len(self.kv_shard_index))  # NxD's names
         if head_dim is not None:
-            self.num_heads_per_partition = padded_q_rows // head_dim // tp_size
+            self.num_heads_per_partition = padded_heads // tp_size
             self.num_kv_heads_per_partition = len(self.kv_shard_index) // head_dim
         self._q_positions = gather_positions([lay[0] for lay in layouts], q_size)
         self._kv_positions = gather_positions([lay[1] for lay in layouts], kv_size)

@@ -24,9 +24,9 @@ from nxd_hf.parallel_layers.sharding import (
 def nxd_row_layout(q_size: int, kv_size: int, kv_size_multiplier: int, tp_rank: int, tp_size: int):
     """NxD's layout, by rows (no head size needed): Q split contiguously; K (and V) stacked
     ``kv_size_multiplier`` times whole (``k k``) and that stack split contiguously. Returns
-    (q_rows, kv_rows, None): ``gqa_layout``'s rows (the head counts are unknown here). The attention using it must match each
-    rank's query rows to its K/V rows, as NxD's models do; ``head_dim=`` gives the layout that
-    keeps Hugging Face's head order instead."""
+    (q_rows, kv_rows, None), as ``gqa_layout`` (head counts are unknown here). The attention
+    using it must match each rank's query rows to its K/V rows, as NxD's models do;
+    ``head_dim=`` gives the layout that keeps Hugging Face's head order instead."""
     if q_size % tp_size or (kv_size * kv_size_multiplier) % tp_size:
         raise ValueError(
             f"GQAQKVColumnParallelLinear: output_sizes [{q_size}, {kv_size}] x kv_size_multiplier "

@@ -23,11 +23,16 @@ def __getattr__(name: str):
         from nxd_hf import integrations
 
         return getattr(integrations, name)
+    if name == "LoRAModel":  # peft loads on first use
+        from nxd_hf.lora.model import LoRAModel
+
+        return LoRAModel
     raise AttributeError(f"module 'nxd_hf' has no attribute {name!r}")
 
 
 __all__ = [
     "NxDTrainer", "NxDTrainingArguments", "NxDSFTTrainer", "NxDSFTConfig", "parallel_trainer", "parallel_arguments",
+    "LoRAModel",
     "ModelPatch", "check_parity", "consolidate", "from_pretrained", "full_state_dict", "load_checkpoint",
     "save_checkpoint", "save_pretrained", "wait_for_checkpoint", "initialize_parallel_model",
     "initialize_parallel_optimizer",

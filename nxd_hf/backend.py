@@ -434,3 +434,22 @@ def all_gather_object(obj, group=None) -> list:
     out = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def post_first(key: str, value: str) -> str:
+    """Write ``value`` under ``key`` in the default group's store unless some rank wrote there
+    first; return what the key holds (the first writer's value)."""
+    store = dist.distributed_c10d._get_default_store()
+    return store.compare_set(key, "", value).decode(errors="replace")
+
+
+def abort_groups() -> None:
+    """Abort every process group of this rank (the default one included): a peer waiting on
+    this rank in a send, receive or collective gets an error at once instead of waiting for
+    the timeout. Nothing can communicate afterwards."""
+    groups = list(dist.distributed_c10d._world.pg_map)
+    for group in groups:
+        try:
+            group.abort()
+        except RuntimeError:  # already aborted, or a backend without abort
+            pass

@@ -38,6 +38,7 @@ from nxd_hf.architectures import get_patch
 from nxd_hf.checkpoint.consolidate import save_pretrained
 from nxd_hf.model_setup import LocalSetup, set_up_local_modules
 from nxd_hf.model_setup.activation_checkpoint import decoder_layer_types
+from nxd_hf.model_setup.materialize import refuse_deferred_init
 from nxd_hf.model_state import NxDModelState, state_of
 from nxd_hf.parallel_layers.heads import HeadLayout, head_layout
 from nxd_hf.guards.input_check import install_input_check
@@ -139,6 +140,7 @@ def _adapters(model, lora_config):
 
 
 def _check_model(model) -> None:
+    refuse_deferred_init(model)
     if not hasattr(model, "config") or not hasattr(model, "named_modules"):
         raise ValueError(
             f"{type(model).__name__} is not a Hugging Face model (it has no .config): nxd_hf.parallelize takes a "

@@ -140,7 +140,7 @@ def check_save_pretrained_pp(root):
 
     reference, model = C.hf_parity.build_pair("qwen2")
     nxd_hf.parallel_state.destroy_model_parallel()
-    pipelined = nxd_hf.parallelize(model, pipeline_parallel_size=2, num_microbatches=1)
+    pipelined = nxd_hf.parallelize(model, pipeline_parallel_size=2, num_microbatches=2)
     pipelined.save_pretrained(os.path.join(root, "pp_pretrained"))
     loaded = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(root, "pp_pretrained"))
     ids, _ = C.hf_parity.batch()

@@ -27,6 +27,7 @@ ROOT = pathlib.Path(nxd_hf.__file__).parent
 # or a device computation. Index tensors describe shards; they are moved with .to(x.device) where used.
 HOST_ONLY = {
     ("modules/qkv_linear.py", "GQAQKVColumnParallelLinear._make_params"): "replica counts per row: host metadata",
+    ("modules/qkv_linear.py", "nxd_row_layout"): "row indices of NxD's layout: host metadata",
     ("modules/qkv_linear.py", "GQAQKVColumnParallelLinear.init_weight_cpu"): "NxD's full-weight init on the CPU, "
                                                                              "sliced into the (placed) parameter",
     ("parallel_layers/layers.py", "ColumnParallelLinear.__init__"): "as_tensor of num_replicas: a host flag",

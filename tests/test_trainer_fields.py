@@ -57,11 +57,12 @@ def _local_rows(trainer, name):
 
 
 def check_kv_size_multiplier(out_dir):
-    """tp=4, one K/V head: the K/V projections hold 8/4 head copies per rank with
-    kv_size_multiplier=8, 4/4 with 'auto' (4); training still equals Trainer's."""
-    overrides = dict(num_attention_heads=8, num_key_value_heads=1, num_hidden_layers=2)  # head_dim 6
+    """tp=4, two K/V heads: the K/V projections hold 2*4/4 head copies per rank with
+    kv_size_multiplier=4, 2*2/4 with 'auto' (2); training still equals Trainer's. With one K/V
+    head, 2 copies do not split over 4 ranks: a ValueError (the value reached parallelize)."""
+    overrides = dict(num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=2)  # head_dim 6
     reference, model = hf_parity.build_pair("llama", **overrides)
-    trainer = _trainer(out_dir, model, tensor_parallel_size=4, kv_size_multiplier="8")
+    trainer = _trainer(out_dir, model, tensor_parallel_size=4, kv_size_multiplier="4")
     for kind in ("k_proj", "v_proj"):
         assert _local_rows(trainer, f"model.layers.0.self_attn.{kind}.weight") == 2 * 6, kind
     trainer.train()
@@ -77,8 +78,9 @@ def check_kv_size_multiplier(out_dir):
         torch.testing.assert_close(full_tensor(param), ref_params[name].detach(), **TOL, msg=lambda m: f"{name}: {m}")
     auto = _trainer(out_dir, hf_parity.build_pair("llama", **overrides)[1], tensor_parallel_size=4)
     assert _local_rows(auto, "model.layers.0.self_attn.k_proj.weight") == 6
+    one_kv_head = dict(overrides, num_key_value_heads=1)
     with pytest.raises(ValueError, match="kv_size_multiplier=4"):  # 1 head x 2 copies do not split over 4 ranks
-        _trainer(out_dir, hf_parity.build_pair("llama", **overrides)[1], tensor_parallel_size=4,
+        _trainer(out_dir, hf_parity.build_pair("llama", **one_kv_head)[1], tensor_parallel_size=4,
                  kv_size_multiplier="2")
 
 
@@ -90,7 +92,8 @@ def check_pipeline_fields(out_dir):
     assert (pp_model.num_microbatches, len(pp_model.stages), pp_model.schedule_name) == (4, 2, "looped_bfs")
     assert parallel_state.get_pipeline_model_parallel_size() == 2
     default = _trainer(out_dir, pipeline_parallel_size=2).nxd_model.module
-    assert (default.num_microbatches, len(default.stages), default.schedule_name) == (1, 1, "1f1b")
+    # num_microbatches unset: one per stage (NxD's default would not train at pp=2; warned)
+    assert (default.num_microbatches, len(default.stages), default.schedule_name) == (2, 1, "1f1b")
 
 
 def _norm_input_lengths(trainer) -> list[int]:

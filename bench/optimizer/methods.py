@@ -59,7 +59,8 @@ class Method:
             self.optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
         elif name == "nxd_zero1":
             self.optimizer = NeuronZero1Optimizer(model.parameters(), torch.optim.AdamW, lr=config.lr,
-                                                  max_norm=config.max_norm, bucket_size_mb=BUCKET_MB)
+                                                  grad_clipping=config.max_norm is not None, max_norm=config.max_norm,
+                                                  bucket_size_mb=BUCKET_MB)
         elif name == "torch_zero_redundancy":
             from torch.distributed.optim import ZeroRedundancyOptimizer
 

@@ -11,6 +11,7 @@ _LAZY = {
     "inject_lora": "nxd_hf.lora.inject", "to_peft_config": "nxd_hf.lora.inject",
     "save_adapter": "nxd_hf.lora.save",
     "LoraColumnParallelLinear": "nxd_hf.lora.layers", "LoraRowParallelLinear": "nxd_hf.lora.layers",
+    "LoRAModel": "nxd_hf.lora.model",
 }
 
 
@@ -30,5 +31,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'nxd_hf.lora' has no attribute {name!r}")
 
 
-__all__ = ["LoraColumnParallelLinear", "LoraRowParallelLinear", "inject_lora", "register_with_peft", "save_adapter",
+__all__ = ["LoRAModel", "LoraColumnParallelLinear", "LoraRowParallelLinear", "inject_lora", "register_with_peft", "save_adapter",
            "to_peft_config"]

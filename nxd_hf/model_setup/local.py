@@ -6,7 +6,8 @@ pp=1, while ``NxDPPModel`` runs them on its local stages (however it was constru
    reads its slices of the files); otherwise meta parameters are materialized and
    ``param_init_fn`` initializes them; real weights stay as they are;
 6. ties: ``tie()`` (weights shared by stages on different pipeline ranks start equal);
-7. adapters: ``add_adapters(modules)`` (the LoRA slot);
+7. adapters: ``add_adapters(modules)`` (the LoRA slot); then data-parallel replicas are
+   checked to hold the same weights (``nxd_hf.model_setup.replicas``);
 8. activation checkpointing of the layers ``activation_checkpoint_config`` names;
 9. the gradient-reduction policy (``nxd_hf.parallel_layers.grad_reduction``), with fp32
    gradient accumulation for low-precision parameters when asked;
@@ -28,6 +29,7 @@ from torch import nn
 from nxd_hf import backend
 from nxd_hf.model_setup.activation_checkpoint import checkpoint_layers, checkpoint_types
 from nxd_hf.model_setup.materialize import has_meta_tensors, materialize, rebuild_all_meta_buffers
+from nxd_hf.model_setup.replicas import check_replicas_equal
 from nxd_hf.parallel_layers.grad_reduction import GradReduction
 from nxd_hf.parallel_layers.grads import install_fp32_grad_accumulation
 from nxd_hf.parallel_layers.sharding import move_model_to_device
@@ -69,6 +71,7 @@ def set_up_local_modules(modules: list[nn.Module], setup: LocalSetup, *, layer_t
         tie()
     if setup.add_adapters is not None:
         setup.add_adapters(modules)
+    check_replicas_equal(modules)
     with fail_together("nxd_hf.parallelize (steps 8-10: checkpointing, gradient policy, device)"):
         return _finish(modules, setup, layer_types, device)
 

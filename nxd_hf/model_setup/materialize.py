@@ -1,5 +1,7 @@
 """Give meta-device modules real memory: only this rank's modules are ever materialized."""
 
+import sys
+
 import torch
 from torch import nn
 
@@ -61,3 +63,17 @@ def rebuild_meta_buffers(module: nn.Module, module_name: str) -> None:
     for name, buffer in fresh._buffers.items():
         if buffer is not None:
             module._buffers[name] = buffer
+
+
+def refuse_deferred_init(module: nn.Module) -> None:
+    """ValueError for a model built by torchdistx's ``deferred_init`` (fake tensors, which
+    nxd_hf does not materialize; torchdistx is unmaintained and built for torch 1.x)."""
+    fake = sys.modules.get("torchdistx.fake")  # only a script that imported torchdistx can hold its fakes
+    if fake is None:
+        return
+    if any(fake.is_fake(t) for t in (*module.parameters(), *module.buffers())):
+        raise ValueError(
+            "this model was built with torchdistx's deferred_init, which nxd_hf does not support: build it on the "
+            "meta device instead — `with nxd_hf.utils.model_utils.init_on_device(torch.device('meta')): model = "
+            "LlamaForCausalLM(config)` — and pass param_init_fn= (NxDPPModel / nxd_hf.parallelize) to initialize "
+            "this rank's part, or load the weights with nxd_hf.from_pretrained")

@@ -21,9 +21,28 @@ from nxd_hf.parallel_layers.sharding import (
 )
 
 
+def nxd_row_layout(q_size: int, kv_size: int, kv_size_multiplier: int, tp_rank: int, tp_size: int):
+    """NxD's layout, by rows (no head size needed): Q split contiguously; K (and V) stacked
+    ``kv_size_multiplier`` times whole (``k k``) and that stack split contiguously. Returns
+    (q_rows, kv_rows, None), as ``gqa_layout`` (head counts are unknown here). The attention
+    using it must match each rank's query rows to its K/V rows, as NxD's models do;
+    ``head_dim=`` gives the layout that keeps Hugging Face's head order instead."""
+    if q_size % tp_size or (kv_size * kv_size_multiplier) % tp_size:
+        raise ValueError(
+            f"GQAQKVColumnParallelLinear: output_sizes [{q_size}, {kv_size}] x kv_size_multiplier "
+            f"{kv_size_multiplier} do not split over {tp_size} TP ranks; pass head_dim= to pad heads, or a "
+            "kv_size_multiplier that makes kv_size x kv_size_multiplier divisible by the TP size")
+    q_local, kv_local = q_size // tp_size, kv_size * kv_size_multiplier // tp_size
+    q_rows = torch.arange(tp_rank * q_local, (tp_rank + 1) * q_local)
+    kv_rows = torch.arange(tp_rank * kv_local, (tp_rank + 1) * kv_local) % kv_size
+    return q_rows, kv_rows, None
+
+
 class GQAQKVColumnParallelLinear(nn.Module):
     """Q, K, V = X W_q + b_q, X W_k + b_k, X W_v + b_v with the layout in the module docstring.
-    Returns ``(q, k, v)``, local (``[b, s, heads_local * head_dim]``) unless ``gather_output``."""
+    Returns ``(q, k, v)``, local (``[b, s, heads_local * head_dim]``) unless ``gather_output``.
+    Without ``head_dim`` (NxD's signature) the layout is NxD's (``nxd_row_layout``); with it,
+    the head layout of the module docstring."""
 
     def __init__(
         self, input_size: int, output_sizes: list[int], bias: bool = True, gather_output: bool = True,
@@ -34,20 +53,22 @@ class GQAQKVColumnParallelLinear(nn.Module):
         super().__init__()
         q_size, kv_size = output_sizes
         tp_rank, tp_size = tp_coords()
-        if head_dim is None:
-            if kv_size_multiplier != 1 or q_size % tp_size or kv_size % tp_size:
-                raise ValueError("GQAQKVColumnParallelLinear needs head_dim= to replicate K/V or pad query heads")
-            head_dim = 1  # plain contiguous split of rows
         self.input_size, self.q_size, self.kv_size, self.head_dim = input_size, q_size, kv_size, head_dim
         self.gather_output, self.sequence_parallel_enabled = gather_output, sequence_parallel_enabled
         self.init_method, self.kv_size_multiplier, self.fuse_qkv = init_method, kv_size_multiplier, fuse_qkv
-        layouts = [
-            gqa_layout(q_size // head_dim, kv_size // head_dim, head_dim, kv_size_multiplier, r, tp_size)
-            for r in range(tp_size)
-        ]
+        if head_dim is None:
+            layouts = [nxd_row_layout(q_size, kv_size, kv_size_multiplier, r, tp_size) for r in range(tp_size)]
+        else:
+            layouts = [
+                gqa_layout(q_size // head_dim, kv_size // head_dim, head_dim, kv_size_multiplier, r, tp_size)
+                for r in range(tp_size)
+            ]
         self.q_shard_index, self.kv_shard_index, padded_heads = layouts[tp_rank]
-        self.num_heads_per_partition = padded_heads // tp_size
-        self.num_kv_heads_per_partition = len(self.kv_shard_index) // head_dim
+        self.q_output_size_per_partition, self.kv_output_size_per_partition = (
+            len(self.q_shard_index), len(self.kv_shard_index))  # NxD's names
+        if head_dim is not None:
+            self.num_heads_per_partition = padded_heads // tp_size
+            self.num_kv_heads_per_partition = len(self.kv_shard_index) // head_dim
         self._q_positions = gather_positions([lay[0] for lay in layouts], q_size)
         self._kv_positions = gather_positions([lay[1] for lay in layouts], kv_size)
         self._make_params(bias, dtype, device)

@@ -27,6 +27,7 @@ from nxd_hf.optim.flat import FlatGroup, build_flat_groups
 from nxd_hf.optim.groups import resolve_group
 from nxd_hf.optim.zero1_state import Zero1StateMixin
 from nxd_hf.parallel_layers.grad_reduction import grad_reductions_of
+from nxd_hf.parallel_layers.grads import accumulated_grad, install_fp32_grad_accumulation
 
 ELEMENTWISE_OPTIMIZERS = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
@@ -60,8 +61,16 @@ class NeuronZero1Optimizer(Zero1StateMixin, torch.optim.Optimizer):
         or NxD's list of rank lists.
     grad_norm_groups: the group the grad norm is summed over besides DP; default TP x PP.
     pin_layout: accepted for NxD compatibility; no effect (an XLA collective-layout hint).
-    max_norm: clip the global gradient norm to this (None: no clipping); ``norm_type`` its p.
-    bucket_size_mb: reduce-scatter / all-gather input size per collective.
+    optimizer_dtype: dtype of the master slices and the optimizer state; default float32.
+    grad_clipping, max_norm: clip the global gradient norm to ``max_norm`` (default 1.0) when
+        ``grad_clipping`` (default True), as torch-xla's ``ZeroRedundancyOptimizer``; ``norm_type`` its p.
+    lazy_init: build the sharded layout on ``init_zero()`` instead of here (torch-xla's).
+    bucket_size_mb: reduce-scatter / all-gather input size per collective. torch-xla's
+        ``bucket_cap_mb_all_gather`` / ``bucket_cap_mb_reduce_scatter`` set it too (0: the default;
+        one size serves both: the smaller one given).
+    use_grad_acc_hook: accumulate low-precision gradients in an fp32 ``main_grad`` (torch-xla's).
+    save_master_weights: the master slices go into checkpoints (torch-xla's; nxd_hf always saves them).
+    higher_cc_precision: reduce-scatter low-precision gradients in ``optimizer_dtype`` (torch-xla's).
     elementwise: assert that an optimizer outside ``ELEMENTWISE_OPTIMIZERS`` is element-wise.
     model: a model from ``nxd_hf.parallelize`` whose DP gradient all-reduce to turn off (found
         from the parameters anyway; NxD's argument).
@@ -74,20 +83,41 @@ class NeuronZero1Optimizer(Zero1StateMixin, torch.optim.Optimizer):
     A parameter without a gradient is stepped with a zero gradient (torch's optimizers skip it).
     """
 
-    def __init__(self, params, optimizer_class, *, sharding_groups=None, grad_norm_groups=None, pin_layout=True,
-                 max_norm: float | None = None, norm_type: float = 2.0, bucket_size_mb: float = 25,
-                 elementwise: bool = False, model=None, grad_source=None, **defaults):
+    def __init__(self, params, optimizer_class, optimizer_dtype: torch.dtype | None = None, grad_clipping: bool = True,
+                 max_norm: float | None = None, pin_layout=True, sharding_groups=None, grad_norm_groups=None,
+                 lazy_init: bool = False, bucket_cap_mb_all_gather: float = 0, bucket_cap_mb_reduce_scatter: float = 0,
+                 use_grad_acc_hook: bool = False, save_master_weights: bool = False, higher_cc_precision: bool = False,
+                 *, norm_type: float = 2.0, bucket_size_mb: float = 25, elementwise: bool = False, model=None,
+                 grad_source=None, **defaults):
         _check_elementwise(optimizer_class, elementwise)
+        if not grad_clipping and max_norm is not None:
+            warnings.warn(f"NeuronZero1Optimizer: max_norm={max_norm} is ignored with grad_clipping=False", stacklevel=2)
+        max_norm = (1.0 if max_norm is None else max_norm) if grad_clipping else None
         if max_norm is not None and max_norm <= 0:
-            raise ValueError(f"max_norm must be positive or None (no clipping), got {max_norm}")
+            raise ValueError(f"max_norm must be positive (or grad_clipping=False: no clipping), got {max_norm}")
+        given_caps = [c for c in (bucket_cap_mb_all_gather, bucket_cap_mb_reduce_scatter) if c]
+        bucket_size_mb = min(given_caps) if given_caps else bucket_size_mb
         if bucket_size_mb <= 0:
             raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
         self._layout_done = False
         super().__init__(params, defaults)
         self.max_norm, self.norm_type, self.pin_layout = max_norm, float(norm_type), pin_layout
+        self.optimizer_dtype = optimizer_dtype or torch.float32
+        self.save_master_weights, self.higher_cc_precision = save_master_weights, higher_cc_precision
+        if use_grad_acc_hook:
+            install_fp32_grad_accumulation(p for g in self.param_groups for p in g["params"])
+            grad_source = grad_source or accumulated_grad
         self.grad_source = grad_source or (lambda p: p.grad)
         self.sharding_group = resolve_group(sharding_groups, "data")
         self.grad_norm_group = resolve_group(grad_norm_groups, "model")
+        self._init_args = (optimizer_class, bucket_size_mb, model, defaults)
+        self.inited = False
+        if not lazy_init:
+            self.init_zero()
+
+    def init_zero(self) -> None:
+        """Shard the parameters and build the inner optimizer (at construction unless ``lazy_init``)."""
+        optimizer_class, bucket_size_mb, model, defaults = self._init_args
         self.dp_size, self.dp_rank = backend.group_size(self.sharding_group), backend.group_rank(self.sharding_group)
         if self.dp_size == 1:
             warnings.warn(
@@ -115,6 +145,7 @@ class NeuronZero1Optimizer(Zero1StateMixin, torch.optim.Optimizer):
             policy.reduce_in_optimizer()
         if model is not None:
             self.attach(model)
+        self.inited = True
 
     def add_param_group(self, param_group: dict) -> None:
         if self._layout_done:
@@ -143,9 +174,9 @@ class NeuronZero1Optimizer(Zero1StateMixin, torch.optim.Optimizer):
         return chunks
 
     def _new_master(self, fg: FlatGroup) -> torch.Tensor:
-        master = torch.empty(fg.shard_numel, dtype=torch.float32, device=fg.device)
+        master = torch.empty(fg.shard_numel, dtype=self.optimizer_dtype, device=fg.device)
         master.grad = torch.zeros_like(master)  # filled by the reduce-scatter
-        if fg.dtype == torch.float32:
+        if fg.dtype == master.dtype:
             fg.read(fg.shard_start, fg.shard_start + fg.shard_numel, master, lambda p: p)
         else:
             staging = torch.empty(fg.shard_numel, dtype=fg.dtype, device=fg.device)
@@ -156,6 +187,8 @@ class NeuronZero1Optimizer(Zero1StateMixin, torch.optim.Optimizer):
     # -- step
     @torch.no_grad()
     def step(self, closure=None):
+        if not self.inited:
+            raise ValueError("NeuronZero1Optimizer(lazy_init=True): call optimizer.init_zero() before step()")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -193,6 +226,9 @@ class NeuronZero1Optimizer(Zero1StateMixin, torch.optim.Optimizer):
     def _reduce_scatter_grads(self, fg: FlatGroup, master: torch.Tensor) -> None:
         grads = [self.grad_source(p) for p in fg.params]
         dtype = next((g.dtype for g in grads if g is not None), fg.dtype)
+        master_dtype = self.masters[0].dtype
+        if self.higher_cc_precision and dtype.itemsize < master_dtype.itemsize:
+            dtype = master_dtype
         source = dict(zip(map(id, fg.params), grads))
         staging = self._staging(dtype, fg.device)
         for c0, c1 in fg.buckets():
@@ -200,9 +236,9 @@ class NeuronZero1Optimizer(Zero1StateMixin, torch.optim.Optimizer):
             for j in range(fg.dp_size):  # row j of the [dp, shard] view: rank j's columns c0:c1
                 start = j * fg.shard_numel + c0
                 fg.read(start, start + width, staging[j * width : (j + 1) * width], lambda p: source[id(p)])
-            out = master.grad[c0:c1] if dtype == torch.float32 else torch.empty(width, dtype=dtype, device=fg.device)
+            out = master.grad[c0:c1] if dtype == master.dtype else torch.empty(width, dtype=dtype, device=fg.device)
             backend.reduce_scatter_into(out, staging[: fg.dp_size * width], self.sharding_group)
-            if out.dtype != torch.float32:
+            if out.dtype != master.dtype:
                 master.grad[c0:c1].copy_(out)
 
     def _all_gather_params(self, fg: FlatGroup, master: torch.Tensor) -> None:

@@ -2,6 +2,7 @@
 
 from nxd_hf import parallel_state
 from nxd_hf.parallel_layers import random
+from nxd_hf.parallel_layers.checkpointing import load, save
 from nxd_hf.parallel_layers.grads import (
     allreduce_sequence_parallel_gradients, clip_grad_norm, get_grad_norm, sync_data_parallel_grads,
 )
@@ -12,6 +13,6 @@ from nxd_hf.parallel_layers.sharding import move_model_to_device
 
 __all__ = [
     "ColumnParallelLinear", "ParallelEmbedding", "RowParallelLinear", "allreduce_sequence_parallel_gradients",
-    "clip_grad_norm", "get_grad_norm", "get_number_of_extra_heads", "move_model_to_device", "pad_model",
-    "parallel_cross_entropy", "parallel_state", "random", "sync_data_parallel_grads",
+    "clip_grad_norm", "get_grad_norm", "get_number_of_extra_heads", "load", "move_model_to_device", "pad_model",
+    "parallel_cross_entropy", "parallel_state", "random", "save", "sync_data_parallel_grads",
 ]

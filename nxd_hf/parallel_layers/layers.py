@@ -140,6 +140,7 @@ class RowParallelLinear(nn.Module):
         init_method: Callable | None = None, stride: int = 1, *, shard_index: torch.Tensor | None = None,
     ):
         super().__init__()
+        device = device or None  # NxD documents device=False as this layer's default
         if sequence_parallel_enabled and not input_is_parallel:
             raise ValueError("RowParallelLinear with sequence_parallel_enabled=True needs input_is_parallel=True")
         self.input_size, self.output_size = input_size, output_size

@@ -45,8 +45,10 @@ def _repad(layer: nn.Module, dim: int, logical_size: int, n_heads: int, extra: i
 def pad_model(model: nn.Module, tp_degree: int, n_heads: int, wrapped_classes=(), pad_hook_fn: Callable | None = None) -> nn.Module:
     """Pad the attention heads of ``model`` (in place) so ``tp_degree`` divides them.
 
-    ``wrapped_classes``: only parallel layers inside instances of these classes are padded (all,
-    when empty). ``pad_hook_fn(module, tgt_src_ratio)`` is called on each wrapped instance (on
+    ``wrapped_classes``: only parallel layers inside instances of these classes are padded. When
+    empty (NxD's default), every parallel layer whose sharded dim is a whole number of
+    ``n_heads`` heads is padded and the others (an MLP of another width, a fused layer) are left
+    as they are: they already run at this TP degree. ``pad_hook_fn(module, tgt_src_ratio)`` is called on each wrapped instance (on
     ``model`` when none are given), e.g. to update a cached head count.
     """
     tp_size = parallel_state.get_tensor_model_parallel_size()
@@ -62,11 +64,16 @@ def pad_model(model: nn.Module, tp_degree: int, n_heads: int, wrapped_classes=()
             if id(layer) in seen or not isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
                 continue
             seen.add(id(layer))
-            if extra:
+            if extra and (wrapped_classes or _head_shaped(layer, n_heads)):
                 _pad_layer(layer, n_heads, extra)
         if pad_hook_fn is not None:
             pad_hook_fn(root, ratio)
     return model
+
+
+def _head_shaped(layer: nn.Module, n_heads: int) -> bool:
+    size = layer.output_size if isinstance(layer, ColumnParallelLinear) else layer.input_size
+    return size % n_heads == 0 and layer.stride == 1
 
 
 def _pad_layer(layer: nn.Module, n_heads: int, extra: int) -> None:

@@ -19,15 +19,20 @@ from torch import nn
 
 from nxd_hf import backend, parallel_state
 from nxd_hf.pipeline import partition
+from nxd_hf.pipeline.nxd_inputs import (
+    default_microbatches, layer_kwargs_in_signature_order, named_inputs, outputs_as_tuple,
+)
 from nxd_hf.model_setup import LocalSetup, set_up_local_modules
 from nxd_hf.model_setup.activation_checkpoint import decoder_layer_types
 from nxd_hf.guards.fail_together import fail_together
+from nxd_hf.model_setup.materialize import refuse_deferred_init
 from nxd_hf.model_state import NxDModelState, state_of
 from nxd_hf.pipeline.runtime import SCHEDULES, build_schedule, check_schedule
 from nxd_hf.pipeline.recompute import allow_unmasked_attention, metadata_substitutes, recomputable_nodes
 from nxd_hf.pipeline.stages import boundaries, fake_propagate, flat_boundary_values, split_stages, value_kinds
 from nxd_hf.pipeline.trace import make_tracer, trace_hf
 from nxd_hf.pipeline.step import StepRunner
+from nxd_hf.pipeline.stage_view import StageView
 from nxd_hf.pipeline.ties import tie_across_stages
 
 
@@ -61,7 +66,8 @@ class NxDPPModel(nn.Module):
     ``no_sync()`` defers that reduction for accumulation micro-steps, as in DDP."""
 
     def __init__(
-        self, module: nn.Module, transformer_layer_cls=None, num_microbatches: int = 1, virtual_pipeline_size: int = 1,
+        self, module: nn.Module, transformer_layer_cls=None, num_microbatches: int | None = None,
+        virtual_pipeline_size: int = 1,
         output_loss_value_spec=None, return_mb_loss: bool = False, broadcast_and_average_loss: bool = False,
         pipeline_cuts: list[str] | None = None, input_names: list[str] | None = None, leaf_module_cls=None,
         autowrap_functions=None, autowrap_modules=None, tracer_cls=None, param_init_fn=None,
@@ -71,6 +77,8 @@ class NxDPPModel(nn.Module):
     ):
         super().__init__()
         with fail_together("NxDPPModel (tracing and splitting the model)"):  # before any collective
+            refuse_deferred_init(module)
+            num_microbatches = default_microbatches(num_microbatches)
             if num_microbatches < 1 or virtual_pipeline_size < 1:
                 raise ValueError(f"num_microbatches ({num_microbatches}) and virtual_pipeline_size "
                                  f"({virtual_pipeline_size}) must be >= 1")
@@ -92,7 +100,9 @@ class NxDPPModel(nn.Module):
             setup = _local_setup(setup, param_init_fn, activation_checkpoint_config, use_zero1_optimizer)
             self.input_names = list(input_names or ["input_ids", "attention_mask", "labels"])
             self.config = getattr(module, "config", None)
-            self.transformer_layer_cls = decoder_layer_types(module, transformer_layer_cls)
+            self.layer_types = decoder_layer_types(module, transformer_layer_cls)
+            # NxD's attribute: the class (a tuple only when several were given)
+            self.transformer_layer_cls = self.layer_types[0] if len(self.layer_types) == 1 else self.layer_types
             self.nxd = state_of(module) or NxDModelState(  # not a submodule: only local stages are children
                 tp_size=parallel_state.get_tensor_model_parallel_size(), pp_size=self.pp_size,
                 dp_size=parallel_state.get_data_parallel_size(), hf_model=module, local_modules=[])
@@ -105,14 +115,17 @@ class NxDPPModel(nn.Module):
                 tracer_kwargs["autowrap_modules"] = (math, *autowrap_modules)
             if autowrap_functions:
                 tracer_kwargs["autowrap_functions"] = tuple(autowrap_functions)
-            tracer = make_tracer(tracer_cls, self.transformer_layer_cls, leaf_types, **tracer_kwargs)
+            tracer = make_tracer(tracer_cls, self.layer_types, leaf_types, **tracer_kwargs)
             examples = self._example_inputs(traced_inputs)
-            graph_module = trace_hf(module, traced_inputs, self.transformer_layer_cls, leaf_types, examples, tracer)
+            graph_module = trace_hf(module, traced_inputs, self.layer_types, leaf_types, examples, tracer)
+            if not self.is_hf:
+                self.output_loss_value_spec = outputs_as_tuple(graph_module, output_loss_value_spec)
+            layer_kwargs_in_signature_order(graph_module, self.layer_types)
             if trace_file_path:
                 with open(trace_file_path, "w") as f:
                     f.write(str(graph_module.graph))
             layers = [n.target for n in graph_module.graph.nodes
-                      if n.op == "call_module" and isinstance(graph_module.get_submodule(n.target), self.transformer_layer_cls)]
+                      if n.op == "call_module" and isinstance(graph_module.get_submodule(n.target), self.layer_types)]
             self.num_stages = self.pp_size * virtual_pipeline_size
             cuts = pipeline_cuts or partition.auto_cuts(layers, self.num_stages)
             self.stage_of_layer = partition.stage_of_layers(layers, cuts, self.num_stages)
@@ -131,7 +144,7 @@ class NxDPPModel(nn.Module):
             self.nxd.wrapper, self.nxd.local_modules = "pipeline", list(self.stages.values())
         self.tied = tie_across_stages(all_stages, self.stage_to_rank, self.local_stage_ids)
         self.nxd.grad_reduction = set_up_local_modules(
-            self.local_modules(), setup, layer_types=self.transformer_layer_cls, tie=self.tied.sync_initial_values)
+            self.local_modules(), setup, layer_types=self.layer_types, tie=self.tied.sync_initial_values)
         self.nxd.grad_reduction.add_reduction(self.tied.sum_grads)
         self._runner = StepRunner(self)
 
@@ -153,18 +166,34 @@ class NxDPPModel(nn.Module):
         return [torch.ones(1, seq, dtype=torch.long) for _ in names]
 
     # -- NxD's API
-    def run_train(self, **inputs):
-        """One training step over ``num_microbatches`` microbatches; returns the loss. Every PP
-        rank passes the same full inputs (as in NxD): each stage recomputes the attention mask
-        and positions from them."""
-        return self._runner.run(inputs, train=True)
+    def run_train(self, *args, **inputs):
+        """One training step over ``num_microbatches`` microbatches; returns the loss. Inputs by
+        name, or positionally in ``input_names`` order, or as one dict (a tokenizer's batch).
+        Every PP rank passes the same full inputs (as in NxD): each stage recomputes the
+        attention mask and positions from them."""
+        return self._runner.run(named_inputs(self.input_names, args, inputs), train=True)
 
-    def run_eval(self, *, return_logits: bool = False, **inputs):
+    def run_eval(self, *args, return_logits: bool = False, **inputs):
         """Forward only; returns the loss (labels given) like ``run_train``. With
         ``return_logits=True`` (not in NxD), ``(loss, logits)``: the full logits ``[b, s, vocab]``,
         gathered over TP, unpadded, fp32, on every rank."""
         with torch.no_grad():
-            return self._runner.run(inputs, train=False, return_logits=return_logits)
+            return self._runner.run(named_inputs(self.input_names, args, inputs), train=False,
+                                    return_logits=return_logits)
+
+    @property
+    def local_module(self):
+        """NxD's attribute: this rank's stage module (a list with several stages per rank), seen
+        as NxD's split module: its ``named_children()`` are the modules the stage calls (the
+        transformer layers among them) under their dotted names, and ``add_module(name, m)``
+        replaces one of them (NxD's activation-checkpointing sample wraps layers this way);
+        everything else is the stage module's own."""
+        views = [StageView(stage) for stage in self.stages.values()]
+        return views[0] if len(views) == 1 else views
+
+    @property
+    def pipeline_parallel_rank(self) -> int:
+        return self.pp_rank
 
     def no_sync(self):
         """Skip the data-parallel gradient mean for steps inside the block (accumulation)."""
@@ -178,11 +207,6 @@ class NxDPPModel(nn.Module):
     def local_modules(self) -> list[nn.Module]:
         """This rank's stage modules, in stage order; their parameters carry ``hf_model``'s names."""
         return list(self.stages.values())
-
-    def local_module(self):
-        """This rank's stage module (a list of them with several stages per rank)."""
-        modules = self.local_modules()
-        return modules[0] if len(modules) == 1 else modules
 
     def local_named_parameters(self, *args, **kwargs):
         seen = set()
@@ -240,7 +264,7 @@ class NxDPPModel(nn.Module):
             self.schedule_name, dict(zip(self.local_stage_ids, self.stages.values())), self.num_stages,
             device=send, group=backend.p2p_group(group), compute_device=compute,
             num_microbatches=self.num_microbatches, loss_fn=loss_fn, deallocate_outputs=self._deallocate,
-            stage_metadata=self.stage_metadata(microbatch_inputs), layer_types=self.transformer_layer_cls,
+            stage_metadata=self.stage_metadata(microbatch_inputs), layer_types=self.layer_types,
         )
 
 

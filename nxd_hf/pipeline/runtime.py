@@ -48,6 +48,9 @@ def check_schedule(name: str, pp_size: int, virtual_pipeline_size: int, num_micr
                          "interleaved schedule ('interleaved_1f1b', 'interleaved_zero_bubble', 'zbv')")
     if placement == "v_shape" and virtual_pipeline_size != 2:
         raise ValueError("schedule 'zbv' places exactly 2 stages per rank (V shape): set virtual_pipeline_size=2")
+    if name == "1f1b" and num_microbatches < pp_size:
+        raise ValueError(f"schedule '1f1b' needs num_microbatches ({num_microbatches}) >= the pipeline parallel size "
+                         f"({pp_size}): pass num_microbatches={pp_size} or more (or schedule='gpipe')")
     if name in ("interleaved_1f1b", "interleaved_zero_bubble") and num_microbatches % pp_size != 0:
         raise ValueError(
             f"schedule {name!r} needs num_microbatches ({num_microbatches}) to be a multiple of the pipeline "

@@ -12,6 +12,7 @@ import torch
 
 from nxd_hf import backend, parallel_state
 from nxd_hf.guards.input_check import check_step_inputs
+from nxd_hf.pipeline.failure import raise_on_every_rank
 from nxd_hf.parallel_layers.loss_functions import loss_normalizer
 from nxd_hf.parallel_layers.sharding import gather_logical
 
@@ -85,11 +86,14 @@ class StepRunner:
         step_kwargs = {name: inputs[name] for name in model.keyword_inputs}  # to every stage
         if last:
             step_kwargs.update(target=labels, losses=losses)
-        if train:
-            with model.nxd.grad_reduction.one_backward():
-                schedule.step(*step_args, return_outputs=False, **step_kwargs)
-        else:
-            outputs = schedule.eval(*step_args, return_outputs=return_logits, **step_kwargs)
+        try:  # no agreement per microbatch: a failure aborts the groups, which its peers notice at once
+            if train:
+                with model.nxd.grad_reduction.one_backward():
+                    schedule.step(*step_args, return_outputs=False, **step_kwargs)
+            else:
+                outputs = schedule.eval(*step_args, return_outputs=return_logits, **step_kwargs)
+        except Exception as error:
+            raise_on_every_rank("run_train" if train else "run_eval", error)
         loss = self._reduce_losses(losses)
         if return_logits:
             return loss, self._logits_everywhere(outputs if last else None, inputs[model.input_names[0]].shape)

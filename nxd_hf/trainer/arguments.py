@@ -45,7 +45,8 @@ class NxDTrainingArguments(TrainingArguments):
 
     tensor_parallel_size: int = dataclasses.field(default=1, metadata={"help": "Tensor-parallel degree."})
     pipeline_parallel_size: int = dataclasses.field(default=1, metadata={"help": "Pipeline-parallel degree."})
-    num_microbatches: int = dataclasses.field(default=1, metadata={"help": "Pipeline microbatches per batch."})
+    num_microbatches: int | None = dataclasses.field(
+        default=None, metadata={"help": "Pipeline microbatches per batch (default: the pipeline parallel size)."})
     virtual_pipeline_size: int = dataclasses.field(default=1, metadata={"help": "Pipeline stages per rank."})
     pipeline_schedule: str | None = dataclasses.field(
         default=None, metadata={"help": "1f1b, gpipe, interleaved_1f1b, looped_bfs, interleaved_zero_bubble, zbv."})
@@ -85,6 +86,8 @@ class NxDTrainingArguments(TrainingArguments):
     def _check_layout(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "num_microbatches", "virtual_pipeline_size"):
             value = getattr(self, name)
+            if name == "num_microbatches" and value is None:
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -118,8 +121,9 @@ class NxDTrainingArguments(TrainingArguments):
         """The configuration through NxD's config API (initializes model parallelism)."""
         pipeline_config = {}
         if self.pipeline_parallel_size > 1:
-            pipeline_config = {"num_microbatches": self.num_microbatches,
-                               "virtual_pipeline_size": self.virtual_pipeline_size}
+            pipeline_config = {"virtual_pipeline_size": self.virtual_pipeline_size}
+            if self.num_microbatches is not None:
+                pipeline_config["num_microbatches"] = self.num_microbatches
             if self.pipeline_schedule:
                 pipeline_config["schedule"] = self.pipeline_schedule
         pad = {"auto": "auto", "true": True, "false": False}[str(self.pad_model).lower()]

@@ -2,9 +2,11 @@
 it in ``NxDModel``, which looks like the unwrapped model on this rank."""
 
 import contextlib
+import inspect
 import math
 import os
 import time
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -61,16 +63,22 @@ class NxDModel(nn.Module):
                 param.main_grad = None if set_to_none else param.main_grad.zero_()
 
     def local_module(self):
-        return self.module.local_module() if self.pipelined else self.module
+        if not self.pipelined:
+            return self.module
+        stages = self.module.local_modules()
+        return stages[0] if len(stages) == 1 else stages
 
     def forward(self, *args, **kwargs):
         if self.pipelined:
             raise ValueError("a pipeline-parallel model runs through run_train/run_eval, not forward")
         return self.module(*args, **kwargs)
 
-    def run_train(self, **inputs):
+    def run_train(self, *args, **inputs):
+        """Inputs by name, positionally (NxD's ``run_train(*args, **kwargs)``: in ``input_names``
+        order under PP, else in the forward's order), or as one dict."""
         if self.pipelined:
-            return self.module.run_train(**inputs)
+            return self.module.run_train(*args, **inputs)
+        inputs = self._named_inputs(args, inputs)
         normalizer = loss_normalizer(inputs["labels"], inputs.pop("num_items_in_batch", None))
         loss = self.module(**inputs, num_items_in_batch=normalizer).loss
         loss.backward()
@@ -79,11 +87,30 @@ class NxDModel(nn.Module):
         backend.all_reduce(share, parallel_state.get_data_parallel_group())
         return share
 
-    def run_eval(self, **inputs):
+    def run_eval(self, *args, **inputs):
         if self.pipelined:
-            return self.module.run_eval(**inputs)
+            return self.module.run_eval(*args, **inputs)
+        inputs = self._named_inputs(args, inputs)
         with torch.no_grad():
             return self.module(**inputs).loss
+
+    def _named_inputs(self, args: tuple, inputs: dict) -> dict:
+        if not args:
+            return inputs
+        if len(args) == 1 and isinstance(args[0], Mapping):
+            return {**args[0], **inputs}
+        signature = inspect.signature(self.module.forward)
+        try:
+            bound = signature.bind_partial(*args, **inputs).arguments
+        except TypeError as error:
+            raise ValueError(f"run_train/run_eval inputs do not fit the model's forward: {error}") from None
+        named = {}
+        for name, value in bound.items():
+            kind = signature.parameters[name].kind
+            if kind == inspect.Parameter.VAR_POSITIONAL:
+                raise ValueError("run_train/run_eval take the model's named inputs; got more positional ones")
+            named.update(value if kind == inspect.Parameter.VAR_KEYWORD else {name: value})
+        return named
 
     # this rank's parameters, buffers and modules, under the original names
     def named_parameters(self, *args, **kwargs):

@@ -63,7 +63,8 @@ def build_pair(model_type: str, seed: int = 0, *, task_model_cls=None, **overrid
     config_cls, model_cls, kwargs = TINY[model_type] if model_type in TINY else ENCODER_TINY[model_type]
     config = config_cls(**{**kwargs, **overrides})
     reference, model = parity.build_pair(config, task_model_cls or model_cls, seed=seed, perturb="norms")
-    return reference.to(backend.default_device()), model
+    device = backend.default_device()
+    return (reference if device.type == "cpu" else reference.to(device)), model  # on CPU also under meta init
 
 
 def batch(seed: int = 1, b: int = 2, s: int = 8):

@@ -213,9 +213,9 @@ def check_config_fields():
         optimizer.step()
         assert (optimizer.grad_norm is not None) == clipping
 
-    config = _config(kv_size_multiplier=4)  # the config API's own field (not in NxD)
+    config = _config(kv_size_multiplier=2)  # the config API's own field (not in NxD); "auto" would be 1
     model = nxd_hf.initialize_parallel_model(config, lambda: hf_parity.build_pair("llama")[1])  # 2 K/V heads
-    assert dict(model.named_parameters())["model.layers.0.self_attn.k_proj.weight"].shape[0] == 4 * 8
+    assert dict(model.named_parameters())["model.layers.0.self_attn.k_proj.weight"].shape[0] == 2 * 8
     config = _config(optimizer_config={"zero_one_enabled": True}, mixed_precision_config={"use_master_weights": False})
     model = nxd_hf.initialize_parallel_model(config, _bf16_model)
     with pytest.warns(UserWarning, match="use_master_weights=False is ignored"):

@@ -84,7 +84,7 @@ def test_declared_peft_and_transformers_ranges_hold():
 
     from packaging.requirements import Requirement
 
-    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
     requirements = {Requirement(r).name: Requirement(r) for r in project["dependencies"]}
     assert requirements["peft"].specifier.contains(peft.__version__)
     assert requirements["transformers"].specifier.contains(transformers.__version__)

@@ -3,7 +3,9 @@
 ``RankPool(world_size).run(fn, *args)`` runs ``fn`` on every rank of a process group that was set
 up once, with the guarantees of ``run_distributed``: a failure on any rank raises
 ``DistributedTestError`` carrying that rank's traceback, and a rank that does not finish within
-``timeout_s`` is killed and reported. Between cases every rank resets ``parallel_state``; a case
+``timeout_s`` is killed and reported. Between cases every rank resets ``parallel_state``, except
+that ``run(..., model_parallel=(tp, pp))`` runs the case on groups of that layout, created once and
+kept for the next case that asks for the same (creating groups costs more than a small case); a case
 that failed, timed out, killed a rank or left the process group unusable (checked by a barrier
 with a timeout) ends the pool, and the next ``run`` starts a fresh one.
 """
@@ -29,9 +31,12 @@ def _pool_rank_main(rank, world_size, port, tasks, results):
     from nxd_hf import parallel_state
 
     while (task := tasks.get()) is not None:
-        seq, fn, args, kwargs = task
+        seq, fn, args, kwargs, layout = task
+        if layout is not None and not _has_layout(layout):
+            parallel_state.initialize_model_parallel(*layout)
         status, value = _run_case(fn, args, kwargs)
-        parallel_state.destroy_model_parallel()
+        if layout is None or not _has_layout(layout):
+            parallel_state.destroy_model_parallel()
         if status == "ok":
             try:
                 dist.monitored_barrier(timeout=_HEALTH_TIMEOUT, wait_all_ranks=True)
@@ -39,6 +44,13 @@ def _pool_rank_main(rank, world_size, port, tasks, results):
                 status = "broken"
         results.put((rank, "error", value) if status == "error" else (rank, "ok", (seq, value, status == "broken")))
     dist.destroy_process_group()
+
+
+def _has_layout(layout: tuple[int, int]) -> bool:
+    from nxd_hf import parallel_state
+
+    return parallel_state.model_parallel_is_initialized() and layout == (
+        parallel_state.get_tensor_model_parallel_size(), parallel_state.get_pipeline_model_parallel_size())
 
 
 def _run_case(fn, args, kwargs):
@@ -70,16 +82,18 @@ class RankPool:
         for p in self._procs:
             p.start()
 
-    def run(self, fn, *args, timeout_s: float | None = None, **kwargs) -> list:
+    def run(self, fn, *args, timeout_s: float | None = None, model_parallel: tuple[int, int] | None = None,
+            **kwargs) -> list:
         """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results.
 
         ``fn`` must be importable (module level) and its arguments and results picklable.
+        ``model_parallel=(tp, pp)``: ``parallel_state`` is initialized with that layout first.
         """
         if self._procs is None:
             self._start()
         seq = next(self._seq)
         for q in self._tasks:
-            q.put((seq, fn, args, kwargs))
+            q.put((seq, fn, args, kwargs, model_parallel))
         outcome, errors = _collect(self._procs, self._results, timeout_s or self.timeout_s)
         if errors:
             self.close(kill=True)

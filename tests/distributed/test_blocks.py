@@ -185,37 +185,31 @@ def check_rng_keeps_replicas_equal(sp: bool) -> None:
     assert tp_size == 1 or not torch.equal(draws[0], draws[1]), "sharded-region RNG must differ per TP rank"
 
 
-def at_tp(tp: int, check, *args) -> None:
-    """``check(*args)`` with tensor parallel size ``tp`` (data parallel over the other ranks)."""
-    parallel_state.initialize_model_parallel(tp, 1)
-    check(*args)
-
-
 TP = pytest.mark.parametrize("tp", [1, 2, 4], ids=lambda tp: f"tp{tp}")
 
 
-@TP
 @pytest.mark.parametrize("sp", [False, True], ids=["no_sp", "sequence_parallel"])
+@TP
 def test_column_row_mlp_matches_unsharded(ranks4, tp, sp):
-    ranks4.run(at_tp, tp, check_mlp, sp)
+    ranks4.run(check_mlp, sp, model_parallel=(tp, 1))
 
 
-@TP
 @pytest.mark.parametrize("num_heads", [6, 5, 8], ids=lambda n: f"{n}_heads")
-def test_attention_heads_padded_by_pad_model_match_unsharded(ranks4, tp, num_heads):
-    ranks4.run(at_tp, tp, check_padded_attention, num_heads)
-
-
 @TP
+def test_attention_heads_padded_by_pad_model_match_unsharded(ranks4, tp, num_heads):
+    ranks4.run(check_padded_attention, num_heads, model_parallel=(tp, 1))
+
+
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(6, 2), (8, 2), (6, 3), (4, 1)],
                          ids=["6q_2kv", "8q_2kv", "6q_3kv", "4q_1kv"])
+@TP
 def test_gqa_attention_kv_heads_replicated_when_fewer_than_tp(ranks4, tp, num_heads, num_kv_heads):
-    ranks4.run(at_tp, tp, check_gqa_attention, num_heads, num_kv_heads)
+    ranks4.run(check_gqa_attention, num_heads, num_kv_heads, model_parallel=(tp, 1))
 
 
 @TP
 def test_model_parallel_rng_keeps_replicas_equal_under_dropout(ranks4, tp):
-    ranks4.run(at_tp, tp, check_rng_keeps_replicas_equal, False)
+    ranks4.run(check_rng_keeps_replicas_equal, False, model_parallel=(tp, 1))
 
 
 def check_sequence_parallel_entry() -> None:
@@ -231,4 +225,4 @@ def check_sequence_parallel_entry() -> None:
 
 
 def test_sequence_parallel_entry_splits_the_sequence_and_rejects_an_indivisible_one(ranks4):
-    ranks4.run(at_tp, 4, check_sequence_parallel_entry)
+    ranks4.run(check_sequence_parallel_entry, model_parallel=(4, 1))

@@ -6,7 +6,6 @@ import torch
 import torch.distributed as dist
 
 from nxd_hf import backend, parallel_state
-from nxd_hf.testing import run_distributed
 
 WORLD_SIZE = 8
 LAYOUTS = [(1, 1), (2, 1), (4, 1), (8, 1), (2, 2), (2, 4), (1, 2)]  # (tp, pp)
@@ -140,42 +139,46 @@ def _members(group) -> list[int]:
     return [r for r in range(WORLD_SIZE) if onehot[r] == 1.0]
 
 
-def _check_all_layouts():
+def _check_layout(tp: int, pp: int) -> tuple[int, int, int]:
+    """Every getter at (tp, pp) on this rank; its (pp, dp, tp) coordinate."""
     ps = parallel_state
     rank = dist.get_rank()
-    coords = {}
-    for tp, pp in LAYOUTS:
-        ps.initialize_model_parallel(tp, pp)
-        assert ps.model_parallel_is_initialized()
-        exp = _expected(rank, tp, pp)
-        case = (tp, pp)
-        assert ps.get_tensor_model_parallel_size() == ps.get_tensor_parallel_size() == tp, case
-        assert ps.get_tensor_model_parallel_world_size() == tp, case
-        assert ps.get_pipeline_model_parallel_size() == ps.get_pipeline_parallel_size() == pp, case
-        assert ps.get_pipeline_model_parallel_world_size() == pp, case
-        assert ps.get_data_parallel_size() == ps.get_data_parallel_world_size() == exp["dp"], case
-        assert ps.get_tensor_model_parallel_rank() == ps.get_tensor_parallel_rank() == exp["tp_rank"], case
-        assert ps.get_pipeline_model_parallel_rank() == ps.get_pipeline_parallel_rank() == exp["pp_rank"], case
-        assert ps.get_data_parallel_rank() == exp["dp_rank"], case
-        assert ps.get_model_parallel_rank() == exp["model"].index(rank), case
-        assert ps.get_tensor_model_parallel_src_rank() == exp["tensor"][0], case
-        assert ps.rmsg("m") == f"[rank {rank} tp {exp['tp_rank']} pp {exp['pp_rank']} dp {exp['dp_rank']}] m"
-        getters = {
-            "tensor": (ps.get_tensor_model_parallel_group, ps.get_tensor_parallel_group),
-            "data": (ps.get_data_parallel_group,),
-            "pipeline": (ps.get_pipeline_model_parallel_group, ps.get_pipeline_parallel_group),
-            "model": (ps.get_model_parallel_group,),
-        }
-        for kind, spellings in getters.items():
-            for getter in spellings:
-                group = getter()
-                assert backend.group_size(group) == len(exp[kind]), (case, kind)
-                assert _members(group) == exp[kind], (case, kind, getter.__name__)
-                as_list = getter(as_list=True)
-                assert sorted(tuple(g) for g in as_list) == exp["all"][kind], (case, kind)
-                assert exp[kind] in [sorted(g) for g in as_list], (case, kind)
-        coords[case] = (exp["pp_rank"], exp["dp_rank"], exp["tp_rank"])
+    ps.initialize_model_parallel(tp, pp)
+    assert ps.model_parallel_is_initialized()
+    exp = _expected(rank, tp, pp)
+    case = (tp, pp)
+    assert ps.get_tensor_model_parallel_size() == ps.get_tensor_parallel_size() == tp, case
+    assert ps.get_tensor_model_parallel_world_size() == tp, case
+    assert ps.get_pipeline_model_parallel_size() == ps.get_pipeline_parallel_size() == pp, case
+    assert ps.get_pipeline_model_parallel_world_size() == pp, case
+    assert ps.get_data_parallel_size() == ps.get_data_parallel_world_size() == exp["dp"], case
+    assert ps.get_tensor_model_parallel_rank() == ps.get_tensor_parallel_rank() == exp["tp_rank"], case
+    assert ps.get_pipeline_model_parallel_rank() == ps.get_pipeline_parallel_rank() == exp["pp_rank"], case
+    assert ps.get_data_parallel_rank() == exp["dp_rank"], case
+    assert ps.get_model_parallel_rank() == exp["model"].index(rank), case
+    assert ps.get_tensor_model_parallel_src_rank() == exp["tensor"][0], case
+    assert ps.rmsg("m") == f"[rank {rank} tp {exp['tp_rank']} pp {exp['pp_rank']} dp {exp['dp_rank']}] m"
+    getters = {
+        "tensor": (ps.get_tensor_model_parallel_group, ps.get_tensor_parallel_group),
+        "data": (ps.get_data_parallel_group,),
+        "pipeline": (ps.get_pipeline_model_parallel_group, ps.get_pipeline_parallel_group),
+        "model": (ps.get_model_parallel_group,),
+    }
+    for kind, spellings in getters.items():
+        for getter in spellings:
+            group = getter()
+            assert backend.group_size(group) == len(exp[kind]), (case, kind)
+            assert _members(group) == exp[kind], (case, kind, getter.__name__)
+            as_list = getter(as_list=True)
+            assert sorted(tuple(g) for g in as_list) == exp["all"][kind], (case, kind)
+            assert exp[kind] in [sorted(g) for g in as_list], (case, kind)
+    return exp["pp_rank"], exp["dp_rank"], exp["tp_rank"]
 
+
+def _check_indivisible_size_then_usable_and_destroyed():
+    ps = parallel_state
+    rank = dist.get_rank()
+    ps.initialize_model_parallel(1, 2)  # an error and a re-initialization over existing groups
     with pytest.raises(ValueError, match=r"world size 8.*\(3\)"):
         ps.initialize_model_parallel(3, 1)
     ps.initialize_model_parallel(2, 2)  # usable again after the error
@@ -184,13 +187,15 @@ def _check_all_layouts():
     assert not ps.model_parallel_is_initialized()
     assert ps.get_tensor_model_parallel_size() == ps.get_data_parallel_size() == 1
     assert ps.get_data_parallel_group() is backend.SELF
-    return coords
 
 
-def test_groups_and_getters_for_every_layout_world8():
-    results = run_distributed(_check_all_layouts, WORLD_SIZE)
-    for tp, pp in LAYOUTS:
-        dp = WORLD_SIZE // (tp * pp)
-        seen = sorted(r[(tp, pp)] for r in results)
-        # every (pp, dp, tp) coordinate is held by exactly one rank
-        assert seen == [(p, d, t) for p in range(pp) for d in range(dp) for t in range(tp)], (tp, pp)
+@pytest.mark.parametrize("tp,pp", LAYOUTS, ids=[f"tp{tp}_pp{pp}" for tp, pp in LAYOUTS])
+def test_groups_and_getters_world8(ranks8, tp, pp):
+    dp = WORLD_SIZE // (tp * pp)
+    seen = sorted(ranks8.run(_check_layout, tp, pp))
+    # every (pp, dp, tp) coordinate is held by exactly one rank
+    assert seen == [(p, d, t) for p in range(pp) for d in range(dp) for t in range(tp)]
+
+
+def test_indivisible_world_raises_then_groups_are_usable_and_destroyed_world8(ranks8):
+    ranks8.run(_check_indivisible_size_then_usable_and_destroyed)

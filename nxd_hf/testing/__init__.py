@@ -89,6 +89,8 @@ def _collect(procs: list, results, timeout_s: float) -> tuple[dict, list]:
                     continue
                 if status != "ok":
                     errors.append(f"rank {other} failed:\n{value}")
+            errors += [f"rank {r} died with exit code {p.exitcode}" for r, p in enumerate(procs)
+                       if p.exitcode not in (None, 0) and r not in outcome]
     # the root cause first: errors from a peer's failure mention the connection
     errors.sort(key=lambda e: "Connection reset" in e or "Connection closed" in e)
     return outcome, errors

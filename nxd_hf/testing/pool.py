@@ -32,7 +32,9 @@ def _pool_rank_main(rank, world_size, port, tasks, results):
 
     while (task := tasks.get()) is not None:
         seq, fn, args, kwargs, layout = task
-        if layout is not None and not _has_layout(layout):
+        if layout is None:
+            parallel_state.destroy_model_parallel()  # the previous case's layout, if it kept one
+        elif not _has_layout(layout):
             parallel_state.initialize_model_parallel(*layout)
         status, value = _run_case(fn, args, kwargs)
         if layout is None or not _has_layout(layout):

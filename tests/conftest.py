@@ -42,3 +42,10 @@ def ranks4(rank_pools):
 @pytest.fixture
 def ranks8(rank_pools):
     return rank_pools.get(8)
+
+
+@pytest.fixture
+def no_rank_pool(rank_pools):
+    """For a test that starts its own processes (run_distributed, torchrun): the pool's ranks
+    are ended first, so the two sets of processes do not share the machine."""
+    rank_pools.close()

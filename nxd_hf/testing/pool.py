@@ -12,9 +12,11 @@ with a timeout) ends the pool, and the next ``run`` starts a fresh one.
 
 import datetime
 import itertools
+import traceback
 
 import torch.distributed as dist
 
+from nxd_hf import parallel_state
 from nxd_hf.testing import _collect, _get_context, _join_or_kill, _setup_rank, DistributedTestError
 
 _HEALTH_TIMEOUT = datetime.timedelta(seconds=30)
@@ -24,21 +26,11 @@ def _pool_rank_main(rank, world_size, port, tasks, results):
     try:
         _setup_rank(rank, world_size, port)
     except BaseException:
-        import traceback
-
         results.put((rank, "error", traceback.format_exc()))
         return
-    from nxd_hf import parallel_state
-
     while (task := tasks.get()) is not None:
         seq, fn, args, kwargs, layout = task
-        if layout is None:
-            parallel_state.destroy_model_parallel()  # the previous case's layout, if it kept one
-        elif not _has_layout(layout):
-            parallel_state.initialize_model_parallel(*layout)
-        status, value = _run_case(fn, args, kwargs)
-        if layout is None or not _has_layout(layout):
-            parallel_state.destroy_model_parallel()
+        status, value = _run_case(fn, args, kwargs, layout)
         if status == "ok":
             try:
                 dist.monitored_barrier(timeout=_HEALTH_TIMEOUT, wait_all_ranks=True)
@@ -49,18 +41,23 @@ def _pool_rank_main(rank, world_size, port, tasks, results):
 
 
 def _has_layout(layout: tuple[int, int]) -> bool:
-    from nxd_hf import parallel_state
-
     return parallel_state.model_parallel_is_initialized() and layout == (
         parallel_state.get_tensor_model_parallel_size(), parallel_state.get_pipeline_model_parallel_size())
 
 
-def _run_case(fn, args, kwargs):
+def _run_case(fn, args, kwargs, layout):
+    """``fn`` from a reset ``parallel_state`` or on ``layout``'s groups; reset after, unless it
+    left ``layout`` in place for the next case. After an error the pool ends anyway."""
     try:
-        return "ok", fn(*args, **kwargs)
+        if layout is None:
+            parallel_state.destroy_model_parallel()  # the previous case's layout, if it kept one
+        elif not _has_layout(layout):
+            parallel_state.initialize_model_parallel(*layout)
+        value = fn(*args, **kwargs)
+        if layout is None or not _has_layout(layout):
+            parallel_state.destroy_model_parallel()
+        return "ok", value
     except BaseException:  # report everything, including assertion failures
-        import traceback
-
         return "error", traceback.format_exc()
 
 

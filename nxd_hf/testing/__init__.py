@@ -36,22 +36,28 @@ def _get_context():
     return _context
 
 
-def _rank_main(fn, rank, world_size, port, results, args, kwargs, process_group_backend="gloo"):
+def _setup_rank(rank: int, world_size: int, port: int, process_group_backend: str = "gloo") -> None:
+    """This process becomes rank ``rank`` (``process_group_backend``: gloo, or ``cuda:gloo`` in the
+    GPU lane), joined through the parent's TCPStore."""
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
         OMP_NUM_THREADS="1", NXD_HF_BACKEND=process_group_backend,
     )
+    import torch
+
+    torch.set_num_threads(1)
+    from nxd_hf import backend
+
+    backend.set_cuda_device_from_env()
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(process_group_backend, store=store, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=120))
+
+
+def _rank_main(fn, rank, world_size, port, results, args, kwargs, process_group_backend="gloo"):
     try:
-        import torch
-
-        torch.set_num_threads(1)
-        from nxd_hf import backend
-
-        backend.set_cuda_device_from_env()
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=datetime.timedelta(seconds=60))
-        dist.init_process_group(process_group_backend, store=store, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=120))
+        _setup_rank(rank, world_size, port, process_group_backend)
         value = fn(*args, **kwargs)
         from nxd_hf import parallel_state
 
@@ -62,10 +68,55 @@ def _rank_main(fn, rank, world_size, port, results, args, kwargs, process_group_
         results.put((rank, "error", traceback.format_exc()))
 
 
+def _collect(procs: list, results, timeout_s: float) -> tuple[dict, list]:
+    """Every rank's ``(rank, "ok", value)`` from ``results``, or the errors: a rank's traceback
+    (then the other ranks' errors of the next 3 s), a rank that died, or a timeout."""
+    world_size = len(procs)
+    outcome, errors = {}, []
+    deadline = time.monotonic() + timeout_s
+    while len(outcome) < world_size and not errors:
+        try:
+            rank, status, value = results.get(timeout=max(0.1, min(1.0, deadline - time.monotonic())))
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in outcome]
+            if dead:
+                errors.append(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
+            elif time.monotonic() > deadline:
+                missing = sorted(set(range(world_size)) - set(outcome))
+                errors.append(f"timed out after {timeout_s:.0f}s waiting for ranks {missing}")
+            continue
+        if status == "ok":
+            outcome[rank] = value
+        else:
+            errors.append(f"rank {rank} failed:\n{value}")
+            deadline = min(deadline, time.monotonic() + 3)  # collect the other ranks' errors too
+            while time.monotonic() < deadline:
+                try:
+                    other, status, value = results.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                if status != "ok":
+                    errors.append(f"rank {other} failed:\n{value}")
+            errors += [f"rank {r} died with exit code {p.exitcode}" for r, p in enumerate(procs)
+                       if p.exitcode not in (None, 0) and r not in outcome]
+    # the root cause first: errors from a peer's failure mention the connection
+    errors.sort(key=lambda e: "Connection reset" in e or "Connection closed" in e)
+    return outcome, errors
+
+
+def _join_or_kill(procs: list, timeout_s: float) -> None:
+    for p in procs:
+        p.join(timeout=timeout_s)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
 def run_distributed(fn, world_size: int, *args, timeout_s: float = 300.0, **kwargs) -> list:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return the per-rank results.
 
-    ``fn`` must be importable (module level) and its results picklable.
+    ``fn`` must be importable (module level) and its results picklable. Many cases on the same
+    world size: ``nxd_hf.testing.pool.RankPool`` keeps the ranks alive between them.
     """
     ctx = _get_context()
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False)
@@ -78,40 +129,12 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 300.0, **kwar
     ]
     for p in procs:
         p.start()
-    outcome, errors = {}, []
-    deadline = time.monotonic() + timeout_s
+    errors = ["the parent was interrupted"]
     try:
-        while len(outcome) < world_size and not errors:
-            try:
-                rank, status, value = results.get(timeout=max(0.1, min(1.0, deadline - time.monotonic())))
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in outcome]
-                if dead:
-                    errors.append(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
-                elif time.monotonic() > deadline:
-                    missing = sorted(set(range(world_size)) - set(outcome))
-                    errors.append(f"timed out after {timeout_s:.0f}s waiting for ranks {missing}")
-                continue
-            if status == "ok":
-                outcome[rank] = value
-            else:
-                errors.append(f"rank {rank} failed:\n{value}")
-                deadline = min(deadline, time.monotonic() + 3)  # collect the other ranks' errors too
-                while time.monotonic() < deadline:
-                    try:
-                        other, status, value = results.get(timeout=0.2)
-                    except queue.Empty:
-                        continue
-                    if status != "ok":
-                        errors.append(f"rank {other} failed:\n{value}")
+        outcome, errors = _collect(procs, results, timeout_s)
     finally:
-        for p in procs:
-            p.join(timeout=5 if not errors else 0.5)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        _join_or_kill(procs, 5 if not errors else 0.5)
         del store
-    if errors:  # the root cause first: errors from a peer's failure mention the connection
-        errors.sort(key=lambda e: "Connection reset" in e or "Connection closed" in e)
+    if errors:
         raise DistributedTestError("\n".join(errors))
     return [outcome[r] for r in range(world_size)]

@@ -1,5 +1,5 @@
 """parallelize() on every registered architecture: parity with the unpatched HF model (decoders
-with SP on and off, encoder task models), and GPT-2 training with dropout, in one world-4 spawn."""
+with SP on and off, encoder task models), and GPT-2 training with dropout, on a pool of 4 ranks."""
 
 import pytest
 import torch
@@ -11,7 +11,6 @@ import nxd_hf
 from nxd_hf import parallel_state
 from nxd_hf.parallel_layers.random import model_parallel_manual_seed
 from nxd_hf.parallel_layers.sharding import is_sharded
-from nxd_hf.testing import run_distributed
 from nxd_hf import tp
 from nxd_hf.tp.derive import patch_from_hf_plan
 
@@ -40,21 +39,27 @@ def check_dropout_training_keeps_tp_replicas_equal(model_type: str, tp: int, sp:
         assert all(torch.equal(c, copies[0]) for c in copies), f"{name} differs across TP ranks (sp={sp})"
 
 
-def run_parity_cases(tp_sizes) -> None:
-    for model_type in hf_parity.TINY:
-        for tp in tp_sizes:
-            for sp in (False, True):
-                hf_parity.check_parity(model_type, tp, sp)
-    for model_type, task_models in hf_parity.ENCODER_TASKS.items():
-        for tp in tp_sizes:
-            for model_cls in task_models:
-                hf_parity.check_encoder_parity(model_type, tp, model_cls)
-    for sp in (False, True):
-        check_dropout_training_keeps_tp_replicas_equal("gpt2", 2, sp)
+TP = pytest.mark.parametrize("tp", [1, 2, 4], ids=lambda tp: f"tp{tp}")
+SP = pytest.mark.parametrize("sp", [False, True], ids=["no_sp", "sequence_parallel"])
 
 
-def test_parity_every_architecture_tp1_2_4():
-    run_distributed(run_parity_cases, 4, (1, 2, 4))
+@SP
+@TP
+@pytest.mark.parametrize("model_type", list(hf_parity.TINY))
+def test_parallelized_decoder_matches_hf(ranks4, model_type, tp, sp):
+    ranks4.run(hf_parity.check_parity, model_type, tp, sp)
+
+
+@TP
+@pytest.mark.parametrize("model_type,model_cls", [(t, cls) for t, classes in hf_parity.ENCODER_TASKS.items()
+                                                  for cls in classes], ids=lambda v: getattr(v, "__name__", v))
+def test_parallelized_encoder_task_model_matches_hf(ranks4, model_type, model_cls, tp):
+    ranks4.run(hf_parity.check_encoder_parity, model_type, tp, model_cls)
+
+
+@SP
+def test_dropout_training_keeps_tp_replicas_equal(ranks4, sp):
+    ranks4.run(check_dropout_training_keeps_tp_replicas_equal, "gpt2", 2, sp)
 
 
 # --- registry and plan derivation: single process ---

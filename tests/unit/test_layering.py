@@ -6,7 +6,7 @@ describe through the sharding metadata and never imports them, so ``optim/`` may
 import ast
 import pathlib
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # Lowest first. A module is placed by its longest matching prefix.
 LAYERS = [

@@ -5,6 +5,7 @@ state_dict and sharded save/load round trips. PP x DP with ZeRO-1 is exercised t
 trainer API (tests/test_trainer_api.py), not here."""
 
 import copy
+import functools
 import warnings
 
 import pytest
@@ -16,7 +17,6 @@ import nxd_hf
 from nxd_hf import backend, parallel_state
 from nxd_hf.optim import NeuronZero1Optimizer, zero1
 from nxd_hf.parallel_layers.sharding import full_tensor
-from nxd_hf.testing import run_distributed
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 STEPS = 10
@@ -209,18 +209,43 @@ def check_grad_norm_fused_qkv() -> None:
     torch.testing.assert_close(optimizer.grad_norm, torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9), **TOL)
 
 
-def run_cases(tmp_dir: str) -> None:
-    zero1.OPTIMIZER_CHUNK_NUMEL = 1000  # several inner-optimizer chunks per shard
-    reference = reference_run()
-    check_zero1_matches(reference, tp=2, accumulate=1)  # tp2 x dp2
-    check_zero1_matches(reference, tp=1, accumulate=2)  # dp4, no_sync on the first micro-step
-    check_zero1_matches(reference, tp=4, accumulate=1)  # dp1 (warns), replicated K/V in the grad norm
-    check_grad_norm_fused_qkv()
-    check_round_trips(tmp_dir)
+def with_small_chunks(check, *args) -> None:
+    """``check(*args)`` with several inner-optimizer chunks per shard (the module default restored after)."""
+    default, zero1.OPTIMIZER_CHUNK_NUMEL = zero1.OPTIMIZER_CHUNK_NUMEL, 1000
+    try:
+        check(*args)
+    finally:
+        zero1.OPTIMIZER_CHUNK_NUMEL = default
 
 
-def test_zero1_matches_adamw_with_clipping(tmp_path):
-    run_distributed(run_cases, 4, str(tmp_path))
+@functools.cache
+def _cached_reference_run():
+    """The single-process reference, computed once per rank process (the pool keeps it alive)."""
+    return reference_run()
+
+
+def zero1_matches_reference(tp: int, accumulate: int) -> None:
+    check_zero1_matches(_cached_reference_run(), tp=tp, accumulate=accumulate)
+
+
+def test_zero1_matches_adamw_with_clipping_tp2_dp2(ranks4):
+    ranks4.run(with_small_chunks, zero1_matches_reference, 2, 1)
+
+
+def test_zero1_matches_adamw_with_clipping_dp4_no_sync_accumulation(ranks4):
+    ranks4.run(with_small_chunks, zero1_matches_reference, 1, 2)
+
+
+def test_zero1_matches_adamw_with_clipping_tp4_dp1_replicated_kv(ranks4):
+    ranks4.run(with_small_chunks, zero1_matches_reference, 4, 1)
+
+
+def test_grad_norm_counts_fused_qkv_kv_replicas_tp4(ranks4):
+    ranks4.run(with_small_chunks, check_grad_norm_fused_qkv)
+
+
+def test_state_dict_and_sharded_save_round_trips_are_bit_exact(ranks4, tmp_path):
+    ranks4.run(with_small_chunks, check_round_trips, str(tmp_path))
 
 
 def test_non_elementwise_optimizer_is_a_clear_error():

@@ -1,13 +1,13 @@
 """NxDPPModel against single-process training of the same model: loss and gathered gradients
 after one run_train, losses over optimizer steps, for schedules, layouts and model features."""
 
+import pytest
 import torch
 
 import hf_parity
 import nxd_hf
 from nxd_hf import parallel_state
 from nxd_hf.parallel_layers.sharding import is_sharded
-from nxd_hf.testing import run_distributed
 
 TOL = hf_parity.TOL
 
@@ -119,24 +119,49 @@ def check_first_stage_split_backward() -> None:
     assert not stage._weight_steps and not stage._cuts
 
 
-def run_pp2_cases() -> None:
-    for model_type in ("llama", "qwen2", "gpt2"):
-        check_pipeline(model_type)
-    check_pipeline("llama", steps=3, seqs=(8, 12))  # two sequence lengths in consecutive steps
-    for schedule in ("gpipe", "1f1b"):
-        check_pipeline("llama", schedule=schedule)
-    for schedule in ("interleaved_1f1b", "zbv", "looped_bfs", "interleaved_zero_bubble"):
-        check_pipeline("llama", schedule=schedule, virtual_pipeline_size=2)
-    check_pipeline("llama", activation_checkpoint_config="full")
-    check_pipeline("qwen2", schedule="interleaved_zero_bubble", virtual_pipeline_size=2,
-                   activation_checkpoint_config="full", steps=2)
-    check_first_stage_split_backward()
-    check_deallocation()
-    check_plain_torch_module()
+def pipeline_matches_single_process(model_type: str, **kwargs) -> None:
+    """check_pipeline, as a case run on the pool (the pipeline model itself stays on the ranks)."""
+    check_pipeline(model_type, **kwargs)
 
 
-def test_pipeline_pp2():
-    run_distributed(run_pp2_cases, 2)
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "gpt2"])
+def test_pp2_loss_grads_and_eval_match_single_process(ranks2, model_type):
+    ranks2.run(pipeline_matches_single_process, model_type)
+
+
+def test_pp2_consecutive_steps_with_two_sequence_lengths(ranks2):
+    ranks2.run(pipeline_matches_single_process, "llama", steps=3, seqs=(8, 12))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pp2_schedule(ranks2, schedule):
+    ranks2.run(pipeline_matches_single_process, "llama", schedule=schedule)
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zbv", "looped_bfs", "interleaved_zero_bubble"])
+def test_pp2_two_virtual_stages_per_rank(ranks2, schedule):
+    ranks2.run(pipeline_matches_single_process, "llama", schedule=schedule, virtual_pipeline_size=2)
+
+
+def test_pp2_full_activation_checkpointing(ranks2):
+    ranks2.run(pipeline_matches_single_process, "llama", activation_checkpoint_config="full")
+
+
+def test_pp2_zero_bubble_with_activation_checkpointing_two_steps(ranks2):
+    ranks2.run(pipeline_matches_single_process, "qwen2", schedule="interleaved_zero_bubble",
+               virtual_pipeline_size=2, activation_checkpoint_config="full", steps=2)
+
+
+def test_zero_bubble_first_stage_splits_input_and_weight_backward(ranks2):
+    ranks2.run(check_first_stage_split_backward)
+
+
+def test_sent_activations_are_deallocated(ranks2):
+    ranks2.run(check_deallocation)
+
+
+def test_plain_torch_module_with_torch_tracer(ranks2):
+    ranks2.run(check_plain_torch_module)
 
 
 def check_meta_init_allocates_only_local_stages() -> None:
@@ -198,23 +223,44 @@ def check_from_pretrained_reads_only_local_stages(path: str) -> None:
     torch.testing.assert_close(loss, ref_loss, **TOL)
 
 
-def run_pp_world4_cases(path: str) -> None:
-    check_pipeline("llama", pp=4, num_microbatches=4)
-    check_pipeline("llama", tp=2, pp=2)  # TP x PP
-    check_pipeline("qwen3", tp=2, pp=2, sequence_parallel=True)  # TP x PP with SP and per-head norms
-    check_pipeline("gpt2", tp=2, pp=2)  # tied embedding across stages, with TP
-    check_pipeline("qwen3", tp=2, pp=2, sequence_parallel=True, schedule="zbv", virtual_pipeline_size=2)
-    check_pipeline("llama", pp=2, steps=2)  # DP 2 x PP 2 (each DP rank gets half the batch)
-    for model_type in ("mistral", "qwen3", "phi3", "gpt_neox", "cohere", "phi"):
-        check_pipeline(model_type, tp=2, pp=2)
-    check_meta_init_allocates_only_local_stages()
-    check_from_pretrained_reads_only_local_stages(path)
+def test_pp4_four_microbatches(ranks4):
+    ranks4.run(pipeline_matches_single_process, "llama", pp=4, num_microbatches=4)
 
 
-def test_pipeline_world4_layouts_and_architectures(tmp_path):
+def test_tp2_pp2(ranks4):
+    ranks4.run(pipeline_matches_single_process, "llama", tp=2, pp=2)
+
+
+def test_tp2_pp2_sequence_parallel_with_per_head_norms(ranks4):
+    ranks4.run(pipeline_matches_single_process, "qwen3", tp=2, pp=2, sequence_parallel=True)
+
+
+def test_tp2_pp2_tied_embedding_across_stages(ranks4):
+    ranks4.run(pipeline_matches_single_process, "gpt2", tp=2, pp=2)
+
+
+def test_tp2_pp2_sequence_parallel_zbv(ranks4):
+    ranks4.run(pipeline_matches_single_process, "qwen3", tp=2, pp=2, sequence_parallel=True, schedule="zbv",
+               virtual_pipeline_size=2)
+
+
+def test_dp2_pp2_each_dp_rank_gets_half_the_batch(ranks4):
+    ranks4.run(pipeline_matches_single_process, "llama", pp=2, steps=2)
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "qwen3", "phi3", "gpt_neox", "cohere", "phi"])
+def test_tp2_pp2_architecture(ranks4, model_type):
+    ranks4.run(pipeline_matches_single_process, model_type, tp=2, pp=2)
+
+
+def test_meta_init_allocates_only_local_stages(ranks4):
+    ranks4.run(check_meta_init_allocates_only_local_stages)
+
+
+def test_from_pretrained_reads_only_local_stages(ranks4, tmp_path):
     reference, _ = hf_parity.build_pair("qwen2", num_hidden_layers=4)  # tied embeddings across stages
     reference.save_pretrained(tmp_path, max_shard_size="30KB")
-    run_distributed(run_pp_world4_cases, 4, str(tmp_path))
+    ranks4.run(check_from_pretrained_reads_only_local_stages, str(tmp_path))
 
 
 class _Block(torch.nn.Module):

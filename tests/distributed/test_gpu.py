@@ -4,7 +4,7 @@ Marked ``cuda`` and skipped without one. Two to four ranks share the one GPU thr
 ``NXD_HF_BACKEND=cuda:gloo``: gloo for CUDA tensors only, so — as under nccl — a control tensor
 left on the CPU fails its collective, and pipeline sends go through the CPU staging path
 (``nxd_hf.backend.p2p_device``). One-rank cases run on nccl itself. The cases are the CPU
-suite's own functions (tests/test_*.py and the *_cases.py helpers); ``hf_parity`` puts the
+suite's own case functions (tests/distributed/test_*.py and the tests/*_cases.py helpers); ``hf_parity`` puts the
 reference models and batches on the backend's device, the models under test start on the CPU
 as a model loaded the usual way, so nxd_hf has to place them.
 """
@@ -65,43 +65,99 @@ def test_tp2_parity(cuda_gloo):
     assert run_distributed(_tp_parity_world2, 2, timeout_s=600) == [True, True]
 
 
+def _architectures_world2():
+    for model_type, (expected, with_sp) in test_architectures.CASES.items():
+        for sp in (False, True) if with_sp else (False,):
+            result, _ = test_architectures.architecture_case(model_type, sp)
+            assert result.status == expected, f"{model_type} sp={sp}: {result.message}"
+    return True
+
+
 def test_architectures_tp2(cuda_gloo):
-    run_distributed(test_architectures._world2_cases, 2, timeout_s=600)
+    assert run_distributed(_architectures_world2, 2, timeout_s=600) == [True, True]
+
+
+def _layers_world4():
+    from nxd_hf import parallel_state
+
+    for tp in (2, 4):
+        parallel_state.initialize_model_parallel(tp, 1)
+        for sp in (False, True):
+            test_layers.check_column(10, True, False, sp)
+            test_layers.check_row(10, True, True, sp)
+            test_layers.check_embedding(11, None, sp)
+            test_layers.check_gqa(6, 2, True, False, sp)
+        parallel_state.destroy_model_parallel()
+    return True
 
 
 def test_layers_world4(cuda_gloo):
-    run_distributed(test_layers.run_all_layer_cases, 4, timeout_s=600)
+    assert run_distributed(_layers_world4, 4, timeout_s=600) == [True] * 4
+
+
+def _pipeline_world2():
+    for model_type in ("llama", "gpt2"):
+        test_pipeline.check_pipeline(model_type)
+    for schedule in ("gpipe", "1f1b", "interleaved_1f1b", "zbv"):
+        test_pipeline.check_pipeline("llama", schedule=schedule,
+                                     **({"virtual_pipeline_size": 2} if schedule in ("interleaved_1f1b", "zbv") else {}))
+    return True
 
 
 def test_pipeline_pp2(cuda_gloo):
     """pp=2: sends staged through the CPU (gloo cannot send CUDA tensors)."""
-    run_distributed(test_pipeline.run_pp2_cases, 2, timeout_s=600)
+    assert run_distributed(_pipeline_world2, 2, timeout_s=600) == [True, True]
 
 
-def test_zero1_world4(cuda_gloo, tmp_path):
-    run_distributed(test_zero1.run_cases, 4, str(tmp_path), timeout_s=600)
+def _zero1_world4():
+    for tp, accumulate in ((2, 1), (1, 2), (4, 1)):
+        test_zero1.with_small_chunks(test_zero1.zero1_matches_reference, tp, accumulate)
+    return True
 
 
-def test_lora_world2(cuda_gloo, tmp_path):
-    run_distributed(test_lora.run_two_rank_cases, 2, str(tmp_path), timeout_s=600)
+def test_zero1_world4(cuda_gloo):
+    assert run_distributed(_zero1_world4, 4, timeout_s=600) == [True] * 4
+
+
+def _lora_world2():
+    for model_type, tp, kwargs in test_lora.TRAINING_TP2.values():
+        test_lora.lora_cases.check_training(model_type, tp, **kwargs)
+    return True
+
+
+def test_lora_world2(cuda_gloo):
+    assert run_distributed(_lora_world2, 2, timeout_s=600) == [True, True]
+
+
+def _checkpoints_world2(root):
+    for layout, kwargs in test_checkpoint.ROUND_TRIPS_WORLD2.items():
+        test_checkpoint.round_trip(os.path.join(root, layout), **kwargs)
+    test_checkpoint.save_tp2_for_world1(root)
+    return True
 
 
 def test_checkpoints_saved_on_gpu_load_at_other_layouts(tmp_path, monkeypatch):
     """Round trips at tp=2, pp=2, dp=2+ZeRO-1 and tp=2 -> pp=2 on 2 ranks; then the tp=2
     checkpoint loads on one nccl rank and trains on exactly."""
     monkeypatch.setenv("NXD_HF_BACKEND", "cuda:gloo")
-    run_distributed(test_checkpoint.run_world2, 2, str(tmp_path), timeout_s=600)
+    assert run_distributed(_checkpoints_world2, 2, str(tmp_path), timeout_s=600) == [True, True]
     monkeypatch.setenv("NXD_HF_BACKEND", "nccl")
     run_distributed(test_checkpoint.run_world1, 1, str(tmp_path))
 
 
+def _trainer_world2():
+    for layout in ("tp2", "pp2", "dp2_zero1_accumulate2", "tp2_lora"):
+        test_nxd_trainer.check_matches_trainer(layout)
+    return True
+
+
 def test_nxd_trainer_matches_trainer(cuda_gloo):
     """tp=2, pp=2, dp=2+ZeRO-1 with accumulation, tp=2 LoRA: NxDTrainer against Trainer."""
-    assert run_distributed(test_nxd_trainer.trainer_cases, 2, timeout_s=600) == [True, True]
+    assert run_distributed(_trainer_world2, 2, timeout_s=600) == [True, True]
 
 
 def test_nxd_trainer_checkpoints(cuda_gloo, tmp_path):
-    assert run_distributed(test_nxd_trainer.checkpoint_cases, 2, str(tmp_path), timeout_s=600) == [True, True]
+    run_distributed(test_nxd_trainer.check_checkpoints_and_resume, 2, str(tmp_path), timeout_s=600)
 
 
 def test_config_api_dp2_zero1_matches_single_process(cuda_gloo):

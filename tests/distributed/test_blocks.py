@@ -1,6 +1,7 @@
 """Composite checks: a Column->Row MLP, an MHA block padded by pad_model, and model-parallel
 RNG keeping replicated parameters identical across TP ranks under dropout."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -12,7 +13,6 @@ from nxd_hf.parallel_layers.grads import allreduce_sequence_parallel_gradients
 from nxd_hf.parallel_layers.pad import get_number_of_extra_heads
 from nxd_hf.parallel_layers.random import get_rng_state_tracker, model_parallel_manual_seed
 from nxd_hf.parallel_layers.sharding import mark_partial_grad_over_tp
-from nxd_hf.testing import run_distributed
 
 from layer_cases import TOL, assert_grads_match, seq_chunk, sharded_input, tp_info
 
@@ -185,21 +185,44 @@ def check_rng_keeps_replicas_equal(sp: bool) -> None:
     assert tp_size == 1 or not torch.equal(draws[0], draws[1]), "sharded-region RNG must differ per TP rank"
 
 
-def run_block_cases() -> None:
-    for tp in (1, 2, 4):
-        parallel_state.initialize_model_parallel(tp, 1)
-        for sp in (False, True):
-            check_mlp(sp)
-        for num_heads in (6, 5, 8):
-            check_padded_attention(num_heads)
-        for num_heads, num_kv_heads in ((6, 2), (8, 2), (6, 3), (4, 1)):
-            check_gqa_attention(num_heads, num_kv_heads)
-        check_rng_keeps_replicas_equal(sp=False)
+TP = pytest.mark.parametrize("tp", [1, 2, 4], ids=lambda tp: f"tp{tp}")
 
 
-def test_blocks_match_unsharded():
-    run_distributed(run_block_cases, 4)
+@pytest.mark.parametrize("sp", [False, True], ids=["no_sp", "sequence_parallel"])
+@TP
+def test_column_row_mlp_matches_unsharded(ranks4, tp, sp):
+    ranks4.run(check_mlp, sp, model_parallel=(tp, 1))
 
 
-def test_sequence_parallel_entry_rejects_indivisible_sequence():
-    assert mappings.SEQ_DIM == 1  # HF layout [batch, seq, hidden]
+@pytest.mark.parametrize("num_heads", [6, 5, 8], ids=lambda n: f"{n}_heads")
+@TP
+def test_attention_heads_padded_by_pad_model_match_unsharded(ranks4, tp, num_heads):
+    ranks4.run(check_padded_attention, num_heads, model_parallel=(tp, 1))
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(6, 2), (8, 2), (6, 3), (4, 1)],
+                         ids=["6q_2kv", "8q_2kv", "6q_3kv", "4q_1kv"])
+@TP
+def test_gqa_attention_kv_heads_replicated_when_fewer_than_tp(ranks4, tp, num_heads, num_kv_heads):
+    ranks4.run(check_gqa_attention, num_heads, num_kv_heads, model_parallel=(tp, 1))
+
+
+@TP
+def test_model_parallel_rng_keeps_replicas_equal_under_dropout(ranks4, tp):
+    ranks4.run(check_rng_keeps_replicas_equal, False, model_parallel=(tp, 1))
+
+
+def check_sequence_parallel_entry() -> None:
+    """The SP entry splits HF's sequence dim (dim 1 of [batch, seq, hidden]) into this rank's
+    contiguous chunk, its exit gathers it back, and an indivisible sequence is a ValueError."""
+    tp_rank, tp_size = tp_info()
+    x = torch.arange(2 * 8 * 3, dtype=torch.float32).view(2, 8, 3)
+    chunk = mappings.scatter_to_sequence_parallel_region(x)
+    assert torch.equal(chunk, x[:, tp_rank * 2 : (tp_rank + 1) * 2]), chunk.shape
+    assert torch.equal(mappings.gather_from_sequence_parallel_region(chunk, to_model_parallel=False), x)
+    with pytest.raises(ValueError, match=r"sequence length \(6\) .*pad_to_multiple_of=4"):
+        mappings.scatter_to_sequence_parallel_region(torch.zeros(2, 6, 3))
+
+
+def test_sequence_parallel_entry_splits_the_sequence_and_rejects_an_indivisible_one(ranks4):
+    ranks4.run(check_sequence_parallel_entry, model_parallel=(4, 1))

@@ -10,12 +10,15 @@
 
 import os
 
+import pytest
 import torch
 
 import ckpt_cases as C
 import nxd_hf
 from nxd_hf.parallel_layers.random import model_parallel_manual_seed
 from nxd_hf.testing import run_distributed
+
+pytestmark = pytest.mark.usefixtures("no_rank_pool")  # their own processes only
 
 N, M = 3, 3
 DROPOUT = 0.1

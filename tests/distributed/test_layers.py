@@ -12,7 +12,6 @@ from nxd_hf.modules.qkv_linear import GQAQKVColumnParallelLinear
 from nxd_hf.parallel_layers.heads import auto_kv_size_multiplier, gqa_layout
 from nxd_hf.parallel_layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear, move_model_to_device
 from nxd_hf.parallel_layers.sharding import contiguous_shard_index
-from nxd_hf.testing import run_distributed
 
 from layer_cases import TOL, assert_grads_match, check_sp_sequence_error, last_dim_chunk, seq_chunk, sharded_input, tp_info
 
@@ -135,29 +134,49 @@ def check_gqa(num_heads: int, num_kv_heads: int, fuse: bool, gather: bool, sp: b
             assert_grads_match(getattr(layer, f"bias_{name}"), ref.bias.grad, f"{name} bias")
 
 
-def _layer_cases(tp: int) -> None:
-    parallel_state.initialize_model_parallel(tp, 1)
-    check_sp_sequence_error()
-    for sp, bias in itertools.product((False, True), (False, True)):
-        for out_size, gather in ((8, True), (8, False), (10, True), (10, False)):
-            check_column(out_size, bias, gather, sp)
-        for in_size, parallel in ((8, True), (10, True), (8, False), (10, False)):
-            if sp and not parallel:
-                continue
-            check_row(in_size, bias, parallel, sp)
-    for sp, padding_idx, vocab in itertools.product((False, True), (None, 0), (16, 11)):
-        check_embedding(vocab, padding_idx, sp)
-    for (heads, kv_heads), fuse, gather, sp in itertools.product(((8, 2), (6, 2), (4, 4), (3, 1), (6, 6)), (True, False), (True, False), (False, True)):
-        check_gqa(heads, kv_heads, fuse, gather, sp)
+TP = pytest.mark.parametrize("tp", [1, 2, 4], ids=lambda tp: f"tp{tp}")
 
 
-def run_all_layer_cases() -> None:
-    for tp in (1, 2, 4):
-        _layer_cases(tp)
+def _cases(names: str, values) -> pytest.MarkDecorator:
+    """One parametrized case per tuple, its id the field=value pairs (flags by name when true)."""
+    def case_id(case):
+        parts = [(k if v else f"no_{k}") if isinstance(v, bool) else f"{k}{v}" for k, v in zip(names.split(","), case)]
+        return "-".join(parts)
+    values = list(values)
+    return pytest.mark.parametrize(names, values, ids=[case_id(v) for v in values])
 
 
-def test_layers_match_unsharded_modules():
-    run_distributed(run_all_layer_cases, 4)
+@TP
+def test_sequence_parallel_indivisible_sequence_names_the_fix(ranks4, tp):
+    ranks4.run(check_sp_sequence_error, model_parallel=(tp, 1))
+
+
+@_cases("out,gather,bias,sp", [(o, g, b, sp) for sp, b in itertools.product((False, True), (False, True))
+                               for o, g in ((8, True), (8, False), (10, True), (10, False))])
+@TP
+def test_column_parallel_linear_matches_nn_linear(ranks4, tp, out, gather, bias, sp):
+    ranks4.run(check_column, out, bias, gather, sp, model_parallel=(tp, 1))
+
+
+@_cases("in_,input_is_parallel,bias,sp", [(i, par, b, sp) for sp, b in itertools.product((False, True), (False, True))
+                                          for i, par in ((8, True), (10, True), (8, False), (10, False))
+                                          if par or not sp])
+@TP
+def test_row_parallel_linear_matches_nn_linear(ranks4, tp, in_, input_is_parallel, bias, sp):
+    ranks4.run(check_row, in_, bias, input_is_parallel, sp, model_parallel=(tp, 1))
+
+
+@_cases("sp,padding_idx,vocab", itertools.product((False, True), (None, 0), (16, 11)))
+@TP
+def test_parallel_embedding_matches_nn_embedding(ranks4, tp, sp, padding_idx, vocab):
+    ranks4.run(check_embedding, vocab, padding_idx, sp, model_parallel=(tp, 1))
+
+
+@_cases("heads,kv_heads,fuse,gather,sp", [(h, kv, f, g, sp) for (h, kv), f, g, sp in itertools.product(
+    ((8, 2), (6, 2), (4, 4), (3, 1), (6, 6)), (True, False), (True, False), (False, True))])
+@TP
+def test_gqa_qkv_linear_matches_three_linears(ranks4, tp, heads, kv_heads, fuse, gather, sp):
+    ranks4.run(check_gqa, heads, kv_heads, fuse, gather, sp, model_parallel=(tp, 1))
 
 
 def test_layers_without_distributed_are_tp1():

@@ -11,7 +11,6 @@ import hf_parity
 import nxd_hf
 from nxd_hf import parallel_state
 from nxd_hf.parallel_layers.sharding import full_tensor, is_sharded
-from nxd_hf.testing import run_distributed
 
 TOL = hf_parity.TOL
 STEPS = 3
@@ -105,22 +104,27 @@ def check_from_pretrained(path: str, tp: int) -> None:
     assert expected < full_bytes / tp * 1.5
 
 
-def run_training_cases(path: str, neox_path: str) -> None:
-    check_training_matches(tp=4, accumulate=1)  # dp 1
-    check_training_matches(tp=2, accumulate=2)  # dp 2, no_sync on the first micro-step
-    for tp in (2, 4):
-        check_generate(tp)
-    check_from_pretrained(path, tp=4)
-    check_from_pretrained(neox_path, tp=2)
+@pytest.mark.parametrize("tp,accumulate", [(4, 1), (2, 2)], ids=["tp4_dp1", "tp2_dp2_accumulate2_no_sync_first"])
+def test_training_matches_hf(ranks4, tp, accumulate):
+    ranks4.run(check_training_matches, tp=tp, accumulate=accumulate)
 
 
-def test_training_generate_and_loading(tmp_path):
+@pytest.mark.parametrize("tp", [2, 4], ids=lambda tp: f"tp{tp}")
+def test_generate_matches_hf(ranks4, tp):
+    ranks4.run(check_generate, tp)
+
+
+def test_from_pretrained_sharded_files_reads_only_local_rows_tp4(ranks4, tmp_path):
     reference, _ = hf_parity.build_pair("llama")
     reference.save_pretrained(tmp_path, max_shard_size="20KB")  # several files and an index
     assert (tmp_path / "model.safetensors.index.json").exists()
+    ranks4.run(check_from_pretrained, str(tmp_path), tp=4)
+
+
+def test_from_pretrained_gpt_neox_tp2(ranks4, tmp_path):
     neox, _ = hf_parity.build_pair("gpt_neox")
     neox.save_pretrained(tmp_path / "neox")
-    run_distributed(run_training_cases, 4, str(tmp_path), str(tmp_path / "neox"))
+    ranks4.run(check_from_pretrained, str(tmp_path / "neox"), tp=2)
 
 
 def _layout_only(model, *, tp, pad_model="auto", kv_size_multiplier="auto"):

@@ -16,7 +16,6 @@ import transformers
 import hf_parity
 import nxd_hf
 from nxd_hf import parallel_state
-from nxd_hf.testing import run_distributed
 
 CASES = {"llama": transformers.AutoModelForCausalLM, "qwen2": transformers.AutoModelForCausalLM,
          "gpt2": transformers.AutoModelForCausalLM, "bert": transformers.AutoModelForMaskedLM,
@@ -50,13 +49,13 @@ def check_consolidate(root: str, model_type: str) -> None:
     torch.testing.assert_close(_logits(again, ids), _logits(reference, ids), **hf_parity.TOL)
 
 
-def run_cases(root: str) -> None:
-    for model_type in CASES:
-        check_consolidate(root, model_type)
+@pytest.mark.parametrize("model_type", list(CASES))
+def test_consolidated_tp2_checkpoint_loads_in_transformers(ranks2, tmp_path, model_type):
+    ranks2.run(check_consolidate, str(tmp_path), model_type)
 
 
-def test_consolidate_tp2_checkpoints(tmp_path):
-    run_distributed(run_cases, 2, str(tmp_path), timeout_s=600)
+def test_consolidate_command_casts_dtype_and_rejects_a_plain_directory(ranks2, tmp_path):
+    ranks2.run(check_consolidate, str(tmp_path), "gpt2")
     # the console command on one of them, with a dtype cast
     out = tmp_path / "gpt2_cli"
     done = subprocess.run([sys.executable, "-m", "nxd_hf.cli", "consolidate", str(tmp_path / "gpt2" / "ckpt"),

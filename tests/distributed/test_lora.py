@@ -12,41 +12,62 @@ import lora_io_cases
 from nxd_hf.testing import run_distributed
 
 
-def run_two_rank_cases(tmp_dir: str) -> None:
-    lora_cases.check_training("llama", 2, target_modules="all-linear")  # the same layers as plain peft's
-    lora_cases.check_training("gpt2", 2, target_modules=["c_attn", "c_proj", "c_fc"])
-    lora_cases.check_training("gpt_neox", 2, target_modules=["query_key_value", "dense", "dense_4h_to_h"])
+TRAINING_TP2 = {  # name -> (model_type, tp, check_training's keyword arguments)
+    "llama_all_linear": ("llama", 2, dict(target_modules="all-linear")),  # the same layers as plain peft's
+    "gpt2_conv1d_fused_c_attn": ("gpt2", 2, dict(target_modules=["c_attn", "c_proj", "c_fc"])),
+    "gpt_neox": ("gpt_neox", 2, dict(target_modules=["query_key_value", "dense", "dense_4h_to_h"])),
     # trained biases (not c_attn's: the key bias has a zero gradient, which Adam turns into noise)
-    lora_cases.check_training("gpt2", 2, target_modules=["c_proj", "c_fc"], bias="lora_only")
-    lora_cases.check_training("bert", 2, task_model_cls=transformers.BertForSequenceClassification, task="cls",
-                              target_modules=["query", "key", "value", "dense"], modules_to_save=["classifier"])
-    lora_cases.check_dropout_masks(2)
-    lora_cases.check_training("llama", 1, dp=2, target_modules=["q_proj", "v_proj", "down_proj"])
-    lora_cases.check_inject_lora(2, tmp_dir, as_stages=False)
-    lora_cases.check_inject_lora(2, tmp_dir, as_stages=True)
-    lora_io_cases.check_round_trips(tmp_dir)
-    lora_io_cases.check_bad_input(tmp_dir)
-
-
-def run_four_rank_cases(tmp_dir: str) -> None:
+    "gpt2_trained_biases": ("gpt2", 2, dict(target_modules=["c_proj", "c_fc"], bias="lora_only")),
+    "bert_classification_modules_to_save": ("bert", 2, dict(
+        task_model_cls=transformers.BertForSequenceClassification, task="cls",
+        target_modules=["query", "key", "value", "dense"], modules_to_save=["classifier"])),
+    "llama_tp1_dp2": ("llama", 1, dict(dp=2, target_modules=["q_proj", "v_proj", "down_proj"])),
+}
+TRAINING_TP4 = {
     # kv_heads 2 < tp 4: replicated K/V; a vocab-sharded embedding (101 rows padded to 104) trained in full
-    lora_cases.check_training("llama", 4, target_modules=lora_cases.ALL_LLAMA, modules_to_save=["embed_tokens"])
-    lora_cases.check_training("qwen2", 4, sp=True, target_modules=lora_cases.ALL_LLAMA)  # 6 heads padded to 8
+    "llama_kv_heads_fewer_than_tp_embedding_trained": ("llama", 4, dict(target_modules=lora_cases.ALL_LLAMA,
+                                                                        modules_to_save=["embed_tokens"])),
+    "qwen2_padded_heads_sequence_parallel": ("qwen2", 4, dict(sp=True, target_modules=lora_cases.ALL_LLAMA)),
     # fused [q; k; v] rows: padded query heads and replicated K/V heads in one layer
-    lora_cases.check_training("phi3", 4, target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])
-    lora_cases.check_zero1(2)
-    lora_cases.check_pipeline(2, 2, tmp_dir)
+    "phi3_fused_qkv": ("phi3", 4, dict(target_modules=["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])),
+}
 
 
-def test_lora_two_ranks(tmp_path):
-    """tp=2: llama all-linear, gpt2 Conv1D/fused c_attn, gpt_neox, trained biases, bert classification
-    with modules_to_save, dropout masks, dp=2, inject_lora, PEFT round trips, merge, bad input."""
-    run_distributed(run_two_rank_cases, 2, str(tmp_path))
+@pytest.mark.parametrize("case", list(TRAINING_TP2))
+def test_lora_training_matches_plain_peft_world2(ranks2, case):
+    model_type, tp, kwargs = TRAINING_TP2[case]
+    ranks2.run(lora_cases.check_training, model_type, tp, **kwargs)
 
 
-def test_lora_four_ranks(tmp_path):
-    """tp=4 with kv_heads < tp, padded heads + SP, phi3's fused qkv; ZeRO-1 at tp2 x dp2; tp2 x pp2."""
-    run_distributed(run_four_rank_cases, 4, str(tmp_path))
+def test_lora_dropout_masks_match_plain_peft_tp2(ranks2):
+    ranks2.run(lora_cases.check_dropout_masks, 2)
+
+
+@pytest.mark.parametrize("as_stages", [False, True], ids=["model", "stages"])
+def test_inject_lora_tp2(ranks2, tmp_path, as_stages):
+    ranks2.run(lora_cases.check_inject_lora, 2, str(tmp_path), as_stages=as_stages)
+
+
+def test_peft_format_round_trips_and_merge(ranks2, tmp_path):
+    ranks2.run(lora_io_cases.check_round_trips, str(tmp_path))
+
+
+def test_lora_bad_input_is_a_clear_error(ranks2, tmp_path):
+    ranks2.run(lora_io_cases.check_bad_input, str(tmp_path))
+
+
+@pytest.mark.parametrize("case", list(TRAINING_TP4))
+def test_lora_training_matches_plain_peft_tp4(ranks4, case):
+    model_type, tp, kwargs = TRAINING_TP4[case]
+    ranks4.run(lora_cases.check_training, model_type, tp, **kwargs)
+
+
+def test_lora_zero1_tp2_dp2(ranks4):
+    ranks4.run(lora_cases.check_zero1, 2)
+
+
+def test_lora_pipeline_tp2_pp2(ranks4, tmp_path):
+    ranks4.run(lora_cases.check_pipeline, 2, 2, str(tmp_path))
 
 
 def test_peft_dispatch_contract():
@@ -84,7 +105,7 @@ def test_declared_peft_and_transformers_ranges_hold():
 
     from packaging.requirements import Requirement
 
-    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
     requirements = {Requirement(r).name: Requirement(r) for r in project["dependencies"]}
     assert requirements["peft"].specifier.contains(peft.__version__)
     assert requirements["transformers"].specifier.contains(transformers.__version__)
@@ -109,5 +130,6 @@ def test_nxd_lora_config_converts_to_peft():
 
 
 def test_save_pretrained_on_one_rank_raises(tmp_path):
-    """Its own spawn: the failed monitored barrier leaves the process group unusable."""
+    """Its own spawn: the failed monitored barrier leaves the process group unusable, and rank 1
+    exiting is what ends rank 0's wait."""
     run_distributed(lora_io_cases.check_save_on_one_rank_raises, 2, str(tmp_path))

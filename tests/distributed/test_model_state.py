@@ -17,7 +17,7 @@ from nxd_hf.model_state import NxDModelState, state_of
 from nxd_hf.optim import NeuronZero1Optimizer, NxDOptimizer
 from nxd_hf.testing import run_distributed
 
-ROOT = pathlib.Path(__file__).resolve().parents[1] / "nxd_hf"
+ROOT = pathlib.Path(__file__).resolve().parents[2] / "nxd_hf"
 FORMER_ATTRIBUTES = {"_nxd_parallelized", "_nxd_patch", "nxd_grad_reduction", "nxd_adapters", "nxd_load_report",
                      "_nxd_input_check", "_nxd_disk_renamings", "_original"}
 

@@ -16,7 +16,6 @@ import hf_parity
 import nxd_hf
 from nxd_hf import backend, parallel_state
 from nxd_hf.parallel_layers.sharding import full_tensor
-from nxd_hf.testing import run_distributed
 
 TOL = hf_parity.TOL
 STEPS = 5
@@ -120,66 +119,83 @@ def _check_saved_model(trainer, directory, lora):
         torch.testing.assert_close(plain.eval()(input_ids=ids).logits, ours, **TOL)
 
 
-def checkpoint_cases(out_dir):
-    """save_steps checkpoints, exact resume at the same sizes, resume at other sizes, save_model."""
-    if True:  # one directory for every rank
-        whole = _train_nxd(f"{out_dir}/a", steps=6, tensor_parallel_size=2)
-        whole.save_model(f"{out_dir}/final")  # (while parallel_state is still tp=2)
-        _check_saved_model(whole, f"{out_dir}/final", lora=False)
-        names = sorted(os.listdir(f"{out_dir}/a"))
-        assert [n for n in names if n.startswith("checkpoint-")] == ["checkpoint-4", "checkpoint-6"], names
-        assert transformers.trainer_utils.get_last_checkpoint(f"{out_dir}/a").endswith("checkpoint-6")
-        backend.barrier()
-        if backend.rank() == 0:
-            shutil.copytree(f"{out_dir}/a/checkpoint-4", f"{out_dir}/b/checkpoint-4")
-        backend.barrier()
-        resumed = _train_nxd(f"{out_dir}/b", steps=6, resume=True, tensor_parallel_size=2)
-        assert _losses(resumed)[-2:] == _losses(whole)[-2:]  # bitwise
-        for (name, p), q in zip(whole.nxd_model.named_parameters(), resumed.nxd_model.parameters()):
-            assert torch.equal(p, q), name
-        other = _train_nxd(f"{out_dir}/c", steps=6, resume=f"{out_dir}/a/checkpoint-4", batch=2)  # tp=1 x dp=2
-        torch.testing.assert_close(torch.tensor([v for _, v in _losses(other)[-2:]]),
-                                   torch.tensor([v for _, v in _losses(whole)[-2:]]), **TOL)
-        lora = _train_nxd(f"{out_dir}/d", steps=2, lora=True, tensor_parallel_size=2)
-        lora.save_model(f"{out_dir}/adapter")
-        assert os.path.exists(f"{out_dir}/adapter/adapter_model.safetensors")
-        _check_saved_model(lora, f"{out_dir}/adapter", lora=True)
-        _, model = hf_parity.build_pair("llama")
-        nxd_hf.parallelize(model, tensor_parallel_size=2)  # parallel_state is still tp=2 from the LoRA run
-        args = nxd_hf.NxDTrainingArguments(output_dir=out_dir, tensor_parallel_size=1, **COMMON)
-        with pytest.raises(ValueError, match="parallelized with tp=2, pp=1 but the arguments ask for tp=1, pp=1"):
-            nxd_hf.NxDTrainer(model, args, train_dataset=_dataset())
-    return True
+def check_checkpoints_and_resume(out_dir):
+    """save_steps checkpoints, save_model, exact resume at the same sizes, resume at other sizes."""
+    whole = _train_nxd(f"{out_dir}/a", steps=6, tensor_parallel_size=2)
+    whole.save_model(f"{out_dir}/final")  # (while parallel_state is still tp=2)
+    _check_saved_model(whole, f"{out_dir}/final", lora=False)
+    names = sorted(os.listdir(f"{out_dir}/a"))
+    assert [n for n in names if n.startswith("checkpoint-")] == ["checkpoint-4", "checkpoint-6"], names
+    assert transformers.trainer_utils.get_last_checkpoint(f"{out_dir}/a").endswith("checkpoint-6")
+    backend.barrier()
+    if backend.rank() == 0:
+        shutil.copytree(f"{out_dir}/a/checkpoint-4", f"{out_dir}/b/checkpoint-4")
+    backend.barrier()
+    resumed = _train_nxd(f"{out_dir}/b", steps=6, resume=True, tensor_parallel_size=2)
+    assert _losses(resumed)[-2:] == _losses(whole)[-2:]  # bitwise
+    for (name, p), q in zip(whole.nxd_model.named_parameters(), resumed.nxd_model.parameters()):
+        assert torch.equal(p, q), name
+    other = _train_nxd(f"{out_dir}/c", steps=6, resume=f"{out_dir}/a/checkpoint-4", batch=2)  # tp=1 x dp=2
+    torch.testing.assert_close(torch.tensor([v for _, v in _losses(other)[-2:]]),
+                               torch.tensor([v for _, v in _losses(whole)[-2:]]), **TOL)
 
 
-def test_nxd_trainer_checkpoints_world2(tmp_path):
-    assert run_distributed(checkpoint_cases, 2, str(tmp_path), timeout_s=600) == [True, True]
+def check_lora_save_model(out_dir):
+    lora = _train_nxd(f"{out_dir}/d", steps=2, lora=True, tensor_parallel_size=2)
+    lora.save_model(f"{out_dir}/adapter")
+    assert os.path.exists(f"{out_dir}/adapter/adapter_model.safetensors")
+    _check_saved_model(lora, f"{out_dir}/adapter", lora=True)
 
 
-def trainer_cases():
+def check_layout_mismatch(out_dir):
+    _, model = hf_parity.build_pair("llama")
+    nxd_hf.parallelize(model, tensor_parallel_size=2)
+    args = nxd_hf.NxDTrainingArguments(output_dir=out_dir, tensor_parallel_size=1, **COMMON)
+    with pytest.raises(ValueError, match="parallelized with tp=2, pp=1 but the arguments ask for tp=1, pp=1"):
+        nxd_hf.NxDTrainer(model, args, train_dataset=_dataset())
+
+
+def test_save_steps_checkpoints_resume_exactly_and_at_other_sizes(ranks2, tmp_path):
+    ranks2.run(check_checkpoints_and_resume, str(tmp_path))
+
+
+def test_lora_save_model_writes_a_peft_adapter(ranks2, tmp_path):
+    ranks2.run(check_lora_save_model, str(tmp_path))
+
+
+def test_model_parallelized_at_another_layout_than_the_arguments_is_refused(ranks2, tmp_path):
+    ranks2.run(check_layout_mismatch, str(tmp_path))
+
+
+def check_matches_trainer(layout: str) -> None:
     with tempfile.TemporaryDirectory() as out_dir:
-        ref, ours = _run_case(out_dir, batch=4, tensor_parallel_size=2)
-        _check_training(ref, ours, "tp2")
-        _check_evaluation(ref, ours, "tp2")
-        assert "eval_top1" in ours.evaluate()  # compute_metrics saw gathered, unpadded logits
-        ref, ours = _run_case(out_dir, batch=4, pipeline_parallel_size=2, num_microbatches=4)
-        _check_training(ref, ours, "pp2")
-        _check_evaluation(ref, ours, "pp2")
-        want, got = ref.predict(_dataset()[:6]), ours.predict(_dataset()[:6])
-        torch.testing.assert_close(torch.as_tensor(got.predictions), torch.as_tensor(want.predictions), **TOL)
-        assert got.metrics["test_loss"] == pytest.approx(want.metrics["test_loss"], rel=1e-4)
-        ref, ours = _run_case(out_dir, batch=2, accumulate=2, zero_1=True)
-        _check_training(ref, ours, "dp2 zero1 accumulate2")
-        ref, ours = _run_case(out_dir, batch=4, lora=True, tensor_parallel_size=2)
-        _check_training(ref, ours, "tp2 lora")
-        _check_evaluation(ref, ours, "tp2 lora")
-        stepped = [p for group in ours.optimizer.param_groups for p in group["params"]]
-        assert stepped and all(p.requires_grad for p in stepped)  # optimizer state for the adapters only
-    return True
+        if layout == "tp2":
+            ref, ours = _run_case(out_dir, batch=4, tensor_parallel_size=2)
+            _check_training(ref, ours, "tp2")
+            _check_evaluation(ref, ours, "tp2")
+            assert "eval_top1" in ours.evaluate()  # compute_metrics saw gathered, unpadded logits
+        elif layout == "pp2":
+            ref, ours = _run_case(out_dir, batch=4, pipeline_parallel_size=2, num_microbatches=4)
+            _check_training(ref, ours, "pp2")
+            _check_evaluation(ref, ours, "pp2")
+            want, got = ref.predict(_dataset()[:6]), ours.predict(_dataset()[:6])
+            torch.testing.assert_close(torch.as_tensor(got.predictions), torch.as_tensor(want.predictions), **TOL)
+            assert got.metrics["test_loss"] == pytest.approx(want.metrics["test_loss"], rel=1e-4)
+        elif layout == "dp2_zero1_accumulate2":
+            ref, ours = _run_case(out_dir, batch=2, accumulate=2, zero_1=True)
+            _check_training(ref, ours, "dp2 zero1 accumulate2")
+        else:
+            assert layout == "tp2_lora"
+            ref, ours = _run_case(out_dir, batch=4, lora=True, tensor_parallel_size=2)
+            _check_training(ref, ours, "tp2 lora")
+            _check_evaluation(ref, ours, "tp2 lora")
+            stepped = [p for group in ours.optimizer.param_groups for p in group["params"]]
+            assert stepped and all(p.requires_grad for p in stepped)  # optimizer state for the adapters only
 
 
-def test_nxd_trainer_matches_trainer_world2():
-    assert run_distributed(trainer_cases, 2, timeout_s=600) == [True, True]
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2_zero1_accumulate2", "tp2_lora"])
+def test_nxd_trainer_matches_trainer(ranks2, layout):
+    ranks2.run(check_matches_trainer, layout)
 
 
 def test_arguments_refuse_what_nxd_hf_cannot_honour():

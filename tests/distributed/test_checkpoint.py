@@ -154,19 +154,52 @@ def check_save_pretrained_pp(root):
         torch.testing.assert_close(tensor, full[name], rtol=0, atol=0)
 
 
-def run_world2(root):
-    check_round_trip(os.path.join(root, "tp2"), tp=2)
-    check_round_trip(os.path.join(root, "pp2"), pp=2)
-    check_round_trip(os.path.join(root, "dp2"), zero1=True)
-    check_round_trip(os.path.join(root, "dp2_to_plain"), zero1=True, reload_zero1=False)
-    check_round_trip(os.path.join(root, "tp2_to_pp2"), tp=2, reload_tp=1, reload_pp=2)
-    check_master_weights_in_ckpt(os.path.join(root, "bf16_masters"))
-    check_bad_inputs(root)
-    check_tags(root)
-    check_save_pretrained_pp(root)
+def round_trip(path, **kwargs) -> None:
+    """check_round_trip, as a case run on the pool (its expected tensors stay on the ranks)."""
+    check_round_trip(path, **kwargs)
+
+
+ROUND_TRIPS_WORLD2 = {
+    "tp2": dict(tp=2), "pp2": dict(pp=2), "dp2_zero1": dict(zero1=True),
+    "dp2_zero1_to_plain_optimizer": dict(zero1=True, reload_zero1=False),
+    "tp2_to_pp2": dict(tp=2, reload_tp=1, reload_pp=2),
+}
+ROUND_TRIPS_WORLD4 = {
+    "tp2_pp2": dict(tp=2, pp=2), "tp2_dp2_zero1": dict(tp=2, zero1=True),
+    "tp2_dp2_zero1_to_dp4": dict(tp=2, zero1=True, reload_tp=1),
+}
+
+
+@pytest.mark.parametrize("layout", list(ROUND_TRIPS_WORLD2))
+def test_round_trip_world2(ranks2, tmp_path, layout):
+    ranks2.run(round_trip, str(tmp_path / layout), **ROUND_TRIPS_WORLD2[layout])
+
+
+def test_bf16_master_weights_in_checkpoint(ranks2, tmp_path):
+    ranks2.run(check_master_weights_in_ckpt, str(tmp_path / "bf16_masters"))
+
+
+def test_bad_inputs_raise_on_every_rank(ranks2, tmp_path):
+    ranks2.run(check_bad_inputs, str(tmp_path))
+
+
+def test_num_kept_ckpts_resave_and_async_save(ranks2, tmp_path):
+    ranks2.run(check_tags, str(tmp_path))
+
+
+def test_save_pretrained_from_pipeline_and_config_api_models(ranks2, tmp_path):
+    ranks2.run(check_save_pretrained_pp, str(tmp_path))
+
+
+def save_tp2_for_world1(root):
     expected = check_round_trip(os.path.join(root, "tp2_for_world1"), tp=2)
     if torch.distributed.get_rank() == 0:  # tensors do not travel through the result queue
         torch.save(expected, os.path.join(root, "expected.pt"))
+
+
+def test_tp2_checkpoint_loads_on_one_process(ranks2, tmp_path):
+    ranks2.run(save_tp2_for_world1, str(tmp_path))
+    run_distributed(run_world1, 1, str(tmp_path))
 
 
 def run_world1(root):
@@ -205,17 +238,10 @@ def check_fused_qkv_padded_replicated(root):
         torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
 
 
-def run_world4(root):
-    check_fused_qkv_padded_replicated(root)
-    check_round_trip(os.path.join(root, "tp2pp2"), tp=2, pp=2)
-    check_round_trip(os.path.join(root, "tp2dp2"), tp=2, zero1=True)
-    check_round_trip(os.path.join(root, "tp2dp2_to_dp4"), tp=2, zero1=True, reload_tp=1)
+def test_phi3_tp4_fused_qkv_padded_replicated_saves_consolidates_and_reloads_exactly(ranks4, tmp_path):
+    ranks4.run(check_fused_qkv_padded_replicated, str(tmp_path))
 
 
-def test_checkpoint_world2_and_world1(tmp_path):
-    run_distributed(run_world2, 2, str(tmp_path), timeout_s=900)
-    run_distributed(run_world1, 1, str(tmp_path))
-
-
-def test_checkpoint_world4(tmp_path):
-    run_distributed(run_world4, 4, str(tmp_path), timeout_s=900)
+@pytest.mark.parametrize("layout", list(ROUND_TRIPS_WORLD4))
+def test_round_trip_world4(ranks4, tmp_path, layout):
+    ranks4.run(round_trip, str(tmp_path / layout), **ROUND_TRIPS_WORLD4[layout])

@@ -9,7 +9,6 @@ import hf_parity
 import nxd_hf
 from nxd_hf import backend, parallel_state
 from nxd_hf.parallel_layers.sharding import full_tensor
-from nxd_hf.testing import run_distributed
 
 TOL = hf_parity.TOL
 STEPS = 10
@@ -118,23 +117,34 @@ def check_autocast_around_run_train() -> None:
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
 
 
-def run_world4_cases() -> None:
-    check_matches_single_process(tp=1, zero1=True)  # DP 4 with ZeRO-1
-    check_matches_single_process(tp=2, zero1=True)  # TP 2 x DP 2 with ZeRO-1
-    check_matches_single_process(pp=2, zero1=True)  # PP 2 x DP 2 with ZeRO-1
-    check_matches_single_process(tp=1, zero1=True, accumulate=2)  # DP 4, ZeRO-1, accumulation 2
-    check_matches_single_process(tp=2, zero1=False, accumulate=2)  # plain DP reduction in step()
-    check_bf16_tracks_fp32()
-    check_sequential_build()
-    check_autocast_around_run_train()
+def test_dp2_zero1_matches_single_process(ranks2):
+    ranks2.run(check_matches_single_process)
 
 
-def test_config_api_world4():
-    run_distributed(run_world4_cases, 4, timeout_s=600)
+WORLD4_LAYOUTS = {
+    "dp4_zero1": dict(tp=1, zero1=True),
+    "tp2_dp2_zero1": dict(tp=2, zero1=True),
+    "pp2_dp2_zero1": dict(pp=2, zero1=True),
+    "dp4_zero1_accumulate2": dict(tp=1, zero1=True, accumulate=2),
+    "tp2_dp2_plain_dp_reduction_accumulate2": dict(tp=2, zero1=False, accumulate=2),
+}
 
 
-def test_dp2_zero1():
-    run_distributed(check_matches_single_process, 2)
+@pytest.mark.parametrize("layout", list(WORLD4_LAYOUTS))
+def test_config_api_matches_single_process(ranks4, layout):
+    ranks4.run(check_matches_single_process, **WORLD4_LAYOUTS[layout])
+
+
+def test_bf16_with_fp32_master_weights_tracks_fp32(ranks4):
+    ranks4.run(check_bf16_tracks_fp32)
+
+
+def test_sequential_move_factor_builds_one_rank_at_a_time(ranks4):
+    ranks4.run(check_sequential_build)
+
+
+def test_autocast_around_run_train_keeps_fp32_grads(ranks4):
+    ranks4.run(check_autocast_around_run_train)
 
 
 @pytest.mark.parametrize("kwargs,message", [

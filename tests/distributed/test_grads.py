@@ -4,6 +4,7 @@ K/V-replicated parameters, and the sequence-parallel all-reduce of replicated gr
 
 import math
 
+import pytest
 import torch
 from torch import nn
 
@@ -13,7 +14,6 @@ from nxd_hf.modules.qkv_linear import GQAQKVColumnParallelLinear
 from nxd_hf.parallel_layers.grads import allreduce_sequence_parallel_gradients, clip_grad_norm, sync_data_parallel_grads
 from nxd_hf.parallel_layers.layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
 from nxd_hf.parallel_layers.sharding import full_tensor, is_sharded, local_shard, mark_partial_grad_over_tp
-from nxd_hf.testing import run_distributed
 
 VOCAB, HIDDEN, FFN = 11, 4, 6  # VOCAB 11 and FFN 6 are padded at tp 2 / tp 4
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, KV_SIZE_MULTIPLIER = 4, 1, 4, 4
@@ -246,29 +246,24 @@ def _check_sequence_parallel() -> None:
     assert torch.equal(tail.weight.grad, tail_partial[0]) and torch.equal(tail.bias.grad, tail_partial[1])
 
 
-# -- spawned bodies
+# -- one pytest item per case on the rank pools
 
 
-def _world2() -> None:
-    parallel_state.initialize_model_parallel(1)  # dp 2
-    _check_dp_sync("tp1 dp2")
-    parallel_state.initialize_model_parallel(2)
-    _check_sequence_parallel()
+def test_dp_sync_averages_bucketed_grads_tp1_dp2(ranks2):
+    ranks2.run(_check_dp_sync, "tp1 dp2", model_parallel=(1, 1))
 
 
-def _world4() -> None:
-    parallel_state.initialize_model_parallel(2)  # dp 2
-    _check_dp_sync("tp2 dp2")
-    for tp in (2, 4):
-        parallel_state.initialize_model_parallel(tp)
-        for fuse_qkv in (True, False):
-            for norm_type in (2.0, math.inf):
-                _check_clip(fuse_qkv, norm_type, f"tp{tp} fuse_qkv={fuse_qkv} norm={norm_type}")
+def test_sequence_parallel_allreduce_sums_only_replicated_sp_grads_tp2(ranks2):
+    ranks2.run(_check_sequence_parallel, model_parallel=(2, 1))
 
 
-def test_dp_sync_tp1_and_sequence_parallel_allreduce_world2():
-    run_distributed(_world2, 2)
+def test_dp_sync_averages_bucketed_grads_tp2_dp2(ranks4):
+    ranks4.run(_check_dp_sync, "tp2 dp2", model_parallel=(2, 1))
 
 
-def test_dp_sync_tp2_dp2_and_clip_grad_norm_tp2_tp4_world4():
-    run_distributed(_world4, 4)
+@pytest.mark.parametrize("norm_type", [2.0, math.inf], ids=["l2", "inf"])
+@pytest.mark.parametrize("fuse_qkv", [True, False], ids=["fused_qkv", "separate_qkv"])
+@pytest.mark.parametrize("tp", [2, 4], ids=lambda tp: f"tp{tp}")
+def test_clip_grad_norm_matches_whole_model_norm(ranks4, tp, fuse_qkv, norm_type):
+    ranks4.run(_check_clip, fuse_qkv, norm_type, f"tp{tp} fuse_qkv={fuse_qkv} norm={norm_type}",
+               model_parallel=(tp, 1))

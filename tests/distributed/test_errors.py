@@ -16,8 +16,8 @@ import hf_parity
 import nxd_hf
 from nxd_hf import backend, parallel_state
 from nxd_hf.guards.input_check import ENV_VAR
-from errors_world2 import MISMATCHES, run_world2_cases
-from nxd_hf.testing import run_distributed
+import errors_world2
+from errors_world2 import MISMATCHES
 
 VOCAB = 128
 
@@ -174,7 +174,9 @@ def test_check_inputs_and_timeout_arguments_are_validated():
 # --- world 2: every rank raises, promptly ---
 
 
-def test_errors_world2(tmp_path):
+@pytest.fixture(scope="module")
+def error_paths(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("errors")
     paths = _save_mismatched(str(tmp_path / "mismatch"))
     for model_type in ("gpt2", "phi3", "qwen2"):  # Conv1D (stored transposed), fused projections, tied head
         hf_parity.build_pair(model_type)[0].save_pretrained(tmp_path / model_type)
@@ -183,4 +185,28 @@ def test_errors_world2(tmp_path):
     shutil.copytree(paths["good"], broken)
     _truncate(os.path.join(broken, "model.safetensors"))
     paths["broken"] = broken
-    run_distributed(run_world2_cases, 2, paths, timeout_s=300)
+    return paths
+
+
+def test_loading_mismatched_or_broken_weights_raises_on_every_rank(ranks2, error_paths):
+    ranks2.run(errors_world2.check_loading, error_paths)
+
+
+def test_parallelize_failing_on_one_rank_fails_on_every_rank(ranks2):
+    ranks2.run(errors_world2.check_parallelize_failing_on_one_rank)
+
+
+def test_inputs_differing_across_tp_ranks_tp2(ranks2):
+    ranks2.run(errors_world2.check_inputs_tp2)
+
+
+def test_inputs_checked_across_pipeline_stages_pp2(ranks2):
+    ranks2.run(errors_world2.check_inputs_pp2)
+
+
+def test_config_api_fails_together(ranks2):
+    ranks2.run(errors_world2.check_config_api_fails_together)
+
+
+def test_collective_timeouts_name_the_group(ranks2):
+    ranks2.run(errors_world2.check_timeouts)

@@ -11,7 +11,6 @@ import pytest
 import torch.distributed as dist
 import transformers
 
-from nxd_hf.testing import run_distributed
 
 # model_type -> (expected status, sequence_parallel too)
 CASES = {
@@ -36,43 +35,35 @@ class _FailsOnRank1(transformers.LlamaForCausalLM):
         return super().set_submodule(target, module, strict)
 
 
-def _world2_cases() -> dict:
+def architecture_case(model_type: str, sp: bool, model_cls=None):
+    """run_case at tp=2 on a shrunk config of ``model_type``; with its wall time."""
     from nxd_hf.parity.cases import run_case
 
     transformers.logging.set_verbosity_error()
-    results = {}
-    for model_type, (_, with_sp) in CASES.items():
-        for sp in (False, True) if with_sp else (False,):
-            results[(model_type, sp)] = run_case(_tiny(model_type), tensor_parallel_size=2, sequence_parallel=sp)
     start = time.perf_counter()
-    results["failing_rank"] = run_case(_tiny("llama"), tensor_parallel_size=2, model_cls=_FailsOnRank1)
-    results["failing_rank_seconds"] = time.perf_counter() - start
-    return results
+    result = run_case(_tiny(model_type), tensor_parallel_size=2, sequence_parallel=sp, model_cls=model_cls)
+    return result, time.perf_counter() - start
 
 
-@pytest.fixture(scope="module")
-def world2():
-    return run_distributed(_world2_cases, 2)
-
-
-@pytest.mark.parametrize("model_type", list(CASES))
-def test_fixed_architecture_classes(world2, model_type):
-    expected, with_sp = CASES[model_type]
-    for sp in (False, True) if with_sp else (False,):
-        results = [rank[(model_type, sp)] for rank in world2]
-        assert results[0] == results[1], "the ranks must agree on the outcome"
-        assert results[0].status == expected, f"{model_type} sp={sp}: {results[0].message}"
+@pytest.mark.parametrize("model_type,sp", [(t, sp) for t, (_, with_sp) in CASES.items()
+                                           for sp in ((False, True) if with_sp else (False,))],
+                         ids=lambda v: v if isinstance(v, str) else ("sequence_parallel" if v else "no_sp"))
+def test_fixed_architecture_classes(ranks2, model_type, sp):
+    expected, _ = CASES[model_type]
+    results = [result for result, _ in ranks2.run(architecture_case, model_type, sp)]
+    assert results[0] == results[1], "the ranks must agree on the outcome"
+    assert results[0].status == expected, f"{model_type} sp={sp}: {results[0].message}"
     if expected == "refused":
         assert "dt_proj" in results[0].message and "value heads" in results[0].message
 
 
-def test_failing_rank_fails_promptly_on_every_rank(world2):
+def test_failing_rank_fails_promptly_on_every_rank(ranks2):
     """parallelize agrees on success before any collective: both ranks raise rank 1's error."""
-    for rank in world2:
-        assert rank["failing_rank"].status == "refused"
-        assert "failed on rank 1" in rank["failing_rank"].message
-        assert "injected failure on rank 1" in rank["failing_rank"].message
-        assert rank["failing_rank_seconds"] < 30
+    for result, seconds in ranks2.run(architecture_case, "llama", False, _FailsOnRank1):
+        assert result.status == "refused"
+        assert "failed on rank 1" in result.message
+        assert "injected failure on rank 1" in result.message
+        assert seconds < 30
 
 
 def test_shrink_keeps_head_ratio_and_one_layer_per_kind():

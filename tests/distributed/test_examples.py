@@ -8,10 +8,13 @@ import socket
 import subprocess
 import sys
 
+import pytest
 import torch
 import transformers
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.usefixtures("no_rank_pool")  # their own processes only
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 

@@ -10,7 +10,6 @@ import torch.nn.functional as F
 
 from nxd_hf import parallel_state
 from nxd_hf.parallel_layers.loss_functions import parallel_cross_entropy
-from nxd_hf.testing import run_distributed
 
 VOCABS = (8, 11)  # 11: padded to 12 at tp 2 and 4
 REDUCTIONS = ("none", "mean", "sum")
@@ -68,25 +67,21 @@ def _check_case(vocab, reduction, smoothing, ignore_index, seed):
     assert torch.equal(local.detach(), before), f"{case}: input modified in place"
 
 
+CASES = list(itertools.product(VOCABS, REDUCTIONS, SMOOTHINGS, IGNORE_INDICES))
+
+
 def _check_all_cases() -> int:
-    num_checked = 0
-    cases = itertools.product(VOCABS, REDUCTIONS, SMOOTHINGS, IGNORE_INDICES)
-    for seed, (vocab, reduction, smoothing, ignore_index) in enumerate(cases):
+    for seed, (vocab, reduction, smoothing, ignore_index) in enumerate(CASES):
         _check_case(vocab, reduction, smoothing, ignore_index, seed)
-        num_checked += 1
-    return num_checked
+    return len(CASES)
 
 
-def _check_every_tp() -> list[int]:
-    counts = []
-    for tp in (1, 2, 4):
-        parallel_state.initialize_model_parallel(tp)
-        counts.append(_check_all_cases())
-    return counts
-
-
-def test_matches_torch_cross_entropy_tp_1_2_4():
-    assert run_distributed(_check_every_tp, 4) == [[NUM_CASES] * 3] * 4
+@pytest.mark.parametrize("seed,vocab,reduction,smoothing,ignore_index",
+                         [(seed, *case) for seed, case in enumerate(CASES)],
+                         ids=[f"vocab{v}-{r}-smoothing{s}-ignore{i}" for v, r, s, i in CASES])
+@pytest.mark.parametrize("tp", [1, 2, 4], ids=lambda tp: f"tp{tp}")
+def test_matches_torch_cross_entropy(ranks4, tp, seed, vocab, reduction, smoothing, ignore_index):
+    ranks4.run(_check_case, vocab, reduction, smoothing, ignore_index, seed, model_parallel=(tp, 1))
 
 
 def test_matches_torch_cross_entropy_without_distributed():

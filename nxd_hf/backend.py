@@ -367,13 +367,11 @@ def all_gather_into(out: torch.Tensor, tensor: torch.Tensor, group) -> torch.Ten
     with _named_errors("all_gather", group):
         if "gloo" not in dist.get_backend(group):  # cuda:gloo too
             _all_gather_flat(out, tensor, group=group)
-            return out
-        chunks = out.view(size, -1)
-        chunks[group_rank(group)].copy_(tensor)
-        works = [dist.broadcast(chunks[j], src=dist.get_global_rank(group, j), group=group, async_op=True)
-                 for j in range(size)]
-        for work in works:
-            work.wait()
+        else:
+            chunks = out.view(size, -1)
+            chunks[group_rank(group)].copy_(tensor)
+            _per_rank_chunk(chunks, group, lambda chunk, rank: dist.broadcast(chunk, src=rank, group=group,
+                                                                              async_op=True))
     return out
 
 
@@ -391,11 +389,15 @@ def reduce_scatter_into(out: torch.Tensor, tensor: torch.Tensor, group) -> torch
             _reduce_scatter_flat(out, tensor, group=group)
             return out
         chunks = tensor.view(size, -1)
-        works = [dist.reduce(chunks[j], dst=dist.get_global_rank(group, j), group=group, async_op=True)
-                 for j in range(size)]
-        for work in works:
-            work.wait()
+        _per_rank_chunk(chunks, group, lambda chunk, rank: dist.reduce(chunk, dst=rank, group=group, async_op=True))
     return out.copy_(chunks[group_rank(group)])
+
+
+def _per_rank_chunk(chunks: torch.Tensor, group, start) -> None:
+    """gloo: ``start(chunks[j], global rank of group rank j)`` for every j (async work), then wait."""
+    works = [start(chunks[j], dist.get_global_rank(group, j)) for j in range(len(chunks))]
+    for work in works:
+        work.wait()
 
 
 def broadcast(tensor: torch.Tensor, src: int, group) -> torch.Tensor:

@@ -17,6 +17,13 @@ MISMATCHES = [("intermediate_size", 64, "mlp.gate_proj.weight"), ("vocab_size", 
 PROMPT_S = 10  # a failure agreed between ranks takes well under a second; a hang would take minutes
 
 
+def assert_same_error_on_every_rank(results: list[dict], case: str, pattern: str) -> None:
+    """``results``: each rank's {case: the error message it raised}; every rank raised the same
+    one, and it matches ``pattern``."""
+    assert all(r[case] == results[0][case] for r in results), [r[case] for r in results]
+    assert re.search(pattern, results[0][case], re.S), results[0][case]
+
+
 def _expect(error_class, pattern: str, fn, *args, **kwargs) -> float:
     start = time.monotonic()
     try:

@@ -5,14 +5,15 @@ under nccl (or ``cuda:gloo``) a control tensor built on the CPU and handed to a 
 crashes every layout with two or more ranks (issue 31: ``fail_together``'s failure flag). So
 every ``torch.tensor/zeros/ones/empty/full/arange/...`` call inside ``nxd_hf/`` must pass
 ``device=`` (``backend.collective_device(group)`` for what goes to a collective,
-``backend.default_device()`` or a tensor's own device for compute), or be listed below with
-the reason it is host-only. ``*_like`` / ``new_*`` calls inherit their tensor's device and
+``backend.default_device()`` or a tensor's own device for compute), or be listed in
+``host_only_tensors.toml`` (beside this file) with the reason it is host-only. ``*_like`` / ``new_*`` calls inherit their tensor's device and
 are not checked. On a GPU the ``cuda`` lane (tests/test_gpu.py) is the behavioural check.
 """
 
 import ast
 import os
 import pathlib
+import tomllib
 
 import pytest
 import torch
@@ -24,38 +25,9 @@ CREATORS = {"tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange", "
 ROOT = pathlib.Path(nxd_hf.__file__).parent
 
 # (file under nxd_hf/, enclosing function) -> why its device-less tensors never reach a collective
-# or a device computation. Index tensors describe shards; they are moved with .to(x.device) where used.
-HOST_ONLY = {
-    ("modules/qkv_linear.py", "GQAQKVColumnParallelLinear._make_params"): "replica counts per row: host metadata",
-    ("modules/qkv_linear.py", "nxd_row_layout"): "row indices of NxD's layout: host metadata",
-    ("modules/qkv_linear.py", "GQAQKVColumnParallelLinear.init_weight_cpu"): "NxD's full-weight init on the CPU, "
-                                                                             "sliced into the (placed) parameter",
-    ("parallel_layers/layers.py", "ColumnParallelLinear.__init__"): "as_tensor of num_replicas: a host flag",
-    ("parallel_layers/layers.py", "ColumnParallelLinear.init_weight_cpu"): "as above (init_weight_cpu)",
-    ("parallel_layers/layers.py", "RowParallelLinear.init_weight_cpu"): "as above (init_weight_cpu)",
-    ("parallel_layers/layers.py", "ParallelEmbedding.init_weight_cpu"): "as above (init_weight_cpu)",
-    ("parallel_layers/heads.py", "HeadLayout._per_query_head"): "row indices: host metadata",
-    ("parallel_layers/heads.py", "HeadLayout.rows"): "row indices and replica counts: host metadata",
-    ("parallel_layers/heads.py", "_head_rows"): "row indices: host metadata",
-    ("parallel_layers/heads.py", "gqa_layout"): "head indices: host metadata",
-    ("parallel_layers/heads.py", "padded_head_rows"): "head indices: host metadata",
-    ("parallel_layers/sharding.py", "_contiguous_shard_index"): "shard index (moved to the weight's device where used)",
-    ("parallel_layers/sharding.py", "gather_positions"): "positions in host shard indices (moved where used)",
-    ("optim/flat.py", "FlatGroup.norm_segments"): "row indices into host replica counts; the weight is moved",
-    ("checkpoint/logical.py", "_owned_runs"): "positions in the gathered shard indices, brought back to the host",
-    ("checkpoint/format.py", "Reader.full"): "file reads into host memory (numpy views), copied into parameters",
-    ("checkpoint/format.py", "Reader._rows"): "padding rows of a host read, as above",
-    ("checkpoint/save.py", "rng_state"): "numpy RNG state: saved to disk, never communicated",
-    ("checkpoint/hf_safetensors.py", "SafetensorsCheckpoint.read_rows"): "padding rows of a slice read from the "
-                                                                        "file (host), moved to the device whole",
-    ("checkpoint/hf_safetensors.py", "_runs"): "run boundaries of row indices: host metadata",
-    ("pipeline/trace.py", "trace_hf"): "example token ids for tracing only",
-    ("pipeline/model.py", "NxDPPModel._example_inputs"): "example token ids for tracing only",
-    ("trainer/hf_trainer.py", "_replica_rows"): "counts the rows of a split, never used as data",
-    ("parity/cases.py", "_noise_everywhere"): "test weights perturbed on the CPU, then moved with the model",
-    ("parity/cases.py", "_random_norms"): "test weights perturbed on the CPU, then moved with the model",
-    ("parity/cases.py", "make_batch"): "a test batch on the host, moved by the caller",
-}
+# or a device computation: the allow-list, kept as data beside this file.
+with open(pathlib.Path(__file__).with_name("host_only_tensors.toml"), "rb") as _f:
+    HOST_ONLY = {(file, function): why for file, sites in tomllib.load(_f).items() for function, why in sites.items()}
 
 
 def _unplaced_calls(path: pathlib.Path) -> list[tuple[str, str, int]]:
@@ -92,7 +64,7 @@ def test_every_tensor_nxd_hf_builds_names_its_device():
     assert not unplaced, (
         "tensors built without device= (on a GPU they land on the CPU; handed to a collective under nccl they "
         "crash): pass device=backend.collective_device(group) for what goes to a collective, the compute "
-        "device or a tensor's own device otherwise, or add the site to HOST_ONLY with the reason:\n"
+        "device or a tensor's own device otherwise, or add the site to host_only_tensors.toml with the reason:\n"
         + "\n".join(f"  nxd_hf/{f} {scope}: {', '.join(calls)}" for (f, scope), calls in sorted(unplaced.items())))
 
 

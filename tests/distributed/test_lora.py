@@ -33,10 +33,14 @@ TRAINING_TP4 = {
 }
 
 
-@pytest.mark.parametrize("case", list(TRAINING_TP2))
-def test_lora_training_matches_plain_peft_world2(ranks2, case):
-    model_type, tp, kwargs = TRAINING_TP2[case]
-    ranks2.run(lora_cases.check_training, model_type, tp, **kwargs)
+TRAINING = {**{(2, case): args for case, args in TRAINING_TP2.items()},
+            **{(4, case): args for case, args in TRAINING_TP4.items()}}
+
+
+@pytest.mark.parametrize("world_size, case", list(TRAINING), ids=[f"world{w}-{c}" for w, c in TRAINING])
+def test_lora_training_matches_plain_peft(request, world_size, case):
+    model_type, tp, kwargs = TRAINING[world_size, case]
+    request.getfixturevalue(f"ranks{world_size}").run(lora_cases.check_training, model_type, tp, **kwargs)
 
 
 def test_lora_dropout_masks_match_plain_peft_tp2(ranks2):
@@ -54,12 +58,6 @@ def test_peft_format_round_trips_and_merge(ranks2, tmp_path):
 
 def test_lora_bad_input_is_a_clear_error(ranks2, tmp_path):
     ranks2.run(lora_io_cases.check_bad_input, str(tmp_path))
-
-
-@pytest.mark.parametrize("case", list(TRAINING_TP4))
-def test_lora_training_matches_plain_peft_tp4(ranks4, case):
-    model_type, tp, kwargs = TRAINING_TP4[case]
-    ranks4.run(lora_cases.check_training, model_type, tp, **kwargs)
 
 
 def test_lora_zero1_tp2_dp2(ranks4):

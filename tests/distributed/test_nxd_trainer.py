@@ -155,16 +155,16 @@ def check_layout_mismatch(out_dir):
         nxd_hf.NxDTrainer(model, args, train_dataset=_dataset())
 
 
-def test_save_steps_checkpoints_resume_exactly_and_at_other_sizes(ranks2, tmp_path):
-    ranks2.run(check_checkpoints_and_resume, str(tmp_path))
+SAVING_CASES = {
+    "save_steps_checkpoints_resume_exactly_and_at_other_sizes": check_checkpoints_and_resume,
+    "lora_save_model_writes_a_peft_adapter": check_lora_save_model,
+    "model_parallelized_at_another_layout_than_the_arguments_is_refused": check_layout_mismatch,
+}
 
 
-def test_lora_save_model_writes_a_peft_adapter(ranks2, tmp_path):
-    ranks2.run(check_lora_save_model, str(tmp_path))
-
-
-def test_model_parallelized_at_another_layout_than_the_arguments_is_refused(ranks2, tmp_path):
-    ranks2.run(check_layout_mismatch, str(tmp_path))
+@pytest.mark.parametrize("case", list(SAVING_CASES))
+def test_checkpoints_and_saving(ranks2, tmp_path, case):
+    ranks2.run(SAVING_CASES[case], str(tmp_path))
 
 
 def check_matches_trainer(layout: str) -> None:

@@ -400,6 +400,13 @@ def _per_rank_chunk(chunks: torch.Tensor, group, start) -> None:
         work.wait()
 
 
+def global_rank(group, rank_in_group: int) -> int:
+    """The global rank of ``group``'s rank ``rank_in_group``."""
+    if group is SELF or not dist.is_initialized():
+        return rank()
+    return dist.get_global_rank(group, rank_in_group)
+
+
 def broadcast(tensor: torch.Tensor, src: int, group) -> torch.Tensor:
     """In-place broadcast from global rank ``src`` to every rank of ``group``."""
     if group_size(group) == 1 or _is_abstract(tensor):

@@ -8,7 +8,9 @@ import os
 import warnings
 
 import peft
+import torch
 
+from nxd_hf import backend, parallel_state
 from nxd_hf.checkpoint.load import load_model_tensors, read_index
 from nxd_hf.lora.checkpoint import LoraCheckpoint
 from nxd_hf.lora.inject import _print_trainable, inject_lora
@@ -32,6 +34,7 @@ def setup_lora(modules: list, *, lora_config, model) -> None:
                              "saved from a model without LoRA): point lora_save_dir/lora_load_tag at a LoRA checkpoint")
         lora_config = _saved_config(os.path.join(directory, plan["config_dir"]), nxd_config)
     inject_lora(modules, lora_config, adapter_name="default", model_type=model.config.model_type)
+    _same_adapters_on_every_replica(modules)
     checkpoint = LoraCheckpoint(nxd_config)
     model.nxd.adapters = checkpoint
     if plan is None:
@@ -43,6 +46,22 @@ def setup_lora(modules: list, *, lora_config, model) -> None:
     load_model_tensors(nxd_config.lora_save_dir, nxd_config.lora_load_tag, model, lts)
     if nxd_config.lora_verbose:
         _print_trainable(list(modules))
+
+
+def _same_adapters_on_every_replica(modules: list) -> None:
+    """The adapters start as data-parallel rank 0 made them. peft draws them from the global RNG,
+    whose state the ranks of a DP group need not share (user code before setup may consume it
+    differently): unsynchronized, DP replicas would train different adapters. One broadcast per
+    trainable tensor over the DP group (adapters are small)."""
+    group = parallel_state.get_data_parallel_group()
+    if backend.group_size(group) == 1:
+        return
+    src = backend.global_rank(group, 0)
+    with torch.no_grad():
+        for module in modules:
+            for param in module.parameters():
+                if param.requires_grad:
+                    backend.broadcast(param.data, src, group)
 
 
 _SAVED_FIELDS = {"lora_rank": "r", "lora_alpha": "lora_alpha", "lora_dropout": "lora_dropout", "bias": "bias",

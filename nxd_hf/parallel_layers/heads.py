@@ -49,14 +49,17 @@ def gqa_layout(num_heads: int, num_kv_heads: int, head_dim: int, kv_size_multipl
 
 
 def _check_replication(num_kv_heads: int, m: int, tp_size: int) -> None:
-    """A K/V replication factor places each head's m copies on m different ranks: m divides tp
-    (m > tp, or one not dividing it, would store one head several times on a rank)."""
-    if tp_size % m:
+    """A K/V replication factor gives every rank whole copies that its query heads read: m
+    divides tp (each head's m copies on m ranks), or is a multiple of it (NxD's modules take
+    kv_size_multiplier=tp-multiples: each rank then holds m/tp copies of the same heads). Others
+    (3 at tp=2) leave a rank with a mix its query heads cannot be matched to without padding."""
+    if tp_size % m and m % tp_size:
         valid = [k for k in range(1, tp_size + 1) if tp_size % k == 0 and (num_kv_heads * k) % tp_size == 0]
         raise ValueError(
             f"kv_size_multiplier={m} is not a valid K/V replication factor for num_kv_heads={num_kv_heads} and "
-            f"tensor_parallel_size={tp_size}: it must divide tensor_parallel_size, with num_kv_heads x "
-            f"kv_size_multiplier a multiple of it. Use one of {valid} (or 'auto': {valid[0]})")
+            f"tensor_parallel_size={tp_size}: it must divide tensor_parallel_size or be a multiple of it, with "
+            f"num_kv_heads x kv_size_multiplier a multiple of tensor_parallel_size. Use one of {valid} (or "
+            f"'auto': {valid[0]})")
 
 
 def _head_rows(heads: torch.Tensor, head_dim: int) -> torch.Tensor:

@@ -115,12 +115,13 @@ def test_model_still_trains_after_the_errors(results):
     assert results[0]["still_works"] == results[1]["still_works"] > 0
 
 
-@pytest.mark.parametrize("kv_heads, tp, m", [(2, 2, 3), (2, 4, 6), (1, 4, 8), (2, 8, 12)])
+@pytest.mark.parametrize("kv_heads, tp, m", [(2, 2, 3), (2, 4, 6), (4, 4, 3), (2, 8, 12)])
 def test_kv_size_multiplier_not_a_replication_factor(kv_heads, tp, m):
     with pytest.raises(ValueError, match=f"kv_size_multiplier={m} is not a valid K/V replication factor"):
         head_layout(kv_heads * 4, kv_heads, 8, 0, tp, kv_size_multiplier=m)
 
 
-@pytest.mark.parametrize("kv_heads, tp, m", [(2, 2, 1), (2, 2, 2), (2, 4, 2), (1, 4, 4), (2, 8, 8)])
+@pytest.mark.parametrize("kv_heads, tp, m", [(2, 2, 1), (2, 2, 2), (2, 4, 2), (1, 4, 4), (2, 8, 8), (1, 4, 8), (1, 2, 4)])
+# a multiple of tp: NxD's GQAQKVColumnParallelLinear is used with kv_size_multiplier=tp multiples
 def test_kv_size_multiplier_valid_factors_accepted(kv_heads, tp, m):
     assert head_layout(kv_heads * 4, kv_heads, 8, 0, tp, kv_size_multiplier=m).kv_size_multiplier == m

@@ -30,6 +30,7 @@ HOOKS = {
     "_load_rng_state": (["self", "checkpoint"], "train", "self._load_rng_state(resume_from_checkpoint)"),
     "_save_optimizer_and_scheduler": (["self", "output_dir"], "train", "self._save_optimizer_and_scheduler(output_dir)"),
     "_save_rng_state": (["self", "output_dir"], "train", "self._save_rng_state(output_dir)"),
+    "_load_best_model": (["self"], "train", "self._load_best_model()"),  # load_best_model_at_end
 }
 
 # what else of Trainer's private side NxDTrainer reads or calls: (entry point, Trainer's code)

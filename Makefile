@@ -26,4 +26,4 @@ test: install
 # not through `install`: that pins the CPU build of torch; use the environment's CUDA torch
 GPU_PYTHON ?= python3
 test-gpu:
-	PYTHONPATH=$(CURDIR):$$PYTHONPATH $(GPU_PYTHON) -m pytest -m cuda tests/test_gpu.py -q
+	PYTHONPATH=$(CURDIR):$$PYTHONPATH $(GPU_PYTHON) -m pytest -m cuda tests/distributed/test_gpu.py -q

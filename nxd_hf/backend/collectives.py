@@ -1,0 +1,172 @@
+"""The collectives, each counted (``count_comm``) and checked against its group's backend."""
+
+import contextlib
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from nxd_hf.backend.devices import _served_devices
+from nxd_hf.backend.groups import _named_errors, group_rank, group_size, world_size
+
+
+# torch >= 2.13 renamed the flat collectives; torch-xla's torch (2.9) has only the old names.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclasses.dataclass
+class CommRecord:
+    op: str
+    group_size: int
+    payload_bytes: int
+    tag: str
+    ranks: tuple[int, ...] = ()
+    """Global ranks of the group."""
+
+
+_records: list[CommRecord] | None = None
+_tag = ""
+
+
+@contextlib.contextmanager
+def count_comm():
+    """Collect a ``CommRecord`` for every collective issued inside the block."""
+    global _records
+    previous, _records = _records, []
+    try:
+        yield _records
+    finally:
+        _records = previous
+
+
+@contextlib.contextmanager
+def comm_tag(tag: str):
+    """Label the collectives issued inside the block (shows up in ``CommRecord.tag``)."""
+    global _tag
+    previous, _tag = _tag, tag
+    try:
+        yield
+    finally:
+        _tag = previous
+
+
+def _is_abstract(tensor: torch.Tensor) -> bool:
+    """Meta or fake tensors (shape propagation): collectives only compute the output shape."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return tensor.is_meta or is_fake(tensor)
+
+
+def _record(op: str, tensor: torch.Tensor, group) -> None:
+    """Check the tensor's device against the group's backend, and count the collective."""
+    served = _served_devices(group)
+    assert tensor.device.type in served, (
+        f"nxd_hf bug: {op} of a {tensor.device.type} tensor on a group whose backend serves {sorted(served)} "
+        "(build tensors handed to collectives on backend.collective_device(group))")
+    if _records is not None:
+        size = tensor.numel() * tensor.element_size()
+        ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else tuple(range(world_size()))
+        _records.append(CommRecord(op, group_size(group), size, _tag, ranks))
+
+
+def all_reduce(tensor: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
+    """In-place all-reduce of ``tensor`` over ``group``; op is "sum", "max" or "min"."""
+    if group_size(group) == 1 or _is_abstract(tensor):
+        return tensor
+    _record("all_reduce", tensor, group)
+    reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
+    with _named_errors("all_reduce", group):
+        dist.all_reduce(tensor, op=reduce_op, group=group)
+    return tensor
+
+
+def all_gather(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Concatenate every rank's ``tensor`` along ``dim``, in group-rank order."""
+    size = group_size(group)
+    if size == 1:
+        return tensor
+    if _is_abstract(tensor):
+        return torch.cat([tensor] * size, dim=dim)
+    _record("all_gather", tensor, group)
+    moved = tensor.movedim(dim, 0).contiguous()
+    out = torch.empty((size * moved.shape[0], *moved.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    with _named_errors("all_gather", group):
+        _all_gather_flat(out, moved, group=group)
+    return out.movedim(0, dim)
+
+
+def reduce_scatter(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Sum ``tensor`` over ``group`` and return this rank's chunk along ``dim``."""
+    size = group_size(group)
+    if size == 1:
+        return tensor
+    assert tensor.shape[dim] % size == 0, (tensor.shape, dim, size)
+    if _is_abstract(tensor):
+        return tensor.narrow(dim, 0, tensor.shape[dim] // size).clone()
+    _record("reduce_scatter", tensor, group)
+    moved = tensor.movedim(dim, 0).contiguous()
+    out = torch.empty((moved.shape[0] // size, *moved.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    with _named_errors("reduce_scatter", group):
+        _reduce_scatter_flat(out, moved, group=group)
+    return out.movedim(0, dim)
+
+
+# Flat all-gather / reduce-scatter (ZeRO-1's buckets). gloo's own flat collectives copy their
+# buffers into temporaries (4-6x the payload) and are slower than one broadcast / reduce per
+# rank on the chunks in place: 25 MB on 2 (4) CPU ranks, median all-gather 48 (89) ms against
+# broadcasts 16 (49) ms, reduce-scatter 71 (175) ms against reduces 47 (55) ms. nccl and xla
+# use the native collectives. Either way one record per call, under the logical op's name.
+def all_gather_into(out: torch.Tensor, tensor: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's 1-D ``tensor`` concatenated in group-rank order, written into the 1-D ``out``
+    (``group size x`` as long); a copy over a group of one. On gloo: one broadcast per rank of
+    its chunk of ``out``."""
+    size = group_size(group)
+    if size == 1:
+        return out.copy_(tensor)
+    _record("all_gather", tensor, group)
+    with _named_errors("all_gather", group):
+        if "gloo" not in dist.get_backend(group):  # cuda:gloo too
+            _all_gather_flat(out, tensor, group=group)
+        else:
+            chunks = out.view(size, -1)
+            chunks[group_rank(group)].copy_(tensor)
+            _per_rank_chunk(chunks, group, lambda chunk, rank: dist.broadcast(chunk, src=rank, group=group,
+                                                                              async_op=True))
+    return out
+
+
+def reduce_scatter_into(out: torch.Tensor, tensor: torch.Tensor, group) -> torch.Tensor:
+    """Sum the 1-D ``tensor`` over ``group`` and write this rank's 1/size chunk into the 1-D
+    ``out``; a copy over a group of one. ``tensor`` is scratch: it may be overwritten. On gloo:
+    one reduce per chunk, to the rank that owns it."""
+    size = group_size(group)
+    if size == 1:
+        return out.copy_(tensor)
+    assert tensor.numel() == out.numel() * size, (tensor.shape, out.shape)
+    _record("reduce_scatter", tensor, group)
+    with _named_errors("reduce_scatter", group):
+        if "gloo" not in dist.get_backend(group):  # cuda:gloo too
+            _reduce_scatter_flat(out, tensor, group=group)
+            return out
+        chunks = tensor.view(size, -1)
+        _per_rank_chunk(chunks, group, lambda chunk, rank: dist.reduce(chunk, dst=rank, group=group, async_op=True))
+    return out.copy_(chunks[group_rank(group)])
+
+
+def _per_rank_chunk(chunks: torch.Tensor, group, start) -> None:
+    """gloo: ``start(chunks[j], global rank of group rank j)`` for every j (async work), then wait."""
+    works = [start(chunks[j], dist.get_global_rank(group, j)) for j in range(len(chunks))]
+    for work in works:
+        work.wait()
+
+
+def broadcast(tensor: torch.Tensor, src: int, group) -> torch.Tensor:
+    """In-place broadcast from global rank ``src`` to every rank of ``group``."""
+    if group_size(group) == 1 or _is_abstract(tensor):
+        return tensor
+    assert tensor.is_contiguous(), "broadcast of a non-contiguous view would send the wrong elements"
+    _record("broadcast", tensor, group)
+    with _named_errors("broadcast", group):
+        dist.broadcast(tensor, src=src, group=group)
+    return tensor

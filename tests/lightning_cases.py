@@ -1,0 +1,182 @@
+"""Cases for tests/distributed/test_lightning.py, run on every rank of the pool: NeuronLTModule
+under NxDStrategy against the same training in plain Lightning (one process, default strategy),
+on the same tiny Llama, data and seed."""
+
+import contextlib
+import glob
+import io
+import os
+
+import pytorch_lightning as pl
+import torch
+import transformers
+from lightning_fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
+from pytorch_lightning.utilities.rank_zero import rank_zero_only
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import hf_parity
+import nxd_hf
+from nxd_hf import backend, parallel_state
+from nxd_hf.lightning import NeuronLTModule, NeuronTensorBoardLogger, NeuronTQDMProgressBar, NxDStrategy, logging_rank
+
+GLOBAL_BATCH, SEQ, LR = 4, 8, 1e-2
+TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+def tiny_llama():
+    config_cls, model_cls, kwargs = hf_parity.TINY["llama"]
+    torch.manual_seed(0)
+    return model_cls(config_cls(**kwargs))
+
+
+def samples(n: int, seed: int) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, hf_parity.VOCAB, (n, SEQ), generator=g)
+    return [{"input_ids": row, "attention_mask": torch.ones_like(row), "labels": row} for row in ids]
+
+
+def loaders(dp: int, n_train: int = 8):
+    """Lightning shuffles training data when distributed (DistributedSampler, seed 0, by epoch) and
+    deals it out by DP rank: the single-process reference (dp=0) reads the same order."""
+    per_replica = GLOBAL_BATCH // max(dp, 1)
+    data = samples(n_train, 1)
+    order = torch.utils.data.DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0) if dp == 0 else None
+    train = torch.utils.data.DataLoader(data, batch_size=per_replica, sampler=order)
+    val = torch.utils.data.DataLoader(samples(8, 2), batch_size=per_replica)
+    return train, val
+
+
+def scheduler(optimizer):
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.8)
+
+
+class PlainModule(pl.LightningModule):
+    """The reference: plain Lightning, automatic optimization, the same model and schedule."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = tiny_llama()
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(**batch).loss
+        self.log("loss", loss, on_step=True, on_epoch=False)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.model(**batch).loss, on_step=False, on_epoch=True)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR)
+        return [optimizer], [{"scheduler": scheduler(optimizer), "interval": "step"}]
+
+
+class Losses(pl.Callback):
+    """Every training step's logged loss, and the validation loss."""
+
+    def __init__(self):
+        self.train, self.val = [], None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.train.append(float(trainer.callback_metrics["loss"]))
+
+    def on_validation_end(self, trainer, pl_module):
+        self.val = trainer.callback_metrics.get("val_loss")
+
+
+def _trainer(out: str, strategy=None, epochs: int = 1, logger=None, bar=None, **kwargs):
+    callbacks = [Losses()] + ([bar] if bar else [])
+    trainer = pl.Trainer(strategy=strategy or "auto", accelerator="cpu", devices=1, max_epochs=epochs,
+                         default_root_dir=out, logger=logger or False, enable_checkpointing=False,
+                         enable_progress_bar=bar is not None, enable_model_summary=False, num_sanity_val_steps=0,
+                         log_every_n_steps=1, deterministic=True, callbacks=callbacks, **kwargs)
+    return trainer, callbacks[0]
+
+
+def reference(out: str, epochs: int = 1):
+    """Plain Lightning in this process (each rank computes the same thing)."""
+    module = PlainModule()
+    trainer, losses = _trainer(os.path.join(out, f"ref{backend.rank()}"), gradient_clip_val=1.0,
+                               logger=pl.loggers.TensorBoardLogger(os.path.join(out, f"ref_tb{backend.rank()}")),
+                               epochs=epochs)
+    train, val = loaders(0)
+    saved = rank_zero_only.rank, fabric_rank_zero_only.rank
+    rank_zero_only.rank = fabric_rank_zero_only.rank = 0  # one process of its own: its logger writes
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            trainer.fit(module, train, val)
+    finally:
+        rank_zero_only.rank, fabric_rank_zero_only.rank = saved
+    return losses, module.model.state_dict(), _scalars(trainer.logger.log_dir)
+
+
+def _scalars(log_dir: str) -> list[tuple[int, float]]:
+    files = glob.glob(os.path.join(log_dir, "events.out.tfevents.*"))
+    assert len(files) == 1, files  # one writer
+    events = EventAccumulator(files[0])
+    events.Reload()
+    return [(e.step, e.value) for e in events.Scalars("loss")]
+
+
+def nxd_module(tp: int = 1, pp: int = 1, zero1: bool = False) -> NeuronLTModule:
+    config = nxd_hf.neuronx_distributed_config(
+        tensor_parallel_size=tp, pipeline_parallel_size=pp,
+        pipeline_config={"num_microbatches": 2} if pp > 1 else None,
+        optimizer_config={"zero_one_enabled": zero1, "grad_clipping": True, "max_grad_norm": 1.0})
+    return NeuronLTModule(tiny_llama, config, torch.optim.AdamW, scheduler, opt_kwargs={"lr": LR})
+
+
+def ours(out: str, module: NeuronLTModule, epochs: int = 1, ckpt_path=None, tb: bool = False):
+    dp = parallel_state.get_data_parallel_size()
+    bar = NeuronTQDMProgressBar(refresh_rate=1) if tb else None
+    logger = NeuronTensorBoardLogger(os.path.join(out, "tb"), name="run", version=0) if tb else None
+    trainer, losses = _trainer(os.path.join(out, "nxd"), NxDStrategy(module.nxd_config), epochs, logger, bar)
+    train, val = loaders(dp)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        trainer.fit(module, train, val, ckpt_path=ckpt_path)
+    return trainer, losses, printed.getvalue()
+
+
+def check_parity(out: str, tp: int, pp: int, zero1: bool) -> None:
+    """Logged losses every step, validation loss, the logger's events and final parameters."""
+    out = _shared(out)
+    ref_losses, ref_state, ref_events = reference(out)
+    trainer, losses, printed = ours(out, nxd_module(tp, pp, zero1), tb=True)
+    assert len(losses.train) == 2 and (tp, pp, parallel_state.get_data_parallel_size()) == (tp, pp, 2 // (tp * pp))
+    torch.testing.assert_close(torch.tensor(losses.train), torch.tensor(ref_losses.train), **TOL)
+    torch.testing.assert_close(float(losses.val), float(ref_losses.val), **TOL)
+    full = nxd_hf.full_state_dict(trainer.lightning_module.model)
+    for name, value in ref_state.items():
+        torch.testing.assert_close(full[name].cpu(), value, **TOL, msg=name)
+    backend.barrier()
+    here = backend.rank() == logging_rank()
+    files = glob.glob(os.path.join(out, "tb", "run", "version_0", "events.out.tfevents.*"))
+    assert len(files) == 1, files  # one rank wrote
+    if here:  # the same scalars at the same steps as plain Lightning's logger, once per step
+        events = _scalars(os.path.join(out, "tb", "run", "version_0"))
+        assert [s for s, _ in events] == [s for s, _ in ref_events]
+        torch.testing.assert_close(torch.tensor([v for _, v in events]), torch.tensor([v for _, v in ref_events]), **TOL)
+        assert f"{len(losses.train)}/{len(losses.train)}" in printed, printed  # the bar reached the last step
+    else:
+        assert printed == "", printed  # no bar on the other ranks
+
+
+def check_resume_resharded(out: str) -> None:
+    """One epoch at tp=2, a Lightning checkpoint, the second epoch at tp=1 x dp=2 (ZeRO-1):
+    the same losses and parameters as two epochs of plain Lightning."""
+    out = _shared(out)
+    ref_losses, ref_state, _ = reference(out, epochs=2)
+    trainer, first, _ = ours(out, nxd_module(tp=2))
+    path = os.path.join(out, "ckpt", "epoch1.ckpt")
+    trainer.save_checkpoint(path)
+    trainer, second, _ = ours(out, nxd_module(tp=1, zero1=True), epochs=2, ckpt_path=path)
+    torch.testing.assert_close(torch.tensor(first.train + second.train), torch.tensor(ref_losses.train), **TOL)
+    torch.testing.assert_close(float(second.val), float(ref_losses.val), **TOL)
+    full = nxd_hf.full_state_dict(trainer.lightning_module.model)
+    for name, value in ref_state.items():
+        torch.testing.assert_close(full[name].cpu(), value, **TOL, msg=name)
+
+
+def _shared(out: str) -> str:
+    """Rank 0's directory on every rank."""
+    return backend.all_gather_object(out)[0]

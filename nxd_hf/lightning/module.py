@@ -39,6 +39,7 @@ class NeuronLTModule(pl.LightningModule):
     def configure_model(self) -> None:
         if self.model is None:  # Lightning calls it again on each fit/validate
             self.model = initialize_parallel_model(self.nxd_config, self.model_fn, *self.model_args, **self.model_kwargs)
+            self.model.train()  # from_pretrained returns eval mode, which Lightning (2.2+) would keep
 
     def configure_optimizers(self):
         optimizer = initialize_parallel_optimizer(self.nxd_config, self.opt_cls, self.model.parameters(), **self.opt_kwargs)

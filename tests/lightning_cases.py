@@ -73,18 +73,19 @@ class PlainModule(pl.LightningModule):
 class Losses(pl.Callback):
     """Every training step's logged loss, and the validation loss."""
 
-    def __init__(self):
-        self.train, self.val = [], None
+    def __init__(self, every: int = 1):
+        self.train, self.val, self.every = [], None, every
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.train.append(float(trainer.callback_metrics["loss"]))
+        if (batch_idx + 1) % self.every == 0:  # an optimizer step (ours log then)
+            self.train.append(float(trainer.callback_metrics["loss"]))
 
     def on_validation_end(self, trainer, pl_module):
         self.val = trainer.callback_metrics.get("val_loss")
 
 
-def _trainer(out: str, strategy=None, epochs: int = 1, logger=None, bar=None, **kwargs):
-    callbacks = [Losses()] + ([bar] if bar else [])
+def _trainer(out: str, strategy=None, epochs: int = 1, logger=None, bar=None, every: int = 1, **kwargs):
+    callbacks = [Losses(every)] + ([bar] if bar else [])
     trainer = pl.Trainer(strategy=strategy or "auto", accelerator="cpu", devices=1, max_epochs=epochs,
                          default_root_dir=out, logger=logger or False, enable_checkpointing=False,
                          enable_progress_bar=bar is not None, enable_model_summary=False, num_sanity_val_steps=0,
@@ -92,13 +93,13 @@ def _trainer(out: str, strategy=None, epochs: int = 1, logger=None, bar=None, **
     return trainer, callbacks[0]
 
 
-def reference(out: str, epochs: int = 1):
+def reference(out: str, epochs: int = 1, n_train: int = 8, **kwargs):
     """Plain Lightning in this process (each rank computes the same thing)."""
     module = PlainModule()
     trainer, losses = _trainer(os.path.join(out, f"ref{backend.rank()}"), gradient_clip_val=1.0,
                                logger=pl.loggers.TensorBoardLogger(os.path.join(out, f"ref_tb{backend.rank()}")),
-                               epochs=epochs)
-    train, val = loaders(0)
+                               epochs=epochs, **kwargs)
+    train, val = loaders(0, n_train)
     saved = rank_zero_only.rank, fabric_rank_zero_only.rank
     rank_zero_only.rank = fabric_rank_zero_only.rank = 0  # one process of its own: its logger writes
     try:
@@ -117,20 +118,21 @@ def _scalars(log_dir: str) -> list[tuple[int, float]]:
     return [(e.step, e.value) for e in events.Scalars("loss")]
 
 
-def nxd_module(tp: int = 1, pp: int = 1, zero1: bool = False) -> NeuronLTModule:
+def nxd_module(tp: int = 1, pp: int = 1, zero1: bool = False, **kwargs) -> NeuronLTModule:
     config = nxd_hf.neuronx_distributed_config(
         tensor_parallel_size=tp, pipeline_parallel_size=pp,
         pipeline_config={"num_microbatches": 2} if pp > 1 else None,
         optimizer_config={"zero_one_enabled": zero1, "grad_clipping": True, "max_grad_norm": 1.0})
-    return NeuronLTModule(tiny_llama, config, torch.optim.AdamW, scheduler, opt_kwargs={"lr": LR})
+    return NeuronLTModule(tiny_llama, config, torch.optim.AdamW, scheduler, opt_kwargs={"lr": LR}, **kwargs)
 
 
-def ours(out: str, module: NeuronLTModule, epochs: int = 1, ckpt_path=None, tb: bool = False):
+def ours(out: str, module: NeuronLTModule, epochs: int = 1, ckpt_path=None, tb: bool = False, n_train: int = 8):
     dp = parallel_state.get_data_parallel_size()
     bar = NeuronTQDMProgressBar(refresh_rate=1) if tb else None
     logger = NeuronTensorBoardLogger(os.path.join(out, "tb"), name="run", version=0) if tb else None
-    trainer, losses = _trainer(os.path.join(out, "nxd"), NxDStrategy(module.nxd_config), epochs, logger, bar)
-    train, val = loaders(dp)
+    trainer, losses = _trainer(os.path.join(out, "nxd"), NxDStrategy(module.nxd_config), epochs, logger, bar,
+                               every=module.grad_accum_steps)
+    train, val = loaders(dp, n_train)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         trainer.fit(module, train, val, ckpt_path=ckpt_path)
@@ -172,6 +174,21 @@ def check_resume_resharded(out: str) -> None:
     trainer, second, _ = ours(out, nxd_module(tp=1, zero1=True), epochs=2, ckpt_path=path)
     torch.testing.assert_close(torch.tensor(first.train + second.train), torch.tensor(ref_losses.train), **TOL)
     torch.testing.assert_close(float(second.val), float(ref_losses.val), **TOL)
+    full = nxd_hf.full_state_dict(trainer.lightning_module.model)
+    for name, value in ref_state.items():
+        torch.testing.assert_close(full[name].cpu(), value, **TOL, msg=name)
+
+
+def check_accumulation(out: str, tp: int) -> None:
+    """grad_accum_steps=2 against plain Lightning's accumulate_grad_batches=2 (16 samples: two
+    optimizer steps); the loss logged at a step is the mean of plain Lightning's two batches'."""
+    out = _shared(out)
+    ref_losses, ref_state, _ = reference(out, n_train=16, accumulate_grad_batches=2)
+    trainer, losses, _ = ours(out, nxd_module(tp=tp, zero1=tp == 1, grad_accum_steps=2), n_train=16)
+    pairs = torch.tensor(ref_losses.train).view(-1, 2).mean(1)  # reference logs every batch (every=1)
+    assert len(losses.train) == 2
+    torch.testing.assert_close(torch.tensor(losses.train), pairs, **TOL)
+    torch.testing.assert_close(float(losses.val), float(ref_losses.val), **TOL)
     full = nxd_hf.full_state_dict(trainer.lightning_module.model)
     for name, value in ref_state.items():
         torch.testing.assert_close(full[name].cpu(), value, **TOL, msg=name)

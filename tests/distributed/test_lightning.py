@@ -13,6 +13,11 @@ def test_lightning_parity(ranks2, tmp_path, tp, pp, zero1):
     ranks2.run(lightning_cases.check_parity, str(tmp_path), tp, pp, zero1)
 
 
+@pytest.mark.parametrize("tp", [1, 2], ids=["dp2-zero1", "tp2"])
+def test_lightning_gradient_accumulation(ranks2, tmp_path, tp):
+    ranks2.run(lightning_cases.check_accumulation, str(tmp_path), tp)
+
+
 def test_lightning_checkpoint_resumes_resharded(ranks2, tmp_path):
     ranks2.run(lightning_cases.check_resume_resharded, str(tmp_path))
 

@@ -17,7 +17,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import hf_parity
 import nxd_hf
 from nxd_hf import backend, parallel_state
-from nxd_hf.lightning import NeuronLTModule, NeuronTensorBoardLogger, NeuronTQDMProgressBar, NxDStrategy, logging_rank
+from nxd_hf.lightning import (
+    NeuronLTModule, NeuronTensorBoardLogger, NeuronTQDMProgressBar, NeuronXLAPrecisionPlugin, NxDStrategy, logging_rank,
+)
 
 GLOBAL_BATCH, SEQ, LR = 4, 8, 1e-2
 TOL = dict(rtol=1e-4, atol=1e-5)
@@ -126,12 +128,13 @@ def nxd_module(tp: int = 1, pp: int = 1, zero1: bool = False, **kwargs) -> Neuro
     return NeuronLTModule(tiny_llama, config, torch.optim.AdamW, scheduler, opt_kwargs={"lr": LR}, **kwargs)
 
 
-def ours(out: str, module: NeuronLTModule, epochs: int = 1, ckpt_path=None, tb: bool = False, n_train: int = 8):
+def ours(out: str, module: NeuronLTModule, epochs: int = 1, ckpt_path=None, tb: bool = False, n_train: int = 8,
+         **kwargs):
     dp = parallel_state.get_data_parallel_size()
     bar = NeuronTQDMProgressBar(refresh_rate=1) if tb else None
     logger = NeuronTensorBoardLogger(os.path.join(out, "tb"), name="run", version=0) if tb else None
     trainer, losses = _trainer(os.path.join(out, "nxd"), NxDStrategy(module.nxd_config), epochs, logger, bar,
-                               every=module.grad_accum_steps)
+                               every=module.grad_accum_steps, **kwargs)
     train, val = loaders(dp, n_train)
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
@@ -139,11 +142,11 @@ def ours(out: str, module: NeuronLTModule, epochs: int = 1, ckpt_path=None, tb: 
     return trainer, losses, printed.getvalue()
 
 
-def check_parity(out: str, tp: int, pp: int, zero1: bool) -> None:
+def check_parity(out: str, tp: int, pp: int, zero1: bool, log_rank0: bool = False) -> None:
     """Logged losses every step, validation loss, the logger's events and final parameters."""
     out = _shared(out)
     ref_losses, ref_state, ref_events = reference(out)
-    trainer, losses, printed = ours(out, nxd_module(tp, pp, zero1), tb=True)
+    trainer, losses, printed = ours(out, nxd_module(tp, pp, zero1, log_rank0=log_rank0), tb=True)
     assert len(losses.train) == 2 and (tp, pp, parallel_state.get_data_parallel_size()) == (tp, pp, 2 // (tp * pp))
     torch.testing.assert_close(torch.tensor(losses.train), torch.tensor(ref_losses.train), **TOL)
     torch.testing.assert_close(float(losses.val), float(ref_losses.val), **TOL)
@@ -151,7 +154,8 @@ def check_parity(out: str, tp: int, pp: int, zero1: bool) -> None:
     for name, value in ref_state.items():
         torch.testing.assert_close(full[name].cpu(), value, **TOL, msg=name)
     backend.barrier()
-    here = backend.rank() == logging_rank()
+    here = backend.rank() == logging_rank(log_rank0)
+    assert logging_rank(log_rank0) == (1 if pp == 2 and not log_rank0 else 0)  # the last stage, or rank 0
     files = glob.glob(os.path.join(out, "tb", "run", "version_0", "events.out.tfevents.*"))
     assert len(files) == 1, files  # one rank wrote
     if here:  # the same scalars at the same steps as plain Lightning's logger, once per step
@@ -192,6 +196,17 @@ def check_accumulation(out: str, tp: int) -> None:
     full = nxd_hf.full_state_dict(trainer.lightning_module.model)
     for name, value in ref_state.items():
         torch.testing.assert_close(full[name].cpu(), value, **TOL, msg=name)
+
+
+def check_bf16_autocast(out: str) -> None:
+    """NeuronXLAPrecisionPlugin at tp=2 against plain Lightning's precision="bf16-mixed" (CPU
+    autocast): bf16 matmuls, so losses agree to bf16's precision, not fp32's."""
+    out = _shared(out)
+    ref_losses, _, _ = reference(out, precision="bf16-mixed")
+    fp32_losses, _, _ = reference(os.path.join(out, "fp32"))
+    trainer, losses, _ = ours(out, nxd_module(tp=2), plugins=[NeuronXLAPrecisionPlugin()])
+    torch.testing.assert_close(torch.tensor(losses.train), torch.tensor(ref_losses.train), rtol=1e-2, atol=1e-2)
+    assert losses.train != fp32_losses.train  # autocast was on
 
 
 def _shared(out: str) -> str:

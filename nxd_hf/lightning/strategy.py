@@ -17,6 +17,7 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_only
 
 from nxd_hf import backend, parallel_state
 from nxd_hf.checkpoint import load_checkpoint, save_checkpoint
+from nxd_hf.lightning.callbacks import NeuronTensorBoardLogger
 
 LIGHTNING_STATE = "lightning_state.pt"
 """The rest of Lightning's checkpoint dict (loops, callbacks, schedulers), beside nxd_hf's files."""
@@ -111,6 +112,12 @@ class NxDStrategy(ParallelStrategy):
                                  f"pp={pp}): build the config again, then the Trainer")
             parallel_state.initialize_model_parallel(tp, pp)
         rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank
+        module = self.lightning_module
+        if hasattr(module, "log_rank0") and module._trainer is not None:
+            # before Lightning opens the loggers' writers: they write from the rank the module logs on
+            for logger in module.trainer.loggers:
+                if isinstance(logger, NeuronTensorBoardLogger):
+                    logger.log_rank0 = module.log_rank0
         super().setup_environment()
 
     def model_to_device(self) -> None:

@@ -8,9 +8,15 @@ import pytest
 import lightning_cases
 
 
-@pytest.mark.parametrize("tp, pp, zero1", [(2, 1, False), (1, 2, False), (1, 1, True)], ids=["tp2", "pp2", "dp2-zero1"])
-def test_lightning_parity(ranks2, tmp_path, tp, pp, zero1):
-    ranks2.run(lightning_cases.check_parity, str(tmp_path), tp, pp, zero1)
+@pytest.mark.parametrize("tp, pp, zero1, log_rank0", [(2, 1, False, False), (1, 2, False, False), (1, 2, False, True),
+                                                    (1, 1, True, False)],
+                         ids=["tp2", "pp2", "pp2-log_rank0", "dp2-zero1"])
+def test_lightning_parity(ranks2, tmp_path, tp, pp, zero1, log_rank0):
+    ranks2.run(lightning_cases.check_parity, str(tmp_path), tp, pp, zero1, log_rank0)
+
+
+def test_lightning_bf16_autocast(ranks2, tmp_path):
+    ranks2.run(lightning_cases.check_bf16_autocast, str(tmp_path))
 
 
 @pytest.mark.parametrize("tp", [1, 2], ids=["dp2-zero1", "tp2"])

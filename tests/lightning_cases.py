@@ -17,6 +17,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 import hf_parity
 import nxd_hf
 from nxd_hf import backend, parallel_state
+from nxd_hf.checkpoint import store
 from nxd_hf.lightning import (
     NeuronLTModule, NeuronTensorBoardLogger, NeuronTQDMProgressBar, NeuronXLAPrecisionPlugin, NxDStrategy, logging_rank,
 )
@@ -212,3 +213,32 @@ def check_bf16_autocast(out: str) -> None:
 def _shared(out: str) -> str:
     """Rank 0's directory on every rank."""
     return backend.all_gather_object(out)[0]
+
+
+def check_callbacks_and_reduce(out: str) -> None:
+    """ModelCheckpoint (top-1: nxd_hf checkpoint directories, the older one removed) and
+    EarlyStopping (reduce_boolean_decision) run under the strategy at tp=2; reduce takes Lightning's
+    strings and torch's ReduceOp over data parallelism."""
+    out = _shared(out)
+    module = nxd_module(tp=2)
+    # the newest is the best: the first epoch's checkpoint is removed
+    best = pl.callbacks.ModelCheckpoint(dirpath=os.path.join(out, "ckpts"), monitor="step", mode="max", save_top_k=1)
+    stop = pl.callbacks.EarlyStopping(monitor="val_loss", patience=5)
+    trainer = pl.Trainer(strategy=NxDStrategy(module.nxd_config), max_epochs=2, logger=False,
+                         callbacks=[best, stop], enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=out, num_sanity_val_steps=0)
+    train, val = loaders(1)
+    trainer.fit(module, train, val)
+    backend.barrier()
+    kept = os.path.basename(best.best_model_path)
+    assert kept == "epoch=1-step=4.ckpt", kept
+    assert sorted(os.listdir(os.path.join(out, "ckpts"))) == sorted(["checkpoints.json", kept]), best.best_model_path
+    assert store.read_tracker(os.path.join(out, "ckpts"))["complete"] == [kept]
+    assert os.path.exists(os.path.join(best.best_model_path, "lightning_state.pt"))
+    strategy = trainer.strategy
+    value = torch.tensor(float(backend.rank() + 1))
+    assert float(strategy.reduce(value, reduce_op="sum")) == float(value)  # dp=1: its own
+    assert float(strategy.reduce(value, reduce_op=torch.distributed.ReduceOp.SUM)) == float(value)
+    assert float(strategy.reduce(value, group=torch.distributed.group.WORLD, reduce_op="mean")) == 1.5
+    assert strategy.reduce_boolean_decision(backend.rank() == 0, all=False)
+    assert not strategy.reduce_boolean_decision(backend.rank() == 0, all=True)

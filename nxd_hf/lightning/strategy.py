@@ -16,7 +16,7 @@ from pytorch_lightning.strategies import ParallelStrategy
 from pytorch_lightning.utilities.rank_zero import rank_zero_only
 
 from nxd_hf import backend, parallel_state
-from nxd_hf.checkpoint import load_checkpoint, save_checkpoint
+from nxd_hf.checkpoint import load_checkpoint, save_checkpoint, store
 from nxd_hf.lightning.callbacks import NeuronTensorBoardLogger
 
 LIGHTNING_STATE = "lightning_state.pt"
@@ -130,11 +130,19 @@ class NxDStrategy(ParallelStrategy):
         """Over data parallelism: the ranks of one TP/PP group hold the same values."""
         if not isinstance(tensor, torch.Tensor):
             return tensor
-        if reduce_op not in (None, "mean", "sum", "avg"):
-            raise ValueError(f"NxDStrategy.reduce: reduce_op {reduce_op!r} is not supported: use 'mean' or 'sum'")
+        op = _REDUCE_OPS.get(str(reduce_op).lower().rsplit(".", 1)[-1])  # strings and torch's ReduceOp
+        if op is None:
+            raise ValueError(f"NxDStrategy.reduce: reduce_op {reduce_op!r} is not supported: use 'mean', 'sum', "
+                             "'max' or 'min'")
         group = parallel_state.get_data_parallel_group() if group is None else group
-        out = backend.all_reduce(tensor.detach().clone().float(), group)
-        return out / backend.group_size(group) if reduce_op in (None, "mean", "avg") else out
+        out = backend.all_reduce(tensor.detach().clone().float(), group, "sum" if op == "mean" else op)
+        return out / backend.group_size(group) if op == "mean" else out
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Over every rank (early stopping, checkpoint callbacks)."""
+        votes = torch.tensor(int(decision), device=backend.collective_device())
+        backend.all_reduce(votes, None)
+        return bool(votes == backend.world_size()) if all else bool(votes)
 
     def barrier(self, name=None) -> None:
         backend.barrier()
@@ -176,11 +184,18 @@ class NxDStrategy(ParallelStrategy):
         pass  # and the optimizer
 
     def remove_checkpoint(self, filepath) -> None:
+        """ModelCheckpoint's rotation: the tracker first, then the directory (as nxd_hf's pruning)."""
         if self.is_global_zero:
+            path, tag = os.path.split(os.path.abspath(os.fspath(filepath)))
+            kept = [t for t in store.read_tracker(path)["complete"] if t != tag]
+            store.write_tracker(path, kept[-1] if kept else None, kept)
             shutil.rmtree(filepath, ignore_errors=True)
 
     def teardown(self) -> None:
         super().teardown()
+
+
+_REDUCE_OPS = {"none": "mean", "mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min"}
 
 
 def _nxd_optimizer(optimizers: list):

@@ -55,3 +55,7 @@ def test_lightning_example_under_torchrun(no_rank_pool, tmp_path):
     for events in (tmp_path / "tb").rglob("events.out.tfevents.*"):
         runs.setdefault(events.parent.name, set()).add(events.name.split(".")[-2])
     assert sorted(runs) == ["version_0", "version_1"] and all(len(pids) == 1 for pids in runs.values()), runs
+
+
+def test_lightning_callbacks_and_reduce(ranks2, tmp_path):
+    ranks2.run(lightning_cases.check_callbacks_and_reduce, str(tmp_path))

@@ -50,15 +50,20 @@ class NeuronLTModule(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         loss = self.model.run_train(**batch, num_items_in_batch=self._step_tokens(batch))
-        self._accumulated = loss if batch_idx % self.grad_accum_steps == 0 else self._accumulated + loss
-        if (batch_idx + 1) % self.grad_accum_steps == 0:
+        first = batch_idx % self.grad_accum_steps == 0
+        self._accumulated, self._micro_batches = (loss, 1) if first else (self._accumulated + loss, self._micro_batches + 1)
+        # the epoch's trailing batches make a step of their own, as Lightning's accumulate_grad_batches
+        last = batch_idx + 1 == self.trainer.num_training_batches
+        if (batch_idx + 1) % self.grad_accum_steps == 0 or last:
             optimizer = self.optimizers()
             optimizer.step()
             optimizer.zero_grad()
             scheduler = self.lr_schedulers()
             if scheduler is not None:
                 scheduler.step()
-            self.log("loss", self._accumulated, prog_bar=True, on_step=True, on_epoch=False)
+            # the mean of the step's micro-batch losses (each share is weighted for grad_accum_steps of them)
+            step_loss = self._accumulated * (self.grad_accum_steps / self._micro_batches)
+            self.log("loss", step_loss, prog_bar=True, on_step=True, on_epoch=False)
         return loss
 
     def validation_step(self, batch, batch_idx):

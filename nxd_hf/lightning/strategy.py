@@ -191,9 +191,6 @@ class NxDStrategy(ParallelStrategy):
             store.write_tracker(path, kept[-1] if kept else None, kept)
             shutil.rmtree(filepath, ignore_errors=True)
 
-    def teardown(self) -> None:
-        super().teardown()
-
 
 _REDUCE_OPS = {"none": "mean", "mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min"}
 

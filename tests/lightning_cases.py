@@ -242,3 +242,11 @@ def check_callbacks_and_reduce(out: str) -> None:
     assert float(strategy.reduce(value, group=torch.distributed.group.WORLD, reduce_op="mean")) == 1.5
     assert strategy.reduce_boolean_decision(backend.rank() == 0, all=False)
     assert not strategy.reduce_boolean_decision(backend.rank() == 0, all=True)
+    mismatched = pl.Trainer(strategy=NxDStrategy(tensor_parallel_size=1), max_epochs=1, logger=False,
+                            enable_progress_bar=False, enable_model_summary=False, default_root_dir=out)
+    try:
+        mismatched.fit(nxd_module(tp=2), train, val)
+    except ValueError as error:  # on every rank, before anything is built
+        assert "does not match the module's nxd_config" in str(error), error
+    else:
+        raise AssertionError("a strategy layout other than the module's config trained")

@@ -104,6 +104,11 @@ class NxDStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         backend.init_process_group_from_env()
         tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        config = getattr(self.lightning_module, "nxd_config", None)
+        if config is not None and (config.tensor_parallel_size, config.pipeline_parallel_size) != (tp, pp):
+            raise ValueError(f"NxDStrategy(tensor_parallel_size={tp}, pipeline_parallel_size={pp}) does not match the "
+                             f"module's nxd_config (tp={config.tensor_parallel_size}, pp={config.pipeline_parallel_size}): "
+                             "pass the module's config, NxDStrategy(nxd_config)")
         ready = parallel_state.model_parallel_is_initialized() and (
             parallel_state.get_tensor_model_parallel_size(), parallel_state.get_pipeline_model_parallel_size()) == (tp, pp)
         if not ready:

@@ -14,7 +14,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PYTHON) -m pip install -q torch==2.13.0
-	$(PYTHON) -m pip install -q -e ".[test,trl]"
+	$(PYTHON) -m pip install -q -e ".[test,trl,lightning]"
 	touch $@
 
 train: install

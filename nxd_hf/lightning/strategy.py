@@ -1,0 +1,210 @@
+"""``NxDStrategy`` (the document's ``NeuronXLAStrategy``): Lightning's strategy for processes that
+torchrun (or anything that initializes ``torch.distributed`` first) started; nxd_hf's backend picks
+gloo, nccl or XLA. The model and optimizer are nxd_hf's, so the strategy wraps nothing: it sets up
+``parallel_state``, hands each data-parallel replica its share of the data, reduces logged metrics
+over data parallelism and saves Lightning checkpoints as nxd_hf checkpoints."""
+
+import contextlib
+import os
+import shutil
+import warnings
+
+import torch
+from lightning_fabric.plugins.environments import ClusterEnvironment
+from lightning_fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
+from pytorch_lightning.strategies import ParallelStrategy
+from pytorch_lightning.utilities.rank_zero import rank_zero_only
+
+from nxd_hf import backend, parallel_state
+from nxd_hf.checkpoint import load_checkpoint, save_checkpoint, store
+from nxd_hf.lightning.callbacks import NeuronTensorBoardLogger
+
+LIGHTNING_STATE = "lightning_state.pt"
+"""The rest of Lightning's checkpoint dict (loops, callbacks, schedulers), beside nxd_hf's files."""
+
+
+class ProcessGroupEnvironment(ClusterEnvironment):
+    """Ranks as ``torch.distributed`` (initialized by ``setup_environment``) or torchrun's
+    variables say; the processes are always created outside Lightning."""
+
+    @property
+    def creates_processes_externally(self) -> bool:
+        return True
+
+    @property
+    def main_address(self) -> str:
+        return os.environ.get("MASTER_ADDR", "127.0.0.1")
+
+    @property
+    def main_port(self) -> int:
+        return int(os.environ.get("MASTER_PORT", 0))
+
+    @staticmethod
+    def detect() -> bool:
+        return True
+
+    def world_size(self) -> int:
+        return backend.world_size() if torch.distributed.is_initialized() else int(os.environ.get("WORLD_SIZE", 1))
+
+    def set_world_size(self, size: int) -> None:
+        pass  # torch.distributed's
+
+    def global_rank(self) -> int:
+        return backend.rank() if torch.distributed.is_initialized() else int(os.environ.get("RANK", 0))
+
+    def set_global_rank(self, rank: int) -> None:
+        pass
+
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", self.global_rank()))
+
+    def node_rank(self) -> int:
+        return int(os.environ.get("GROUP_RANK", 0))
+
+
+class NxDStrategy(ParallelStrategy):
+    """``tensor_parallel_size``/``pipeline_parallel_size`` are read from ``nxd_config`` when it is
+    given. ``save_load_xser`` is accepted for NxD's signature; nxd_hf always writes safetensors."""
+
+    strategy_name = "nxd"
+
+    def __init__(self, nxd_config=None, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                 save_load_xser: bool = False, checkpoint_io=None, precision_plugin=None):
+        super().__init__(cluster_environment=ProcessGroupEnvironment(), checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin)
+        if save_load_xser:
+            warnings.warn("NxDStrategy: save_load_xser is ignored: nxd_hf always writes safetensors", stacklevel=2)
+        if nxd_config is not None:
+            tensor_parallel_size, pipeline_parallel_size = nxd_config.tensor_parallel_size, nxd_config.pipeline_parallel_size
+        parallel_state.check_sizes(tensor_parallel_size, pipeline_parallel_size)
+        self.nxd_config = nxd_config
+        self.tensor_parallel_size, self.pipeline_parallel_size = tensor_parallel_size, pipeline_parallel_size
+
+    @property
+    def is_distributed(self) -> bool:
+        return True  # Lightning's connector then puts a DistributedSampler on the dataloaders
+
+    @property
+    def root_device(self) -> torch.device:
+        return backend.default_device()
+
+    @property
+    def data_parallel_size(self) -> int:
+        return parallel_state.get_data_parallel_size()
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict:
+        # by data-parallel replica: the ranks of one TP/PP group read the same batch
+        return {"num_replicas": parallel_state.get_data_parallel_size(), "rank": parallel_state.get_data_parallel_rank()}
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # nxd_hf loads into the optimizer in place: it must exist first
+
+    def setup_environment(self) -> None:
+        backend.init_process_group_from_env()
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        config = getattr(self.lightning_module, "nxd_config", None)
+        if config is not None and (config.tensor_parallel_size, config.pipeline_parallel_size) != (tp, pp):
+            raise ValueError(f"NxDStrategy(tensor_parallel_size={tp}, pipeline_parallel_size={pp}) does not match the "
+                             f"module's nxd_config (tp={config.tensor_parallel_size}, pp={config.pipeline_parallel_size}): "
+                             "pass the module's config, NxDStrategy(nxd_config)")
+        ready = parallel_state.model_parallel_is_initialized() and (
+            parallel_state.get_tensor_model_parallel_size(), parallel_state.get_pipeline_model_parallel_size()) == (tp, pp)
+        if not ready:
+            if self.nxd_config is not None and parallel_state.model_parallel_is_initialized():
+                raise ValueError(f"NxDStrategy: parallel_state was changed after neuronx_distributed_config(tp={tp}, "
+                                 f"pp={pp}): build the config again, then the Trainer")
+            parallel_state.initialize_model_parallel(tp, pp)
+        rank_zero_only.rank = fabric_rank_zero_only.rank = self.global_rank
+        module = self.lightning_module
+        if hasattr(module, "log_rank0") and module._trainer is not None:
+            # before Lightning opens the loggers' writers: they write from the rank the module logs on
+            for logger in module.trainer.loggers:
+                if isinstance(logger, NeuronTensorBoardLogger):
+                    logger.log_rank0 = module.log_rank0
+        super().setup_environment()
+
+    def model_to_device(self) -> None:
+        pass  # initialize_parallel_model placed it
+
+    def tensor_init_context(self, empty_init=None):
+        return contextlib.nullcontext()  # initialize_parallel_model decides where parameters are built
+
+    def reduce(self, tensor, group=None, reduce_op="mean"):
+        """Over data parallelism: the ranks of one TP/PP group hold the same values."""
+        if not isinstance(tensor, torch.Tensor):
+            return tensor
+        op = _REDUCE_OPS.get(str(reduce_op).lower().rsplit(".", 1)[-1])  # strings and torch's ReduceOp
+        if op is None:
+            raise ValueError(f"NxDStrategy.reduce: reduce_op {reduce_op!r} is not supported: use 'mean', 'sum', "
+                             "'max' or 'min'")
+        group = parallel_state.get_data_parallel_group() if group is None else group
+        out = backend.all_reduce(tensor.detach().clone().float(), group, "sum" if op == "mean" else op)
+        return out / backend.group_size(group) if op == "mean" else out
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Over every rank (early stopping, checkpoint callbacks)."""
+        votes = torch.tensor(int(decision), device=backend.collective_device())
+        backend.all_reduce(votes, None)
+        return bool(votes == backend.world_size()) if all else bool(votes)
+
+    def barrier(self, name=None) -> None:
+        backend.barrier()
+
+    def broadcast(self, obj, src: int = 0):
+        return backend.all_gather_object(obj)[src]
+
+    def all_gather(self, tensor, group=None, sync_grads: bool = False):
+        return backend.all_gather(tensor.unsqueeze(0), 0, group)
+
+    # checkpoints: nxd_hf's files (any parallel sizes load them) plus Lightning's own state
+
+    def lightning_module_state_dict(self) -> dict:
+        return {}  # written by save_checkpoint from the model itself
+
+    def optimizer_state(self, optimizer) -> dict:
+        return {}
+
+    def save_checkpoint(self, checkpoint: dict, filepath, storage_options=None) -> None:
+        """Every rank calls it; ``filepath`` becomes a checkpoint directory (nxd_hf's ``path/tag``)."""
+        if storage_options is not None:
+            raise ValueError("NxDStrategy.save_checkpoint: storage_options are not supported")
+        rest = dict(checkpoint)  # its state_dict and optimizer_states are empty: nxd_hf writes those
+        path, tag = os.path.split(os.path.abspath(os.fspath(filepath)))
+        module = self.lightning_module
+        save_checkpoint(path, tag, model=module.model, optimizer=_nxd_optimizer(self.optimizers),
+                        side_files=lambda directory: torch.save(rest, os.path.join(directory, LIGHTNING_STATE)))
+
+    def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
+        path, tag = os.path.split(os.path.abspath(os.fspath(checkpoint_path)))
+        load_checkpoint(path, tag, model=self.lightning_module.model, optimizer=_nxd_optimizer(self.optimizers))
+        # our own file, written by rank 0 of a job of this project: Lightning's loops hold plain objects
+        return torch.load(os.path.join(path, tag, LIGHTNING_STATE), weights_only=False)
+
+    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        pass  # load_checkpoint filled the model
+
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        pass  # and the optimizer
+
+    def remove_checkpoint(self, filepath) -> None:
+        """ModelCheckpoint's rotation: the tracker first, then the directory (as nxd_hf's pruning)."""
+        if self.is_global_zero:
+            path, tag = os.path.split(os.path.abspath(os.fspath(filepath)))
+            kept = [t for t in store.read_tracker(path)["complete"] if t != tag]
+            store.write_tracker(path, kept[-1] if kept else None, kept)
+            shutil.rmtree(filepath, ignore_errors=True)
+
+
+_REDUCE_OPS = {"none": "mean", "mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min"}
+
+
+def _nxd_optimizer(optimizers: list):
+    if len(optimizers) > 1:
+        raise ValueError(f"NxDStrategy: one optimizer per module is supported, got {len(optimizers)}")
+    return optimizers[0] if optimizers else None
+
+
+NeuronXLAStrategy = NxDStrategy
+"""NxD's name."""

@@ -1,0 +1,252 @@
+"""Cases for tests/distributed/test_lightning.py, run on every rank of the pool: NeuronLTModule
+under NxDStrategy against the same training in plain Lightning (one process, default strategy),
+on the same tiny Llama, data and seed."""
+
+import contextlib
+import glob
+import io
+import os
+
+import pytorch_lightning as pl
+import torch
+import transformers
+from lightning_fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
+from pytorch_lightning.utilities.rank_zero import rank_zero_only
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+import hf_parity
+import nxd_hf
+from nxd_hf import backend, parallel_state
+from nxd_hf.checkpoint import store
+from nxd_hf.lightning import (
+    NeuronLTModule, NeuronTensorBoardLogger, NeuronTQDMProgressBar, NeuronXLAPrecisionPlugin, NxDStrategy, logging_rank,
+)
+
+GLOBAL_BATCH, SEQ, LR = 4, 8, 1e-2
+TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+def tiny_llama():
+    config_cls, model_cls, kwargs = hf_parity.TINY["llama"]
+    torch.manual_seed(0)
+    return model_cls(config_cls(**kwargs))
+
+
+def samples(n: int, seed: int) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, hf_parity.VOCAB, (n, SEQ), generator=g)
+    return [{"input_ids": row, "attention_mask": torch.ones_like(row), "labels": row} for row in ids]
+
+
+def loaders(dp: int, n_train: int = 8):
+    """Lightning shuffles training data when distributed (DistributedSampler, seed 0, by epoch) and
+    deals it out by DP rank: the single-process reference (dp=0) reads the same order."""
+    per_replica = GLOBAL_BATCH // max(dp, 1)
+    data = samples(n_train, 1)
+    order = torch.utils.data.DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0) if dp == 0 else None
+    train = torch.utils.data.DataLoader(data, batch_size=per_replica, sampler=order)
+    val = torch.utils.data.DataLoader(samples(8, 2), batch_size=per_replica)
+    return train, val
+
+
+def scheduler(optimizer):
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.8)
+
+
+class PlainModule(pl.LightningModule):
+    """The reference: plain Lightning, automatic optimization, the same model and schedule."""
+
+    def __init__(self):
+        super().__init__()
+        self.model = tiny_llama()
+
+    def training_step(self, batch, batch_idx):
+        loss = self.model(**batch).loss
+        self.log("loss", loss, on_step=True, on_epoch=False)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.model(**batch).loss, on_step=False, on_epoch=True)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR)
+        return [optimizer], [{"scheduler": scheduler(optimizer), "interval": "step"}]
+
+
+class Losses(pl.Callback):
+    """Every training step's logged loss, and the validation loss."""
+
+    def __init__(self, every: int = 1):
+        self.train, self.val, self.every = [], None, every
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if (batch_idx + 1) % self.every == 0 or batch_idx + 1 == trainer.num_training_batches:  # ours log at steps
+            self.train.append(float(trainer.callback_metrics["loss"]))
+
+    def on_validation_end(self, trainer, pl_module):
+        self.val = trainer.callback_metrics.get("val_loss")
+
+
+def _trainer(out: str, strategy=None, epochs: int = 1, logger=None, bar=None, every: int = 1, **kwargs):
+    callbacks = [Losses(every)] + ([bar] if bar else [])
+    trainer = pl.Trainer(strategy=strategy or "auto", accelerator="cpu", devices=1, max_epochs=epochs,
+                         default_root_dir=out, logger=logger or False, enable_checkpointing=False,
+                         enable_progress_bar=bar is not None, enable_model_summary=False, num_sanity_val_steps=0,
+                         log_every_n_steps=1, deterministic=True, callbacks=callbacks, **kwargs)
+    return trainer, callbacks[0]
+
+
+def reference(out: str, epochs: int = 1, n_train: int = 8, **kwargs):
+    """Plain Lightning in this process (each rank computes the same thing)."""
+    module = PlainModule()
+    trainer, losses = _trainer(os.path.join(out, f"ref{backend.rank()}"), gradient_clip_val=1.0,
+                               logger=pl.loggers.TensorBoardLogger(os.path.join(out, f"ref_tb{backend.rank()}")),
+                               epochs=epochs, **kwargs)
+    train, val = loaders(0, n_train)
+    saved = rank_zero_only.rank, fabric_rank_zero_only.rank
+    rank_zero_only.rank = fabric_rank_zero_only.rank = 0  # one process of its own: its logger writes
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            trainer.fit(module, train, val)
+    finally:
+        rank_zero_only.rank, fabric_rank_zero_only.rank = saved
+    return losses, module.model.state_dict(), _scalars(trainer.logger.log_dir)
+
+
+def _scalars(log_dir: str) -> list[tuple[int, float]]:
+    files = glob.glob(os.path.join(log_dir, "events.out.tfevents.*"))
+    assert len(files) == 1, files  # one writer
+    events = EventAccumulator(files[0])
+    events.Reload()
+    return [(e.step, e.value) for e in events.Scalars("loss")]
+
+
+def nxd_module(tp: int = 1, pp: int = 1, zero1: bool = False, **kwargs) -> NeuronLTModule:
+    config = nxd_hf.neuronx_distributed_config(
+        tensor_parallel_size=tp, pipeline_parallel_size=pp,
+        pipeline_config={"num_microbatches": 2} if pp > 1 else None,
+        optimizer_config={"zero_one_enabled": zero1, "grad_clipping": True, "max_grad_norm": 1.0})
+    return NeuronLTModule(tiny_llama, config, torch.optim.AdamW, scheduler, opt_kwargs={"lr": LR}, **kwargs)
+
+
+def ours(out: str, module: NeuronLTModule, epochs: int = 1, ckpt_path=None, tb: bool = False, n_train: int = 8,
+         **kwargs):
+    dp = parallel_state.get_data_parallel_size()
+    bar = NeuronTQDMProgressBar(refresh_rate=1) if tb else None
+    logger = NeuronTensorBoardLogger(os.path.join(out, "tb"), name="run", version=0) if tb else None
+    trainer, losses = _trainer(os.path.join(out, "nxd"), NxDStrategy(module.nxd_config), epochs, logger, bar,
+                               every=module.grad_accum_steps, **kwargs)
+    train, val = loaders(dp, n_train)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        trainer.fit(module, train, val, ckpt_path=ckpt_path)
+    return trainer, losses, printed.getvalue()
+
+
+def check_parity(out: str, tp: int, pp: int, zero1: bool, log_rank0: bool = False) -> None:
+    """Logged losses every step, validation loss, the logger's events and final parameters."""
+    out = _shared(out)
+    ref_losses, ref_state, ref_events = reference(out)
+    trainer, losses, printed = ours(out, nxd_module(tp, pp, zero1, log_rank0=log_rank0), tb=True)
+    assert len(losses.train) == 2 and (tp, pp, parallel_state.get_data_parallel_size()) == (tp, pp, 2 // (tp * pp))
+    torch.testing.assert_close(torch.tensor(losses.train), torch.tensor(ref_losses.train), **TOL)
+    torch.testing.assert_close(float(losses.val), float(ref_losses.val), **TOL)
+    full = nxd_hf.full_state_dict(trainer.lightning_module.model)
+    for name, value in ref_state.items():
+        torch.testing.assert_close(full[name].cpu(), value, **TOL, msg=name)
+    backend.barrier()
+    here = backend.rank() == logging_rank(log_rank0)
+    assert logging_rank(log_rank0) == (1 if pp == 2 and not log_rank0 else 0)  # the last stage, or rank 0
+    files = glob.glob(os.path.join(out, "tb", "run", "version_0", "events.out.tfevents.*"))
+    assert len(files) == 1, files  # one rank wrote
+    if here:  # the same scalars at the same steps as plain Lightning's logger, once per step
+        events = _scalars(os.path.join(out, "tb", "run", "version_0"))
+        assert [s for s, _ in events] == [s for s, _ in ref_events]
+        torch.testing.assert_close(torch.tensor([v for _, v in events]), torch.tensor([v for _, v in ref_events]), **TOL)
+        assert f"{len(losses.train)}/{len(losses.train)}" in printed, printed  # the bar reached the last step
+    else:
+        assert printed == "", printed  # no bar on the other ranks
+
+
+def check_resume_resharded(out: str) -> None:
+    """One epoch at tp=2, a Lightning checkpoint, the second epoch at tp=1 x dp=2 (ZeRO-1):
+    the same losses and parameters as two epochs of plain Lightning."""
+    out = _shared(out)
+    ref_losses, ref_state, _ = reference(out, epochs=2)
+    trainer, first, _ = ours(out, nxd_module(tp=2))
+    path = os.path.join(out, "ckpt", "epoch1.ckpt")
+    trainer.save_checkpoint(path)
+    trainer, second, _ = ours(out, nxd_module(tp=1, zero1=True), epochs=2, ckpt_path=path)
+    torch.testing.assert_close(torch.tensor(first.train + second.train), torch.tensor(ref_losses.train), **TOL)
+    torch.testing.assert_close(float(second.val), float(ref_losses.val), **TOL)
+    full = nxd_hf.full_state_dict(trainer.lightning_module.model)
+    for name, value in ref_state.items():
+        torch.testing.assert_close(full[name].cpu(), value, **TOL, msg=name)
+
+
+def check_accumulation(out: str, tp: int) -> None:
+    """grad_accum_steps=2 against plain Lightning's accumulate_grad_batches=2 over 3 batches: a
+    step of two, then the epoch's trailing batch as a step of its own; the loss logged at a step is
+    the mean of plain Lightning's batches' losses."""
+    out = _shared(out)
+    ref_losses, ref_state, _ = reference(out, n_train=12, accumulate_grad_batches=2)
+    trainer, losses, _ = ours(out, nxd_module(tp=tp, zero1=tp == 1, grad_accum_steps=2), n_train=12)
+    ref = ref_losses.train  # plain Lightning logs every batch (every=1)
+    torch.testing.assert_close(torch.tensor(losses.train), torch.tensor([(ref[0] + ref[1]) / 2, ref[2]]), **TOL)
+    torch.testing.assert_close(float(losses.val), float(ref_losses.val), **TOL)
+    full = nxd_hf.full_state_dict(trainer.lightning_module.model)
+    for name, value in ref_state.items():
+        torch.testing.assert_close(full[name].cpu(), value, **TOL, msg=name)
+
+
+def check_bf16_autocast(out: str) -> None:
+    """NeuronXLAPrecisionPlugin at tp=2 against plain Lightning's precision="bf16-mixed" (CPU
+    autocast): bf16 matmuls, so losses agree to bf16's precision, not fp32's."""
+    out = _shared(out)
+    ref_losses, _, _ = reference(out, precision="bf16-mixed")
+    fp32_losses, _, _ = reference(os.path.join(out, "fp32"))
+    trainer, losses, _ = ours(out, nxd_module(tp=2), plugins=[NeuronXLAPrecisionPlugin()])
+    torch.testing.assert_close(torch.tensor(losses.train), torch.tensor(ref_losses.train), rtol=1e-2, atol=1e-2)
+    assert losses.train != fp32_losses.train  # autocast was on
+
+
+def _shared(out: str) -> str:
+    """Rank 0's directory on every rank."""
+    return backend.all_gather_object(out)[0]
+
+
+def check_callbacks_and_reduce(out: str) -> None:
+    """ModelCheckpoint (top-1: nxd_hf checkpoint directories, the older one removed) and
+    EarlyStopping (reduce_boolean_decision) run under the strategy at tp=2; reduce takes Lightning's
+    strings and torch's ReduceOp over data parallelism."""
+    out = _shared(out)
+    module = nxd_module(tp=2)
+    # the newest is the best: the first epoch's checkpoint is removed
+    best = pl.callbacks.ModelCheckpoint(dirpath=os.path.join(out, "ckpts"), monitor="step", mode="max", save_top_k=1)
+    stop = pl.callbacks.EarlyStopping(monitor="val_loss", patience=5)
+    trainer = pl.Trainer(strategy=NxDStrategy(module.nxd_config), max_epochs=2, logger=False,
+                         callbacks=[best, stop], enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=out, num_sanity_val_steps=0)
+    train, val = loaders(1)
+    trainer.fit(module, train, val)
+    backend.barrier()
+    kept = os.path.basename(best.best_model_path)
+    assert kept == "epoch=1-step=4.ckpt", kept
+    assert sorted(os.listdir(os.path.join(out, "ckpts"))) == sorted(["checkpoints.json", kept]), best.best_model_path
+    assert store.read_tracker(os.path.join(out, "ckpts"))["complete"] == [kept]
+    assert os.path.exists(os.path.join(best.best_model_path, "lightning_state.pt"))
+    strategy = trainer.strategy
+    value = torch.tensor(float(backend.rank() + 1))
+    assert float(strategy.reduce(value, reduce_op="sum")) == float(value)  # dp=1: its own
+    assert float(strategy.reduce(value, reduce_op=torch.distributed.ReduceOp.SUM)) == float(value)
+    assert float(strategy.reduce(value, group=torch.distributed.group.WORLD, reduce_op="mean")) == 1.5
+    assert strategy.reduce_boolean_decision(backend.rank() == 0, all=False)
+    assert not strategy.reduce_boolean_decision(backend.rank() == 0, all=True)
+    mismatched = pl.Trainer(strategy=NxDStrategy(tensor_parallel_size=1), max_epochs=1, logger=False,
+                            enable_progress_bar=False, enable_model_summary=False, default_root_dir=out)
+    try:
+        mismatched.fit(nxd_module(tp=2), train, val)
+    except ValueError as error:  # on every rank, before anything is built
+        assert "does not match the module's nxd_config" in str(error), error
+    else:
+        raise AssertionError("a strategy layout other than the module's config trained")

@@ -1,0 +1,41 @@
+"""nxd_hf.lightning's argument checks (no processes): what NxD's classes refuse or ignore."""
+
+import warnings
+
+import pytest
+import torch
+
+from nxd_hf.lightning import NeuronLTModule, NeuronXLAPrecisionPlugin, NeuronXLAStrategy, NxDStrategy
+
+
+def test_manual_optimization_only():
+    with pytest.raises(ValueError, match="manual_opt=True"):
+        NeuronLTModule(object, None, torch.optim.AdamW, None, manual_opt=False)
+    assert NeuronLTModule(object, None, torch.optim.AdamW, None).automatic_optimization is False
+
+
+def test_optimizer_options_by_name_and_accumulation_checked():
+    with pytest.raises(ValueError, match="opt_kwargs"):
+        NeuronLTModule(object, None, torch.optim.AdamW, None, opt_args=(1e-3,))
+    with pytest.raises(ValueError, match="grad_accum_steps"):
+        NeuronLTModule(object, None, torch.optim.AdamW, None, grad_accum_steps=0)
+
+
+def test_strategy_alias_and_xser_warning():
+    assert NeuronXLAStrategy is NxDStrategy
+    with pytest.warns(UserWarning, match="save_load_xser is ignored"):
+        NxDStrategy(tensor_parallel_size=2, save_load_xser=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        NxDStrategy(tensor_parallel_size=2)
+    with pytest.raises(ValueError):
+        NxDStrategy(tensor_parallel_size=0)
+
+
+def test_precision_plugin_choices():
+    with pytest.raises(ValueError, match="bf16-mixed"):
+        NeuronXLAPrecisionPlugin("16-mixed")
+    with NeuronXLAPrecisionPlugin().forward_context():
+        assert torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype == torch.bfloat16
+    with NeuronXLAPrecisionPlugin("32-true").forward_context():
+        assert torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype == torch.float32

@@ -68,9 +68,15 @@ def _config_devices(config: str) -> dict[str, str]:
 
 def _served_devices(group=None) -> dict[str, str]:
     """device type -> backend name for ``group`` (the default group for None; SELF: the default backend)."""
-    if not dist.is_initialized():
+    if not dist.is_initialized() or _xla_world_of_one():
         return _config_devices(default_backend())
     return _config_devices(str(dist.get_backend_config(None if group is SELF else group)))
+
+
+def _xla_world_of_one() -> bool:
+    """A world of one under ``PJRT_DEVICE``: its group is gloo (``_init_world_of_one``) and makes no
+    collective call, but the rank computes on the XLA device."""
+    return default_backend() == "xla" and dist.get_world_size() == 1
 
 
 def _local_cuda_device() -> torch.device:

@@ -151,6 +151,11 @@ def test_tp1_train_step_matches_plain_torch_on_cpu(xla):
 
 
 def _adamw_steps(model, optimizer, batches, device, clip):
+    """Training steps; on XLA each ends, as an XLA training loop must, by running the step's
+    graph (``torch_xla.sync()``): otherwise the next step's graph holds this one's update, and
+    each parameter read afterwards compiles a graph of its own."""
+    from nxd_hf import backend
+
     losses = []
     for ids, labels in batches:
         loss = model(input_ids=ids.to(device), labels=labels.to(device)).loss
@@ -159,6 +164,8 @@ def _adamw_steps(model, optimizer, batches, device, clip):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         optimizer.step()
         optimizer.zero_grad()
+        if device != "cpu":
+            backend.materialize()
         losses.append(host(loss))
     return torch.stack(losses)
 

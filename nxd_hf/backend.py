@@ -91,9 +91,9 @@ def default_device() -> torch.device:
     """The device a rank computes on for the backend in use (module docstring)."""
     served = _served_devices()
     if "xla" in served:
-        import torch_xla.core.xla_model as xm  # optional extra
+        import torch_xla  # optional extra
 
-        return xm.xla_device()
+        return torch_xla.device()
     if _computes_on_cuda(served):
         return _local_cuda_device()
     return torch.device("cpu")

@@ -32,7 +32,8 @@ CUDA is staged through the CPU on a plain gloo twin of the group (``p2p_group``,
 A script started with plain ``python`` (no torchrun) gets a world of one process on the
 default backend: nccl on ``cuda:0`` when a GPU is there — the same backend and device as
 ``torchrun --nproc_per_node 1``, so the two launches run the same code; a world of one makes
-no collective call, so nccl costs nothing there.
+no collective call, so nccl costs nothing there. Under ``PJRT_DEVICE`` that world of one is
+gloo and computes on the XLA device (torch-xla's CPU client cannot span processes: docs/xla.md).
 """
 
 import contextlib

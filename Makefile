@@ -4,10 +4,12 @@
 #   make test    the tests (multi-process gloo on CPU); .ci/run calls it in a fresh virtualenv
 #   make test-gpu  the GPU lane (tests marked cuda: 2-4 ranks on one GPU through cuda:gloo, one-rank
 #                nccl, the examples under torchrun); on a machine with a GPU and torch for CUDA
+#   make test-xla  the XLA lane (tests marked xla) on one torch-xla device on the CPU (PJRT_DEVICE=CPU),
+#                in its own virtualenv .venv-xla: torch-xla 2.9.0 needs torch 2.9.0 (docs/xla.md)
 VENV ?= .venv
 PYTHON := $(VENV)/bin/python
 
-.PHONY: train test test-gpu install
+.PHONY: train test test-gpu test-xla install
 
 install: $(VENV)/.installed
 
@@ -27,3 +29,16 @@ test: install
 GPU_PYTHON ?= python3
 test-gpu:
 	PYTHONPATH=$(CURDIR):$$PYTHONPATH $(GPU_PYTHON) -m pytest -m cuda tests/distributed/test_gpu.py -q
+
+# torch 2.9.0 from PyPI is the CUDA build (its nvidia-* wheels come along; it runs on the CPU).
+XLA_VENV ?= .venv-xla
+XLA_PINS := torch==2.9.0 torch-xla==2.9.0 transformers==5.23.0 peft==0.21.2
+
+$(XLA_VENV)/.installed: pyproject.toml
+	python3 -m venv $(XLA_VENV)
+	$(XLA_VENV)/bin/python -m pip install -q $(XLA_PINS)
+	$(XLA_VENV)/bin/python -m pip install -q -e ".[test]" $(XLA_PINS)
+	touch $@
+
+test-xla: $(XLA_VENV)/.installed
+	PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -m xla tests/distributed/test_xla.py -q

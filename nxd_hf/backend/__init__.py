@@ -32,7 +32,8 @@ CUDA is staged through the CPU on a plain gloo twin of the group (``p2p_group``,
 A script started with plain ``python`` (no torchrun) gets a world of one process on the
 default backend: nccl on ``cuda:0`` when a GPU is there — the same backend and device as
 ``torchrun --nproc_per_node 1``, so the two launches run the same code; a world of one makes
-no collective call, so nccl costs nothing there.
+no collective call, so nccl costs nothing there. Under ``PJRT_DEVICE`` that world of one is
+gloo and computes on the XLA device (torch-xla's CPU client cannot span processes: docs/xla.md).
 
 The package: ``devices`` (where a rank computes, what a group serves), ``groups`` (the world,
 groups, their names and errors, host-side agreement), ``collectives`` (counted, checked
@@ -45,7 +46,7 @@ from nxd_hf.backend.collectives import (  # noqa: F401
 )
 from nxd_hf.backend.devices import (  # noqa: F401
     _computes_on_cuda, _config_devices, _served_devices, collective_device, default_backend, default_device,
-    launch_device, p2p_device, set_cuda_device_from_env,
+    launch_device, materialize, p2p_device, set_cuda_device_from_env,
 )
 from nxd_hf.backend.groups import (  # noqa: F401
     SELF, abort_groups, all_gather_object, arrival_barrier, barrier, destroy_group, global_rank, group_rank,

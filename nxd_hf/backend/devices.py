@@ -34,9 +34,15 @@ def _config_devices(config: str) -> dict[str, str]:
 
 def _served_devices(group=None) -> dict[str, str]:
     """device type -> backend name for ``group`` (the default group for None; SELF: the default backend)."""
-    if not dist.is_initialized():
+    if not dist.is_initialized() or _xla_world_of_one():
         return _config_devices(default_backend())
     return _config_devices(str(dist.get_backend_config(None if group is SELF else group)))
+
+
+def _xla_world_of_one() -> bool:
+    """A world of one under ``PJRT_DEVICE``: its group is gloo (``_init_world_of_one``) and makes no
+    collective call, but the rank computes on the XLA device."""
+    return default_backend() == "xla" and dist.get_world_size() == 1
 
 
 def _local_cuda_device() -> torch.device:
@@ -51,12 +57,22 @@ def default_device() -> torch.device:
     """The device a rank computes on for the backend in use (module docstring)."""
     served = _served_devices()
     if "xla" in served:
-        import torch_xla.core.xla_model as xm  # optional extra
+        import torch_xla  # optional extra
 
-        return xm.xla_device()
+        return torch_xla.device()
     if _computes_on_cuda(served):
         return _local_cuda_device()
     return torch.device("cpu")
+
+
+def materialize() -> None:
+    """XLA: run the pending computation of every live tensor on the device as one compiled graph,
+    so that reading them to the host next is a copy each (a lazy tensor read on its own compiles
+    and runs a graph of its own: minutes for a checkpoint's tensors). Elsewhere nothing to do."""
+    if "xla" in _served_devices():
+        import torch_xla  # optional extra
+
+        torch_xla.sync()
 
 
 def _computes_on_cuda(served: dict[str, str]) -> bool:

@@ -198,6 +198,7 @@ def save_checkpoint(path: str, tag: str = "", model=None, optimizer=None, schedu
     adapters = adapters_of(model)
     plan, lts = _what_to_save(model, adapters, nxd_config)
     files, records = _tensor_shares(lts, optimizer, masters_in_model, rank, copy=async_save)
+    backend.materialize()  # XLA: one compiled graph for every share, not one per tensor read to the host
     blobs = _blobs(rank, optimizer, scheduler, user_content)
     blobs = copy.deepcopy(blobs) if async_save else blobs  # the caller may change them while we write
     header = _header(model, optimizer, masters_in_model, plan)

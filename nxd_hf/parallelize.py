@@ -55,7 +55,7 @@ def parallelize(
     pad_model: bool | str = "auto", kv_size_multiplier: int | str = "auto", gather_logits: bool = False,
     bucket_size_mb: float = 25, param_init_fn=None, load_weights=None, activation_checkpoint_config=None,
     fp32_grad_accumulation: bool = False, device=None, check_inputs: bool | str = True, timeout=None,
-    lora_config=None, **pipeline_kwargs,
+    lora_config=None, autocast_adapter_dtype: bool = True, **pipeline_kwargs,
 ):
     """Shard a Hugging Face model (real or meta weights) in place and return it.
 
@@ -77,6 +77,8 @@ def parallelize(
         weights are materialized and loaded straight on it.
     lora_config: a ``peft.LoraConfig`` (or NxD's ``nxd_hf.modules.lora.LoraConfig``): LoRA
         adapters on this rank's layers, exactly sharded (``nxd_hf.lora``); only they train.
+    autocast_adapter_dtype: as ``peft.get_peft_model``'s: adapters on a bf16/fp16 model are fp32
+        (True, peft's default) or take the base layer's dtype (False).
     check_inputs: check id/label ranges and that the TP/PP ranks got the same batch on the first
         step (True), every step ("always") or never (False); see ``guards.input_check``.
     timeout: seconds (or a timedelta) a collective waits for the other ranks before raising a
@@ -111,7 +113,7 @@ def parallelize(
         tp_size=tensor_parallel_size, pp_size=pipeline_parallel_size, dp_size=parallel_state.get_data_parallel_size(),
         hf_model=model, local_modules=[model], patch=patch, head_layout=layout, input_check=check)
     setup = LocalSetup(load_weights=load_weights, param_init_fn=param_init_fn,
-                       add_adapters=_adapters(model, lora_config),
+                       add_adapters=_adapters(model, lora_config, autocast_adapter_dtype),
                        activation_checkpoint_config=activation_checkpoint_config,
                        fp32_grad_accumulation=fp32_grad_accumulation, bucket_size_mb=bucket_size_mb, device=device)
     if pipeline_parallel_size > 1:
@@ -130,13 +132,14 @@ def parallelize(
     return model
 
 
-def _adapters(model, lora_config):
+def _adapters(model, lora_config, autocast_adapter_dtype: bool):
     """Step 7's function for ``LocalSetup.add_adapters`` (None without ``lora_config``)."""
     if lora_config is None:
         return None
     from nxd_hf.lora.setup import setup_lora
 
-    return functools.partial(setup_lora, lora_config=lora_config, model=model)
+    return functools.partial(setup_lora, lora_config=lora_config, model=model,
+                             autocast_adapter_dtype=autocast_adapter_dtype)
 
 
 def _check_model(model) -> None:

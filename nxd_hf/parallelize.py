@@ -55,7 +55,7 @@ def parallelize(
     pad_model: bool | str = "auto", kv_size_multiplier: int | str = "auto", gather_logits: bool = False,
     bucket_size_mb: float = 25, param_init_fn=None, load_weights=None, activation_checkpoint_config=None,
     fp32_grad_accumulation: bool = False, device=None, check_inputs: bool | str = True, timeout=None,
-    lora_config=None, autocast_adapter_dtype: bool = True, **pipeline_kwargs,
+    lora_config=None, autocast_adapter_dtype: bool = True, fused_loss: bool = False, **pipeline_kwargs,
 ):
     """Shard a Hugging Face model (real or meta weights) in place and return it.
 
@@ -65,6 +65,9 @@ def parallelize(
     pad_model: "auto"/True pad heads when tp does not divide them; False forbids it.
     kv_size_multiplier: K/V copies across TP ("auto": the fewest that fit).
     gather_logits: also return full logits in training mode when labels are given.
+    fused_loss: in training with labels, compute the causal-LM loss from the hidden states in
+        chunks with the LM head fused in (``nxd_hf.parallel_layers.fused_loss``): the full
+        logits are never held (docs/gpu_speed.md).
     bucket_size_mb: bucket size of the gradient all-reduces.
     param_init_fn: ``fn(module)`` initializing meta-device weights once materialized (NxD's).
     load_weights: ``fn(modules)`` filling this rank's meta weights of ``modules`` instead
@@ -98,16 +101,20 @@ def parallelize(
     _check_same_arguments(model, timeout, tensor_parallel_size=tensor_parallel_size,
                           pipeline_parallel_size=pipeline_parallel_size, sequence_parallel=sequence_parallel,
                           pad_model=pad_model, kv_size_multiplier=kv_size_multiplier, gather_logits=gather_logits,
-                          check_inputs=check_inputs, lora_config=type(lora_config).__name__,
+                          check_inputs=check_inputs, lora_config=type(lora_config).__name__, fused_loss=fused_loss,
                           activation_checkpoint_config=repr(activation_checkpoint_config),
                           pipeline_options=sorted(pipeline_kwargs))
     _init_parallel_state(tensor_parallel_size, pipeline_parallel_size, timeout)
     with fail_together("nxd_hf.parallelize"):  # no collective inside: a rank failing alone fails every rank
         if pipeline_kwargs and pipeline_parallel_size == 1:
             raise ValueError(f"{sorted(pipeline_kwargs)} are pipeline options: they need pipeline_parallel_size > 1")
+        if fused_loss and pipeline_parallel_size > 1:
+            raise ValueError("fused_loss=True is not supported with pipeline_parallel_size > 1 (the last stage computes "
+                             "the loss from its logits): use fused_loss=False")
         patch = resolve_patch(model, sequence_parallel=sequence_parallel)
         layout = attention_layout(model, patch, pad_model=pad_model, kv_size_multiplier=kv_size_multiplier)
-        swap_layers(model, patch, layout, sequence_parallel=sequence_parallel, gather_logits=gather_logits)
+        swap_layers(model, patch, layout, sequence_parallel=sequence_parallel, gather_logits=gather_logits,
+                    fused_loss=fused_loss)
         check = install_input_check(model, check_inputs)
     model.nxd = NxDModelState(
         tp_size=tensor_parallel_size, pp_size=pipeline_parallel_size, dp_size=parallel_state.get_data_parallel_size(),
@@ -236,12 +243,16 @@ def attention_layout(model, patch: ModelPatch, *, pad_model, kv_size_multiplier)
 
 
 def swap_layers(model, patch: ModelPatch, layout: HeadLayout | None, *, sequence_parallel: bool,
-                gather_logits: bool) -> None:
+                gather_logits: bool, fused_loss: bool = False) -> None:
     """Step 3."""
     apply_tensor_parallel(model, patch, layout, sequence_parallel=sequence_parallel)
     if patch.lm_head and _has(model, patch.lm_head):
         install_output_contract(model, vocab_size=model.config.vocab_size, gather_logits=gather_logits,
-                                sequence_parallel=sequence_parallel)
+                                sequence_parallel=sequence_parallel, head=model.get_submodule(patch.lm_head),
+                                fused_loss=fused_loss)
+    elif fused_loss:
+        raise ValueError(f"fused_loss=True needs a causal-LM head ({type(model).__name__} has none): "
+                         "parallelize with fused_loss=False")
 
 
 def _has(model, name: str) -> bool:

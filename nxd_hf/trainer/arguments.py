@@ -20,6 +20,7 @@ HF's fields keep HF's meaning; the table says what nxd_hf does with each one tha
 ``label_smoothing_factor``        refused: HF's label smoother needs full logits
 ``train_sampling_strategy``       "random" and "sequential"; others refused
 ``kv_size_multiplier`` (ours)     K/V head copies across TP ("auto": the fewest that fit)
+``fused_loss`` (ours)             the loss from the hidden states, LM head fused in, in chunks
 ``num_microbatches``,             pipeline options: ignored, with a warning, at
 ``virtual_pipeline_size``,        ``pipeline_parallel_size=1``
 ``pipeline_schedule`` (ours)
@@ -58,6 +59,9 @@ class NxDTrainingArguments(TrainingArguments):
         default="auto", metadata={"help": "Pad attention heads when tp does not divide them: auto, true, false."})
     bf16_master_weights: bool = dataclasses.field(
         default=False, metadata={"help": "bf16 parameters with fp32 master weights in the optimizer."})
+    fused_loss: bool = dataclasses.field(
+        default=False, metadata={"help": "Causal-LM loss from the hidden states in chunks, the LM head fused in: "
+                                         "the full logits are never held (docs/gpu_speed.md)."})
 
     def __post_init__(self):
         self.use_cpu = _check_use_cpu(self.use_cpu)
@@ -128,7 +132,7 @@ class NxDTrainingArguments(TrainingArguments):
                 pipeline_config["schedule"] = self.pipeline_schedule
         pad = {"auto": "auto", "true": True, "false": False}[str(self.pad_model).lower()]
         kv = "auto" if self.kv_size_multiplier == "auto" else int(self.kv_size_multiplier)
-        return neuronx_distributed_config(
+        config = neuronx_distributed_config(
             tensor_parallel_size=self.tensor_parallel_size, pipeline_parallel_size=self.pipeline_parallel_size,
             pipeline_config=pipeline_config, sequence_parallel=self.sequence_parallel, pad_model=pad,
             kv_size_multiplier=kv,
@@ -138,6 +142,8 @@ class NxDTrainingArguments(TrainingArguments):
             mixed_precision_config={"use_master_weights": True, "use_fp32_grad_acc": self.bf16_master_weights},
             lora_config=lora_config,
         )
+        config.fused_loss = self.fused_loss
+        return config
 
 
 def _check_use_cpu(use_cpu: bool) -> bool:

@@ -16,7 +16,7 @@ HF's fields keep HF's meaning; the table says what nxd_hf does with each one tha
 ``use_cpu``                       accepted (CPU is used anyway without a GPU); refused with one
 ``fp16``                          refused: use ``bf16``
 ``deepspeed``, ``fsdp``           refused: nxd_hf does the parallelism
-``torch_compile``                 refused: not supported with nxd_hf's parallel layers
+``torch_compile``                 honoured: the parallelized model is compiled (docs/gpu_speed.md)
 ``label_smoothing_factor``        refused: HF's label smoother needs full logits
 ``train_sampling_strategy``       "random" and "sequential"; others refused
 ``kv_size_multiplier`` (ours)     K/V head copies across TP ("auto": the fewest that fit)
@@ -159,7 +159,6 @@ _REFUSED = {
     "fp16": "fp16 is not supported: use bf16=True (autocast) or bf16 parameters with bf16_master_weights=True",
     "deepspeed": "deepspeed is not used with NxDTrainer: nxd_hf does the parallelism (zero_1=True for ZeRO-1)",
     "fsdp": "fsdp is not used with NxDTrainer: nxd_hf does the parallelism (tensor/pipeline parallel, zero_1)",
-    "torch_compile": "torch_compile is not supported with nxd_hf's parallel layers: drop it",
     "label_smoothing_factor": "label_smoothing_factor needs the full logits, which tensor parallelism never "
                               "gathers in training: drop it",
 }

@@ -92,6 +92,8 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
                 model = model.to(torch.bfloat16)
             self.nxd_model = initialize_parallel_model(self.nxd_config, lambda: model)
         _place(self.nxd_model, args.device)  # every layout, as Trainer places its model
+        if args.torch_compile:
+            _compile(self.nxd_model, args)
         return self.nxd_model.hf_model
 
     # -- the process view
@@ -274,3 +276,16 @@ def _pad_rows(inputs: dict, multiple: int) -> dict:
 def _data_parallel_mean(value: torch.Tensor) -> torch.Tensor:
     value = value.float() / parallel_state.get_data_parallel_size()
     return backend.all_reduce(value, parallel_state.get_data_parallel_group())
+
+
+def _compile(nxd_model: NxDModel, args: NxDTrainingArguments) -> None:
+    """``torch_compile``: the parallel HF model compiled in place (``nn.Module.compile``: its
+    parameter names, hooks and checkpoints stay those of the uncompiled model)."""
+    if isinstance(nxd_model.module, NxDPPModel):
+        raise ValueError("torch_compile=True is not supported with pipeline_parallel_size > 1: drop torch_compile "
+                         "or train without pipeline parallelism")
+    kwargs = {"backend": args.torch_compile_backend or "inductor"}
+    if args.torch_compile_mode:
+        kwargs["mode"] = args.torch_compile_mode
+    nxd_model.hf_model.compile(**kwargs)
+

@@ -55,7 +55,7 @@ def parallelize(
     pad_model: bool | str = "auto", kv_size_multiplier: int | str = "auto", gather_logits: bool = False,
     bucket_size_mb: float = 25, param_init_fn=None, load_weights=None, activation_checkpoint_config=None,
     fp32_grad_accumulation: bool = False, device=None, check_inputs: bool | str = True, timeout=None,
-    lora_config=None, **pipeline_kwargs,
+    lora_config=None, autocast_adapter_dtype: bool = True, fused_loss: bool = False, **pipeline_kwargs,
 ):
     """Shard a Hugging Face model (real or meta weights) in place and return it.
 
@@ -65,6 +65,9 @@ def parallelize(
     pad_model: "auto"/True pad heads when tp does not divide them; False forbids it.
     kv_size_multiplier: K/V copies across TP ("auto": the fewest that fit).
     gather_logits: also return full logits in training mode when labels are given.
+    fused_loss: in training with labels, compute the causal-LM loss from the hidden states in
+        chunks with the LM head fused in (``nxd_hf.parallel_layers.fused_loss``): the full
+        logits are never held (docs/gpu_speed.md).
     bucket_size_mb: bucket size of the gradient all-reduces.
     param_init_fn: ``fn(module)`` initializing meta-device weights once materialized (NxD's).
     load_weights: ``fn(modules)`` filling this rank's meta weights of ``modules`` instead
@@ -77,6 +80,8 @@ def parallelize(
         weights are materialized and loaded straight on it.
     lora_config: a ``peft.LoraConfig`` (or NxD's ``nxd_hf.modules.lora.LoraConfig``): LoRA
         adapters on this rank's layers, exactly sharded (``nxd_hf.lora``); only they train.
+    autocast_adapter_dtype: as ``peft.get_peft_model``'s: adapters on a bf16/fp16 model are fp32
+        (True, peft's default) or take the base layer's dtype (False).
     check_inputs: check id/label ranges and that the TP/PP ranks got the same batch on the first
         step (True), every step ("always") or never (False); see ``guards.input_check``.
     timeout: seconds (or a timedelta) a collective waits for the other ranks before raising a
@@ -96,22 +101,26 @@ def parallelize(
     _check_same_arguments(model, timeout, tensor_parallel_size=tensor_parallel_size,
                           pipeline_parallel_size=pipeline_parallel_size, sequence_parallel=sequence_parallel,
                           pad_model=pad_model, kv_size_multiplier=kv_size_multiplier, gather_logits=gather_logits,
-                          check_inputs=check_inputs, lora_config=type(lora_config).__name__,
+                          check_inputs=check_inputs, lora_config=type(lora_config).__name__, fused_loss=fused_loss,
                           activation_checkpoint_config=repr(activation_checkpoint_config),
                           pipeline_options=sorted(pipeline_kwargs))
     _init_parallel_state(tensor_parallel_size, pipeline_parallel_size, timeout)
     with fail_together("nxd_hf.parallelize"):  # no collective inside: a rank failing alone fails every rank
         if pipeline_kwargs and pipeline_parallel_size == 1:
             raise ValueError(f"{sorted(pipeline_kwargs)} are pipeline options: they need pipeline_parallel_size > 1")
+        if fused_loss and pipeline_parallel_size > 1:
+            raise ValueError("fused_loss=True is not supported with pipeline_parallel_size > 1 (the last stage computes "
+                             "the loss from its logits): use fused_loss=False")
         patch = resolve_patch(model, sequence_parallel=sequence_parallel)
         layout = attention_layout(model, patch, pad_model=pad_model, kv_size_multiplier=kv_size_multiplier)
-        swap_layers(model, patch, layout, sequence_parallel=sequence_parallel, gather_logits=gather_logits)
+        swap_layers(model, patch, layout, sequence_parallel=sequence_parallel, gather_logits=gather_logits,
+                    fused_loss=fused_loss)
         check = install_input_check(model, check_inputs)
     model.nxd = NxDModelState(
         tp_size=tensor_parallel_size, pp_size=pipeline_parallel_size, dp_size=parallel_state.get_data_parallel_size(),
         hf_model=model, local_modules=[model], patch=patch, head_layout=layout, input_check=check)
     setup = LocalSetup(load_weights=load_weights, param_init_fn=param_init_fn,
-                       add_adapters=_adapters(model, lora_config),
+                       add_adapters=_adapters(model, lora_config, autocast_adapter_dtype),
                        activation_checkpoint_config=activation_checkpoint_config,
                        fp32_grad_accumulation=fp32_grad_accumulation, bucket_size_mb=bucket_size_mb, device=device)
     if pipeline_parallel_size > 1:
@@ -130,13 +139,14 @@ def parallelize(
     return model
 
 
-def _adapters(model, lora_config):
+def _adapters(model, lora_config, autocast_adapter_dtype: bool):
     """Step 7's function for ``LocalSetup.add_adapters`` (None without ``lora_config``)."""
     if lora_config is None:
         return None
     from nxd_hf.lora.setup import setup_lora
 
-    return functools.partial(setup_lora, lora_config=lora_config, model=model)
+    return functools.partial(setup_lora, lora_config=lora_config, model=model,
+                             autocast_adapter_dtype=autocast_adapter_dtype)
 
 
 def _check_model(model) -> None:
@@ -233,12 +243,16 @@ def attention_layout(model, patch: ModelPatch, *, pad_model, kv_size_multiplier)
 
 
 def swap_layers(model, patch: ModelPatch, layout: HeadLayout | None, *, sequence_parallel: bool,
-                gather_logits: bool) -> None:
+                gather_logits: bool, fused_loss: bool = False) -> None:
     """Step 3."""
     apply_tensor_parallel(model, patch, layout, sequence_parallel=sequence_parallel)
     if patch.lm_head and _has(model, patch.lm_head):
         install_output_contract(model, vocab_size=model.config.vocab_size, gather_logits=gather_logits,
-                                sequence_parallel=sequence_parallel)
+                                sequence_parallel=sequence_parallel, head=model.get_submodule(patch.lm_head),
+                                fused_loss=fused_loss)
+    elif fused_loss:
+        raise ValueError(f"fused_loss=True needs a causal-LM head ({type(model).__name__} has none): "
+                         "parallelize with fused_loss=False")
 
 
 def _has(model, name: str) -> bool:

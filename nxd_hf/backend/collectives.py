@@ -55,6 +55,8 @@ def _is_abstract(tensor: torch.Tensor) -> bool:
     """Meta or fake tensors (shape propagation): collectives only compute the output shape."""
     from torch._subclasses.fake_tensor import is_fake
 
+    if torch.compiler.is_compiling():  # dynamo's fake tensors stand for real ones: trace the collective
+        return tensor.is_meta
     return tensor.is_meta or is_fake(tensor)
 
 

@@ -7,7 +7,7 @@ import warnings
 
 import peft
 from peft.tuners import tuners_utils
-from peft.tuners.tuners_utils import check_target_module_exists
+from peft.tuners.tuners_utils import cast_adapter_dtype, check_target_module_exists
 from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
 from peft.utils.other import _set_trainable
 from torch import nn
@@ -52,13 +52,15 @@ def _matching(module: nn.Module, config: peft.LoraConfig) -> list[str]:
 
 
 def inject_lora(model, lora_config, *, adapter_name: str = "default", model_type: str | None = None,
-                output_layer: str = "lm_head"):
+                output_layer: str = "lm_head", autocast_adapter_dtype: bool = True):
     """Add LoRA adapters in place to ``model``: a parallelized HF model, or a list of pipeline
     stage modules (each gets the adapters of the layers it holds). ``lora_config`` is a
     ``peft.LoraConfig`` or NxD's ``LoraConfig``; ``target_modules`` follow peft's matching rules
     and default to peft's table for ``model_type`` (default: ``model.config.model_type``);
     "all-linear" skips the layer named ``output_layer`` (as peft skips the output embeddings).
-    Only the adapters (and biases when ``bias`` asks) require grad afterwards. Returns ``model``."""
+    Only the adapters (and biases when ``bias`` asks) require grad afterwards. As
+    ``peft.get_peft_model``, adapters on a bf16/fp16 base are kept in fp32 unless
+    ``autocast_adapter_dtype=False`` (then they take the base layer's dtype). Returns ``model``."""
     if isinstance(lora_config, NxDLoraConfig):
         if not lora_config.enable_lora:
             warnings.warn("LoraConfig.enable_lora is False: no LoRA adapters are added")
@@ -83,6 +85,7 @@ def inject_lora(model, lora_config, *, adapter_name: str = "default", model_type
     for module, config, matched in zip(modules, configs, matches):
         if matched:
             peft.inject_adapter_in_model(config, module, adapter_name=adapter_name)
+            cast_adapter_dtype(module, adapter_name=adapter_name, autocast_adapter_dtype=autocast_adapter_dtype)
         else:
             _freeze_stage_without_targets(module, config, adapter_name)
     if verbose:

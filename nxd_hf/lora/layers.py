@@ -59,6 +59,9 @@ class _ParallelLoraLinear(peft_lora.Linear):
         check_supported_config(config, type(self.get_base_layer()).__name__)
         super().update_layer(adapter_name, r, lora_alpha, config, **kwargs)  # full A [r, in], B [out, r]
         self.shard_adapter(adapter_name)
+        for linear in (self.lora_A[adapter_name], self.lora_B[adapter_name]):
+            if type(linear) is nn.Linear:
+                linear.__class__ = _AdapterLinear
 
     def shard_adapter(self, adapter_name: str) -> None:
         raise NotImplementedError
@@ -78,6 +81,20 @@ class _ParallelLoraLinear(peft_lora.Linear):
 
     def _active_lora_adapters(self) -> list[str]:
         return [name for name in self.active_adapters if name in self.lora_A]
+
+
+class _AdapterLinear(nn.Linear):
+    """An adapter's ``nn.Linear`` whose weight keeps its sharding metadata when replaced by a new
+    Parameter of the same shape: peft's ``cast_adapter_dtype`` (fp32 adapters on a bf16 model,
+    ``get_peft_model``'s default) re-creates the adapter weights as plain Parameters."""
+
+    def register_parameter(self, name: str, param: nn.Parameter | None) -> None:
+        old = self._parameters.get(name)
+        super().register_parameter(name, param)
+        if old is not None and param is not None and param is not old and param.shape == old.shape:
+            for key, value in vars(old).items():
+                if not hasattr(param, key):
+                    setattr(param, key, value)
 
 
 def _shard_linear_(linear: nn.Linear, dim: int, shard_index: torch.Tensor) -> nn.Parameter:

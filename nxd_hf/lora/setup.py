@@ -17,7 +17,7 @@ from nxd_hf.lora.inject import _print_trainable, inject_lora
 from nxd_hf.modules.lora import LoraConfig as NxDLoraConfig
 
 
-def setup_lora(modules: list, *, lora_config, model) -> None:
+def setup_lora(modules: list, *, lora_config, model, autocast_adapter_dtype: bool = True) -> None:
     """Step 7 of ``nxd_hf.parallelize``: LoRA adapters on ``modules`` (``inject_lora``); with
     NxD's ``load_lora_from_ckpt``, the LoRA settings saved with the checkpoint's adapter, then its
     adapter (and unmerged base) tensors. Records the ``LoraCheckpoint`` as ``model.nxd.adapters``."""
@@ -33,7 +33,8 @@ def setup_lora(modules: list, *, lora_config, model) -> None:
             raise ValueError(f"LoraConfig.load_lora_from_ckpt: checkpoint {directory} holds no LoRA adapter (it was "
                              "saved from a model without LoRA): point lora_save_dir/lora_load_tag at a LoRA checkpoint")
         lora_config = _saved_config(os.path.join(directory, plan["config_dir"]), nxd_config)
-    inject_lora(modules, lora_config, adapter_name="default", model_type=model.config.model_type)
+    inject_lora(modules, lora_config, adapter_name="default", model_type=model.config.model_type,
+                autocast_adapter_dtype=autocast_adapter_dtype)
     _same_adapters_on_every_replica(modules)
     checkpoint = LoraCheckpoint(nxd_config)
     model.nxd.adapters = checkpoint

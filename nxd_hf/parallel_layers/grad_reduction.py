@@ -114,6 +114,8 @@ class GradReduction:
                                 scale=1.0 / parallel_state.get_data_parallel_size(), bucket_size_mb=self.bucket_size_mb)
 
     def _sum_partial(self, snapshot: list) -> None:
+        if not snapshot:  # tp=1: nothing is partial
+            return
         fresh = [(accumulated_grad(p), before) for p, before in snapshot if accumulated_grad(p) is not None]
         deltas = [grad.detach() - (0 if before is None else before) for grad, before in fresh]
         all_reduce_bucketed(deltas, parallel_state.get_tensor_model_parallel_group(), bucket_size_mb=self.bucket_size_mb)
@@ -123,7 +125,9 @@ class GradReduction:
 
 def _snapshot(params: list[torch.Tensor]) -> list:
     """(param, copy of its accumulated gradient or None) for the partial-gradient parameters,
-    before a backward adds to them."""
+    before a backward adds to them; none at tp=1, where no gradient is partial."""
+    if parallel_state.get_tensor_model_parallel_size() == 1:
+        return []
     result = []
     for p in params:
         if has_partial_grad_over_tp(p):

@@ -244,6 +244,8 @@ class ParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         start, local = self.vocab_start_index, self.num_embeddings_per_partition
+        if local == self.num_embeddings and not self.sequence_parallel_enabled:  # one rank holds it all (tp=1)
+            return F.embedding(input_ids, self.weight, self.local_padding_idx)
         outside = (input_ids < start) | (input_ids >= start + local)
         local_ids = (input_ids - start).masked_fill(outside, 0)
         out = F.embedding(local_ids, self.weight, self.local_padding_idx)

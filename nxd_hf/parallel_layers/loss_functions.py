@@ -84,12 +84,12 @@ def parallel_cross_entropy(
     vocab_size = full_vocab if vocab_size is None else vocab_size
     if not full_vocab - parallel_logits.shape[-1] < vocab_size <= full_vocab:
         raise ValueError(f"vocab_size={vocab_size} does not fit logits of {parallel_logits.shape[-1]} x tp {tp_size}")
-    if tp_size == 1:  # nothing to reduce across ranks: torch's fused kernel, same semantics
-        logits = parallel_logits[..., :vocab_size].float()  # padded columns get no loss and zero grads
-        loss = F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=ignore_index,
-                               reduction="none", label_smoothing=label_smoothing).view(labels.shape)
-    else:
-        loss = _VocabParallelCrossEntropy.apply(parallel_logits, labels, label_smoothing, ignore_index, vocab_size)
+    if tp_size == 1:  # nothing to reduce across ranks: torch's kernel and reduction, no more work than plain HF
+        logits = parallel_logits if vocab_size == full_vocab else parallel_logits[..., :vocab_size]  # padding: no loss
+        loss = F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=ignore_index,
+                               reduction=reduction, label_smoothing=label_smoothing)
+        return loss.view(labels.shape) if reduction == "none" else loss
+    loss = _VocabParallelCrossEntropy.apply(parallel_logits, labels, label_smoothing, ignore_index, vocab_size)
     if reduction == "sum":
         return loss.sum()
     if reduction == "mean":

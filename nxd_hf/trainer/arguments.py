@@ -16,10 +16,11 @@ HF's fields keep HF's meaning; the table says what nxd_hf does with each one tha
 ``use_cpu``                       accepted (CPU is used anyway without a GPU); refused with one
 ``fp16``                          refused: use ``bf16``
 ``deepspeed``, ``fsdp``           refused: nxd_hf does the parallelism
-``torch_compile``                 refused: not supported with nxd_hf's parallel layers
+``torch_compile``                 honoured: the parallelized model is compiled (docs/gpu_speed.md)
 ``label_smoothing_factor``        refused: HF's label smoother needs full logits
 ``train_sampling_strategy``       "random" and "sequential"; others refused
 ``kv_size_multiplier`` (ours)     K/V head copies across TP ("auto": the fewest that fit)
+``fused_loss`` (ours)             the loss from the hidden states, LM head fused in, in chunks
 ``num_microbatches``,             pipeline options: ignored, with a warning, at
 ``virtual_pipeline_size``,        ``pipeline_parallel_size=1``
 ``pipeline_schedule`` (ours)
@@ -58,6 +59,9 @@ class NxDTrainingArguments(TrainingArguments):
         default="auto", metadata={"help": "Pad attention heads when tp does not divide them: auto, true, false."})
     bf16_master_weights: bool = dataclasses.field(
         default=False, metadata={"help": "bf16 parameters with fp32 master weights in the optimizer."})
+    fused_loss: bool = dataclasses.field(
+        default=False, metadata={"help": "Causal-LM loss from the hidden states in chunks, the LM head fused in: "
+                                         "the full logits are never held (docs/gpu_speed.md)."})
 
     def __post_init__(self):
         self.use_cpu = _check_use_cpu(self.use_cpu)
@@ -128,7 +132,7 @@ class NxDTrainingArguments(TrainingArguments):
                 pipeline_config["schedule"] = self.pipeline_schedule
         pad = {"auto": "auto", "true": True, "false": False}[str(self.pad_model).lower()]
         kv = "auto" if self.kv_size_multiplier == "auto" else int(self.kv_size_multiplier)
-        return neuronx_distributed_config(
+        config = neuronx_distributed_config(
             tensor_parallel_size=self.tensor_parallel_size, pipeline_parallel_size=self.pipeline_parallel_size,
             pipeline_config=pipeline_config, sequence_parallel=self.sequence_parallel, pad_model=pad,
             kv_size_multiplier=kv,
@@ -138,6 +142,8 @@ class NxDTrainingArguments(TrainingArguments):
             mixed_precision_config={"use_master_weights": True, "use_fp32_grad_acc": self.bf16_master_weights},
             lora_config=lora_config,
         )
+        config.fused_loss = self.fused_loss
+        return config
 
 
 def _check_use_cpu(use_cpu: bool) -> bool:
@@ -153,7 +159,6 @@ _REFUSED = {
     "fp16": "fp16 is not supported: use bf16=True (autocast) or bf16 parameters with bf16_master_weights=True",
     "deepspeed": "deepspeed is not used with NxDTrainer: nxd_hf does the parallelism (zero_1=True for ZeRO-1)",
     "fsdp": "fsdp is not used with NxDTrainer: nxd_hf does the parallelism (tensor/pipeline parallel, zero_1)",
-    "torch_compile": "torch_compile is not supported with nxd_hf's parallel layers: drop it",
     "label_smoothing_factor": "label_smoothing_factor needs the full logits, which tensor parallelism never "
                               "gathers in training: drop it",
 }

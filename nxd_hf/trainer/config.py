@@ -65,6 +65,10 @@ class NxDConfig:
     """How ranks build the model."""
     lora_config: Any = None
     """LoRA adapters: ``nxd_hf.modules.lora.LoraConfig`` (NxD's) or a ``peft.LoraConfig``."""
+    autocast_adapter_dtype: bool = True
+    """As ``peft.get_peft_model``'s: fp32 adapters on a bf16/fp16 model (False: the model's dtype; not in NxD)."""
+    fused_loss: bool = False
+    """The causal-LM loss from the hidden states, LM head fused in, in chunks (``parallelize``'s; not in NxD)."""
     mixed_precision_config: MixedPrecisionConfig = dataclasses.field(default_factory=MixedPrecisionConfig)
     """Master weights and fp32 gradient accumulation for bf16/fp16 models."""
     check_inputs: bool | Literal["always"] = True

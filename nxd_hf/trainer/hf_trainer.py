@@ -41,10 +41,11 @@ _ROW_WEIGHT = "_nxd_row_weight"  # this replica's rows x dp / the global batch's
 class NxDTrainer(CheckpointHooks, transformers.Trainer):
     """A drop-in for ``transformers.Trainer`` taking ``NxDTrainingArguments`` (module docstring).
     ``model``: a plain HF model (parallelized here, with LoRA adapters when ``peft_config``, a
-    ``peft.LoraConfig``, is given), an already parallelized one, or a peft model of one."""
+    ``peft.LoraConfig``, is given), an already parallelized one, or a peft model of one.
+    ``autocast_adapter_dtype``: as ``peft.get_peft_model``'s (fp32 adapters on a bf16/fp16 model)."""
 
     def __init__(self, model=None, args: NxDTrainingArguments | None = None, *trainer_args, model_init=None,
-                 peft_config=None, **trainer_kwargs):
+                 peft_config=None, autocast_adapter_dtype: bool = True, **trainer_kwargs):
         if not isinstance(args, NxDTrainingArguments):
             raise ValueError("NxDTrainer takes args=nxd_hf.NxDTrainingArguments(...) (a TrainingArguments subclass "
                              "carrying tensor_parallel_size, pipeline_parallel_size, ...)")
@@ -54,6 +55,7 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
         if model is not None and _is_parallel(model):  # before nxd_config() re-creates the groups
             _check_layout(args, pipelined=isinstance(getattr(model, "module", model), NxDPPModel))
         self.nxd_config = args.nxd_config(lora_config=peft_config)
+        self.nxd_config.autocast_adapter_dtype = autocast_adapter_dtype
         self.nxd_model: NxDModel | None = None
         if model is not None:
             model = self._parallel(model, args)
@@ -90,6 +92,8 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
                 model = model.to(torch.bfloat16)
             self.nxd_model = initialize_parallel_model(self.nxd_config, lambda: model)
         _place(self.nxd_model, args.device)  # every layout, as Trainer places its model
+        if args.torch_compile:
+            _compile(self.nxd_model, args)
         return self.nxd_model.hf_model
 
     # -- the process view
@@ -272,3 +276,16 @@ def _pad_rows(inputs: dict, multiple: int) -> dict:
 def _data_parallel_mean(value: torch.Tensor) -> torch.Tensor:
     value = value.float() / parallel_state.get_data_parallel_size()
     return backend.all_reduce(value, parallel_state.get_data_parallel_group())
+
+
+def _compile(nxd_model: NxDModel, args: NxDTrainingArguments) -> None:
+    """``torch_compile``: the parallel HF model compiled in place (``nn.Module.compile``: its
+    parameter names, hooks and checkpoints stay those of the uncompiled model)."""
+    if isinstance(nxd_model.module, NxDPPModel):
+        raise ValueError("torch_compile=True is not supported with pipeline_parallel_size > 1: drop torch_compile "
+                         "or train without pipeline parallelism")
+    kwargs = {"backend": args.torch_compile_backend or "inductor"}
+    if args.torch_compile_mode:
+        kwargs["mode"] = args.torch_compile_mode
+    nxd_model.hf_model.compile(**kwargs)
+

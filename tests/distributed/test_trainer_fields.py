@@ -241,7 +241,7 @@ def test_fields_change_behaviour_world4():
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("torch_compile", True, "torch_compile is not supported"), ("fsdp", "full_shard", "fsdp is not used"),
+    ("fsdp", "full_shard", "fsdp is not used"),
     ("deepspeed", "ds_config.json", "deepspeed is not used"),
 ])
 def test_refused_hf_fields(field, value, message):

@@ -1,0 +1,95 @@
+"""Peak CPU memory and time of one forward + backward of the causal-LM loss from the hidden
+states, the LM head included, at a large vocabulary (default vocab 128,256 as Llama 3, hidden
+512, batch 1 x seq 1024, fp32), two ways, each in its own process:
+
+- ``unfused``: ``F.linear`` to the full logits, then ``F.cross_entropy`` (what plain HF and
+  nxd_hf at tp=1 do without ``fused_loss``);
+- ``fused``: ``nxd_hf.parallel_layers.fused_loss.fused_linear_cross_entropy`` (tp=1, a one-rank
+  gloo group), which never holds the full logits.
+
+Peak: the rise of the process's peak RSS (``ru_maxrss``) over the reading taken once the
+inputs exist (no warm-up step: the first step's peak is the one measured); time: median of
+``--steps`` steps (the first included: on a shared CPU a step takes seconds, a warm-up adds little). The logits alone
+are seq x vocab x 4 B (525 MB at the defaults). JSON in ``bench/results/fused_loss.json``.
+
+Run from the repo root: ``python -m bench.fused_loss [--vocab 128256] [--hidden 512] [--seq 1024]``.
+"""
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+from bench.common import RESULTS
+from bench.common.stamp import stamp
+
+
+def _case(mode: str, vocab: int, hidden: int, seq: int, steps: int) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    from nxd_hf import parallel_state
+    from nxd_hf.parallel_layers.fused_loss import fused_linear_cross_entropy
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29571"),
+                      RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    parallel_state.initialize_model_parallel(1, 1)
+    g = torch.Generator().manual_seed(0)
+    hidden_states = torch.randn(1, seq, hidden, generator=g).requires_grad_()
+    weight = (torch.randn(vocab, hidden, generator=g) / hidden**0.5).requires_grad_()
+    labels = torch.randint(0, vocab, (1, seq), generator=g)
+
+    def step():
+        if mode == "fused":
+            loss = fused_linear_cross_entropy(hidden_states, weight, labels, vocab_size=vocab)
+        else:
+            logits = F.linear(hidden_states, weight)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+        loss.backward()
+        hidden_states.grad = weight.grad = None
+        return loss.item()
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # inputs made; the first step's peak counts
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        loss = step()
+        times.append(time.perf_counter() - start)
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"mode": mode, "loss": loss, "peak_rise_mib": (after - before) / 1024,
+            "step_s_median": statistics.median(times), "step_s_min": min(times), "step_s_max": max(times)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--vocab", type=int, default=128256)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument("--case", choices=["fused", "unfused"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.case:
+        print(json.dumps(_case(args.case, args.vocab, args.hidden, args.seq, args.steps)))
+        return
+    cases = {}
+    for mode in ("unfused", "fused"):
+        out = subprocess.run([sys.executable, "-m", "bench.fused_loss", "--case", mode, "--vocab", str(args.vocab),
+                              "--hidden", str(args.hidden), "--seq", str(args.seq), "--steps", str(args.steps)],
+                             check=True, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
+        cases[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+        print(mode, cases[mode], flush=True)
+    result = {**stamp(), "vocab": args.vocab, "hidden": args.hidden, "seq": args.seq, "batch": 1, "dtype": "float32",
+              "logits_mib": args.seq * args.vocab * 4 / 2**20, "cases": cases,
+              "peak_ratio_fused_over_unfused": cases["fused"]["peak_rise_mib"] / cases["unfused"]["peak_rise_mib"],
+              "time_ratio_fused_over_unfused": cases["fused"]["step_s_median"] / cases["unfused"]["step_s_median"]}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "fused_loss.json").write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

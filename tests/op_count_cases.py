@@ -1,0 +1,64 @@
+"""Aten op counts of one forward + backward: a tiny llama parallelized at tp=1 (one rank) against
+the plain HF model (tests/distributed/test_tp1_overhead.py)."""
+
+import collections
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import hf_parity
+import nxd_hf
+from nxd_hf import parallel_state
+
+COPIES = ("aten.to", "aten._to_copy", "aten.copy_", "aten.clone", "aten.contiguous")
+
+
+class OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(model, ids, labels) -> collections.Counter:
+    with OpCounter() as counter:
+        model(input_ids=ids, labels=labels).loss.backward()
+    return counter.counts
+
+
+def tp1_op_counts(dtype: str = "float32", lora: bool = False) -> tuple[dict, dict]:
+    """(plain HF counts, parallelized tp=1 counts) of one forward + backward, warm (second call)."""
+    parallel_state.destroy_model_parallel()
+    reference, model = hf_parity.build_pair("llama", attention_bias=False, mlp_bias=False)
+    reference, model = reference.to(getattr(torch, dtype)), model.to(getattr(torch, dtype))
+    nxd_hf.parallelize(model, tensor_parallel_size=1, check_inputs=False)
+    if lora:
+        import peft
+
+        config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "o_proj", "down_proj"])
+        reference, model = peft.get_peft_model(reference, config), peft.get_peft_model(model, config)
+    ids, labels = hf_parity.batch()
+    result = []
+    for m in (reference, model):
+        count_ops(m, ids, labels)
+        m.zero_grad(set_to_none=True)
+        result.append(dict(count_ops(m, ids, labels)))
+    return tuple(result)
+
+
+VIEWS = ("aten.view", "aten._unsafe_view")  # the same reshape, named by who asked (flatten vs view)
+
+
+def check_no_extra_work() -> None:
+    """At tp=1 (one rank) nxd_hf's layers, loss and gradient path dispatch no aten op that the
+    plain model does not: per op no more calls (the view kinds counted together), fp32, bf16 and
+    bf16 with LoRA (fp32 adapters)."""
+    for dtype, lora in (("float32", False), ("bfloat16", False), ("bfloat16", True)):
+        plain, par = tp1_op_counts(dtype, lora)
+        extra = {op: (plain.get(op, 0), n) for op, n in par.items() if op not in VIEWS and n > plain.get(op, 0)}
+        assert not extra, f"{dtype} lora={lora}: ops beyond plain HF (plain, nxd_hf): {extra}"
+        views = sum(par.get(op, 0) for op in VIEWS), sum(plain.get(op, 0) for op in VIEWS)
+        assert views[0] == views[1], f"{dtype} lora={lora}: views {views}"

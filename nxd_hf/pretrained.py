@@ -33,8 +33,8 @@ def from_pretrained(path: str, *, auto_class=transformers.AutoModelForCausalLM, 
 
     def load_weights(modules):  # setup step 5, on this rank's modules (its stages with PP)
         device = parallelize_kwargs.get("device") or backend.default_device()  # as parallelize's default
-        with fail_together(f"nxd_hf.from_pretrained (reading the weights in {path})"):
-            reports.append(load_hf_safetensors(modules, path, hf_model=hf_model, device=device))
+        # no fail_together of its own: setup step 5 runs inside one (nxd_hf.model_setup.local)
+        reports.append(load_hf_safetensors(modules, path, hf_model=hf_model, device=device))
 
     model = parallelize(hf_model, tensor_parallel_size=tensor_parallel_size,
                         pipeline_parallel_size=pipeline_parallel_size, load_weights=load_weights, **parallelize_kwargs)

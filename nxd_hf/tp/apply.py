@@ -18,7 +18,7 @@ from nxd_hf.parallel_layers.sharding import (
 )
 from nxd_hf.parallel_layers.heads import HeadLayout
 from nxd_hf.tp import plan
-from nxd_hf.tp.custom_modules import build_embedding, check_kept
+from nxd_hf.tp.custom_modules import build_embedding, check_experts, check_kept
 from nxd_hf.tp.layouts import module_layout
 from nxd_hf.tp.region_parameters import mark_region_parameters
 
@@ -201,6 +201,8 @@ def apply_tensor_parallel(model: nn.Module, patch: plan.ModelPatch, layout: Head
             module.register_forward_pre_hook(_enter_region_hook(sequence_parallel), with_kwargs=True)
             if isinstance(style, plan.Attention):
                 _set_local_attrs(module, style, layouts[name])
+        elif isinstance(style, plan.Experts):
+            check_experts(name, module)
         elif isinstance(style, plan.PerHeadNorm):
             for p in module.parameters():
                 mark_partial_grad_over_tp(p)  # partial over heads: summed over TP

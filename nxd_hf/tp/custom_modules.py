@@ -9,6 +9,7 @@ A planned module whose class overrides ``forward`` (an ``nn.Embedding``/``nn.Lin
 import torch
 from torch import nn
 
+from nxd_hf import parallel_state
 from nxd_hf.parallel_layers import ParallelEmbedding
 from nxd_hf.tp import plan
 
@@ -55,3 +56,14 @@ def build_embedding(module: nn.Module, dtype: torch.dtype) -> ParallelEmbedding:
                                        device="meta", embed_scale=module.embed_scale)
     return ParallelEmbedding(module.num_embeddings, module.embedding_dim, module.padding_idx, dtype=dtype,
                              device="meta")
+
+
+def check_experts(name: str, module: nn.Module) -> None:
+    """Fused experts are kept whole (replicated) at tp=1; sharding them over TP is not built yet."""
+    if parallel_state.get_tensor_model_parallel_size() > 1:
+        raise ValueError(
+            f"{name!r}: a mixture-of-experts layer with experts sharded across TP (HF tensor-parallel style "
+            "'moe_tp_experts') is not supported by nxd_hf yet at tensor_parallel_size > 1. Use "
+            "tensor_parallel_size=1 (pipeline and data parallelism work), or the dense variant of the family "
+            "(e.g. Qwen3 for Qwen3-MoE, Mistral for Mixtral)"
+        )

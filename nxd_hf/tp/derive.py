@@ -9,7 +9,7 @@ is a ``ParallelRegion`` (the MLP); ``embed_tokens`` becomes a vocab-parallel emb
 ``X.*`` prefix of the entries is the decoder-layer list.
 """
 
-from nxd_hf.tp.plan import Attention, Column, Embedding, ModelPatch, ParallelRegion, PerHeadNorm, Row
+from nxd_hf.tp.plan import Attention, Column, Embedding, Experts, ModelPatch, ParallelRegion, PerHeadNorm, Row
 
 Q_PROJECTIONS = {"q_proj", "query"}
 KV_PROJECTIONS = {"k_proj", "v_proj", "key", "value"}
@@ -28,13 +28,12 @@ QK_NORM_FLAGS = ("use_qk_norm", "qk_layernorm")
 # have entries of their own (attention sinks: colwise, sharded by heads in ``nxd_hf.tp.apply``).
 _NO_MODULE_CHANGE = {"sequence_parallel", "replicate", "local_params"}
 _UNSUPPORTED = {
-    "packed_rowwise", "embedding_colwise", "mla_kv_a_proj", "all_reduce", "moe_tp_experts", "moe_identity_expert",
+    "packed_rowwise", "embedding_colwise", "mla_kv_a_proj", "all_reduce", "moe_identity_expert",
     "ep_dispatch_experts",
 }
 
 _DENSE = "Closest supported: the dense variant of the family (e.g. Qwen3 for Qwen3-MoE, Mistral for Mixtral). "
 _UNSUPPORTED_CONSTRUCTS = {
-    "moe_tp_experts": ("a mixture-of-experts layer with experts sharded across TP", _DENSE),
     "ep_dispatch_experts": ("a mixture-of-experts layer with expert parallelism", _DENSE),
     "moe_identity_expert": ("a mixture-of-experts layer with identity experts", _DENSE),
     "mla_kv_a_proj": ("multi-head latent attention (low-rank compressed K/V)",
@@ -73,6 +72,7 @@ _STYLES = {
     "packed_colwise": lambda *_: Column(stride=2),
     "replicated_with_grad_allreduce": lambda *_: PerHeadNorm(),
     "embedding_rowwise": lambda *_: Embedding(),
+    "moe_tp_experts": lambda *_: Experts(),
     **dict.fromkeys(_NO_MODULE_CHANGE, lambda *_: None),
 }
 
@@ -137,7 +137,10 @@ def patch_from_hf_plan(model_type: str, hf_plan: dict[str, str], *, config=None)
     q_parents = _attention_modules(hf_plan)
     plan = {"embed_tokens": Embedding()}
     plan.update({parent: Attention(attrs=ATTENTION_ATTRS) for parent in sorted(q_parents)})
+    experts = {p for p, s in hf_plan.items() if _base_style(s) == "moe_tp_experts"}
     for pattern, hf_style in hf_plan.items():
+        if _split(pattern)[0] in experts:
+            continue  # a 3-D parameter of a fused experts module: part of its Experts style
         style = _style(pattern, hf_style, q_parents)
         if style is None:
             if pattern not in q_parents:  # an attention module stays one ("local_params")

@@ -74,7 +74,15 @@ class PerHeadNorm:
     different heads, so its gradient is summed over TP (HF's "replicated_with_grad_allreduce")."""
 
 
-Style = Column | Row | Embedding | LMHead | ParallelRegion | Attention | PerHeadNorm
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class Experts:
+    """HF's fused mixture-of-experts module (3-D ``gate_up_proj`` [experts, 2 x intermediate,
+    hidden] and ``down_proj`` [experts, hidden, intermediate], called with the router's top-k
+    indices and weights): HF's "moe_tp_experts". Its plan entries for the 3-D parameters are
+    folded into this one."""
+
+
+Style = Column | Row | Embedding | LMHead | ParallelRegion | Attention | PerHeadNorm | Experts
 
 
 @dataclasses.dataclass(kw_only=True)

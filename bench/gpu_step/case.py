@@ -30,7 +30,7 @@ def _init_single_process() -> None:
 def _model(case: Case, config, device, dtype):
     import transformers
 
-    if case.liger:
+    if case.liger and case.runner.startswith("hf"):  # nxd_hf applies Liger's kernels itself, after parallelize
         from liger_kernel.transformers import apply_liger_kernel_to_llama  # optional: pip install liger-kernel
 
         apply_liger_kernel_to_llama()
@@ -58,6 +58,10 @@ def _build(case: Case, config, device):
         _init_single_process()
         model = nxd_hf.parallelize(model, tensor_parallel_size=1, fused_loss=case.fused_loss, device=device,
                                    lora_config=_lora_config() if case.lora else None, autocast_adapter_dtype=autocast)
+        if case.liger:
+            from nxd_hf.model_setup.liger import apply_liger_kernels
+
+            apply_liger_kernels(model)
     elif case.lora:
         model = peft.get_peft_model(model, _lora_config(), autocast_adapter_dtype=autocast)
     if case.compile and not case.runner.endswith("trainer"):
@@ -103,7 +107,8 @@ def _trainer(case: Case, model, batches, steps: list, out_dir: str) -> None:
     data = [{"input_ids": row, "labels": row} for ids in batches for row in ids.cpu()]
     if case.runner == "nxd_trainer":
         _init_single_process()
-        args = nxd_hf.NxDTrainingArguments(tensor_parallel_size=1, fused_loss=case.fused_loss, **common)
+        args = nxd_hf.NxDTrainingArguments(tensor_parallel_size=1, fused_loss=case.fused_loss,
+                                           use_liger_kernel=case.liger, **common)
         trainer = nxd_hf.NxDTrainer(model, args, train_dataset=data, callbacks=[Timer()])
     else:
         args = transformers.TrainingArguments(**common)

@@ -37,6 +37,8 @@ def all_cases() -> list[Case]:
             cases += [Case(runner="nxd_loop", fused_loss=fused, compile=compile_),
                       Case(runner="nxd_trainer", fused_loss=fused, compile=compile_)]
             cases += [Case(runner="nxd_loop", lora=dtype, fused_loss=fused, compile=compile_) for dtype in ("fp32", "bf16")]
+        # Liger's kernels inside nxd_hf's layers, with nxd_hf's fused loss (Liger's own loss is full-vocabulary)
+        cases += [Case(runner=runner, liger=True, fused_loss=True, compile=compile_) for runner in ("nxd_loop", "nxd_trainer")]
     return cases
 
 

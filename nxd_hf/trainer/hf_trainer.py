@@ -25,6 +25,7 @@ import torch
 import transformers
 
 from nxd_hf import backend, parallel_state
+from nxd_hf.model_setup.liger import apply_liger_kernels, liger_options
 from nxd_hf.model_state import state_of
 from nxd_hf.optim.zero1 import ELEMENTWISE_OPTIMIZERS
 from nxd_hf.parallel_layers.loss_functions import loss_normalizer
@@ -35,7 +36,29 @@ from nxd_hf.trainer.hf_checkpoints import CheckpointHooks
 from nxd_hf.trainer.model import NxDModel, initialize_parallel_model
 from nxd_hf.trainer.optimizer import initialize_parallel_optimizer
 
-_ROW_WEIGHT = "_nxd_row_weight"  # this replica's rows x dp / the global batch's rows
+_ROW_WEIGHT = "_nxd_row_weight"
+
+
+def _check_liger(args: NxDTrainingArguments) -> None:
+    """``use_liger_kernel`` fails before any work when it cannot apply (model_setup/liger.py)."""
+    liger_options(args.liger_kernel_config)
+    device = backend.default_device().type
+    if device != "cuda":
+        raise ValueError(f"use_liger_kernel=True: Liger's kernels are Triton kernels for CUDA GPUs and this run "
+                         f"computes on {device}. Drop use_liger_kernel on CPU and XLA")
+    if args.pipeline_parallel_size > 1:
+        raise ValueError("use_liger_kernel=True is not supported with pipeline_parallel_size > 1: drop one of them")
+
+
+@contextlib.contextmanager
+def _without_trainers_liger_patch(args: NxDTrainingArguments):
+    """``Trainer.__init__`` would apply Liger with its full-vocabulary loss on vocab-parallel logits;
+    NxDTrainer applies the kernels itself after it (``apply_liger_kernels``)."""
+    asked, args.use_liger_kernel = args.use_liger_kernel, False
+    try:
+        yield
+    finally:
+        args.use_liger_kernel = asked  # this replica's rows x dp / the global batch's rows
 
 
 class NxDTrainer(CheckpointHooks, transformers.Trainer):
@@ -49,6 +72,8 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
         if not isinstance(args, NxDTrainingArguments):
             raise ValueError("NxDTrainer takes args=nxd_hf.NxDTrainingArguments(...) (a TrainingArguments subclass "
                              "carrying tensor_parallel_size, pipeline_parallel_size, ...)")
+        if args.use_liger_kernel:
+            _check_liger(args)
         if trainer_kwargs.get("compute_loss_func") is not None:
             raise ValueError("compute_loss_func is not supported by NxDTrainer: the model's own loss runs on "
                              "vocab-parallel logits")
@@ -61,7 +86,10 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
             model = self._parallel(model, args)
         if model_init is not None:  # passed only when given: a Trainer subclass may not take it (TRL's)
             trainer_kwargs["model_init"] = self._parallel_init(model_init, args)
-        super().__init__(model, args, *trainer_args, **trainer_kwargs)
+        with _without_trainers_liger_patch(args):
+            super().__init__(model, args, *trainer_args, **trainer_kwargs)
+        if args.use_liger_kernel:
+            apply_liger_kernels(self.model, args.liger_kernel_config)
 
     def _parallel_init(self, model_init, args: NxDTrainingArguments):
         """``model_init`` (taking a trial or nothing, as Trainer allows) whose model is parallelized."""

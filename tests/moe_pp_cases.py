@@ -1,0 +1,128 @@
+"""MoE models through the pipeline (issue 24): tiny configs of each routed family and cases
+comparing ``parallelize(..., pipeline_parallel_size=pp)`` with the unparallelized HF model on
+the same weights and data — loss (HF's token loss plus ``router_aux_loss_coef`` times the
+load-balancing loss over all layers) and gradients."""
+
+import torch
+import transformers
+
+import nxd_hf
+from nxd_hf import backend, parallel_state, parity
+
+TOL = dict(rtol=parity.RTOL, atol=parity.ATOL)
+VOCAB = 101
+AUX_COEF = 0.5  # large, so a wrong aux gradient shows in every router's gradient
+
+_ATTENTION = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+                  tie_word_embeddings=False, num_hidden_layers=4, max_position_embeddings=64)
+# model_type -> (config class, config kwargs): 4 experts, top-2, 4 layers (2 per stage at pp=2).
+TINY_MOE = {
+    "mixtral": (transformers.MixtralConfig, dict(
+        _ATTENTION, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, dict(  # per-head q/k norms, top-k not renormalized
+        _ATTENTION, intermediate_size=48, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2,
+        head_dim=8, norm_topk_prob=False)),
+    "olmoe": (transformers.OlmoeConfig, dict(
+        _ATTENTION, intermediate_size=24, num_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": (transformers.Qwen2MoeConfig, dict(  # a gated shared expert; layer 1 dense (mlp_only_layers)
+        _ATTENTION, intermediate_size=40, moe_intermediate_size=24, shared_expert_intermediate_size=40,
+        num_experts=4, num_experts_per_tok=2, mlp_only_layers=[1])),
+    "deepseek_v3": (transformers.DeepseekV3Config, dict(  # MLA, first layer dense, shared expert, routed scaling
+        _ATTENTION, intermediate_size=40, moe_intermediate_size=24, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=2.5,
+        q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, head_dim=8,
+        rope_interleave=True, num_key_value_heads=4)),
+}
+WITH_AUX = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe")  # DeepSeek-V3's HF forward adds no aux loss
+
+
+def tiny_config(model_type: str, *, aux: bool = True, **overrides):
+    config_cls, kwargs = TINY_MOE[model_type]
+    extra = dict(output_router_logits=True, router_aux_loss_coef=AUX_COEF) if aux and model_type in WITH_AUX else {}
+    return config_cls(**{**kwargs, **extra, **overrides})
+
+
+def build_pair(model_type: str, *, aux: bool = True, seed: int = 0, **overrides):
+    """(reference on the compute device, copy to parallelize) with identical noisy weights."""
+    reference, model = parity.build_pair(tiny_config(model_type, aux=aux, **overrides), seed=seed, perturb="all")
+    return reference.to(backend.default_device()), model
+
+
+def moe_batch(seed: int = 1, b: int = 4, s: int = 8):
+    """(ids, attention mask, labels): row 1 left-padded by 3 (masked, labels ignored)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (b, s), generator=g)
+    mask = torch.ones(b, s, dtype=torch.long)
+    mask[1, :3] = 0
+    labels = ids.clone()
+    labels[mask == 0] = -100
+    labels[0, -2:] = -100
+    device = backend.default_device()
+    return ids.to(device), mask.to(device), labels.to(device)
+
+
+def replica_rows(*tensors):
+    """This data-parallel replica's rows of each tensor (consecutive blocks)."""
+    dp, rank = parallel_state.get_data_parallel_size(), parallel_state.get_data_parallel_rank()
+    return [t.chunk(dp)[rank] for t in tensors]
+
+
+def compare_grads(model, reference, *, names_ok=None) -> int:
+    """Every local parameter's gradient equals the reference's (under the same name); returns
+    how many were compared."""
+    ref = dict(reference.named_parameters())
+    count = 0
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        ref_grad = ref[name].grad if ref[name].grad is not None else torch.zeros_like(ref[name])
+        grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        torch.testing.assert_close(grad, ref_grad, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+        count += 1
+    assert count > 0
+    return count
+
+
+def pipeline_matches_hf(model_type: str, *, pp: int = 2, num_microbatches: int = 2, schedule: str = "1f1b",
+                        aux: bool = True, b: int = 4) -> None:
+    """One step at pp (dp = world / pp): loss and every local gradient equal HF's on the whole batch."""
+    reference, model = build_pair(model_type, aux=aux)
+    ids, mask, labels = moe_batch(b=b)
+    out = reference(input_ids=ids, attention_mask=mask, labels=labels)
+    out.loss.backward()
+    if aux and model_type in WITH_AUX:
+        assert out.aux_loss is not None and out.aux_loss.item() > 0
+    model = nxd_hf.parallelize(model, pipeline_parallel_size=pp, num_microbatches=num_microbatches,
+                               schedule=schedule, broadcast_and_average_loss=True)
+    assert model.router_aux is not None if aux and model_type in WITH_AUX else model.router_aux is None
+    ids_r, mask_r, labels_r = replica_rows(ids, mask, labels)
+    loss = model.run_train(input_ids=ids_r, attention_mask=mask_r, labels=labels_r)
+    torch.testing.assert_close(loss, out.loss.detach(), **TOL)
+    compare_grads(model, reference)
+    eval_loss = model.run_eval(input_ids=ids_r, attention_mask=mask_r, labels=labels_r)
+    with torch.no_grad():
+        torch.testing.assert_close(eval_loss, reference(input_ids=ids, attention_mask=mask, labels=labels).loss, **TOL)
+
+
+def accumulation_matches_hf(model_type: str, *, pp: int = 2, steps: int = 2) -> None:
+    """Gradient accumulation over ``steps`` calls (no_sync, the step's token count given), as
+    transformers.Trainer accumulates: each call's loss is its token loss over the step's count
+    plus its own batch's aux loss; gradients add up."""
+    reference, model = build_pair(model_type)
+    batches = [moe_batch(seed=10 + i) for i in range(steps)]
+    total = sum((labels[..., 1:] != -100).sum() for _, _, labels in batches).float()
+    ref_losses = []
+    for ids, mask, labels in batches:
+        loss = reference(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=total).loss
+        loss.backward()
+        ref_losses.append(loss.detach())
+    model = nxd_hf.parallelize(model, pipeline_parallel_size=pp, num_microbatches=2, broadcast_and_average_loss=True)
+    for i, (ids, mask, labels) in enumerate(batches):
+        ids, mask, labels = replica_rows(ids, mask, labels)
+        if i < steps - 1:
+            with model.no_sync():
+                loss = model.run_train(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=total)
+        else:
+            loss = model.run_train(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=total)
+        torch.testing.assert_close(loss, ref_losses[i], **TOL)
+    compare_grads(model, reference)

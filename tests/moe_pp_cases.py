@@ -86,6 +86,7 @@ def compare_grads(model, reference, *, names_ok=None) -> int:
 def pipeline_matches_hf(model_type: str, *, pp: int = 2, num_microbatches: int = 2, schedule: str = "1f1b",
                         aux: bool = True, b: int = 4) -> None:
     """One step at pp (dp = world / pp): loss and every local gradient equal HF's on the whole batch."""
+    parallel_state.destroy_model_parallel()
     reference, model = build_pair(model_type, aux=aux)
     ids, mask, labels = moe_batch(b=b)
     out = reference(input_ids=ids, attention_mask=mask, labels=labels)
@@ -108,6 +109,7 @@ def accumulation_matches_hf(model_type: str, *, pp: int = 2, steps: int = 2) -> 
     """Gradient accumulation over ``steps`` calls (no_sync, the step's token count given), as
     transformers.Trainer accumulates: each call's loss is its token loss over the step's count
     plus its own batch's aux loss; gradients add up."""
+    parallel_state.destroy_model_parallel()
     reference, model = build_pair(model_type)
     batches = [moe_batch(seed=10 + i) for i in range(steps)]
     total = sum((labels[..., 1:] != -100).sum() for _, _, labels in batches).float()
@@ -126,3 +128,42 @@ def accumulation_matches_hf(model_type: str, *, pp: int = 2, steps: int = 2) -> 
             loss = model.run_train(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=total)
         torch.testing.assert_close(loss, ref_losses[i], **TOL)
     compare_grads(model, reference)
+
+
+# -- LoRA on MoE models (peft): attention, dense/shared MLP, and the fused experts (target_parameters)
+LORA_TARGETS = {  # model_type -> (target_modules, target_parameters)
+    "mixtral": (["q_proj", "v_proj", "o_proj"], ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
+    "qwen2_moe": (["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"],  # shared expert and dense layer
+                  ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
+    # peft maps DeepSeek-V3's per-expert names of transformers 4 (gate/up/down_proj) to the fused experts too
+    "deepseek_v3": (["q_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], []),
+}
+
+
+def moe_lora_config(model_type: str, *, experts: bool = True):
+    import peft
+
+    modules, parameters = LORA_TARGETS[model_type]
+    return peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=modules,
+                           target_parameters=parameters if experts else None)
+
+
+def lora_dp_matches_peft(model_type: str, *, experts: bool = True) -> None:
+    """get_peft_model(parallelize(model)) at tp=1, dp=world: five AdamW steps equal plain peft."""
+    import copy
+
+    import lora_cases
+    import peft
+
+    parallel_state.destroy_model_parallel()
+    reference, model = build_pair(model_type, aux=False)
+    model = nxd_hf.parallelize(model)
+    dp = parallel_state.get_data_parallel_size()
+    config = moe_lora_config(model_type, experts=experts)
+    torch.manual_seed(7)
+    ref_peft = peft.get_peft_model(reference, copy.deepcopy(config))
+    torch.manual_seed(7)
+    par_peft = peft.get_peft_model(model, copy.deepcopy(config))
+    names = [n for n, p in par_peft.named_parameters() if p.requires_grad]
+    assert not experts or any("experts" in n for n in names), "no adapter on the experts"
+    lora_cases.train_and_compare(ref_peft, par_peft, f"{model_type} moe lora dp={dp}", dp=dp)

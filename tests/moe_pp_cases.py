@@ -167,3 +167,54 @@ def lora_dp_matches_peft(model_type: str, *, experts: bool = True) -> None:
     names = [n for n, p in par_peft.named_parameters() if p.requires_grad]
     assert not experts or any("experts" in n for n in names), "no adapter on the experts"
     lora_cases.train_and_compare(ref_peft, par_peft, f"{model_type} moe lora dp={dp}", dp=dp)
+
+
+def lora_pipeline_matches_peft(model_type: str, tmp_dir: str, *, pp: int = 2, steps: int = 3) -> None:
+    """parallelize(..., pipeline_parallel_size=pp, lora_config=...) with the aux loss on: ``steps``
+    AdamW steps of run_train equal plain peft's get_peft_model on the whole model (the adapters
+    start from the reference's: each stage draws only its own); the adapter saved from the
+    stages opens in plain peft on the unparallelized model with the same logits."""
+    import copy
+
+    import lora_cases
+    import peft
+
+    parallel_state.destroy_model_parallel()
+    reference, model = build_pair(model_type)
+    config = moe_lora_config(model_type)
+    ref_peft = peft.get_peft_model(reference, copy.deepcopy(config))
+    pp_model = nxd_hf.parallelize(model, pipeline_parallel_size=pp, num_microbatches=2, lora_config=copy.deepcopy(config),
+                                  broadcast_and_average_loss=True)
+    ref_params = {n.removeprefix("base_model.model."): p for n, p in ref_peft.named_parameters()}
+    adapters = [(n, p) for n, p in pp_model.local_named_parameters() if p.requires_grad]
+    assert adapters and all("lora_" in n for n, _ in adapters)
+    extra = {n for n, _ in adapters} - {n for n, p in ref_params.items() if p.requires_grad}
+    assert not extra, f"adapters plain peft does not have: {sorted(extra)[:4]}"
+    with torch.no_grad():
+        for name, param in ref_params.items():
+            if "lora_" in name:  # B too, so that every adapter has a gradient from the first step
+                param.copy_(0.1 * torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name))))
+        for name, param in adapters:
+            param.copy_(ref_params[name])
+    ref_opt = torch.optim.AdamW([p for p in ref_peft.parameters() if p.requires_grad], lr=lora_cases.LR)
+    opt = torch.optim.AdamW([p for _, p in adapters], lr=lora_cases.LR)
+    for step in range(steps):
+        ids, mask, labels = moe_batch(seed=20 + step)
+        ref_loss = ref_peft(input_ids=ids, attention_mask=mask, labels=labels).loss
+        ref_loss.backward()
+        ids_r, mask_r, labels_r = replica_rows(ids, mask, labels)
+        loss = pp_model.run_train(input_ids=ids_r, attention_mask=mask_r, labels=labels_r)
+        torch.testing.assert_close(loss, ref_loss.detach(), **TOL, msg=lambda m: f"step {step}: {m}")
+        ref_opt.step(), opt.step()
+        ref_opt.zero_grad(), opt.zero_grad()
+    for name, param in adapters:
+        torch.testing.assert_close(param, ref_params[name].detach(), **TOL, msg=lambda m, n=name: f"{n}: {m}")
+    directory = f"{tmp_dir}/{model_type}_pp_adapter"
+    nxd_hf.lora.save_adapter(pp_model, directory)  # every stage's adapters, one file
+    base, _ = build_pair(model_type)
+    loaded = peft.PeftModel.from_pretrained(base, directory)
+    ids, mask, _ = moe_batch(seed=99)
+    ref_peft.eval(), loaded.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids, attention_mask=mask).logits,
+                                   ref_peft(input_ids=ids, attention_mask=mask).logits, **TOL)

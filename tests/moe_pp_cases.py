@@ -218,3 +218,47 @@ def lora_pipeline_matches_peft(model_type: str, tmp_dir: str, *, pp: int = 2, st
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=ids, attention_mask=mask).logits,
                                    ref_peft(input_ids=ids, attention_mask=mask).logits, **TOL)
+
+
+# -- NxDTrainer with a MoE model at pp=2 (aux loss on) against transformers.Trainer
+TRAINER_COMMON = dict(max_steps=4, learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[], seed=7,
+                      max_grad_norm=0.5, disable_tqdm=True, weight_decay=0.1, warmup_steps=1)
+
+
+def trainer_dataset(n=32, s=8, seed=3):
+    """Rows with an attention mask (a few left-padded rows) and labels ignoring the padding."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n):
+        ids = torch.randint(0, VOCAB, (s,), generator=g)
+        mask = torch.ones(s, dtype=torch.long)
+        mask[: i % 3] = 0
+        labels = ids.clone()
+        labels[mask == 0] = -100
+        rows.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    return rows
+
+
+def trainer_matches_hf(model_type: str, out_dir: str, *, accumulate: int = 2) -> None:
+    """NxDTrainer at pp=2 (M=2, gradient accumulation) logs the losses and grad norms of
+    transformers.Trainer on the whole model, with HF's aux loss in them, and ends with its weights."""
+    parallel_state.destroy_model_parallel()
+    reference, model = build_pair(model_type)
+    data = trainer_dataset()
+    ref_args = transformers.TrainingArguments(output_dir=f"{out_dir}/ref", per_device_train_batch_size=4,
+                                              gradient_accumulation_steps=accumulate, **TRAINER_COMMON)
+    ref = transformers.Trainer(reference, ref_args, train_dataset=data)
+    ref.train()
+    args = nxd_hf.NxDTrainingArguments(output_dir=f"{out_dir}/nxd", per_device_train_batch_size=4,
+                                       gradient_accumulation_steps=accumulate, pipeline_parallel_size=2,
+                                       num_microbatches=2, **TRAINER_COMMON)
+    ours = nxd_hf.NxDTrainer(model, args, train_dataset=data)
+    ours.train()
+    for key in ("loss", "grad_norm"):
+        got = [h[key] for h in ours.state.log_history if key in h]
+        want = [h[key] for h in ref.state.log_history if key in h]
+        assert len(got) == len(want) == TRAINER_COMMON["max_steps"], (key, got, want)
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), **TOL, msg=lambda m, k=key: f"{k}: {m}")
+    ref_params = dict(ref.model.named_parameters())
+    for name, param in ours.nxd_model.named_parameters():
+        torch.testing.assert_close(param, ref_params[name].detach(), **TOL, msg=lambda m, n=name: f"{n}: {m}")

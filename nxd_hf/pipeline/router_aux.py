@@ -30,7 +30,7 @@ class RouterAuxLoss:
         self.mode = "off"
         self.masks: list[torch.Tensor | None] = []
         self.calls: dict[int, int] = {}
-        self.pending: list[torch.Tensor] = []
+        self.pending: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self.stats = aux.empty_statistics(spec.num_experts, device)
         self.weights = None
         self.routers = [m for stage in stages for m in stage.modules() if isinstance(m, spec.router_cls)]
@@ -64,12 +64,14 @@ class RouterAuxLoss:
             self.stats += aux.router_statistics(logits, num_experts=self.spec.num_experts, top_k=self.spec.top_k,
                                                 mask=mask).to(self.device)
         elif torch.is_grad_enabled():
-            self.pending.append(aux.surrogate_loss(logits, self.weights, mask))
+            self.pending.append((logits, mask))
 
     def _layer_hook(self, module, args, output):
+        """The surrogate is computed here, outside the layer: under activation checkpointing the
+        layer's inside is recomputed in backward, where the router hook does nothing."""
         if not self.pending:
             return None
-        side = torch.stack(self.pending).sum()
+        side = torch.stack([aux.surrogate_loss(logits, self.weights, mask) for logits, mask in self.pending]).sum()
         self.pending = []
         if isinstance(output, torch.Tensor):
             return aux.attach_loss(output, side.to(output.dtype))

@@ -25,6 +25,10 @@ def test_pp2_gpipe_four_microbatches(ranks2):
     ranks2.run(moe_pp_cases.pipeline_matches_hf, "mixtral", num_microbatches=4, schedule="gpipe", b=8)
 
 
+def test_pp2_aux_loss_under_activation_checkpointing(ranks2):
+    ranks2.run(moe_pp_cases.pipeline_matches_hf, "mixtral", activation_checkpoint_config="full")
+
+
 def test_pp2_gradient_accumulation(ranks2):
     ranks2.run(moe_pp_cases.accumulation_matches_hf, "olmoe")
 

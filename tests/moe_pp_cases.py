@@ -242,29 +242,38 @@ def trainer_dataset(n=32, s=8, seed=3):
     return rows
 
 
-def trainer_matches_hf(model_type: str, out_dir: str, *, accumulate: int = 2) -> None:
-    """NxDTrainer at pp=2 (M=2, gradient accumulation) logs the losses and grad norms of
-    transformers.Trainer on the whole model, with HF's aux loss in them, and ends with its weights."""
+def trainer_matches_hf(model_type: str, out_dir: str, *, accumulate: int = 2, pp: int = 2, lora: bool = False) -> None:
+    """NxDTrainer at pp (M=2, gradient accumulation; the rest of the world data parallel) logs the
+    losses and grad norms of transformers.Trainer on the whole model, with HF's aux loss in them
+    at pp > 1, and ends with its weights. ``lora``: ``peft_config`` (the experts included) on both."""
+    import peft
+
     parallel_state.destroy_model_parallel()
-    reference, model = build_pair(model_type)
+    reference, model = build_pair(model_type, aux=pp > 1)  # at pp=1 the aux loss is each replica's (HF's forward)
+    if lora:
+        torch.manual_seed(11)  # the same adapter initialization on both sides
+        reference = peft.get_peft_model(reference, moe_lora_config(model_type))
     data = trainer_dataset()
-    ref_args = transformers.TrainingArguments(output_dir=f"{out_dir}/ref", per_device_train_batch_size=4,
+    dp = backend.world_size() // pp
+    ref_args = transformers.TrainingArguments(output_dir=f"{out_dir}/ref", per_device_train_batch_size=4 * dp,
                                               gradient_accumulation_steps=accumulate, **TRAINER_COMMON)
     ref = transformers.Trainer(reference, ref_args, train_dataset=data)
     ref.train()
+    layout = dict(pipeline_parallel_size=pp, num_microbatches=2) if pp > 1 else {}
     args = nxd_hf.NxDTrainingArguments(output_dir=f"{out_dir}/nxd", per_device_train_batch_size=4,
-                                       gradient_accumulation_steps=accumulate, pipeline_parallel_size=2,
-                                       num_microbatches=2, **TRAINER_COMMON)
-    ours = nxd_hf.NxDTrainer(model, args, train_dataset=data)
+                                       gradient_accumulation_steps=accumulate, **layout, **TRAINER_COMMON)
+    torch.manual_seed(11)
+    ours = nxd_hf.NxDTrainer(model, args, train_dataset=data, peft_config=moe_lora_config(model_type) if lora else None)
     ours.train()
     for key in ("loss", "grad_norm"):
         got = [h[key] for h in ours.state.log_history if key in h]
         want = [h[key] for h in ref.state.log_history if key in h]
         assert len(got) == len(want) == TRAINER_COMMON["max_steps"], (key, got, want)
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), **TOL, msg=lambda m, k=key: f"{k}: {m}")
-    ref_params = dict(ref.model.named_parameters())
+    ref_params = {n.removeprefix("base_model.model."): p for n, p in ref.model.named_parameters()}
     for name, param in ours.nxd_model.named_parameters():
         torch.testing.assert_close(param, ref_params[name].detach(), **TOL, msg=lambda m, n=name: f"{n}: {m}")
+        assert param.requires_grad == ref_params[name].requires_grad, name
 
 
 # -- checkpoints: save_checkpoint at pp=2 <-> load at pp=1 (dp=2), save_pretrained at pp=2

@@ -3,11 +3,12 @@ OLMoE-, Qwen2-MoE- and DeepSeek-V3-shaped tiny models at pp=2; HF's load-balanci
 layers on different stages (several microbatches, both schedules, data parallelism, gradient
 accumulation, pp=4); LoRA through peft on attention, dense/shared MLPs and the fused experts;
 NxDTrainer against transformers.Trainer; checkpoints across pp and save_pretrained. Case bodies
-in tests/moe_pp_cases.py."""
+in tests/moe_pp_cases.py and tests/moe_ckpt_cases.py."""
 
 import pytest
 import torch
 
+import moe_ckpt_cases
 import moe_pp_cases
 from nxd_hf.moe import aux_loss
 
@@ -61,12 +62,12 @@ def test_nxd_trainer_lora_dp2_matches_trainer(ranks2, tmp_path):
 
 @pytest.mark.parametrize("save_pp, load_pp", [(2, 1), (1, 2)])
 def test_checkpoint_across_pp(ranks2, tmp_path, save_pp, load_pp):
-    ranks2.run(moe_pp_cases.checkpoint_reshards, "qwen3_moe", str(tmp_path), save_pp=save_pp, load_pp=load_pp)
+    ranks2.run(moe_ckpt_cases.checkpoint_reshards, "qwen3_moe", str(tmp_path), save_pp=save_pp, load_pp=load_pp)
 
 
 @pytest.mark.parametrize("model_type", ["mixtral", "deepseek_v3"])
 def test_save_pretrained_pp2_writes_what_transformers_writes(ranks2, tmp_path, model_type):
-    ranks2.run(moe_pp_cases.save_pretrained_loads_in_transformers, model_type, str(tmp_path))
+    ranks2.run(moe_ckpt_cases.save_pretrained_loads_in_transformers, model_type, str(tmp_path))
 
 
 def _hf_loss_func():

@@ -67,7 +67,7 @@ def replica_rows(*tensors):
     return [t.chunk(dp)[rank] for t in tensors]
 
 
-def compare_grads(model, reference, *, names_ok=None) -> int:
+def compare_grads(model, reference) -> int:
     """Every local parameter's gradient equals the reference's (under the same name); returns
     how many were compared."""
     ref = dict(reference.named_parameters())

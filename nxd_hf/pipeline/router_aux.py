@@ -59,7 +59,12 @@ class RouterAuxLoss:
         k = self.calls.get(id(module), 0)
         self.calls[id(module)] = k + 1
         logits = output[self.spec.index] if isinstance(output, (tuple, list)) else output
-        mask = self.masks[k] if k < len(self.masks) else None
+        if k >= len(self.masks):
+            raise ValueError(
+                f"a {type(module).__name__} ran {k + 1} times in a pass of {len(self.masks)} microbatches: nxd_hf's "
+                "aux loss across pipeline stages needs each router called once per microbatch (no router shared "
+                "between layers); set config.output_router_logits=False to train without the aux loss")
+        mask = self.masks[k]
         if self.mode == "collect":
             self.stats += aux.router_statistics(logits, num_experts=self.spec.num_experts, top_k=self.spec.top_k,
                                                 mask=mask).to(self.device)

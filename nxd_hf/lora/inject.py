@@ -48,11 +48,34 @@ def _module_config(module: nn.Module, config: peft.LoraConfig, output_layer: str
 
 
 def _matching(module: nn.Module, config: peft.LoraConfig) -> list[str]:
-    return [name for name, _ in module.named_modules() if name and check_target_module_exists(config, name)]
+    """The modules ``config`` targets in ``module``, and the parameters (``target_parameters``:
+    peft's rule, the parameter's dotted name or a ``.name`` suffix of it)."""
+    names = [name for name, _ in module.named_modules() if name and check_target_module_exists(config, name)]
+    targets = list(config.target_parameters or [])
+    if targets:
+        names += [name for name, _ in module.named_parameters()
+                  if any(name == t or name.endswith("." + t) for t in targets)]
+    return names
+
+
+def _converted_for_transformers(config: peft.LoraConfig, hf_model: nn.Module) -> peft.LoraConfig:
+    """``config`` as peft rewrites it when it injects into the whole ``hf_model``: for the MoE
+    models transformers 5 re-laid out, the per-expert names of transformers 4 (``w1``,
+    ``gate_proj``, ...) target the fused experts (``target_parameters``) instead of any module of
+    that name. Pipeline stages carry no HF config, so peft would not do it there."""
+    try:
+        from peft.utils.transformers_weight_conversion import (
+            convert_peft_config_for_transformers, get_model_conversion_mapping,
+        )
+    except ImportError:  # a peft without the transformers-5 conversion
+        return config
+    config = copy.deepcopy(config)
+    convert_peft_config_for_transformers(config, model=hf_model, conversions=get_model_conversion_mapping(hf_model))
+    return config
 
 
 def inject_lora(model, lora_config, *, adapter_name: str = "default", model_type: str | None = None,
-                output_layer: str = "lm_head", autocast_adapter_dtype: bool = True):
+                output_layer: str = "lm_head", autocast_adapter_dtype: bool = True, hf_model: nn.Module | None = None):
     """Add LoRA adapters in place to ``model``: a parallelized HF model, or a list of pipeline
     stage modules (each gets the adapters of the layers it holds). ``lora_config`` is a
     ``peft.LoraConfig`` or NxD's ``LoraConfig``; ``target_modules`` follow peft's matching rules
@@ -60,7 +83,9 @@ def inject_lora(model, lora_config, *, adapter_name: str = "default", model_type
     "all-linear" skips the layer named ``output_layer`` (as peft skips the output embeddings).
     Only the adapters (and biases when ``bias`` asks) require grad afterwards. As
     ``peft.get_peft_model``, adapters on a bf16/fp16 base are kept in fp32 unless
-    ``autocast_adapter_dtype=False`` (then they take the base layer's dtype). Returns ``model``."""
+    ``autocast_adapter_dtype=False`` (then they take the base layer's dtype). ``hf_model``: the
+    HF model the stage modules come from, whose config peft adapts to it (MoE names,
+    ``_converted_for_transformers``) as ``get_peft_model`` does on the whole model. Returns ``model``."""
     if isinstance(lora_config, NxDLoraConfig):
         if not lora_config.enable_lora:
             warnings.warn("LoraConfig.enable_lora is False: no LoRA adapters are added")
@@ -75,6 +100,8 @@ def inject_lora(model, lora_config, *, adapter_name: str = "default", model_type
     if model_type is None:
         model_type = getattr(getattr(modules[0], "config", None), "model_type", None)
     lora_config = _resolve_targets(lora_config, model_type)
+    if hf_model is not None and not any(m is hf_model for m in modules):
+        lora_config = _converted_for_transformers(lora_config, hf_model)
     configs = [_module_config(m, lora_config, output_layer) for m in modules]
     matches = [_matching(m, c) for m, c in zip(modules, configs)]
     if not any(matches):

@@ -27,6 +27,8 @@ from nxd_hf.model_setup.activation_checkpoint import decoder_layer_types
 from nxd_hf.guards.fail_together import fail_together
 from nxd_hf.model_setup.materialize import refuse_deferred_init
 from nxd_hf.model_state import NxDModelState, state_of
+from nxd_hf.moe.aux_loss import aux_loss_spec
+from nxd_hf.pipeline.router_aux import RouterAuxLoss
 from nxd_hf.pipeline.runtime import SCHEDULES, build_schedule, check_schedule
 from nxd_hf.pipeline.recompute import allow_unmasked_attention, metadata_substitutes, recomputable_nodes
 from nxd_hf.pipeline.stages import boundaries, fake_propagate, flat_boundary_values, split_stages, value_kinds
@@ -146,7 +148,16 @@ class NxDPPModel(nn.Module):
         self.nxd.grad_reduction = set_up_local_modules(
             self.local_modules(), setup, layer_types=self.layer_types, tie=self.tied.sync_initial_values)
         self.nxd.grad_reduction.add_reduction(self.tied.sum_grads)
+        self.router_aux = self._router_aux()
         self._runner = StepRunner(self)
+
+    def _router_aux(self) -> RouterAuxLoss | None:
+        """Hooks computing HF's load-balancing loss across stages, when the model adds one."""
+        spec = aux_loss_spec(self.nxd.hf_model) if self.is_hf else None
+        if spec is None:
+            return None
+        device = backend.collective_device(parallel_state.get_pipeline_model_parallel_group())
+        return RouterAuxLoss(spec, self.local_modules(), self.layer_types, device)
 
     def _recomputation(self, graph_module, traced_inputs: list[str], layer_targets: set[str]):
         """(nodes every stage recomputes, per-boundary metadata stand-ins); none for a plain

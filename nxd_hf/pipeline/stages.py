@@ -15,6 +15,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from nxd_hf import backend
+from nxd_hf.pipeline.fake_experts import fake_safe_experts
 from nxd_hf.parallel_layers.sharding import copy_tensor_model_parallel_attributes
 
 
@@ -27,7 +28,7 @@ def fake_propagate(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> No
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     device = example_inputs[0].device
     fake_inputs = [mode.from_tensor(t) for t in example_inputs]
-    with mode, torch.enable_grad():  # unlike FakeTensorProp, keeps requires_grad
+    with mode, torch.enable_grad(), fake_safe_experts():  # unlike FakeTensorProp, keeps requires_grad
         state = {
             name: torch.empty(t.shape, dtype=t.dtype, device=device).requires_grad_(t.requires_grad)
             for name, t in [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]

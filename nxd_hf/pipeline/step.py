@@ -12,7 +12,9 @@ import torch
 
 from nxd_hf import backend, parallel_state
 from nxd_hf.guards.input_check import check_step_inputs
+from nxd_hf.moe import aux_loss as aux
 from nxd_hf.pipeline.failure import raise_on_every_rank
+from nxd_hf.pipeline.router_aux import microbatch_masks
 from nxd_hf.parallel_layers.loss_functions import loss_normalizer
 from nxd_hf.parallel_layers.sharding import gather_logical
 
@@ -86,18 +88,52 @@ class StepRunner:
         step_kwargs = {name: inputs[name] for name in model.keyword_inputs}  # to every stage
         if last:
             step_kwargs.update(target=labels, losses=losses)
+        router_aux, aux_value = model.router_aux, None
         try:  # no agreement per microbatch: a failure aborts the groups, which its peers notice at once
+            if router_aux is not None:
+                aux_value = self._router_aux_pass(schedule, inputs, step_args, step_kwargs, last, train)
             if train:
                 with model.nxd.grad_reduction.one_backward():
                     schedule.step(*step_args, return_outputs=False, **step_kwargs)
             else:
                 outputs = schedule.eval(*step_args, return_outputs=return_logits, **step_kwargs)
+            if router_aux is not None and not train:
+                aux_value = self._router_aux_value()
         except Exception as error:
             raise_on_every_rank("run_train" if train else "run_eval", error)
+        finally:
+            if router_aux is not None:
+                router_aux.end()
+        if aux_value is not None and losses is not None:  # HF's loss: the token loss plus coef * aux
+            losses = [l + aux_value.to(l.device) / len(losses) for l in losses]
         loss = self._reduce_losses(losses)
         if return_logits:
             return loss, self._logits_everywhere(outputs if last else None, inputs[model.input_names[0]].shape)
         return loss
+
+    def _router_aux_pass(self, schedule, inputs: dict, step_args, step_kwargs, last: bool, train: bool):
+        """Before a training step: the forwards alone, collecting the routers' partial sums, then
+        the routers set to add their surrogate losses (``nxd_hf.pipeline.router_aux``); returns
+        ``coef * aux``. Before an evaluation: collection during the evaluation itself (None)."""
+        router_aux, model = self.model.router_aux, self.model
+        masks = microbatch_masks(inputs, model.num_microbatches)
+        router_aux.begin("collect", masks)
+        if not train:
+            return None
+        with torch.no_grad():
+            kwargs = {**step_kwargs, "losses": []} if last else step_kwargs
+            schedule.eval(*step_args, return_outputs=False, **kwargs)
+        value = self._router_aux_value()
+        spec = router_aux.spec
+        weights = aux.gradient_weights(router_aux.stats, spec.num_experts, spec.coef)
+        # gradients are averaged over DP: each replica's share of the surrogate counts dp times
+        router_aux.begin("attach", masks, weights * parallel_state.get_data_parallel_size())
+        return value
+
+    def _router_aux_value(self) -> torch.Tensor:
+        router_aux = self.model.router_aux
+        stats = router_aux.complete_statistics()
+        return router_aux.spec.coef * aux.aux_loss(stats, router_aux.spec.num_experts)
 
     def _last_stage_rank(self) -> int:
         pipelines = parallel_state.get_pipeline_model_parallel_group(as_list=True)

@@ -29,6 +29,8 @@ import torch.fx as fx
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
+from nxd_hf.pipeline.fake_experts import fake_safe_experts
+
 MASK_BUILDERS = (
     "create_causal_mask", "create_sliding_window_causal_mask", "create_bidirectional_mask",
     "create_chunked_causal_mask", "create_bidirectional_sliding_window_mask",
@@ -84,7 +86,7 @@ def _fake_value(kind: str, target, args, kwargs, root: nn.Module, mode: FakeTens
 
     args, kwargs = fx.node.map_aggregate(args, unwrap), fx.node.map_aggregate(kwargs, unwrap)
     try:
-        with mode, _untraced_module_calls():
+        with mode, _untraced_module_calls(), fake_safe_experts():
             if kind == "call_function":
                 return target(*args, **kwargs)
             if kind == "call_method":

@@ -9,6 +9,7 @@ refused: where it sits cannot be told from the plan.
 
 from torch import nn
 
+from nxd_hf import parallel_state
 from nxd_hf.parallel_layers.sharding import is_sharded, mark_partial_grad_over_tp
 
 
@@ -19,6 +20,8 @@ def _is_activation(module_name: str, module: nn.Module) -> bool:
 
 def mark_region_parameters(model: nn.Module, region_names: list[str], swapped: set[int]) -> None:
     """Mark (or refuse) the replicated parameters of each MLP region (see module doc)."""
+    if parallel_state.get_tensor_model_parallel_size() == 1:
+        return  # every rank sees full activations (DeepSeek-V3's whole experts beside its shared MLP)
     for region_name in region_names:
         region = model.get_submodule(region_name)
         for sub_name, sub in region.named_modules():

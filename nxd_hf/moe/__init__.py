@@ -1,0 +1,2 @@
+"""Mixture-of-experts support: the load-balancing loss across stages and replicas
+(``aux_loss``)."""

@@ -89,7 +89,8 @@ class ParallelModule(nn.Module):
         """One training step over ``samples`` (micro-batches): gradients are zeroed first, then
         accumulated (summed) over the samples and averaged over the units (data parallelism).
         ``is_dummy_batch[i]``: sample i runs but adds nothing (its loss times 0); ``scale_fn``
-        scales each loss before backward. Returns each sample's output (the loss first)."""
+        scales each loss before backward. Returns each sample's output with the loss as
+        backpropagated (scaled; 0 for a dummy batch); pipelined: the losses only."""
         samples, dummy = self._check_step(samples, is_dummy_batch, "train_step")
         self.zero_grad(set_to_none=True)
         if self._pipeline is not None:
@@ -102,8 +103,10 @@ class ParallelModule(nn.Module):
                 loss = out[0] if isinstance(out, (tuple, list)) else out
                 if scale_fn is not None:
                     loss = scale_fn(loss)
-                (loss * 0 if dummy[i] else loss).backward()
-            outputs.append(_detached(out))
+                if dummy[i]:
+                    loss = loss * 0
+                loss.backward()
+            outputs.append(_detached((loss, *out[1:]) if isinstance(out, (tuple, list)) else loss))
         return outputs
 
     def infer_step(self, samples: list[Any]) -> list[Any]:

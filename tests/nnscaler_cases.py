@@ -302,3 +302,61 @@ def hf_submodule_matches(tmp, steps=3):
         _compare(model, ref)
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
     assert any(is_sharded(p) for p in model.llama.parameters())
+
+
+class Branchy(nn.Module):
+    """``self.training`` changes the computation (nnScaler's limited support: one graph per mode)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = F.gelu(self.up(x))
+        if self.training:
+            h = h * 0.5
+        return self.down(h)
+
+
+def training_flag_and_class_path(tmp):
+    """A module class gives a ParallelModule class: ``init_params=True`` starts from the traced
+    weights, ``module_fn``/``module_dtype`` build it; both modes of ``self.training`` match."""
+    torch.manual_seed(3)
+    P = parallelize(Branchy, {"x": torch.randn(2, 8, dtype=torch.float64)}, "tp", ComputeConfig(2, 2), gen_savedir=tmp,
+                    module_fn=Branchy, module_dtype=torch.float64)
+    assert isinstance(P, type) and issubclass(P, nn.Module)
+    pm = P()
+    ref = Branchy().double()
+    ref.load_state_dict(P._spec.initial_state)
+    assert all(p.dtype == torch.float64 for p in pm.parameters()) and is_sharded(pm.up.weight)
+    x = torch.randn(3, 8, dtype=torch.float64)
+    for training in (True, False):
+        pm.train(training), ref.train(training)
+        torch.testing.assert_close(pm(x), ref(x), **TOL)
+    torch.testing.assert_close(full_tensor(pm.up.weight), ref.up.weight.detach(), **TOL)
+    empty = P(init_params=False)
+    assert empty.up.weight.shape == pm.up.weight.shape
+
+
+def errors_on_every_rank(tmp):
+    """A wrong runtime_ngpus, and ranks disagreeing on the config: one ValueError on every rank."""
+    x = torch.randn(2, 8)
+    try:
+        parallelize(Branchy(), {"x": x}, "tp", ComputeConfig(2, 4), gen_savedir=tmp)
+    except ValueError as e:
+        assert "runtime_ngpus=4" in str(e) and "2 ranks" in str(e), e
+    else:
+        raise AssertionError("runtime_ngpus != world size was accepted")
+    config = ComputeConfig(2, 2, use_zero=parallel_state_rank() == 0)
+    try:
+        parallelize(Branchy(), {"x": x}, "tp", config, gen_savedir=tmp)
+    except ValueError as e:
+        assert "different config on different ranks" in str(e), e
+    else:
+        raise AssertionError("different configs on different ranks were accepted")
+
+
+def parallel_state_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank()

@@ -82,8 +82,12 @@ def trace(module: nn.Module, dummy_forward_args: dict) -> TracedGraph:
                 raise ValueError(f"cannot trace {type(module).__name__} with torch.fx ({type(exc).__name__}: {exc}); "
                                  "nxd_hf.nnscaler needs a forward without data-dependent control flow") from exc
             gm = fx.GraphModule(module, graph, class_name=type(module).__name__ + "Traced")
-            with torch.no_grad():
-                ShapeProp(gm).propagate(*[dummy_forward_args[n] for n in inputs])
+            try:
+                with torch.no_grad():
+                    ShapeProp(gm).propagate(*[dummy_forward_args[n] for n in inputs])
+            except RuntimeError as exc:
+                raise ValueError(f"{type(module).__name__} fails on dummy_forward_args ({exc.__cause__ or exc}): give "
+                                 "dummy inputs the module runs on (dtype, device and shapes)") from exc
             graphs[training] = gm
     finally:
         module.train(was_training)

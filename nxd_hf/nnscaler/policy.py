@@ -66,6 +66,7 @@ def resolve(pas_policy: str | Callable, config: ComputeConfig, graph: derive.Tra
     plan = pas_policy(graph, config)
     if not isinstance(plan, Plan):
         raise ValueError(f"a pas_policy function must return an nxd_hf.nnscaler.Plan, got {type(plan).__name__}")
+    _check_names(plan, graph)
     if graph is not None and plan.tp_size > 1:
         _check_exact(plan, graph)
     return _checked(plan, config, graph)
@@ -81,6 +82,11 @@ def _checked(plan: Plan, config: ComputeConfig, graph) -> Plan:
                          f"ranks but ComputeConfig.plan_ngpus={config.plan_ngpus}: make them equal")
     if plan.pp_size > 1 and not config.use_end2end:
         raise ValueError("pipeline parallelism (pp_size > 1) needs an end2end module: set ComputeConfig(use_end2end=True)")
+    _check_names(plan, graph)
+    return plan
+
+
+def _check_names(plan: Plan, graph) -> None:
     bad = {name: lay for name, lay in plan.layouts.items() if lay not in derive.LAYOUTS}
     if bad:
         raise ValueError(f"unknown layouts {bad}: a layout is one of {derive.LAYOUTS}")
@@ -88,7 +94,6 @@ def _checked(plan: Plan, config: ComputeConfig, graph) -> Plan:
         missing = sorted(set(plan.layouts) - set(graph.modules))
         if missing:
             raise ValueError(f"the plan names modules the traced forward does not call: {missing}")
-    return plan
 
 
 def _check_exact(plan: Plan, graph: derive.TracedGraph) -> None:

@@ -45,3 +45,11 @@ def test_end2end_llm_pp2_dp2(ranks4, tmp_path):
 
 def test_example2_hf_submodule_tp2_two_units(ranks4, tmp_path):
     ranks4.run(cases.hf_submodule_matches, str(tmp_path))
+
+
+def test_training_flag_and_class_path(ranks2, tmp_path):
+    ranks2.run(cases.training_flag_and_class_path, str(tmp_path))
+
+
+def test_errors_on_every_rank(ranks2, tmp_path):
+    ranks2.run(cases.errors_on_every_rank, str(tmp_path))

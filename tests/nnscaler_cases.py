@@ -193,6 +193,17 @@ def custom_policy_matches(tmp):
         raise AssertionError("a column without its row was accepted")
 
 
+def _two_units_backward(model, ref, step):
+    """Each of 2 units its own batch; the reference backpropagates the mean of the units' losses."""
+    unit = parallel_state.get_data_parallel_rank()
+    batches = [_tokens(10 * step + u) for u in range(2)]
+    loss = _lm_loss(model(batches[unit][0]), batches[unit][1])
+    ref_losses = [_lm_loss(ref(x), y) for x, y in batches]
+    torch.testing.assert_close(loss, ref_losses[unit], **TOL)
+    loss.backward()
+    (sum(ref_losses) / 2).backward()
+
+
 def llm_dp_zero_matches(tmp, steps=3):
     """dp=2 (plan_ngpus=1, runtime_ngpus=2) with use_zero: ZeRO-1 AdamW over the units; each unit
     its own batch; parameters equal the plain module trained on the mean of the units' losses."""
@@ -203,14 +214,8 @@ def llm_dp_zero_matches(tmp, steps=3):
                      gen_savedir=tmp)
     opt = NeuronZero1Optimizer(pm.parameters(), torch.optim.AdamW, lr=1e-2, grad_clipping=False)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    unit = parallel_state.get_data_parallel_rank()
     for step in range(steps):
-        batches = [_tokens(10 * step + u) for u in range(2)]
-        loss = _lm_loss(pm(batches[unit][0]), batches[unit][1])
-        ref_losses = [_lm_loss(ref(x), y) for x, y in batches]
-        torch.testing.assert_close(loss, ref_losses[unit], **TOL)
-        loss.backward()
-        (sum(ref_losses) / 2).backward()
+        _two_units_backward(pm, ref, step)
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
         _compare(pm, ref, grads=False)
 
@@ -290,14 +295,8 @@ def hf_submodule_matches(tmp, steps=3):
     reducer = non_parallel_module_reducer(model)
     assert {id(p) for p in reducer.params} == {id(p) for p in (*model.pre.parameters(), *model.head.parameters())}
     opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
-    unit = parallel_state.get_data_parallel_rank()
     for step in range(steps):
-        batches = [_tokens(10 * step + u) for u in range(2)]
-        loss = _lm_loss(model(batches[unit][0]), batches[unit][1])
-        ref_losses = [_lm_loss(ref(x), y) for x, y in batches]
-        torch.testing.assert_close(loss, ref_losses[unit], **TOL)
-        loss.backward()
-        (sum(ref_losses) / 2).backward()
+        _two_units_backward(model, ref, step)
         reducer.sync_grads()
         _compare(model, ref)
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()

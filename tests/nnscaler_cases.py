@@ -172,7 +172,20 @@ def llm_tp_matches(tmp, policy="tp", steps=3):
     pm.eval(), ref.eval()
     with torch.inference_mode():
         torch.testing.assert_close(pm(x), ref(x), **TOL)
+    _check_logical(pm, ref)
     return pm.plan.as_dict()
+
+
+def _check_logical(pm, ref):
+    """The checkpoint package's logical coordinates of this rank's tensors are the original
+    module's names and whole shapes (what merged/deduped state dicts are built on)."""
+    from nxd_hf.checkpoint.logical import logical_tensors
+
+    found = {lt.name: lt.shape for lt in logical_tensors(pm)}
+    want = {name: tuple(t.shape) for name, t in ref.state_dict().items()}
+    assert found and all(want[name] == shape for name, shape in found.items()), (found, want)
+    if pm.nxd.pp_size == 1:
+        assert set(found) == set(want)
 
 
 def mlp_only_policy(graph, compute_config):
@@ -258,6 +271,7 @@ def end2end_matches(tmp, kind="mlp", policy="pp", plan=2, runtime=2, steps=3):
         _compare(pm, ref)
         opt.step(), ref_opt.step()
     _compare(pm, ref, grads=False)
+    _check_logical(pm, ref)
     pm.eval()
     losses = pm.infer_step(_e2e_samples(kind, 9))
     with torch.no_grad():

@@ -101,7 +101,7 @@ def _shape(node):
     return tuple(meta.shape) if meta is not None and hasattr(meta, "shape") else None
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(kw_only=True)
 class _Result:
     sharded: dict
     rows: set
@@ -109,7 +109,7 @@ class _Result:
     fail: str | None = None
 
 
-def _propagate(gm: fx.GraphModule, columns: set[fx.Node], modules: dict) -> _Result:
+def _propagate(gm: fx.GraphModule, columns: set[fx.Node], modules: dict, tp: int) -> _Result:
     sharded, rows = {}, set()
     for node in gm.graph.nodes:
         if node in columns:
@@ -117,16 +117,16 @@ def _propagate(gm: fx.GraphModule, columns: set[fx.Node], modules: dict) -> _Res
             continue
         if not any(isinstance(a, fx.Node) and a in sharded for a in node.all_input_nodes):
             continue
-        verdict = shard_rules.rule(node, sharded, _shape, modules)
+        verdict = shard_rules.rule(node, sharded, _shape, modules, tp)
         if verdict[0] == "dim":
             sharded[node] = verdict[1]
         elif verdict[0] == "row":
             rows.add(node)
         elif verdict[0] == "need":
-            return _Result(sharded, rows, need=verdict[1])
+            return _Result(sharded=sharded, rows=rows, need=verdict[1])
         elif verdict[0] == "fail":
-            return _Result(sharded, rows, fail=f"{node.name}: {verdict[1]}")
-    return _Result(sharded, rows)
+            return _Result(sharded=sharded, rows=rows, fail=f"{node.name}: {verdict[1]}")
+    return _Result(sharded=sharded, rows=rows)
 
 
 def _source_linear(node: fx.Node, modules: dict) -> fx.Node | None:
@@ -149,7 +149,7 @@ def _is_column_candidate(node: fx.Node, modules: dict, tp: int) -> bool:
 def shard_graph(gm: fx.GraphModule, modules: dict, tp: int, columns: set[str] | None = None):
     """(column node set, row node set, sharded dims) of the largest exact layout; with
     ``columns`` (module names) only those may be column-parallel (a user policy's choice)."""
-    chosen, rows, excluded, result = set(), set(), set(), _Result({}, set())
+    chosen, rows, excluded, result = set(), set(), set(), _Result(sharded={}, rows=set())
     for node in gm.graph.nodes:
         if node in chosen or node in rows or node in excluded or not _is_column_candidate(node, modules, tp):
             continue
@@ -159,7 +159,7 @@ def shard_graph(gm: fx.GraphModule, modules: dict, tp: int, columns: set[str] | 
             continue
         group = {node}
         while True:
-            attempt = _propagate(gm, chosen | group, modules)
+            attempt = _propagate(gm, chosen | group, modules, tp)
             if attempt.need is not None:
                 source = _source_linear(attempt.need, modules)
                 if (source is not None and source not in group and source not in chosen and source not in rows

@@ -1,6 +1,6 @@
 """How one traced op carries a tensor sharded along one dimension (``nxd_hf.nnscaler.derive``).
 
-``rule(node, sharded, shape)`` answers, for a node with at least one sharded input, one of:
+``rule(node, sharded, shape, modules, tp)`` answers, for a node with at least one sharded input, one of:
 ``("dim", d)`` (its output is sharded along ``d``), ``("row",)`` (an ``nn.Linear`` whose input
 is sharded along its last dim: a row-parallel layer, replicated output), ``("size",)`` (a size
 query of a dim that is not sharded), ``("need", node)`` (exact only if that operand were sharded
@@ -36,13 +36,13 @@ def _dim(d: int, ndim: int) -> int:
     return d + ndim if d < 0 else d
 
 
-def view_dim(in_shape, out_shape, d: int) -> int | None:
-    """The output dim of a reshape that holds input dim ``d``'s blocks: the one starting at the
-    same flat offset and at least as large (split or merge with ``d`` outermost), else None."""
+def view_dim(in_shape, out_shape, d: int, tp: int) -> int | None:
+    """The output dim of a reshape that holds input dim ``d``'s ``tp`` blocks: the one starting at
+    the same flat offset (split or merge with ``d`` outermost) whose size ``tp`` divides, else None."""
     before = math.prod(in_shape[:d])
     for j in range(len(out_shape)):
         if math.prod(out_shape[:j]) == before and out_shape[j] > 1:
-            if in_shape[d] % out_shape[j] == 0 or out_shape[j] % in_shape[d] == 0:
+            if (in_shape[d] % out_shape[j] == 0 or out_shape[j] % in_shape[d] == 0) and out_shape[j] % tp == 0:
                 return j
             return None
     return None
@@ -81,7 +81,7 @@ def _broadcast(node: fx.Node, sharded: dict, shape) -> tuple:
     return ("dim", d)
 
 
-def rule(node: fx.Node, sharded: dict, shape, modules: dict[str, nn.Module]) -> tuple:
+def rule(node: fx.Node, sharded: dict, shape, modules: dict[str, nn.Module], tp: int) -> tuple:
     inputs = [a for a in _tensor_args(node) if a in sharded]
     first = inputs[0]
     d = sharded[first]
@@ -114,7 +114,7 @@ def rule(node: fx.Node, sharded: dict, shape, modules: dict[str, nn.Module]) -> 
     if node.op == "call_method" and target in TRANSPOSE or target is torch.transpose or target is torch.permute:
         return _transpose(node, d, shape)
     if node.op == "call_method" and target in SHAPE_METHODS or target is torch.reshape:
-        j = view_dim(shape(first), shape(node), d)
+        j = view_dim(shape(first), shape(node), d, tp)
         return ("dim", j) if j is not None else ("fail", "reshape mixes the sharded dim with others")
     if node.op == "call_method" and target == "repeat_interleave" and isinstance(node.args[1], int):
         return ("dim", d)  # per head (GQA's K/V): local K/V heads repeat into the local query heads

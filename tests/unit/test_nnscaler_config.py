@@ -79,3 +79,13 @@ def test_derived_layout_is_exact_only():
 
     graph = trace(Net(), {"x": torch.randn(2, 8)})
     assert derive_layouts(graph, 2) == {"a": "column", "b": "row"}
+
+
+def test_attention_split_by_heads_only_when_tp_divides_them():
+    """q/k/v of 3 heads x 4 have 12 outputs, which 2 divides, but 3 heads do not split in 2:
+    replicated; 4 heads are split (GQA's 2 K/V heads too)."""
+    x = torch.randn(2, 8, 12)
+    assert derive_layouts(trace(cases.Attention(12, 3, 3), {"x": x}), 2) == {}
+    layouts = derive_layouts(trace(cases.Attention(16, 4, 2), {"x": torch.randn(2, 8, 16)}), 2)
+    assert layouts == {"q": "column", "k": "column", "v": "column", "o": "row"}
+    assert derive_layouts(trace(cases.Attention(16, 4, 2), {"x": torch.randn(2, 8, 16)}), 4) == {}  # 2 K/V heads

@@ -300,6 +300,29 @@ class WithHFModel(nn.Module):
         return self.head(self.llama(inputs_embeds=self.pre(x)).last_hidden_state)
 
 
+def hf_pipelined_matches(tmp, steps=2):
+    """An HF causal LM as an end2end module under pp=2: train_step runs its pipeline (one loss,
+    the token mean over the samples) and equals the plain model on the samples' concatenation."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_attention_heads=4,
+                                      num_key_value_heads=2, num_hidden_layers=2, vocab_size=32)
+    ref = transformers.LlamaForCausalLM(config)
+    samples = [dict(zip(("input_ids", "labels"), _tokens(i))) for i in range(2)]
+    pm = parallelize(copy.deepcopy(ref), samples[0], "pp", ComputeConfig(2, 2, use_end2end=True), gen_savedir=tmp)
+    opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
+    for step in range(steps):
+        samples = [dict(zip(("input_ids", "labels"), _tokens(10 * step + i))) for i in range(2)]
+        losses = pm.train_step(samples)
+        ref_loss = ref(**{k: torch.cat([s[k] for s in samples]) for k in samples[0]}).loss
+        ref_loss.backward()
+        assert len(losses) == 1
+        torch.testing.assert_close(losses[0], ref_loss.detach(), **TOL)
+        _compare(pm, ref)
+        opt.step(), ref_opt.step(), ref_opt.zero_grad()
+
+
 def hf_submodule_matches(tmp, steps=3):
     """Two units of tp=2: the HF model's gradients are reduced by nxd_hf, the rest's by the
     non-parallel reducer; everything equals the plain module trained on the units' mean loss."""
@@ -308,6 +331,9 @@ def hf_submodule_matches(tmp, steps=3):
     model.pre.load_state_dict(ref.pre.state_dict()), model.head.load_state_dict(ref.head.state_dict())
     reducer = non_parallel_module_reducer(model)
     assert {id(p) for p in reducer.params} == {id(p) for p in (*model.pre.parameters(), *model.head.parameters())}
+    seen = []  # the document's hook example: scale down before the reduction, up after it
+    reducer.register_pre_hook(lambda r, grad: (seen.append("pre"), grad.div_(4)))
+    reducer.register_post_hook(lambda r, grad: (seen.append("post"), grad.mul_(4)))
     opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
     for step in range(steps):
         _two_units_backward(model, ref, step)
@@ -315,6 +341,7 @@ def hf_submodule_matches(tmp, steps=3):
         _compare(model, ref)
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
     assert any(is_sharded(p) for p in model.llama.parameters())
+    assert seen[0] == "pre" and seen[-1] == "post" and len(seen) == 2 * steps * len(reducer.params)
 
 
 class Branchy(nn.Module):

@@ -139,10 +139,22 @@ class ParallelModule(nn.Module):
 
     def _pipeline_step(self, samples, dummy, scale_fn, *, train: bool):
         pipe = self._pipeline
-        if type(self)._spec.is_hf:
+        if type(self)._spec.is_hf:  # the model's own token-mean loss over all samples
+            if any(dummy) or scale_fn is not None:
+                raise ValueError("a pipelined Hugging Face model trains on its token-mean loss: is_dummy_batch and "
+                                 "scale_fn are not supported; drop them")
             batch = {k: torch.cat([s[k] for s in samples]) for k in samples[0]}
             loss = pipe.run_train(**batch) if train else pipe.run_eval(**batch)
-            return [loss]
+            losses, n = (None if loss is None else [loss]), 1
+        else:
+            losses, n = self._end2end_pipeline_step(pipe, samples, dummy, scale_fn, train), len(samples)
+        group = parallel_state.get_pipeline_model_parallel_group()
+        stacked = torch.stack(losses) if losses is not None else torch.zeros(n, device=backend.collective_device(group))
+        stacked = backend.broadcast(stacked.detach().float(), pipe._runner._last_stage_rank(), group)
+        return list(stacked)
+
+    @staticmethod
+    def _end2end_pipeline_step(pipe, samples, dummy, scale_fn, train: bool):
         wrapper = pipe.nxd.hf_model
         leaves, _ = end2end.flatten_samples(samples, wrapper._nxd_spec)
         n = len(samples)
@@ -150,13 +162,9 @@ class ParallelModule(nn.Module):
         wrapper._nxd_loss_scale.fn = scale_fn
         try:
             inputs = dict(zip(wrapper._nxd_input_names, [*leaves, weight]))
-            losses = pipe.run_train(**inputs) if train else pipe.run_eval(**inputs)
+            return pipe.run_train(**inputs) if train else pipe.run_eval(**inputs)
         finally:
             wrapper._nxd_loss_scale.fn = None
-        group = parallel_state.get_pipeline_model_parallel_group()
-        stacked = torch.stack(losses) if losses is not None else torch.zeros(n, device=backend.collective_device(group))
-        stacked = backend.broadcast(stacked.detach().float(), pipe._runner._last_stage_rank(), group)
-        return list(stacked)
 
     # -- pipelined: only this rank's stages exist
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):

@@ -53,3 +53,7 @@ def test_training_flag_and_class_path(ranks2, tmp_path):
 
 def test_errors_on_every_rank(ranks2, tmp_path):
     ranks2.run(cases.errors_on_every_rank, str(tmp_path))
+
+
+def test_hf_model_pipelined(ranks2, tmp_path):
+    ranks2.run(cases.hf_pipelined_matches, str(tmp_path))

@@ -376,6 +376,13 @@ def training_flag_and_class_path(tmp):
     torch.testing.assert_close(full_tensor(pm.up.weight), ref.up.weight.detach(), **TOL)
     empty = P(init_params=False)
     assert empty.up.weight.shape == pm.up.weight.shape
+    parallel_state.destroy_model_parallel()  # one layout per run: the next module is replicated (tp=1)
+    replicated = parallelize(Branchy(), {"x": x.float()}, "dp", ComputeConfig(1, 2), gen_savedir=tmp)
+    plain = Branchy()
+    plain.load_state_dict(replicated.state_dict())
+    for training in (True, False):  # the module's own forward, in the ParallelModule's mode
+        replicated.train(training), plain.train(training)
+        torch.testing.assert_close(replicated(x.float()), plain(x.float()), **TOL)
 
 
 def errors_on_every_rank(tmp):

@@ -70,7 +70,7 @@ def build(pm, module: nn.Module, spec) -> None:
     if plan.tp_size > 1:
         pm._run = bind_graph_call(module, traced.graphs, traced.input_names)
     else:  # replicated: the module's own forward (self.training as in plain torch)
-        pm._run = lambda _pm, *args, **kwargs: type(module).forward(module, *args, **kwargs)
+        pm._run = lambda _pm, *args, **kwargs: type(module).forward(_in_mode(module, _pm), *args, **kwargs)
     if not spec.compute_config.inference_only:
         policy.install_hooks(pm)
 
@@ -91,7 +91,7 @@ def _build_hf(pm, model: nn.Module, spec) -> None:
         return
     pm._adopt(model)
     pm.nxd = model.nxd
-    pm._run = lambda _pm, *args, **kwargs: model(*args, **kwargs)  # its hooks reduce the gradients
+    pm._run = lambda _pm, *args, **kwargs: _in_mode(model, _pm)(*args, **kwargs)  # its hooks reduce the gradients
 
 
 def _build_pipeline(pm, module: nn.Module, spec, setup: LocalSetup) -> None:
@@ -117,6 +117,12 @@ def _build_pipeline(pm, module: nn.Module, spec, setup: LocalSetup) -> None:
     pipe.nxd.patch = patch_of(plan.layouts) if plan.tp_size > 1 else None
     pm._pipeline = pipe
     pm.nxd = pipe.nxd
+
+
+def _in_mode(module: nn.Module, pm) -> nn.Module:
+    """``module`` with the ``ParallelModule``'s ``training`` flag (its children share it already)."""
+    module.training = pm.training
+    return module
 
 
 def _init_parallel_state(tp: int, pp: int) -> None:

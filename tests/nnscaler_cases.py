@@ -394,6 +394,14 @@ def errors_on_every_rank(tmp):
         assert "runtime_ngpus=4" in str(e) and "2 ranks" in str(e), e
     else:
         raise AssertionError("runtime_ngpus != world size was accepted")
+    module = Branchy()
+    parallelize(module, {"x": x}, "tp", ComputeConfig(2, 2), gen_savedir=tmp)
+    try:
+        parallelize(module, {"x": x}, "tp", ComputeConfig(2, 2), gen_savedir=tmp)
+    except ValueError as e:
+        assert "already parallel" in str(e), e
+    else:
+        raise AssertionError("a module was parallelized twice")
     config = ComputeConfig(2, 2, use_zero=parallel_state_rank() == 0)
     try:
         parallelize(Branchy(), {"x": x}, "tp", config, gen_savedir=tmp)

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from nxd_hf.model_state import state_of
 from nxd_hf.nnscaler import derive, policy
 from nxd_hf.nnscaler.config import ComputeConfig
 from nxd_hf.nnscaler.module import ParallelModule, Spec
@@ -44,6 +45,11 @@ def parallelize(
         raise ValueError(f"parallelize takes an nn.Module or an nn.Module class, got {module_or_module_class!r}")
     if module_fn is not None and not is_class:
         warnings.warn("module_fn is ignored: it builds the module only when a module class is given", stacklevel=2)
+    if is_class and init_module_params is not True:
+        warnings.warn("init_module_params is ignored for a module class: pass init_params to the returned class's "
+                      "constructor", stacklevel=2)
+    if not is_class and state_of(module_or_module_class) is not None:
+        raise ValueError("this module is already parallel (it has model.nxd): parallelize the original module once")
     if is_class:
         factory = module_fn or module_or_module_class
         new_module = (lambda: factory().to(module_dtype)) if module_dtype is not None else factory
@@ -83,6 +89,10 @@ def _save_plan(module, plan, config, gen_savedir, instance_name, reuse, broadcas
                                          broadcast_strategy=broadcast_strategy, plan=record, module=module,
                                          load_module=load_module)
         return
+    if str(getattr(reuse, "value", reuse)).lower() != "match" or str(
+            getattr(broadcast_strategy, "value", broadcast_strategy)).lower() != "none":
+        warnings.warn(f"reuse={reuse!r} / broadcast_strategy={broadcast_strategy!r} are ignored: this build has no "
+                      "nxd_hf.nnscaler.reuse; the plan is written to gen_savedir", stacklevel=3)
     _write_plan_json(Path(gen_savedir) / instance_name, record)
 
 

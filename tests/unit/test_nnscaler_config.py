@@ -89,3 +89,13 @@ def test_attention_split_by_heads_only_when_tp_divides_them():
     layouts = derive_layouts(trace(cases.Attention(16, 4, 2), {"x": torch.randn(2, 8, 16)}), 2)
     assert layouts == {"q": "column", "k": "column", "v": "column", "o": "row"}
     assert derive_layouts(trace(cases.Attention(16, 4, 2), {"x": torch.randn(2, 8, 16)}), 4) == {}  # 2 K/V heads
+
+
+def test_ignored_arguments_warn(tmp_path):
+    x = {"x": torch.randint(0, 32, (2, 8))}
+    with pytest.warns(UserWarning, match="module_fn is ignored"):
+        parallelize(cases.LLM(), x, "dp", ComputeConfig(1, 1), gen_savedir=tmp_path, module_fn=cases.LLM,
+                    load_module=False)
+    with pytest.warns(UserWarning, match="init_module_params is ignored"):
+        parallelize(cases.LLM, x, "dp", ComputeConfig(1, 1), gen_savedir=tmp_path, init_module_params=False,
+                    load_module=False)

@@ -1,133 +1,17 @@
-"""Small real modules for the nnScaler API (``tests/distributed/test_nnscaler_core.py``): an
-LLM-like stack of attention + MLP blocks in plain torch, the document's End2EndMLP, an HF model
-inside a plain module, and the parity cases run on the rank pool."""
+"""The nnScaler API's parity cases, run on every rank of a pool (``tests/distributed/
+test_nnscaler_core.py``): the document's examples with the modules of ``nnscaler_models``, an HF
+model inside a plain module, against the unparallelized module over several optimizer steps."""
+
+import copy
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-TOL = dict(rtol=1e-4, atol=1e-5)
-
-
-class Attention(nn.Module):
-    def __init__(self, d_model=16, n_heads=4, n_kv_heads=2):
-        super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, d_model // n_heads
-        self.q = nn.Linear(d_model, n_heads * self.head_dim)
-        self.k = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=False)  # a key bias has a zero gradient
-        self.v = nn.Linear(d_model, n_kv_heads * self.head_dim)
-        self.o = nn.Linear(n_heads * self.head_dim, d_model)
-
-    def forward(self, x):
-        b, s, _ = x.shape
-        q = self.q(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        rep = self.n_heads // self.n_kv_heads
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o(y.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim))
-
-
-class ManualAttention(nn.Module):
-    """matmul -> scale -> causal mask -> softmax -> matmul, and a dropout only in training."""
-
-    def __init__(self, d_model=16, n_heads=4):
-        super().__init__()
-        self.n_heads, self.head_dim = n_heads, d_model // n_heads
-        self.qkv_q, self.qkv_v = nn.Linear(d_model, d_model), nn.Linear(d_model, d_model)
-        self.qkv_k = nn.Linear(d_model, d_model, bias=False)  # a key bias has a zero gradient (AdamW would amplify noise)
-        self.proj = nn.Linear(d_model, d_model, bias=False)
-
-    def forward(self, x):
-        b, s, d = x.shape
-        q = self.qkv_q(x).view(b, s, self.n_heads, -1).permute(0, 2, 1, 3)
-        k = self.qkv_k(x).view(b, s, self.n_heads, -1).permute(0, 2, 1, 3)
-        v = self.qkv_v(x).view(b, s, self.n_heads, -1).permute(0, 2, 1, 3)
-        scores = torch.matmul(q, k.transpose(-2, -1)) / self.head_dim ** 0.5
-        mask = x.new_ones(s, s, dtype=torch.bool).triu(1)
-        scores = scores.masked_fill(mask, float("-inf"))
-        probs = F.softmax(scores, dim=-1)
-        if self.training:
-            probs = probs * 1.0
-        out = torch.matmul(probs, v).transpose(1, 2).contiguous().view(b, s, d)
-        return self.proj(out)
-
-
-class MLP(nn.Module):
-    def __init__(self, d_model=16, hidden=32):
-        super().__init__()
-        self.gate, self.up, self.down = nn.Linear(d_model, hidden), nn.Linear(d_model, hidden), nn.Linear(hidden, d_model)
-
-    def forward(self, x):
-        return self.down(F.silu(self.gate(x)) * self.up(x))
-
-
-class Block(nn.Module):
-    def __init__(self, d_model=16, manual=False):
-        super().__init__()
-        self.norm1, self.norm2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
-        self.attn = ManualAttention(d_model) if manual else Attention(d_model)
-        self.mlp = MLP(d_model)
-
-    def forward(self, x):
-        x = x + self.attn(self.norm1(x))
-        return x + self.mlp(self.norm2(x))
-
-
-class LLM(nn.Module):
-    """Embedding, blocks, norm, head: the document's ``LLM``; ``forward(x)`` gives logits."""
-
-    def __init__(self, vocab=32, d_model=16, layers=2):
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = nn.Embedding(vocab, d_model)
-        self.layers = nn.ModuleList(Block(d_model, manual=i % 2 == 1) for i in range(layers))
-        self.norm = nn.LayerNorm(d_model)
-        self.head = nn.Linear(d_model, vocab, bias=False)
-
-    def forward(self, x):
-        h = self.embed(x)
-        for layer in self.layers:
-            h = layer(h)
-        return self.head(self.norm(h))
-
-
-class End2EndLLM(LLM):
-    """The LLM with its loss: ``forward(data)`` -> (loss, logits)."""
-
-    def forward(self, data):
-        logits = super().forward(data["input_ids"])
-        loss = F.cross_entropy(logits.flatten(0, 1), data["labels"].flatten())
-        return loss, logits
-
-
-class End2EndMLP(nn.Module):
-    """The document's Example 3."""
-
-    def __init__(self):
-        torch.manual_seed(0)
-        super().__init__()
-        self.layers = torch.nn.ModuleList([])
-        for _ in range(8):
-            self.layers.append(nn.Linear(16, 16, bias=False))
-        self.loss_fn = nn.BCELoss()
-
-    def forward(self, data):
-        x = data["data"]
-        for layer in self.layers:
-            x = layer(x)
-        x = torch.sigmoid(x)
-        return self.loss_fn(x, data["target"])
-
-
-# -- parity cases (run on every rank of a pool) ------------------------------------------------
-
-import copy  # noqa: E402
-
-from nxd_hf import parallel_state  # noqa: E402
-from nxd_hf.nnscaler import ComputeConfig, Plan, non_parallel_module_reducer, parallelize  # noqa: E402
-from nxd_hf.parallel_layers.sharding import full_tensor, is_sharded  # noqa: E402
+from nnscaler_models import LLM, TOL, Branchy, End2EndLLM, End2EndMLP
+from nxd_hf import parallel_state
+from nxd_hf.nnscaler import ComputeConfig, Plan, non_parallel_module_reducer, parallelize
+from nxd_hf.parallel_layers.sharding import full_tensor, is_sharded
 
 
 def _compare(pm, ref, *, grads=True):
@@ -344,20 +228,6 @@ def hf_submodule_matches(tmp, steps=3):
     assert seen[0] == "pre" and seen[-1] == "post" and len(seen) == 2 * steps * len(reducer.params)
 
 
-class Branchy(nn.Module):
-    """``self.training`` changes the computation (nnScaler's limited support: one graph per mode)."""
-
-    def __init__(self):
-        super().__init__()
-        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
-
-    def forward(self, x):
-        h = F.gelu(self.up(x))
-        if self.training:
-            h = h * 0.5
-        return self.down(h)
-
-
 def training_flag_and_class_path(tmp):
     """A module class gives a ParallelModule class: ``init_params=True`` starts from the traced
     weights, ``module_fn``/``module_dtype`` build it; both modes of ``self.training`` match."""
@@ -415,112 +285,3 @@ def parallel_state_rank() -> int:
     import torch.distributed as dist
 
     return dist.get_rank()
-
-
-# -- the reference document's samples (tests/distributed/test_reference_samples.py) -------------
-
-def sample_parallelize_module_class(tmp):
-    """Line 19 (Example 1): ``parallelize(LLM, {'x': llm_sample_input}, pas_policy, compute_config)``
-    gives a class; its instance infers like the plain LLM."""
-    llm_sample_input = torch.randint(0, 32, (2, 8))
-    pas_policy = "tp"
-    compute_config = ComputeConfig(plan_ngpus=2, runtime_ngpus=2, use_zero=False)
-    ParallelizedLLM = parallelize(LLM, {"x": llm_sample_input}, pas_policy, compute_config, gen_savedir=tmp)
-    model, ref = ParallelizedLLM(), LLM()
-
-    def infer(model, x):
-        model.eval()
-        with torch.inference_mode():
-            return model(x)
-
-    torch.testing.assert_close(infer(model, llm_sample_input), infer(ref, llm_sample_input), **TOL)
-
-
-class HeavyModule(MLP):
-    pass
-
-
-class SubmoduleLLM(nn.Module):
-    """Line 49 (Example 2): ``__init__`` parallelizes a submodule; the rest stays plain."""
-
-    def __init__(self, tmp=None):
-        super().__init__()
-        torch.manual_seed(1)
-        self.embed, self.head = nn.Embedding(32, 16), nn.Linear(16, 32)
-        heavy = HeavyModule()
-        if tmp is not None:
-            heavy_module_sample_input = torch.randn(2, 8, 16)
-            compute_config = ComputeConfig(plan_ngpus=2, runtime_ngpus=2, use_zero=False)
-            heavy = parallelize(heavy, {"x": heavy_module_sample_input}, "tp", compute_config, gen_savedir=tmp)
-        self.heavy_module = heavy
-
-    def forward(self, x):
-        return self.head(self.heavy_module(self.embed(x)))
-
-
-def sample_parallelize_submodule(tmp):
-    model, ref = SubmoduleLLM(tmp), SubmoduleLLM()
-    x, y = _tokens(5)
-    loss, ref_loss = _lm_loss(model(x), y), _lm_loss(ref(x), y)
-    torch.testing.assert_close(loss, ref_loss, **TOL)
-    loss.backward(), ref_loss.backward()
-    non_parallel_module_reducer(model).sync_grads()
-    _compare(model, ref)
-
-
-def sample_end2end_pipelined(tmp):
-    """Line 116 (Example 3): the End2EndMLP with dict samples, pipelined, train_step/infer_step."""
-    end2end_matches(tmp, "mlp", "pp", 2, 2, steps=2)
-
-
-def sample_parallelize_signature(tmp):
-    """Line 243: ``parallelize``'s parameters, in order, with the document's defaults."""
-    import inspect
-
-    params = inspect.signature(parallelize).parameters
-    assert list(params) == ["module_or_module_class", "dummy_forward_args", "pas_policy", "compute_config",
-                            "gen_savedir", "reuse", "instance_name", "load_module", "module_dtype", "module_fn",
-                            "init_module_params", "broadcast_strategy"]
-    defaults = {k: p.default for k, p in params.items() if p.default is not p.empty}
-    assert str(defaults.pop("reuse")).lower().endswith("match")
-    assert defaults == {"gen_savedir": "./.nnscaler", "instance_name": None, "load_module": True,
-                        "module_dtype": None, "module_fn": None, "init_module_params": True,
-                        "broadcast_strategy": "none"}
-
-
-def sample_init_params(tmp):
-    """Line 381: ``ParallelModule.__init__(init_params=True)``."""
-    training_flag_and_class_path(tmp)
-
-
-def sample_train_step(tmp):
-    """Lines 391 and 415: ``train_step(samples, is_dummy_batch, scale_fn)`` and ``infer_step``."""
-    import inspect
-
-    from nxd_hf.nnscaler import ParallelModule
-
-    assert list(inspect.signature(ParallelModule.train_step).parameters) == [
-        "self", "samples", "is_dummy_batch", "scale_fn"]
-    assert list(inspect.signature(ParallelModule.infer_step).parameters) == ["self", "samples"]
-    end2end_matches(tmp, "mlp", "tp", 2, 2, steps=3)
-
-
-def sample_distributed_sampler(tmp):
-    """Line 505: the sampler over units (``rank // plan_ngpus`` of ``runtime // plan`` replicas)
-    feeds the ranks of a unit the same batch: nxd_hf's data-parallel rank is that unit index."""
-    import torch.distributed as dist
-
-    compute_config = ComputeConfig(2, 4)
-    parallelize(Branchy(), {"x": torch.randn(2, 8)}, "tp", compute_config, gen_savedir=tmp)
-    dataset = list(range(16))
-    sampler = torch.utils.data.DistributedSampler(
-        dataset=dataset, num_replicas=compute_config.runtime_ngpus // compute_config.plan_ngpus,
-        rank=dist.get_rank() // compute_config.plan_ngpus, shuffle=False)
-    assert dist.get_rank() // compute_config.plan_ngpus == parallel_state.get_data_parallel_rank()
-    mine = list(sampler)
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    tp_peers = parallel_state.get_tensor_model_parallel_group(as_list=True)
-    for group in tp_peers:
-        assert all(everyone[r] == everyone[group[0]] for r in group)
-    assert everyone[0] != everyone[2]

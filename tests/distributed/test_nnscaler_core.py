@@ -2,11 +2,7 @@
 nxd_hf's engine: the document's three examples with small real modules, parity with the
 unparallelized module over several optimizer steps (cases in ``tests/nnscaler_cases.py``)."""
 
-import pytest
-import torch
-
 import nnscaler_cases as cases
-from nxd_hf.nnscaler import ComputeConfig, parallelize
 
 
 def test_example1_llm_tp2(ranks2, tmp_path):

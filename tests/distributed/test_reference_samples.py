@@ -6,7 +6,7 @@ cannot run here are listed below with the reason and the nxd_hf code that runs i
 
 import pytest
 
-import nnscaler_cases
+import nnscaler_sample_cases
 import reference_sample_cases
 from nxd_hf.testing import run_distributed
 
@@ -73,7 +73,7 @@ CANNOT_RUN = {
 
 ITEMS_6_8 = "issue 25 items 6-8 (build_optimizer, merged/deduped state dicts, broadcast, ReuseType)"
 NNSCALER = {  # nnscaler-parallel-module.md, by the line its code block starts on:
-    # (what it shows, the case in nnscaler_cases running it or None, ranks)
+    # (what it shows, the case in nnscaler_sample_cases running it or None, ranks)
     19: ("Example 1: parallelize(LLM, ...) of a whole module class with ComputeConfig",
          "sample_parallelize_module_class", 2),
     49: ("Example 2: parallelize of a submodule inside a plain module", "sample_parallelize_submodule", 2),
@@ -121,9 +121,9 @@ def test_nnscaler_sample_not_provided_yet(line):
 
 @pytest.mark.parametrize("line", sorted(line for line, (_, case, n) in NNSCALER.items() if case and n == 2))
 def test_nnscaler_sample_world2(ranks2, tmp_path, line):
-    ranks2.run(getattr(nnscaler_cases, NNSCALER[line][1]), str(tmp_path))
+    ranks2.run(getattr(nnscaler_sample_cases, NNSCALER[line][1]), str(tmp_path))
 
 
 @pytest.mark.parametrize("line", sorted(line for line, (_, case, n) in NNSCALER.items() if case and n == 4))
 def test_nnscaler_sample_world4(ranks4, tmp_path, line):
-    ranks4.run(getattr(nnscaler_cases, NNSCALER[line][1]), str(tmp_path))
+    ranks4.run(getattr(nnscaler_sample_cases, NNSCALER[line][1]), str(tmp_path))

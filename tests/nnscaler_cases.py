@@ -285,3 +285,27 @@ def parallel_state_rank() -> int:
     import torch.distributed as dist
 
     return dist.get_rank()
+
+
+def init_params_false_replicas(tmp):
+    """Two units, rank 1 built with ``init_params=False`` (the document's ``no_weights`` flow):
+    setup does not compare the replicas' weights, which are copied from rank 0 afterwards (what
+    ``broadcast_weights`` does); units built with different weights otherwise are a ValueError."""
+    import torch.distributed as dist
+
+    P = parallelize(Branchy, {"x": torch.randn(2, 8)}, "dp", ComputeConfig(1, 2), gen_savedir=tmp)
+    pm = P(init_params=dist.get_rank() == 0)
+    assert dist.get_rank() == 0 or not pm.up.weight.any()
+    for p in pm.parameters():
+        dist.broadcast(p.data, 0)
+    ref = Branchy()
+    ref.load_state_dict(P._spec.initial_state)
+    torch.testing.assert_close(pm(torch.ones(1, 8)), ref(torch.ones(1, 8)), **TOL)
+    parallel_state.destroy_model_parallel()
+    torch.manual_seed(dist.get_rank())
+    try:
+        parallelize(Branchy(), {"x": torch.randn(2, 8)}, "dp", ComputeConfig(1, 2), gen_savedir=tmp)
+    except ValueError as e:
+        assert "replicas hold different weights" in str(e), e
+    else:
+        raise AssertionError("replicas with different weights were accepted")

@@ -33,17 +33,18 @@ def patch_of(layouts: dict[str, str]) -> tp_plan.ModelPatch:
                               base_model_prefix="", lm_head=None, sequence_parallel=False)
 
 
-def build(pm, module: nn.Module, spec) -> None:
+def build(pm, module: nn.Module, spec, *, init_params: bool = True) -> None:
     config, plan = spec.compute_config, spec.plan
     backend.init_process_group_from_env()
-    _agree(module, spec)
+    everyone_initialized = _agree(module, spec, init_params)
     if backend.world_size() != config.runtime_ngpus:
         raise ValueError(f"ComputeConfig.runtime_ngpus={config.runtime_ngpus} but this run has {backend.world_size()} "
                          "ranks: set runtime_ngpus to the world size")
     _init_parallel_state(plan.tp_size, plan.pp_size)
     if spec.is_hf:
         return _build_hf(pm, module, spec)
-    setup = LocalSetup(bucket_size_mb=config.reducer_bucket_cap_mb or 25)
+    # replicas built without weights (init_params=False on some rank) get them after setup (broadcast_weights)
+    setup = LocalSetup(bucket_size_mb=config.reducer_bucket_cap_mb or 25, check_replicas=everyone_initialized)
     if plan.pp_size > 1:
         return _build_pipeline(pm, module, spec, setup)
     with fail_together("nxd_hf.nnscaler.parallelize"):
@@ -135,16 +136,18 @@ def _init_parallel_state(tp: int, pp: int) -> None:
     parallel_state.initialize_model_parallel(tp, pp)
 
 
-def _agree(module: nn.Module, spec) -> None:
-    """Every rank builds the same plan for the same module class (one all-gather)."""
+def _agree(module: nn.Module, spec, init_params: bool) -> bool:
+    """Every rank builds the same plan for the same module class (one all-gather); returns
+    whether every rank starts from real weights."""
     mine = {"module": type(module).__qualname__, "plan": spec.plan.as_dict(),
             "config": repr(spec.compute_config.as_dict())}
-    everyone = backend.all_gather_object(mine)
+    everyone = backend.all_gather_object({**mine, "init_params": init_params})
     differ = [key for key in mine if any(r[key] != mine[key] for r in everyone)]
     if differ:
         raise ValueError("nxd_hf.nnscaler.parallelize built different " + ", ".join(differ) + " on different ranks: "
                          + "; ".join(f"rank {i}: {r}" for i, r in enumerate(everyone))
                          + ". Call it with the same module, policy and ComputeConfig on every rank")
+    return all(r["init_params"] for r in everyone)
 
 
 def bind_graph_call(module: nn.Module, graphs: dict, input_names: list[str]):

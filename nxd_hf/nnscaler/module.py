@@ -49,14 +49,14 @@ class ParallelModule(nn.Module):
         module = _module if _module is not None else spec.new_module()
         if _module is None and init_params and spec.initial_state is not None:
             module.load_state_dict(spec.initial_state)
-        if not init_params:
+        if not init_params:  # nnScaler: "they will be empty tensor"; zeros here, the same on every rank
             with torch.no_grad():
                 for p in module.parameters():
-                    p.copy_(torch.empty_like(p))  # nnScaler: "they will be empty tensor"
+                    p.zero_()
         from nxd_hf.nnscaler.build import build
 
         self._pipeline = None
-        build(self, module, spec)
+        build(self, module, spec, init_params=init_params)
 
     # -- set by build
     def _adopt(self, module: nn.Module) -> None:

@@ -53,3 +53,7 @@ def test_errors_on_every_rank(ranks2, tmp_path):
 
 def test_hf_model_pipelined(ranks2, tmp_path):
     ranks2.run(cases.hf_pipelined_matches, str(tmp_path))
+
+
+def test_init_params_false_skips_the_replica_check(ranks2, tmp_path):
+    ranks2.run(cases.init_params_false_replicas, str(tmp_path))

@@ -13,6 +13,7 @@ from nxd_hf.nnscaler import ComputeConfig, non_parallel_module_reducer, parallel
 def sample_parallelize_module_class(tmp):
     """Line 19 (Example 1): ``parallelize(LLM, {'x': llm_sample_input}, pas_policy, compute_config)``
     gives a class; its instance infers like the plain LLM."""
+    torch.manual_seed(0)  # the ranks of a unit take the same input
     llm_sample_input = torch.randint(0, 32, (2, 8))
     pas_policy = "tp"
     compute_config = ComputeConfig(plan_ngpus=2, runtime_ngpus=2, use_zero=False)

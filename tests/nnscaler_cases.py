@@ -265,7 +265,13 @@ def errors_on_every_rank(tmp):
     else:
         raise AssertionError("runtime_ngpus != world size was accepted")
     module = Branchy()
-    parallelize(module, {"x": x}, "tp", ComputeConfig(2, 2), gen_savedir=tmp)
+    pm = parallelize(module, {"x": x}, "tp", ComputeConfig(2, 2), gen_savedir=tmp)
+    try:  # the ranks of a unit must take the same input
+        pm(torch.full((2, 8), float(parallel_state_rank())))
+    except ValueError as e:
+        assert "bad inputs" in str(e), e
+    else:
+        raise AssertionError("different inputs on the ranks of a unit were accepted")
     try:
         parallelize(module, {"x": x}, "tp", ComputeConfig(2, 2), gen_savedir=tmp)
     except ValueError as e:

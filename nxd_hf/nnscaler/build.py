@@ -17,6 +17,7 @@ from torch import nn
 
 from nxd_hf import backend, parallel_state
 from nxd_hf.guards.fail_together import fail_together
+from nxd_hf.guards.input_check import InputCheck, resolve_mode
 from nxd_hf.model_setup import LocalSetup, set_up_local_modules
 from nxd_hf.model_state import NxDModelState
 from nxd_hf.nnscaler import derive, end2end
@@ -59,7 +60,7 @@ def build(pm, module: nn.Module, spec, *, init_params: bool = True) -> None:
             apply_tensor_parallel(module, patch, None, sequence_parallel=False)
             derive.rewrite_shapes(traced, plan.tp_size)
     state = NxDModelState(tp_size=plan.tp_size, pp_size=1, dp_size=parallel_state.get_data_parallel_size(),
-                          hf_model=module, local_modules=[module], patch=patch)
+                          hf_model=module, local_modules=[module], patch=patch, input_check=_input_check())
     module.nxd = state
     policy = set_up_local_modules([module], setup)
     state.grad_reduction = policy
@@ -116,8 +117,14 @@ def _build_pipeline(pm, module: nn.Module, spec, setup: LocalSetup) -> None:
                       input_names=wrapper._nxd_input_names, tracer_cls="torch", leaf_module_cls=leaves,
                       return_mb_loss=True, schedule=config.pas_config.get("pipeline_scheduler", "1f1b"), setup=setup)
     pipe.nxd.patch = patch_of(plan.layouts) if plan.tp_size > 1 else None
+    pipe.nxd.input_check = _input_check()
     pm._pipeline = pipe
     pm.nxd = pipe.nxd
+
+
+def _input_check() -> InputCheck:
+    """nxd_hf's first-step check that the ranks of a unit got the same input (no vocabulary)."""
+    return InputCheck(vocab_size=None, mode=resolve_mode(True))
 
 
 def _in_mode(module: nn.Module, pm) -> nn.Module:

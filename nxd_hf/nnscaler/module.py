@@ -81,6 +81,10 @@ class ParallelModule(nn.Module):
         if self._pipeline is not None:
             raise ValueError("this end2end module is pipelined: call train_step(samples) / infer_step(samples), "
                              "not forward")
+        check = self.nxd.input_check
+        if check is not None and not type(self)._spec.is_hf:  # an HF model checks its own inputs
+            leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+            check({f"input{i}": leaf for i, leaf in enumerate(leaves)})
         return self._run(self, *args, **kwargs)
 
     # -- nnScaler's step functions

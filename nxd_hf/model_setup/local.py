@@ -56,6 +56,9 @@ class LocalSetup:
     """The optimizer does the data-parallel reduction (NxD's ``use_zero1_optimizer``)."""
     device: torch.device | str | None = None
     """Where the modules end up (None: ``target_device``'s default)."""
+    check_replicas: bool = True
+    """Check that data-parallel replicas hold the same weights (step 7); False when the weights
+    are copied in after setup (nnScaler's ``init_params=False`` + ``broadcast_weights``)."""
 
 
 def set_up_local_modules(modules: list[nn.Module], setup: LocalSetup, *, layer_types: tuple[type, ...] = (),
@@ -71,7 +74,8 @@ def set_up_local_modules(modules: list[nn.Module], setup: LocalSetup, *, layer_t
         tie()
     if setup.add_adapters is not None:
         setup.add_adapters(modules)
-    check_replicas_equal(modules)
+    if setup.check_replicas:
+        check_replicas_equal(modules)
     with fail_together("nxd_hf.parallelize (steps 8-10: checkpointing, gradient policy, device)"):
         return _finish(modules, setup, layer_types, device)
 

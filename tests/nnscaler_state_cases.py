@@ -1,0 +1,195 @@
+"""Cases of tests/distributed/test_nnscaler_state.py (run on every rank of a pool): nnScaler's
+build_optimizer, merged and deduped state dicts, broadcast_weights and gen_savedir on HF models
+parallelized by nxd_hf.parallelize, against the unparallelized model and torch's Adam."""
+
+import copy
+import os
+import types
+
+import torch
+
+import hf_parity
+import nxd_hf
+from nxd_hf import backend, parallel_state
+from nxd_hf.nnscaler import (
+    build_optimizer, broadcast_weights, deduped_state_dict, load_deduped_state_dict, load_merged_state_dicts,
+    merge_state_dicts, prepare_gen_savedir,
+)
+from nxd_hf.nnscaler.state_layout import layout_of, local_piece
+
+TOL = hf_parity.TOL
+BATCH, SEQ, LR = 4, 8, 1e-2
+ADAM = dict(lr=LR, eps=1e-3)  # eps well above the gradients' rounding noise: Adam's near-sign update of a
+# gradient near zero would otherwise turn fp32 rounding differences of the parallel sums into 1e-5 gaps
+
+
+def build(model_type: str, tp: int, pp: int, zero: bool, seed: int = 0):
+    """(reference, its Adam, parallel model, build_optimizer's Adam); parallel_state re-initialized."""
+    parallel_state.destroy_model_parallel()
+    reference, model = hf_parity.build_pair(model_type, seed=seed)
+    kwargs = {"pipeline_parallel_size": pp, "num_microbatches": 2} if pp > 1 else {}
+    model = nxd_hf.parallelize(model, tensor_parallel_size=tp, **kwargs)
+    optimizer = build_optimizer(model, torch.optim.Adam, types.SimpleNamespace(use_zero=zero), **ADAM)
+    return reference, torch.optim.Adam(reference.parameters(), **ADAM), model, optimizer
+
+
+def batch(step: int):
+    ids = torch.randint(0, hf_parity.VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(100 + step))
+    return ids.to(backend.default_device())
+
+
+def train_step(model, optimizer, step: int, *, clip: float | None = None):
+    """One step on this rank's share of the batch (every token a label); returns the clip norm."""
+    ids = batch(step)
+    dp, dp_rank = parallel_state.get_data_parallel_size(), parallel_state.get_data_parallel_rank()
+    mine = ids.chunk(dp)[dp_rank]
+    if getattr(model.nxd, "pipelined", False):
+        model.run_train(input_ids=mine, labels=mine)
+    else:
+        model(input_ids=mine, labels=mine).loss.backward()
+    norm = optimizer.clip_gnorm(clip) if clip is not None else None
+    optimizer.step()
+    optimizer.zero_grad()
+    return norm
+
+
+def reference_step(reference, optimizer, step: int, *, clip: float | None = None):
+    ids = batch(step)
+    reference(input_ids=ids, labels=ids).loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip) if clip is not None else None
+    optimizer.step()
+    optimizer.zero_grad()
+    return norm
+
+
+def merged(model, optimizer):
+    """merge_state_dicts of every rank's state_dict() (gathered to every rank)."""
+    module_sds = backend.all_gather_object(model.state_dict())
+    optimizer_sds = backend.all_gather_object(optimizer.state_dict()) if optimizer is not None else None
+    return merge_state_dicts(module_sds, optimizer_sds)
+
+
+def assert_matches_reference(module_sd, optimizer_sd, reference, reference_optimizer, what: str):
+    expected = reference.state_dict()
+    assert set(module_sd) == set(expected), set(module_sd) ^ set(expected)
+    for name, value in expected.items():
+        torch.testing.assert_close(module_sd[name], value, **TOL, msg=lambda m: f"{what} {name}: {m}")
+    if optimizer_sd is None:
+        return
+    expected = reference_optimizer.state_dict()
+    assert sorted(optimizer_sd["state"]) == sorted(expected["state"]), what
+    for index, state in expected["state"].items():
+        for key, value in state.items():
+            torch.testing.assert_close(optimizer_sd["state"][index][key], value, **TOL,
+                                       msg=lambda m: f"{what} optimizer state {index} {key}: {m}")
+    assert optimizer_sd["param_groups"][0]["params"] == expected["param_groups"][0]["params"]
+
+
+def merged_matches_reference(model_type: str, tp: int, pp: int, zero: bool, steps: int = 3) -> None:
+    """Train with build_optimizer (clip_gnorm, reducer hooks that must cancel) and torch's Adam on
+    the original model; the merged state dicts equal the reference's, the original module loads
+    them (strict) and gives the reference's logits, and torch's Adam loads the merged state."""
+    reference, reference_opt, model, optimizer = build(model_type, tp, pp, zero)
+    seen = []
+    optimizer.register_reducer_pre_hook(lambda reducer, grad: (seen.append(reducer), grad.div_(4)))
+    optimizer.register_reducer_post_hook(lambda reducer, grad: grad.mul_(4))
+    for step in range(steps):
+        clip = 0.05 if step == 1 else None  # the step-1 norm is well above 0.05: clipping acts
+        norm = train_step(model, optimizer, step, clip=clip)
+        ref_norm = reference_step(reference, reference_opt, step, clip=clip)
+        if clip is not None:
+            torch.testing.assert_close(norm.float().cpu(), ref_norm.float().cpu(), **TOL)
+            assert float(ref_norm) > clip
+    assert seen, "the reducer pre hooks never ran"
+    module_sd, optimizer_sd = merged(model, optimizer)
+    assert_matches_reference(module_sd, optimizer_sd, reference, reference_opt, f"{model_type} tp={tp} pp={pp}")
+    original = copy.deepcopy(reference)
+    with torch.no_grad():
+        for p in original.parameters():
+            p.add_(1.0)  # surely different before loading
+    original.load_state_dict(module_sd)  # strict: every key of the original, nothing else
+    original.eval(), reference.eval()
+    ids = batch(99)
+    with torch.no_grad():
+        torch.testing.assert_close(original(input_ids=ids).logits, reference(input_ids=ids).logits, **TOL)
+    adam = torch.optim.Adam(original.parameters(), **ADAM)
+    adam.load_state_dict(optimizer_sd)
+
+
+def load_merged_at_another_layout(model_type: str, save: tuple, load: tuple) -> None:
+    """Merged state of a (tp, pp, zero) run loaded by load_merged_state_dicts into a differently
+    initialized model at another layout: one more step there equals the reference's."""
+    reference, reference_opt, model, optimizer = build(model_type, *save)
+    for step in range(2):
+        train_step(model, optimizer, step)
+        reference_step(reference, reference_opt, step)
+    module_sd, optimizer_sd = merged(model, optimizer)
+    _, _, model, optimizer = build(model_type, *load, seed=7)
+    load_merged_state_dicts(model, module_sd, optimizer, optimizer_sd)
+    train_step(model, optimizer, 2)
+    reference_step(reference, reference_opt, 2)
+    assert_matches_reference(*merged(model, optimizer), reference, reference_opt, f"loaded at {load}")
+
+
+def deduped_roundtrip(model_type: str, save: tuple, load: tuple) -> None:
+    """deduped_state_dict keeps each logical element once over all ranks; loaded at another
+    layout (load_deduped_state_dict) the model and optimizer continue as the reference."""
+    reference, reference_opt, model, optimizer = build(model_type, *save)
+    for step in range(2):
+        train_step(model, optimizer, step)
+        reference_step(reference, reference_opt, step)
+    module_sd, optimizer_sd = deduped_state_dict(model, optimizer)
+    kept = sum(backend.all_gather_object(sum(v.numel() for k, v in module_sd.items() if torch.is_tensor(v))))
+    assert kept == sum(v.numel() for v in {id(t): t for t in reference.state_dict(keep_vars=True).values()}.values())
+    _, _, model, optimizer = build(model_type, *load, seed=7)
+    load_deduped_state_dict(model, module_sd, optimizer, optimizer_sd)
+    train_step(model, optimizer, 2)
+    reference_step(reference, reference_opt, 2)
+    assert_matches_reference(*merged(model, optimizer), reference, reference_opt, f"deduped {save} -> {load}")
+
+
+def broadcast_equalizes_replicas(model_type: str, tp: int) -> None:
+    """Replicas initialized differently (data-parallel rank 1 perturbed) equal rank 0's, and the
+    reference's, after broadcast_weights; a wrong plan_ngpus is refused."""
+    reference, _, model, _ = build(model_type, tp, 1, False)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(float(parallel_state.get_data_parallel_rank()))
+    try:
+        broadcast_weights(model, plan_ngpus=tp + 1)
+        raise AssertionError("a wrong plan_ngpus was accepted")
+    except ValueError as error:
+        assert "plan_ngpus" in str(error)
+    broadcast_weights(model, plan_ngpus=tp)
+    expected = dict(reference.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), local_piece(layout_of(p), expected[name].detach()), **TOL,
+                                   msg=lambda m: f"{name}: {m}")
+
+
+def gen_savedir_case(root: str) -> None:
+    """Each rank's own directory stands for another node's disk: ALL copies plan and initial
+    weights from rank 0, NO_WEIGHTS the plan only, NONE nothing; MATCH refuses a changed plan
+    on every rank, MOO regenerates it, GRAPH keeps the weights when the graph is the same."""
+    rank = backend.rank()
+    node = os.path.join(root, f"node{rank}")
+    plan = {"graph": "g1", "tp": 2, "params": {"w": [0, 1]}}
+    weights = {"w": torch.arange(4, dtype=torch.float32, device="cpu") + 10 * rank}
+    files = prepare_gen_savedir(node, "all", plan, "match", "all", module_name="M")
+    files.save_init_weights(weights)
+    torch.testing.assert_close(files.load_init_weights()["w"], torch.arange(4, dtype=torch.float32, device="cpu"))
+    assert prepare_gen_savedir(node, "all", plan, "match", "all", module_name="M").reused
+    files = prepare_gen_savedir(node, "nw", plan, "match", "no_weights")
+    files.save_init_weights(weights)
+    assert os.path.exists(files.plan_path) and files.has_init_weights() == (rank == 0)
+    files = prepare_gen_savedir(node, "none", plan, "match", "none")
+    assert os.path.exists(files.plan_path) == (rank == 0)
+    try:
+        prepare_gen_savedir(node, "all", {**plan, "tp": 1}, "match", "all", module_name="M")
+        raise AssertionError("reuse='match' accepted a changed plan")
+    except ValueError as error:
+        assert "reuse='match'" in str(error) and "tp" in str(error), error
+    files = prepare_gen_savedir(node, "all", {**plan, "tp": 1}, "graph", "all", module_name="M")
+    assert files.reused and files.has_init_weights()  # same graph: the weights stand
+    files = prepare_gen_savedir(node, "all", {**plan, "graph": "g2"}, "moo", "all", module_name="M")
+    assert not files.reused and not files.has_init_weights()

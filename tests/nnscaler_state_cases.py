@@ -193,3 +193,37 @@ def gen_savedir_case(root: str) -> None:
     assert files.reused and files.has_init_weights()  # same graph: the weights stand
     files = prepare_gen_savedir(node, "all", {**plan, "graph": "g2"}, "moo", "all", module_name="M")
     assert not files.reused and not files.has_init_weights()
+
+
+class ScaledLM(torch.nn.Module):
+    """nnScaler's Example 2: a plain module around a parallelized one, with a plain parameter."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+        self.scale = torch.nn.Parameter(torch.tensor(1.5, device=backend.default_device()))
+
+    def forward(self, input_ids):
+        return self.lm(input_ids=input_ids, labels=input_ids).loss * self.scale
+
+
+def submodule_matches_reference(tp: int, zero: bool, steps: int = 3) -> None:
+    """A plain module holding a parallelized HF model: its plain parameter goes through
+    _non_parallel_module_reducer (the data-parallel mean), clip_gnorm counts it once, and the
+    merged state dicts are the original module's (its names, its parameter order)."""
+    parallel_state.destroy_model_parallel()
+    reference, lm = hf_parity.build_pair("llama")
+    reference, model = ScaledLM(reference), ScaledLM(nxd_hf.parallelize(lm, tensor_parallel_size=tp))
+    optimizer = build_optimizer(model, torch.optim.Adam, types.SimpleNamespace(use_zero=zero), **ADAM)
+    assert optimizer._non_parallel_module_reducer.params == [model.scale]
+    reference_opt = torch.optim.Adam(reference.parameters(), **ADAM)
+    dp, dp_rank = parallel_state.get_data_parallel_size(), parallel_state.get_data_parallel_rank()
+    for step in range(steps):
+        ids = batch(step)
+        model(ids.chunk(dp)[dp_rank]).backward()
+        reference(ids).backward()
+        torch.testing.assert_close(optimizer.clip_gnorm(0.05).float().cpu(),
+                                   torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05).float().cpu(), **TOL)
+        optimizer.step(), reference_opt.step()
+        optimizer.zero_grad(), reference_opt.zero_grad()
+    assert_matches_reference(*merged(model, optimizer), reference, reference_opt, f"submodule tp={tp} zero={zero}")

@@ -98,6 +98,22 @@ class _NnScalerMethods:
         for reducer in self.all_reducers:
             reducer.register_post_hook(lambda grad, r=reducer: fn(r, grad))
 
+    @torch.no_grad()
+    def step(self, closure=None):
+        """``sync_shard_grad()`` (unless called already), then the step."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.sync_shard_grad()
+        self._step_synced()
+        self._synced = False
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        self._synced = False
+
     def _extra_state(self) -> dict:
         groups = [[self._names[id(p)] for p in g["params"]] for g in self._outer_groups()]
         options = [{k: v for k, v in g.items() if k != "params"} for g in self._outer_groups()]
@@ -145,22 +161,10 @@ class ParallelOptimizer(_NnScalerMethods, NxDOptimizer):
                 grad.mul_(coef.to(grad.device, grad.dtype))
         return norm
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self.sync_shard_grad()
+    def _step_synced(self) -> None:
         self.optimizer.step()
         for group in self.masters:
             group.store_params()
-        self._synced = False
-        return loss
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none)
-        self._synced = False
 
     def state_dict(self) -> dict:
         """torch's format of ``optimizer_fn``'s optimizer plus this rank's layout (``NXD_HF_EXTRA_STATE``)."""
@@ -216,25 +220,13 @@ class ParallelZeroOptimizer(_NnScalerMethods, NeuronZero1Optimizer):
         finally:
             self.max_norm = saved
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self.sync_shard_grad()
+    def _step_synced(self) -> None:
         for fg, inner in zip(self.flat_groups, self.optimizer.param_groups):  # lr schedulers edit ours
             inner.update(self._options(fg.group_index))
         self.optimizer.step()
         with backend.comm_tag("zero1"):
             for fg, master in zip(self.flat_groups, self.masters):
                 self._all_gather_params(fg, master)
-        self._synced = False
-        return loss
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none)
-        self._synced = False
 
     def state_dict(self) -> dict:
         return {**super().state_dict(), OPTIMIZER_EXTRA_KEY: self._extra_state()}
@@ -288,48 +280,3 @@ def build_optimizer(module: nn.Module, optimizer_fn, compute_config=None, **kwar
             return ParallelZeroOptimizer(module, params, optimizer_fn, names, non_parallel,
                                          elementwise=_elementwise(optimizer_fn, kwargs), **kwargs)
     return ParallelOptimizer(module, params, optimizer_fn, names, non_parallel, **kwargs)
-
-
-def local_optimizer_states(by_rank: dict[int, dict]) -> dict[int, dict[str, dict]]:
-    """{rank: {original name: {key: state in the parameter's local layout}}} from ``build_optimizer``'s
-    state dicts; a ZeRO-1 position's slices (one per data-parallel rank) become whole local states,
-    filed under its lowest rank."""
-    out, zero_positions = {}, {}
-    for rank, osd in by_rank.items():
-        extra = osd[OPTIMIZER_EXTRA_KEY]
-        if extra["kind"] == "plain":
-            out[rank] = {extra["params"][i]: dict(state) for i, state in osd["state"].items()}
-        else:
-            zero_positions.setdefault((extra["tp_rank"], extra["pp_rank"]), []).append((rank, osd))
-    for members in zero_positions.values():
-        dp = members[0][1][OPTIMIZER_EXTRA_KEY]["dp_size"]
-        if len(members) != dp:
-            raise ValueError(f"the ZeRO-1 state of ranks {[r for r, _ in members]} lacks data-parallel ranks: pass "
-                             "every rank's optimizer.state_dict()")
-        out[min(r for r, _ in members)] = _zero_states([osd for _, osd in members])
-    return out
-
-
-def _zero_states(osds: list[dict]) -> dict[str, dict]:
-    """Whole local states of one (tp, pp) position from its data-parallel ranks' ZeRO-1 slices."""
-    out = {}
-    for k, fg in enumerate(osds[0][OPTIMIZER_EXTRA_KEY]["flat_groups"]):
-        flat, scalars = {}, {}
-        for osd in osds:
-            mine = osd[OPTIMIZER_EXTRA_KEY]["flat_groups"][k]
-            inner = osd["inner"]
-            states = [inner["state"].get(c) for c in inner["param_groups"][k]["params"]]
-            if not states or states[0] is None:
-                continue
-            lo = mine["shard_start"]
-            for key, value in states[0].items():
-                if isinstance(value, torch.Tensor) and value.dim() > 0:
-                    piece = torch.cat([s[key].reshape(-1) for s in states])
-                    buffer = flat.setdefault(key, piece.new_zeros(len(osds) * mine["shard_numel"]))
-                    buffer[lo : lo + len(piece)] = piece
-                else:
-                    scalars.setdefault(key, value)
-        for name, offset, shape in zip(fg["names"], fg["offsets"], fg["shapes"]):
-            size = torch.Size(shape).numel()
-            out[name] = {**{key: b[offset : offset + size].view(shape).clone() for key, b in flat.items()}, **scalars}
-    return out

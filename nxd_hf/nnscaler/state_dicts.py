@@ -17,16 +17,12 @@ layout: names, offsets, local shapes and each DP rank's slice), the param groups
 import torch
 from torch import nn
 
-from nxd_hf import backend, parallel_state
 from nxd_hf.checkpoint import optim_state
-from nxd_hf.checkpoint.format import dtype_name, parts_of
-from nxd_hf.checkpoint.logical import describe
-from nxd_hf.checkpoint.save import OPTIM_SEP
 from nxd_hf.guards.fail_together import fail_together
 from nxd_hf.model_state import state_of
 from nxd_hf.nnscaler.state_layout import (
     assemble, layout_of, local_entries, local_piece, original_param_names, parallel_parts, rank_info, root_tensors,
-    tied_names, unique_entries,
+    tied_names,
 )
 
 EXTRA_STATE_KEY = "NXD_HF_EXTRA_STATE"
@@ -109,22 +105,20 @@ def merge_state_dicts(module_state_dicts: list[dict], optimizer_state_dicts: lis
     merged.update({k: v for k, v in plain.items() if k not in merged})
     if optimizer_state_dicts is None:
         return merged, None
-    from nxd_hf.nnscaler.optimizer import OPTIMIZER_EXTRA_KEY, local_optimizer_states
-
     if len(optimizer_state_dicts) != len(module_state_dicts):
         raise ValueError(f"got {len(module_state_dicts)} module and {len(optimizer_state_dicts)} optimizer state "
                          "dicts: pass both for every rank")
     for osd in optimizer_state_dicts:
-        if OPTIMIZER_EXTRA_KEY not in osd:
+        if EXTRA_STATE_KEY not in osd:
             raise ValueError("an optimizer state dict has no NXD_HF_EXTRA_STATE key: build the optimizer with "
                              "nxd_hf.nnscaler.build_optimizer")
-    by_rank = {osd[OPTIMIZER_EXTRA_KEY]["rank"]: osd for osd in optimizer_state_dicts}
+    by_rank = {osd[EXTRA_STATE_KEY]["rank"]: osd for osd in optimizer_state_dicts}
     return merged, _merge_optimizer(by_rank, layouts, local_optimizer_states(by_rank))
 
 
 def _merge_optimizer(by_rank: dict, layouts: dict, states: dict) -> dict:
     """torch's optimizer state dict over the original parameter order, from each rank's local states."""
-    extra = by_rank[0]["NXD_HF_EXTRA_STATE"]
+    extra = by_rank[0][EXTRA_STATE_KEY]
     order = {name: i for i, name in enumerate(extra["param_names"])}
     tied = extra["tied"]
     held = {name for local in states.values() for name in local}
@@ -141,7 +135,7 @@ def _merge_optimizer(by_rank: dict, layouts: dict, states: dict) -> dict:
         out_state[order[name]] = {key: _merged_value(f"{name}::{key}", values) for key, values in keyed.items()}
     groups = []
     for g, options in enumerate(extra["group_options"]):
-        names = {n for osd in by_rank.values() for n in osd["NXD_HF_EXTRA_STATE"]["groups"][g]}
+        names = {n for osd in by_rank.values() for n in osd[EXTRA_STATE_KEY]["groups"][g]}
         indices = sorted({order.get(n, order.get(tied.get(n))) for n in names} - {None})
         groups.append({**options, "params": indices})
     return {"state": dict(sorted(out_state.items())), "param_groups": groups}
@@ -188,7 +182,7 @@ def load_merged_state_dicts(module: nn.Module, module_state_dict: dict, optimize
         layout = layout_of(tensor)
         states[id(tensor)] = {key: _local_state(layout, value, tensor, device) for key, value in saved[index].items()}
     optim_state.load_param_states(optimizer, states)
-    _load_group_options(optimizer, optimizer_state_dict["param_groups"])
+    load_group_options(optimizer, optimizer_state_dict["param_groups"])
 
 
 def _local_state(layout: dict, value, tensor: torch.Tensor, device):
@@ -198,7 +192,7 @@ def _local_state(layout: dict, value, tensor: torch.Tensor, device):
     return local_piece(layout, value).to(tensor.device)
 
 
-def _load_group_options(optimizer, saved_groups: list[dict]) -> None:
+def load_group_options(optimizer, saved_groups: list[dict]) -> None:
     if len(saved_groups) != len(optimizer.param_groups):
         raise ValueError(f"the saved optimizer state has {len(saved_groups)} param groups, this optimizer "
                          f"{len(optimizer.param_groups)}: build the optimizer with the same param groups")
@@ -206,132 +200,46 @@ def _load_group_options(optimizer, saved_groups: list[dict]) -> None:
         group.update({k: v for k, v in saved.items() if k != "params"})
 
 
-
-# -- deduped state dicts: the checkpoint's logical pieces, each logical row kept by one rank
-def _owned(entries, owner) -> list:
-    """``LogicalTensor``s of ``entries`` whose rows this rank keeps (collective over TP): a
-    parallel part's rows by their first TP holder on the ranks ``owner(i)`` picks (a weight's
-    copy tied across stages never), the plain rest by rank 0."""
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    out = []
-    for i, (name, tensor, parallel) in enumerate(entries):
-        if parallel:
-            out.append(describe(name, name, tensor, tp_rank, owner(i) and getattr(tensor, "count_in_grad_norm", True)))
+def local_optimizer_states(by_rank: dict[int, dict]) -> dict[int, dict[str, dict]]:
+    """{rank: {original name: {key: state in the parameter's local layout}}} from ``build_optimizer``'s
+    state dicts; a ZeRO-1 position's slices (one per data-parallel rank) become whole local states,
+    filed under its lowest rank."""
+    out, zero_positions = {}, {}
+    for rank, osd in by_rank.items():
+        extra = osd[EXTRA_STATE_KEY]
+        if extra["kind"] == "plain":
+            out[rank] = {extra["params"][i]: dict(state) for i, state in osd["state"].items()}
         else:
-            out.append(describe(name, name, tensor, 0, backend.rank() == 0))
+            zero_positions.setdefault((extra["tp_rank"], extra["pp_rank"]), []).append((rank, osd))
+    for members in zero_positions.values():
+        dp = members[0][1][EXTRA_STATE_KEY]["dp_size"]
+        if len(members) != dp:
+            raise ValueError(f"the ZeRO-1 state of ranks {[r for r, _ in members]} lacks data-parallel ranks: pass "
+                             "every rank's optimizer.state_dict()")
+        out[min(r for r, _ in members)] = _zero_states([osd for _, osd in members])
     return out
 
 
-def _pieces(lts, states: dict | None) -> tuple[dict, dict]:
-    """({piece key: tensor}, {name: {shape, dtype, parts}}) of what this rank keeps of the tensors
-    (``states`` None) or of their optimizer states (``name::key``)."""
-    tensors, index = {}, {}
-    for lt in lts:
-        if states is None:
-            items = [(lt.name, lt.tensor)]
-        else:
-            items = [(f"{lt.name}{OPTIM_SEP}{k}", v) for k, v in states.get(id(lt.tensor), (None, {}))[1].items()]
-        for name, value in items:
-            parts = parts_of(lt, value, name, "")
-            if not parts:
+def _zero_states(osds: list[dict]) -> dict[str, dict]:
+    """Whole local states of one (tp, pp) position from its data-parallel ranks' ZeRO-1 slices."""
+    out = {}
+    for k, fg in enumerate(osds[0][EXTRA_STATE_KEY]["flat_groups"]):
+        flat, scalars = {}, {}
+        for osd in osds:
+            mine = osd[EXTRA_STATE_KEY]["flat_groups"][k]
+            inner = osd["inner"]
+            states = [inner["state"].get(c) for c in inner["param_groups"][k]["params"]]
+            if not states or states[0] is None:
                 continue
-            shape = list(lt.shape) if value.dim() and value.shape == lt.tensor.shape else list(value.shape)
-            entry = index.setdefault(name, {"shape": shape, "dtype": dtype_name(value.dtype), "parts": []})
-            for key, piece, part in parts:
-                tensors[key] = piece.clone()
-                entry["parts"].append({k: part[k] for k in ("key", "dim", "start", "stop")})
-    return tensors, index
-
-
-@torch.no_grad()
-def deduped_state_dict(module: nn.Module, optimizer=None) -> tuple[dict, dict | None]:
-    """(module part, optimizer part or None) of the whole state that this rank keeps: each logical
-    row once, by the lowest rank holding it (data-parallel rank 0, the first TP holder, the first
-    pipeline stage of a tied weight); under ZeRO-1 the optimizer state of each parameter by one
-    data-parallel rank in turn (about 1/dp each). Keys are the checkpoint format's pieces
-    (``name@row`` along the sharded dim, or ``name``; optimizer ``name::key``), described under
-    ``NXD_HF_EXTRA_STATE``. Collective: every rank calls it."""
-    add_extra_state_hooks(module)
-    entries = unique_entries(module)
-    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_size()
-    tensors, index = _pieces(_owned(entries, lambda i: dp_rank == 0), None)
-    module_sd = {**tensors, EXTRA_STATE_KEY: {"version": 1, "kind": "deduped", **rank_info(), "tensors": index}}
-    if optimizer is None:
-        return module_sd, None
-    states = optim_state.param_states(optimizer)  # collective under ZeRO-1
-    zero = optim_state.shards_state(optimizer)
-    tensors, index = _pieces(_owned(entries, lambda i: (i % dp_size == dp_rank) if zero else dp_rank == 0), states)
-    options = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    extra = {"version": 1, "kind": "deduped", **rank_info(), "tensors": index,
-             "group_options": options if backend.rank() == 0 else None}
-    return module_sd, {**tensors, EXTRA_STATE_KEY: extra}
-
-
-def _gathered(state_dict: dict, device):
-    """(name, whole tensor) for every name any rank's deduped ``state_dict`` holds, in one order on
-    every rank (one all-reduce each: every row is kept by exactly one rank). Collective."""
-    index = (state_dict or {}).get(EXTRA_STATE_KEY, {}).get("tensors", {})
-    union = {}
-    for other in backend.all_gather_object({n: (e["shape"], e["dtype"]) for n, e in index.items()}):
-        union.update(other)
-
-    def generate():
-        for name in sorted(union):
-            shape, dtype = union[name]
-            full = torch.zeros(shape, dtype=getattr(torch, dtype), device=backend.collective_device())
-            for part in index.get(name, {}).get("parts", []):
-                piece = state_dict[part["key"]]
-                target = full if part["dim"] is None else full.narrow(part["dim"], part["start"], part["stop"] - part["start"])
-                target.copy_(piece)
-            backend.all_reduce(full, None)
-            yield name, (full if device is None else full.to(device))
-    return union, generate()
-
-
-def _resolve(names, union: dict, tied: dict, what: str) -> dict[str, str]:
-    """Local name -> the saved name holding it (itself, or the weight it is tied to); collective."""
-    resolved = {n: (n if n in union else tied.get(n)) for n in names}
-    missing = sorted(n for n, r in resolved.items() if r not in union) if union else []  # no state saved: none
-    with fail_together("load_deduped_state_dict"):
-        if missing:
-            raise ValueError(f"the deduped {what} state dicts hold no {missing[:8]} ({len(missing)} tensors): pass every "
-                             "rank's deduped_state_dict() of this module (any parallel layout)")
-    return resolved
-
-
-@torch.no_grad()
-def load_deduped_state_dict(module: nn.Module, module_state_dict: dict, optimizer=None,
-                            optimizer_state_dict: dict | None = None, *, device=None) -> None:
-    """Load what ``deduped_state_dict`` returned on every rank (each rank passes its own; the
-    layout may differ from the saving one: any tp/pp/dp, ZeRO-1 or not, same world size or
-    not: a rank past the saving world passes None). ``device``: where whole tensors are
-    assembled before slicing (default: the collective device). Collective."""
-    entries, tied = local_entries(module), tied_names(module)
-    union, gathered = _gathered(module_state_dict, device)
-    resolved = _resolve({n for n, _, _ in entries}, union, tied, "module")
-    wanted = {}
-    for name, tensor, _ in entries:
-        wanted.setdefault(resolved[name], []).append(tensor)
-    for name, full in gathered:
-        for tensor in wanted.get(name, []):
-            tensor.copy_(local_piece(layout_of(tensor), full))
-    if optimizer is None:
-        return
-    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    params = [(n, t) for n, t, _ in unique_entries(module) if id(t) in held]
-    union, gathered = _gathered(optimizer_state_dict, device)
-    bases = {name.rsplit(OPTIM_SEP, 1)[0] for name in union}
-    resolved = _resolve({n for n, _ in params}, {b: None for b in bases}, tied, "optimizer")
-    wanted = {}
-    for name, tensor in params:
-        wanted.setdefault(resolved[name], []).append(tensor)
-    states = {}
-    for name, full in gathered:
-        base, key = name.rsplit(OPTIM_SEP, 1)
-        for tensor in wanted.get(base, []):
-            value = full if full.dim() == 0 else local_piece(layout_of(tensor), full)
-            states.setdefault(id(tensor), {})[key] = value.to(tensor.device)
-    optim_state.load_param_states(optimizer, states)
-    options = next(o for o in backend.all_gather_object(
-        (optimizer_state_dict or {}).get(EXTRA_STATE_KEY, {}).get("group_options")) if o is not None)
-    _load_group_options(optimizer, [{**o, "params": []} for o in options])
+            lo = mine["shard_start"]
+            for key, value in states[0].items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    piece = torch.cat([s[key].reshape(-1) for s in states])
+                    buffer = flat.setdefault(key, piece.new_zeros(len(osds) * mine["shard_numel"]))
+                    buffer[lo : lo + len(piece)] = piece
+                else:
+                    scalars.setdefault(key, value)
+        for name, offset, shape in zip(fg["names"], fg["offsets"], fg["shapes"]):
+            size = torch.Size(shape).numel()
+            out[name] = {**{key: b[offset : offset + size].view(shape).clone() for key, b in flat.items()}, **scalars}
+    return out

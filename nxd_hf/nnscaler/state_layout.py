@@ -120,7 +120,7 @@ def assemble(name: str, pieces: list[tuple[dict, torch.Tensor]]) -> torch.Tensor
     shape = list(first.shape)
     shape[dim] = size
     full = first.new_zeros(shape)
-    filled = torch.zeros(size, dtype=torch.bool)
+    filled = torch.zeros(size, dtype=torch.bool, device="cpu")  # indexed by the host shard indices
     for piece_layout, piece in pieces:
         rows = piece_layout["rows"]
         real = (rows >= 0).nonzero().flatten()

@@ -6,7 +6,7 @@ import pytest
 
 from nnscaler_state_cases import (
     broadcast_equalizes_replicas, deduped_roundtrip, gen_savedir_case, load_merged_at_another_layout,
-    merged_matches_reference,
+    merged_matches_reference, submodule_matches_reference,
 )
 
 
@@ -34,6 +34,11 @@ def test_load_merged_state_dicts_at_another_layout(ranks4, save, load):
 ])
 def test_deduped_state_dicts_round_trip_at_other_layouts(ranks4, save, load):
     ranks4.run(deduped_roundtrip, "qwen2", save, load)
+
+
+@pytest.mark.parametrize("zero", [False, True])
+def test_plain_module_around_a_parallel_one(ranks4, zero):
+    ranks4.run(submodule_matches_reference, 2, zero)
 
 
 def test_broadcast_weights_equalizes_replicas(ranks4):

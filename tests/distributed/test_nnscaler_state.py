@@ -1,8 +1,16 @@
 """nnScaler's build_optimizer, merged / deduped state dicts, broadcast_weights and gen_savedir
 (``nxd_hf.nnscaler``) on HF models parallelized by nxd_hf, against the unparallelized model and
-torch's Adam (cases in tests/nnscaler_state_cases.py)."""
+torch's Adam (cases in tests/nnscaler_state_cases.py), and a script written against the
+reference document under torchrun."""
+
+import os
+import re
+import subprocess
+import sys
 
 import pytest
+
+import nxd_hf.nnscaler
 
 from nnscaler_state_cases import (
     broadcast_equalizes_replicas, deduped_roundtrip, gen_savedir_case, load_merged_at_another_layout,
@@ -47,3 +55,25 @@ def test_broadcast_weights_equalizes_replicas(ranks4):
 
 def test_gen_savedir_reuse_and_broadcast(ranks2, tmp_path):
     ranks2.run(gen_savedir_case, str(tmp_path))
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.usefixtures("no_rank_pool")
+@pytest.mark.skipif(not hasattr(nxd_hf.nnscaler, "parallelize"),
+                    reason="needs nxd_hf.nnscaler.parallelize (issue 25 items 1-5, another branch): runs after the merge")
+@pytest.mark.parametrize("args", [
+    ["--example", "1", "--policy", "tp", "--plan_ngpus", "2", "--use_zero"],
+    ["--example", "3", "--policy", "tp", "--plan_ngpus", "2"],
+])
+def test_nnscaler_script_under_torchrun(tmp_path, args):
+    """A script written against the reference document (imports from nxd_hf.nnscaler) trains under
+    torchrun, and the original module loaded with its merged state dicts computes the same outputs."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "examples/nnscaler_example.py",
+               *args, "--gen_savedir", str(tmp_path)]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    first, last = map(float, re.search(r"loss fell from ([\d.]+) to ([\d.]+)", result.stdout).groups())
+    assert last < first, result.stdout
+    assert "computes the parallel module's outputs" in result.stdout

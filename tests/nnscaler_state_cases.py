@@ -125,6 +125,12 @@ def load_merged_at_another_layout(model_type: str, save: tuple, load: tuple) -> 
         reference_step(reference, reference_opt, step)
     module_sd, optimizer_sd = merged(model, optimizer)
     _, _, model, optimizer = build(model_type, *load, seed=7)
+    missing = {k: v for k, v in module_sd.items() if "layers.1." not in k}
+    try:
+        load_merged_state_dicts(model, missing, optimizer, optimizer_sd)  # a rank holding layer 1 fails: all raise
+        raise AssertionError("a merged state dict without layer 1 was accepted")
+    except ValueError as error:
+        assert "layers.1." in str(error), error
     load_merged_state_dicts(model, module_sd, optimizer, optimizer_sd)
     train_step(model, optimizer, 2)
     reference_step(reference, reference_opt, 2)
@@ -148,20 +154,20 @@ def deduped_roundtrip(model_type: str, save: tuple, load: tuple) -> None:
     assert_matches_reference(*merged(model, optimizer), reference, reference_opt, f"deduped {save} -> {load}")
 
 
-def broadcast_equalizes_replicas(model_type: str, tp: int) -> None:
+def broadcast_equalizes_replicas(model_type: str, tp: int, pp: int) -> None:
     """Replicas initialized differently (data-parallel rank 1 perturbed) equal rank 0's, and the
     reference's, after broadcast_weights; a wrong plan_ngpus is refused."""
-    reference, _, model, _ = build(model_type, tp, 1, False)
+    reference, _, model, _ = build(model_type, tp, pp, False)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(float(parallel_state.get_data_parallel_rank()))
     try:
-        broadcast_weights(model, plan_ngpus=tp + 1)
+        broadcast_weights(model, plan_ngpus=tp * pp + 1)
         raise AssertionError("a wrong plan_ngpus was accepted")
     except ValueError as error:
         assert "plan_ngpus" in str(error)
-    broadcast_weights(model, plan_ngpus=tp)
-    expected = dict(reference.named_parameters())
+    broadcast_weights(model, plan_ngpus=tp * pp)
+    expected = dict(reference.named_parameters(remove_duplicate=False))
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.detach(), local_piece(layout_of(p), expected[name].detach()), **TOL,
                                    msg=lambda m: f"{name}: {m}")

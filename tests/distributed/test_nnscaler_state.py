@@ -49,8 +49,9 @@ def test_plain_module_around_a_parallel_one(ranks4, zero):
     ranks4.run(submodule_matches_reference, 2, zero)
 
 
-def test_broadcast_weights_equalizes_replicas(ranks4):
-    ranks4.run(broadcast_equalizes_replicas, "llama", 2)
+@pytest.mark.parametrize("model_type,tp,pp", [("llama", 2, 1), ("qwen2", 1, 2)])
+def test_broadcast_weights_equalizes_replicas(ranks4, model_type, tp, pp):
+    ranks4.run(broadcast_equalizes_replicas, model_type, tp, pp)
 
 
 def test_gen_savedir_reuse_and_broadcast(ranks2, tmp_path):
@@ -77,3 +78,23 @@ def test_nnscaler_script_under_torchrun(tmp_path, args):
     first, last = map(float, re.search(r"loss fell from ([\d.]+) to ([\d.]+)", result.stdout).groups())
     assert last < first, result.stdout
     assert "computes the parallel module's outputs" in result.stdout
+
+
+def test_gen_savedir_in_one_process(tmp_path):
+    """Without torch.distributed: bad enum values and a changed plan under MATCH are ValueErrors; a
+    broadcast strategy has no other node to copy to (ignored with a warning)."""
+    from nxd_hf.nnscaler import BroadcastGenFilesStrategy, ReuseType, prepare_gen_savedir
+
+    with pytest.raises(ValueError, match="reuse must be one of"):
+        prepare_gen_savedir(tmp_path, None, {"a": 1}, "sometimes")
+    with pytest.raises(ValueError, match="JSON"):
+        prepare_gen_savedir(tmp_path, None, {"a": object()}, ReuseType.MATCH)
+    with pytest.warns(UserWarning, match="broadcast_strategy='all' is ignored"):
+        files = prepare_gen_savedir(tmp_path, None, {"a": 1}, ReuseType.MATCH, "all")
+    assert files.strategy == BroadcastGenFilesStrategy.NONE and not files.reused
+    assert prepare_gen_savedir(tmp_path, None, {"a": 1}, "match").reused
+    with pytest.raises(ValueError, match="differs in \\['a'\\]"):
+        prepare_gen_savedir(tmp_path, None, {"a": 2}, "match")
+    assert not prepare_gen_savedir(tmp_path, None, {"a": 2}, "override").reused
+    with pytest.raises(ValueError, match="init_module_params=False"):
+        files.load_init_weights()

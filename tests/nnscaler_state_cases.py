@@ -12,7 +12,7 @@ import hf_parity
 import nxd_hf
 from nxd_hf import backend, parallel_state
 from nxd_hf.nnscaler import (
-    build_optimizer, broadcast_weights, deduped_state_dict, load_deduped_state_dict, load_merged_state_dicts,
+    ParallelOptimizer, build_optimizer, broadcast_weights, deduped_state_dict, load_deduped_state_dict, load_merged_state_dicts,
     merge_state_dicts, prepare_gen_savedir,
 )
 from nxd_hf.nnscaler.state_layout import layout_of, local_piece
@@ -38,7 +38,7 @@ def batch(step: int):
     return ids.to(backend.default_device())
 
 
-def train_step(model, optimizer, step: int, *, clip: float | None = None):
+def train_step(model, optimizer, step: int, *, clip: float | None = None, scale: float | None = None):
     """One step on this rank's share of the batch (every token a label); returns the clip norm."""
     ids = batch(step)
     dp, dp_rank = parallel_state.get_data_parallel_size(), parallel_state.get_data_parallel_rank()
@@ -47,15 +47,25 @@ def train_step(model, optimizer, step: int, *, clip: float | None = None):
         model.run_train(input_ids=mine, labels=mine)
     else:
         model(input_ids=mine, labels=mine).loss.backward()
+    if scale is not None:
+        try:
+            optimizer.scale_grads(scale)
+            raise AssertionError("scale_grads before sync_shard_grad was accepted")
+        except ValueError as error:
+            assert "sync_shard_grad" in str(error)
+        optimizer.sync_shard_grad()
+        optimizer.scale_grads(scale)
     norm = optimizer.clip_gnorm(clip) if clip is not None else None
     optimizer.step()
     optimizer.zero_grad()
     return norm
 
 
-def reference_step(reference, optimizer, step: int, *, clip: float | None = None):
+def reference_step(reference, optimizer, step: int, *, clip: float | None = None, scale: float | None = None):
     ids = batch(step)
     reference(input_ids=ids, labels=ids).loss.backward()
+    for p in reference.parameters() if scale is not None else ():
+        p.grad.mul_(scale)
     norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip) if clip is not None else None
     optimizer.step()
     optimizer.zero_grad()
@@ -90,13 +100,15 @@ def merged_matches_reference(model_type: str, tp: int, pp: int, zero: bool, step
     the original model; the merged state dicts equal the reference's, the original module loads
     them (strict) and gives the reference's logits, and torch's Adam loads the merged state."""
     reference, reference_opt, model, optimizer = build(model_type, tp, pp, zero)
+    assert isinstance(optimizer, ParallelOptimizer)
     seen = []
     optimizer.register_reducer_pre_hook(lambda reducer, grad: (seen.append(reducer), grad.div_(4)))
     optimizer.register_reducer_post_hook(lambda reducer, grad: grad.mul_(4))
     for step in range(steps):
         clip = 0.05 if step == 1 else None  # the step-1 norm is well above 0.05: clipping acts
-        norm = train_step(model, optimizer, step, clip=clip)
-        ref_norm = reference_step(reference, reference_opt, step, clip=clip)
+        scale = 0.5 if step == 2 else None
+        norm = train_step(model, optimizer, step, clip=clip, scale=scale)
+        ref_norm = reference_step(reference, reference_opt, step, clip=clip, scale=scale)
         if clip is not None:
             torch.testing.assert_close(norm.float().cpu(), ref_norm.float().cpu(), **TOL)
             assert float(ref_norm) > clip

@@ -1,6 +1,8 @@
 """nnScaler's parallel-module API on nxd_hf (``docs/nnscaler.md``)."""
 
-from nxd_hf.nnscaler.optimizer import ParallelOptimizer, ParallelZeroOptimizer, Reducer, build_optimizer
+from nxd_hf.nnscaler.optimizer import (
+    ParallelOptimizer, PlainParallelOptimizer, Reducer, ZeroParallelOptimizer, build_optimizer,
+)
 from nxd_hf.nnscaler.state_dicts import (
     EXTRA_STATE_KEY, add_extra_state_hooks, load_merged_state_dicts, merge_state_dicts,
 )

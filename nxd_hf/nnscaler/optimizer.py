@@ -62,8 +62,9 @@ class Reducer:
         return grads
 
 
-class _NnScalerMethods:
-    """What ``build_optimizer`` adds to nxd_hf's optimizers (see the module docstring)."""
+class ParallelOptimizer:
+    """What ``build_optimizer`` adds to nxd_hf's optimizers (see the module docstring); the type of
+    its results (nnScaler's ``ParallelOptimizer``)."""
 
     def _init_nnscaler(self, module: nn.Module, names: dict[int, str], non_parallel: list[torch.Tensor]) -> None:
         self._module, self._names, self._synced = module, names, False
@@ -122,7 +123,7 @@ class _NnScalerMethods:
                 "tied": tied_names(self._module), **self._layout_extra()}
 
 
-class ParallelOptimizer(_NnScalerMethods, NxDOptimizer):
+class PlainParallelOptimizer(ParallelOptimizer, NxDOptimizer):
     """``optimizer_fn``'s optimizer (``.optimizer``) on the module's parameters, without ZeRO."""
 
     def __init__(self, module, params, optimizer_fn, names, non_parallel, **kwargs):
@@ -177,7 +178,7 @@ class ParallelOptimizer(_NnScalerMethods, NxDOptimizer):
         return {"kind": "plain", "params": [self._names[id(p)] for group in self.masters for p in group.params]}
 
 
-class ParallelZeroOptimizer(_NnScalerMethods, NeuronZero1Optimizer):
+class ZeroParallelOptimizer(ParallelOptimizer, NeuronZero1Optimizer):
     """``optimizer_fn``'s optimizer on ZeRO-1's master slices (its ``parameters for optimizer``)."""
 
     def __init__(self, module, params, optimizer_fn, names, non_parallel, **kwargs):
@@ -256,14 +257,15 @@ def _elementwise(optimizer_fn, kwargs: dict) -> bool:
 
 def build_optimizer(module: nn.Module, optimizer_fn, compute_config=None, **kwargs):
     """nnScaler's ``build_optimizer``: ``optimizer_fn(params, **kwargs)`` (a class or factory) over
-    ``module``'s trainable parameters, inside nxd_hf's optimizer (``ParallelOptimizer``, or
-    ``ParallelZeroOptimizer`` when ``compute_config.use_zero``; ``compute_config`` defaults to
-    ``module.compute_config``). ``module`` is, or holds, modules parallelized by nxd_hf."""
+    ``module``'s trainable parameters, inside nxd_hf's optimizer (``PlainParallelOptimizer``, or
+    ``ZeroParallelOptimizer`` when ``compute_config.use_zero``; both are ``ParallelOptimizer``s).
+    ``compute_config`` defaults to the ``compute_config`` of ``module`` or of its first parallel part. ``module`` is, or holds, modules parallelized by nxd_hf."""
     if not parallel_parts(module):
         raise ValueError(f"build_optimizer: {type(module).__name__} holds no module parallelized by nxd_hf (no "
                          "`.nxd`): parallelize it (nxd_hf.nnscaler.parallelize or nxd_hf.parallelize) first, or use a "
                          "plain torch optimizer")
-    config = compute_config if compute_config is not None else getattr(module, "compute_config", None)
+    configs = [getattr(m, "compute_config", None) for m in (module, *(part for _, part in parallel_parts(module)))]
+    config = compute_config if compute_config is not None else next((c for c in configs if c is not None), None)
     use_zero = bool(getattr(config, "use_zero", False))
     add_extra_state_hooks(module)
     entries = [(n, t, par) for n, t, par in unique_entries(module) if isinstance(t, nn.Parameter) and t.requires_grad]
@@ -277,6 +279,6 @@ def build_optimizer(module: nn.Module, optimizer_fn, compute_config=None, **kwar
             warnings.warn("build_optimizer: use_zero with one data-parallel replica shards nothing", stacklevel=2)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="NeuronZero1Optimizer: the sharding")  # warned above
-            return ParallelZeroOptimizer(module, params, optimizer_fn, names, non_parallel,
+            return ZeroParallelOptimizer(module, params, optimizer_fn, names, non_parallel,
                                          elementwise=_elementwise(optimizer_fn, kwargs), **kwargs)
-    return ParallelOptimizer(module, params, optimizer_fn, names, non_parallel, **kwargs)
+    return PlainParallelOptimizer(module, params, optimizer_fn, names, non_parallel, **kwargs)

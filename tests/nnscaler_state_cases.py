@@ -3,6 +3,7 @@ build_optimizer, merged and deduped state dicts, broadcast_weights and gen_saved
 parallelized by nxd_hf.parallelize, against the unparallelized model and torch's Adam."""
 
 import copy
+import io
 import os
 import types
 
@@ -72,10 +73,18 @@ def reference_step(reference, optimizer, step: int, *, clip: float | None = None
     return norm
 
 
+def saved_and_loaded(state_dict: dict) -> dict:
+    """``state_dict`` through torch.save / torch.load(weights_only=True), as per-rank files are."""
+    buffer = io.BytesIO()
+    torch.save(state_dict, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
 def merged(model, optimizer):
-    """merge_state_dicts of every rank's state_dict() (gathered to every rank)."""
-    module_sds = backend.all_gather_object(model.state_dict())
-    optimizer_sds = backend.all_gather_object(optimizer.state_dict()) if optimizer is not None else None
+    """merge_state_dicts of every rank's state_dict() (saved and loaded, gathered to every rank)."""
+    module_sds = backend.all_gather_object(saved_and_loaded(model.state_dict()))
+    optimizer_sds = backend.all_gather_object(saved_and_loaded(optimizer.state_dict())) if optimizer else None
     return merge_state_dicts(module_sds, optimizer_sds)
 
 

@@ -122,6 +122,12 @@ def merged_matches_reference(model_type: str, tp: int, pp: int, zero: bool, step
             torch.testing.assert_close(norm.float().cpu(), ref_norm.float().cpu(), **TOL)
             assert float(ref_norm) > clip
     assert seen, "the reducer pre hooks never ran"
+    some_ranks = backend.all_gather_object(model.state_dict())[:-1]
+    try:
+        merge_state_dicts(some_ranks)
+        raise AssertionError("merge_state_dicts accepted the state dicts of some ranks only")
+    except ValueError as error:
+        assert "pass every rank's state dict" in str(error), error
     module_sd, optimizer_sd = merged(model, optimizer)
     assert_matches_reference(module_sd, optimizer_sd, reference, reference_opt, f"{model_type} tp={tp} pp={pp}")
     original = copy.deepcopy(reference)

@@ -32,11 +32,13 @@ _HOOKED = "_nxd_hf_extra_state_hooks"
 def module_extra_state(module: nn.Module) -> dict:
     """The layout record of one parallelized module (see the module docstring)."""
     state = state_of(module)
-    paths = {id(m): name for name, m in module.named_modules(remove_duplicate=False)}
+    # keyed by the parameter dict: a module that adopted another's (ParallelModule) stands for it
+    paths = {id(m._parameters): name for name, m in module.named_modules(remove_duplicate=False)}
     names, layouts = {}, {}
     for root in state.local_modules:
-        assert id(root) in paths, "model.nxd.local_modules must be submodules of the parallel model"
-        base = f"{paths[id(root)]}." if paths[id(root)] else ""
+        assert id(root._parameters) in paths, "model.nxd.local_modules must be (adopted) submodules of the model"
+        path = paths[id(root._parameters)]
+        base = f"{path}." if path else ""
         for name, tensor in root_tensors(root):
             names[base + name], layouts[base + name] = name, layout_of(tensor)
     return {"version": 1, **rank_info(), "names": names, "layouts": layouts,

@@ -21,7 +21,8 @@ LAYERS = [
     ["nxd_hf.architectures"],  # the one module that imports the bundled model_patches
     ["nxd_hf.parallelize"],
     ["nxd_hf.pretrained", "nxd_hf.trainer"],
-    ["nxd_hf.integrations", "nxd_hf.lightning", "nxd_hf.nnscaler"],  # TRL on NxDTrainer; Lightning on the training API
+    ["nxd_hf.integrations", "nxd_hf.lightning"],  # TRL on NxDTrainer; Lightning on the training API
+    ["nxd_hf.nnscaler"],  # nnScaler's parallelize/ParallelModule on parallelize, pipeline, tp, optim
     ["nxd_hf.testing"],  # the spawn helper
     ["nxd_hf.parity"],  # check_parity and its cases (the package root re-exports check_parity lazily)
     ["nxd_hf", "nxd_hf.cli"],  # the command's subcommands import what they run when they run

@@ -159,12 +159,9 @@ def prepare_gen_savedir(gen_savedir, instance_name: str | None, plan: dict, reus
                         load_module: bool = True) -> GenFiles:
     """Check ``plan`` against ``<gen_savedir>/[<module_name>/]<instance_name or "_">/plan.json``
     as ``reuse`` says, (re)write it on rank 0 and copy it as ``broadcast_strategy`` says (see
-    the module docstring). Collective when torch.distributed is initialized. ``module``
-    (``parallelize``'s module or class): ``module_name`` defaults to its class's qualified name,
-    as nnScaler keeps one directory per module class. ``load_module``: the plan is saved whether
-    or not the module is loaded afterwards."""
-    if module_name is None and module is not None:
-        module_name = (module if isinstance(module, type) else type(module)).__qualname__
+    the module docstring). Collective when torch.distributed is initialized. ``module`` and
+    ``load_module`` (``parallelize``'s) change nothing here: the plan names the module, and it is
+    saved whether or not the module is loaded afterwards."""
     reuse = _enum(ReuseType, reuse, "reuse")
     strategy = _enum(BroadcastGenFilesStrategy, broadcast_strategy, "broadcast_strategy")
     if strategy != BroadcastGenFilesStrategy.NONE and backend.world_size() == 1:

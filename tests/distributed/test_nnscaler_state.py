@@ -14,7 +14,7 @@ import nxd_hf.nnscaler
 
 from nnscaler_state_cases import (
     broadcast_equalizes_replicas, deduped_roundtrip, gen_savedir_case, load_merged_at_another_layout,
-    merged_matches_reference, submodule_matches_reference,
+    merged_matches_reference, nnscaler_doc_samples, submodule_matches_reference,
 )
 
 
@@ -98,3 +98,11 @@ def test_gen_savedir_in_one_process(tmp_path):
     assert not prepare_gen_savedir(tmp_path, None, {"a": 2}, "override").reused
     with pytest.raises(ValueError, match="init_module_params=False"):
         files.load_init_weights()
+
+
+@pytest.mark.skipif(not hasattr(nxd_hf.nnscaler, "parallelize"),
+                    reason="needs nxd_hf.nnscaler.parallelize (issue 25 items 1-5, another branch): runs after the merge")
+def test_reference_samples_on_parallel_modules(ranks2, tmp_path):
+    """nnscaler-parallel-module.md's build_optimizer / reducer hooks / merge / load merged /
+    deduped / load deduped / broadcast_weights samples on ParallelModules."""
+    ranks2.run(nnscaler_doc_samples, str(tmp_path))

@@ -247,7 +247,8 @@ def training_flag_and_class_path(tmp):
     empty = P(init_params=False)
     assert empty.up.weight.shape == pm.up.weight.shape
     parallel_state.destroy_model_parallel()  # one layout per run: the next module is replicated (tp=1)
-    replicated = parallelize(Branchy(), {"x": x.float()}, "dp", ComputeConfig(1, 2), gen_savedir=tmp)
+    replicated = parallelize(Branchy(), {"x": x.float()}, "dp", ComputeConfig(1, 2), gen_savedir=tmp,
+                             instance_name="replicated")  # another plan: another instance (reuse="match")
     plain = Branchy()
     plain.load_state_dict(replicated.state_dict())
     for training in (True, False):  # the module's own forward, in the ParallelModule's mode

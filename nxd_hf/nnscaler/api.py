@@ -1,6 +1,6 @@
 """``nxd_hf.nnscaler.parallelize``: nnScaler's entry point on nxd_hf's engine (docs/nnscaler.md)."""
 
-import importlib
+import functools
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -12,6 +12,7 @@ from nxd_hf.model_state import state_of
 from nxd_hf.nnscaler import derive, policy
 from nxd_hf.nnscaler.config import ComputeConfig
 from nxd_hf.nnscaler.module import ParallelModule, Spec
+from nxd_hf.nnscaler.reuse import prepare_gen_savedir
 
 
 def parallelize(
@@ -63,16 +64,21 @@ def parallelize(
     graph = None if is_hf else derive.trace(module, dummy_forward_args)
     plan = policy.resolve(pas_policy, compute_config, graph)
     instance_name = instance_name or "_"
-    _save_plan(module, plan, compute_config, gen_savedir, instance_name, reuse, broadcast_strategy, load_module)
+    save = functools.partial(_save_plan, module, plan, compute_config, gen_savedir, instance_name, reuse,
+                             broadcast_strategy, load_module)
     if not load_module:
+        save()
         return None
     spec = Spec(plan=plan, compute_config=compute_config, dummy_forward_args=dummy_forward_args,
                 new_module=new_module, instance_name=instance_name, is_hf=is_hf,
                 initial_state={k: v.detach().clone() for k, v in module.state_dict().items()} if is_class else None)
     cls = type(f"{type(module).__name__}Parallel", (ParallelModule,), {"_spec": spec, "__module__": __name__})
     if is_class:
+        save()
         return cls
-    return cls(init_module_params, _module=module)
+    parallel = cls(init_module_params, _module=module)
+    save()  # after building it: a call refused on the way (sizes, ranks disagreeing) leaves no plan behind
+    return parallel
 
 
 def _save_plan(module, plan, config, gen_savedir, instance_name, reuse, broadcast_strategy, load_module) -> None:
@@ -80,31 +86,5 @@ def _save_plan(module, plan, config, gen_savedir, instance_name, reuse, broadcas
     against a saved one under ``reuse="match"`` and copies it between nodes per ``broadcast_strategy``)."""
     record = {"module": type(module).__qualname__, "plan": plan.as_dict(), "compute_config": {
         k: v for k, v in config.as_dict().items()}}
-    try:
-        reuse_module = importlib.import_module("nxd_hf.nnscaler.reuse")
-    except ImportError:  # gen_savedir's reuse/broadcast module; without it the plan is written here
-        reuse_module = None
-    if reuse_module is not None and hasattr(reuse_module, "prepare_gen_savedir"):
-        reuse_module.prepare_gen_savedir(gen_savedir=gen_savedir, instance_name=instance_name, reuse=reuse,
-                                         broadcast_strategy=broadcast_strategy, plan=record, module=module,
-                                         load_module=load_module)
-        return
-    if str(getattr(reuse, "value", reuse)).lower() != "match" or str(
-            getattr(broadcast_strategy, "value", broadcast_strategy)).lower() != "none":
-        warnings.warn(f"reuse={reuse!r} / broadcast_strategy={broadcast_strategy!r} are ignored: this build has no "
-                      "nxd_hf.nnscaler.reuse; the plan is written to gen_savedir", stacklevel=3)
-    _write_plan_json(Path(gen_savedir) / instance_name, record)
-
-
-def _write_plan_json(folder: Path, record: dict) -> None:
-    import json
-    import os
-
-    from nxd_hf import backend
-
-    if backend.world_size() > 1 and backend.rank() != 0:
-        return
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f"plan.json.tmp{os.getpid()}"
-    tmp.write_text(json.dumps(record, indent=1, sort_keys=True, default=str))
-    os.replace(tmp, folder / "plan.json")
+    prepare_gen_savedir(gen_savedir=gen_savedir, instance_name=instance_name, reuse=reuse,
+                        broadcast_strategy=broadcast_strategy, plan=record, module=module, load_module=load_module)

@@ -1,7 +1,9 @@
 """One layout's measurement beside the plan's prediction (``bench/plan/run.py``)."""
 
+import os
+
 from nxd_hf.plan.api import load_config
-from nxd_hf.plan.cluster import make_cluster
+from nxd_hf.plan.cluster import PRESETS, make_cluster
 from nxd_hf.plan.layout import Layout
 from nxd_hf.plan.memory import Workload, rank_memory
 from nxd_hf.plan.search import predict
@@ -43,7 +45,10 @@ def compare_case(case: dict, ranks: list[dict]) -> dict:
                     global_batch_size=case["micro_batch"] * case["num_microbatches"] * case["dp"],
                     lora_r=case["lora_r"] if case["lora"] else 0, lora_targets=LORA_TARGETS if case["lora"] else ())
     counts = rank_params(config, model, tp=layout.tp, lora_config=_lora_config(case))
-    cluster = make_cluster(world_size=layout.tp * layout.pp * layout.dp, device_memory="24GiB", preset="cpu")
+    world = layout.tp * layout.pp * layout.dp
+    # this machine: ranks beyond its cores share them
+    cluster = make_cluster(world_size=world, device_memory="24GiB", preset="cpu",
+                           flops=PRESETS["cpu"]["flops"] * min(1.0, (os.cpu_count() or 1) / world))
     whole = predict(shape, counts, work, layout, cluster)
     out = []
     for r in ranks:

@@ -8,8 +8,9 @@ of 1, 2 and 4 gloo ranks on CPU) each trained for a few steps through ``nxd_hf.p
 - parameter bytes per rank (LoRA included) beside the prediction (target: equal);
 - communication of the last step: payload bytes per (group, collective) counted by
   ``nxd_hf.backend.count_comm``, and the pipeline's sends, beside the predicted terms (target: equal);
-- step time: the Spearman rank correlation of predicted (``cpu`` preset) and measured medians
-  (absolute times on a shared CPU mean little).
+- step time: the Spearman rank correlation of predicted (``cpu`` preset, ranks sharing the
+  machine's cores) and measured times (the fastest step after the first; absolute times on a
+  shared CPU mean little).
 
 Run from the repo root: ``python -m bench.plan [--out PATH] [--steps N]``; JSON in bench/results/plan.json.
 """
@@ -72,7 +73,7 @@ def format_rows(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(RESULTS / "plan.json"))
-    parser.add_argument("--steps", type=int, default=2, help="training steps per layout (the last is counted)")
+    parser.add_argument("--steps", type=int, default=3, help="training steps per layout (the last is counted)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     all_cases = cases(args.steps)

@@ -120,24 +120,38 @@ def rank_memory(shape: ModelShape, params: RankParams, work: Workload, layout: L
     tokens = work.micro_batch_size * work.seq_len
     act_bytes = work.param_bytes  # activations take the parameters' dtype
     moe_layers = set(range(shape.num_layers)) if shape.moe_layers == shape.num_layers else set()
-    per_layer = [layer_activation_elements(shape, work, layout, moe=i in moe_layers) for i in layers]
-    flight = in_flight(layout, pp_rank)
-    if layout.recompute:
-        kept = len(layers) * shape.hidden / (layout.tp if layout.sequence_parallel else 1) * flight
-        activations = (kept + max(per_layer, default=0)) * tokens * act_bytes
+    per_layer = [layer_activation_elements(shape, work, layout, moe=i in moe_layers) * tokens * act_bytes
+                 for i in layers]
+    one_layer = max(per_layer, default=0)
+    if layout.recompute:  # each layer keeps its input; backward recomputes one layer at a time
+        per_microbatch = len(layers) * tokens * shape.hidden / (layout.tp if layout.sequence_parallel else 1) * act_bytes
     else:
-        activations = sum(per_layer) * tokens * act_bytes * flight
-    loss = 0.0
+        per_microbatch = sum(per_layer)
+    loss_saved = loss_forward = loss_backward = head_grad = tied_grad = 0.0
     if last:
         vocab = padded_size(shape.vocab, layout.tp) / layout.tp
-        loss = tokens * (4 * 3 * vocab + act_bytes * (3 * shape.hidden + 1))  # logits are upcast to fp32
-    if first and not work.lora:
-        activations += tokens * shape.hidden * act_bytes * (flight - 1) * (layout.pp > 1)
+        logits = tokens * 4 * vocab  # fp32
+        loss_saved = logits + tokens * act_bytes * (3 * shape.hidden + 1)  # log-probs or softmax; final norm
+        # end of forward: HF's loss holds the logits and log-probs; the vocab-parallel one (tp > 1) the
+        # logits, their fp32 masked copy, the shifted logits, their exp and a masked sum operand
+        loss_forward = logits * (2 if layout.tp == 1 else 5)
+        loss_backward = logits * (2 if layout.tp == 1 else 1)  # the gradients of log-probs and logits
+        head_grad = 0 if work.lora else vocab * shape.hidden * work.param_bytes
+        if params.tied_embedding and layout.pp == 1 and not work.lora:  # the lookup's gradient, then summed in
+            tied_grad = params.tied_embedding * work.param_bytes
+    flight, m = in_flight(layout, pp_rank), layout.num_microbatches
+    after_first = (flight if m > flight else flight - 1) if m > 1 else 0  # held with the gradients
+    activations = per_microbatch * flight + (one_layer if layout.recompute else 0)
+    held = per_microbatch * flight + loss_saved * (flight - 1 if last else 0)
+    end_of_forward = held + loss_forward
+    start_of_backward = held + loss_saved + loss_backward + head_grad
+    end_of_backward = grad_bytes + one_layer + tied_grad + (per_microbatch + loss_saved * last) * after_first
+    reduction = grad_bytes + buffers
     items = dict(parameters=n_params * work.param_bytes, lora=n_lora * 4, gradients=grad_bytes, optimizer_state=state,
-                 activations=activations, loss=loss, communication_buffers=buffers)
-    start_of_backward = activations + loss
-    end_of_backward = grad_bytes + buffers
-    items["peak"] = int(items["parameters"] + items["lora"] + state + max(start_of_backward, end_of_backward))
+                 activations=activations, loss=max(loss_forward, loss_saved + loss_backward),
+                 communication_buffers=buffers)
+    items["peak"] = int(items["parameters"] + items["lora"] + state
+                        + max(end_of_forward, start_of_backward, end_of_backward, reduction))
     return {k: int(v) for k, v in items.items()}
 
 

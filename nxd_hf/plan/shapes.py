@@ -115,11 +115,16 @@ def model_shape(config, model: nn.Module | None = None) -> ModelShape:
 def experts_supported(tp: int, ep: int) -> str | None:
     """Why nxd_hf cannot run fused experts at this (tp, ep) yet, or None (the modules of the
     expert-parallel and expert-TP work are found without being imported)."""
-    if tp > 1 and importlib.util.find_spec("nxd_hf.moe.tp_experts") is None:
+    if tp > 1 and not _has_module("nxd_hf.moe.tp_experts"):
         return "experts sharded over TP (tp > 1 on a MoE model) are not in this nxd_hf yet"
-    if ep > 1 and importlib.util.find_spec("nxd_hf.moe.ep_dispatch") is None:
+    if ep > 1 and not _has_module("nxd_hf.moe.ep_dispatch"):
         return "expert parallelism (ep > 1) is not in this nxd_hf yet"
     return None
+
+
+def _has_module(name: str) -> bool:
+    parent = name.rsplit(".", 1)[0]
+    return importlib.util.find_spec(parent) is not None and importlib.util.find_spec(name) is not None
 
 
 def _place(name: str, layers_prefix: str) -> int | str:

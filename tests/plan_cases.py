@@ -1,0 +1,43 @@
+"""Rank bodies of tests/distributed/test_plan.py: the parameter bytes a rank really holds after
+``nxd_hf.parallelize``, to set beside ``nxd_hf.plan``'s per-rank arithmetic."""
+
+import torch
+
+import hf_parity
+import nxd_hf
+from nxd_hf import parallel_state
+
+LORA_TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]
+
+
+def tiny_config(model_type: str):
+    config_class, _, kwargs = hf_parity.TINY[model_type]
+    return config_class(**kwargs)
+
+
+def lora_config():
+    import peft
+
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS)
+
+
+def _init(module) -> None:
+    with torch.no_grad():
+        for param in module.parameters(recurse=False):
+            param.normal_(0.0, 0.02)
+
+
+def local_param_bytes(model_type: str, lora: bool = False) -> dict:
+    """Bytes of the unique parameters this rank holds (and of its LoRA adapters)."""
+    _, model_class, _ = hf_parity.TINY[model_type]
+    with torch.device("meta"):
+        model = model_class(tiny_config(model_type))
+    tp, pp = parallel_state.get_tensor_model_parallel_size(), parallel_state.get_pipeline_model_parallel_size()
+    model = nxd_hf.parallelize(model, tensor_parallel_size=tp, pipeline_parallel_size=pp, param_init_fn=_init,
+                               lora_config=lora_config() if lora else None,
+                               **({"num_microbatches": 2} if pp > 1 else {}))
+    params = {id(p): p for p in model.parameters()}.values()
+    adapters = [p for p in params if p.requires_grad] if lora else []
+    return dict(pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+                param_bytes=sum(p.numel() * p.element_size() for p in params),
+                lora_bytes=sum(p.numel() * p.element_size() for p in adapters))

@@ -33,6 +33,7 @@ def local_param_bytes(model_type: str, lora: bool = False) -> dict:
     with torch.device("meta"):
         model = model_class(tiny_config(model_type))
     tp, pp = parallel_state.get_tensor_model_parallel_size(), parallel_state.get_pipeline_model_parallel_size()
+    torch.manual_seed(0)  # data-parallel replicas must start alike
     model = nxd_hf.parallelize(model, tensor_parallel_size=tp, pipeline_parallel_size=pp, param_init_fn=_init,
                                lora_config=lora_config() if lora else None,
                                **({"num_microbatches": 2} if pp > 1 else {}))

@@ -72,6 +72,7 @@ def build(case: dict):
         kwargs = dict(num_microbatches=case["num_microbatches"], schedule=case["schedule"])
     lora = peft.LoraConfig(r=case["lora_r"], lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]) \
         if case["lora"] else None
+    torch.manual_seed(0)  # data-parallel replicas must start alike
     model = nxd_hf.parallelize(
         model, tensor_parallel_size=case["tp"], pipeline_parallel_size=case["pp"],
         sequence_parallel=case["sequence_parallel"], param_init_fn=_init_weights, check_inputs=False,

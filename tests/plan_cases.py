@@ -42,3 +42,21 @@ def local_param_bytes(model_type: str, lora: bool = False) -> dict:
     return dict(pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
                 param_bytes=sum(p.numel() * p.element_size() for p in params),
                 lora_bytes=sum(p.numel() * p.element_size() for p in adapters))
+
+
+def train_with_auto_sizes(out_dir: str) -> dict:
+    """NxDTrainer with tensor_parallel_size="auto": the plan picks the size, training runs on it."""
+    import math
+
+    parallel_state.destroy_model_parallel()
+    _, model = hf_parity.build_pair("llama")
+    generator = torch.Generator().manual_seed(0)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, hf_parity.VOCAB, (8, 16), generator=generator)]
+    args = nxd_hf.NxDTrainingArguments(output_dir=out_dir, tensor_parallel_size="auto", max_steps=2, logging_steps=1,
+                                       per_device_train_batch_size=2, report_to=[], save_strategy="no",
+                                       disable_tqdm=True)
+    trainer = nxd_hf.NxDTrainer(model, args, train_dataset=data)
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert losses and all(math.isfinite(x) for x in losses)
+    return dict(tp=args.tensor_parallel_size, groups_tp=parallel_state.get_tensor_model_parallel_size())

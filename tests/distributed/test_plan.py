@@ -33,3 +33,9 @@ def test_lora_param_bytes_per_rank_equal_the_plan(ranks4, model_type, tp, pp):
     for rank in ranks4.run(plan_cases.local_param_bytes, model_type, lora=True, model_parallel=(tp, pp)):
         expected, adapters = predicted_bytes(model_type, tp, pp, rank["pp_rank"], lora=True)
         assert (rank["param_bytes"], rank["lora_bytes"]) == (expected, adapters), (model_type, tp, pp, rank)
+
+
+def test_trainer_resolves_auto_tensor_parallel_size(ranks2, tmp_path):
+    results = ranks2.run(plan_cases.train_with_auto_sizes, str(tmp_path))
+    assert all(r["tp"] == r["groups_tp"] for r in results)  # the chosen size is the one the model runs at
+    assert results[0]["tp"] in (1, 2) and len({r["tp"] for r in results}) == 1

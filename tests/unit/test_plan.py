@@ -228,3 +228,12 @@ def test_autodist_policy_returns_the_best_layout():
     best = policy["plan"].best.layout
     assert (policy["tensor_parallel_size"], policy["pipeline_parallel_size"]) == (best.tp, best.pp)
     assert policy["plan_ngpus"] == best.tp * best.pp and policy["runtime_ngpus"] == 4
+
+
+def test_command_line_takes_auto_and_integers():
+    parser = transformers.HfArgumentParser(nxd_hf.NxDTrainingArguments)
+    (args,) = parser.parse_args_into_dataclasses(["--output_dir", "/tmp/h18-auto", "--tensor_parallel_size", "auto",
+                                                  "--pipeline_parallel_size", "1", "--report_to", "none"])
+    assert args.tensor_parallel_size == "auto" and args.pipeline_parallel_size == 1 and args.has_auto_sizes
+    with pytest.raises(ValueError, match="positive integer"):
+        nxd_hf.NxDTrainingArguments(output_dir="/tmp/h18-auto", tensor_parallel_size="many", report_to=[])

@@ -32,16 +32,15 @@ class ModelShape:
     """The dimensions the cost model uses, read from the config and the meta model."""
 
     model_type: str
-    hidden: int
-    intermediate: int
-    """Dense MLP width (0 when every layer is MoE)."""
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
+    hidden: int  # h
+    intermediate: int  # dense MLP width (0 when every layer is MoE)
+    num_layers: int  # decoder layers
+    num_heads: int  # query heads
+    num_kv_heads: int  # K/V heads
     head_dim: int
-    vocab: int
-    num_experts: int = 0
-    top_k: int = 0
+    vocab: int  # unpadded
+    num_experts: int = 0  # 0: dense
+    top_k: int = 0  # experts per token
     expert_intermediate: int = 0
     """Width of one expert's MLP."""
     moe_layers: int = 0

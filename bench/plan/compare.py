@@ -67,7 +67,8 @@ def compare_case(case: dict, ranks: list[dict]) -> dict:
                         predicted_comm=predicted_comm, measured_comm=measured, comm_equal=predicted_comm == measured,
                         step_seconds=r["step_seconds"]))
     return dict(model=case["model"], layout=layout.name() + (" lora" if case["lora"] else ""), case=case,
-                predicted_step_s=whole.step_time, measured_step_s=max(r["step_seconds"] for r in ranks), ranks=out)
+                predicted_step_s=whole.step_time, measured_step_s=max(r["step_seconds"] for r in ranks),
+                measured_step_cpu_s=max(r.get("step_cpu_seconds", 0.0) for r in ranks), ranks=out)
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:

@@ -9,8 +9,8 @@ of 1, 2 and 4 gloo ranks on CPU) each trained for a few steps through ``nxd_hf.p
 - communication of the last step: payload bytes per (group, collective) counted by
   ``nxd_hf.backend.count_comm``, and the pipeline's sends, beside the predicted terms (target: equal);
 - step time: the Spearman rank correlation of predicted (``cpu`` preset, ranks sharing the
-  machine's cores) and measured times (the fastest step after the first; absolute times on a
-  shared CPU mean little).
+  machine's cores) and measured times (the fastest step after the first, wall clock and the
+  process's CPU time; absolute times on a shared CPU mean little).
 
 Run from the repo root: ``python -m bench.plan [--out PATH] [--steps N]``; JSON in bench/results/plan.json.
 """
@@ -59,21 +59,22 @@ def measure(all_cases: list[dict]) -> list[list[dict]]:
 
 def format_rows(rows: list[dict]) -> str:
     head = (f"{'model':<10} {'layout':<34} {'rank':>4} {'pred MiB':>9} {'meas MiB':>9} {'ratio':>6} "
-            f"{'param B ok':>10} {'comm B ok':>9} {'pred s':>8} {'meas s':>7}")
+            f"{'param B ok':>10} {'comm B ok':>9} {'pred s':>8} {'meas s':>7} {'cpu s':>6}")
     lines = [head, "-" * len(head)]
     for row in rows:
         for r in row["ranks"]:
             lines.append(f"{row['model']:<10} {row['layout']:<34} {r['rank']:>4} {r['predicted_peak'] / 2**20:>9.1f} "
                          f"{r['measured_peak'] / 2**20:>9.1f} {r['memory_ratio']:>6.3f} "
                          f"{str(r['param_bytes_equal']):>10} {str(r['comm_equal']):>9} "
-                         f"{row['predicted_step_s']:>8.4f} {row['measured_step_s']:>7.2f}")
+                         f"{row['predicted_step_s']:>8.4f} {row['measured_step_s']:>7.2f} "
+                         f"{row['measured_step_cpu_s']:>6.2f}")
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(RESULTS / "plan.json"))
-    parser.add_argument("--steps", type=int, default=3, help="training steps per layout (the last is counted)")
+    parser.add_argument("--steps", type=int, default=4, help="training steps per layout (the last is counted)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     all_cases = cases(args.steps)
@@ -81,13 +82,15 @@ def main(argv: list[str] | None = None) -> None:
     rows = [compare_case(case, ranks) for case, ranks in zip(all_cases, measured)]
     print(format_rows(rows))
     ratios = [r["memory_ratio"] for row in rows for r in row["ranks"]]
-    rho = spearman([row["predicted_step_s"] for row in rows], [row["measured_step_s"] for row in rows])
+    predicted = [row["predicted_step_s"] for row in rows]
+    rho = spearman(predicted, [row["measured_step_s"] for row in rows])
+    rho_cpu = spearman(predicted, [row["measured_step_cpu_s"] for row in rows])
     summary = dict(
         memory_ratio_min=min(ratios), memory_ratio_max=max(ratios),
         memory_within_10pct=all(0.9 <= x <= 1.1 for x in ratios),
         param_bytes_equal=all(r["param_bytes_equal"] for row in rows for r in row["ranks"]),
         comm_bytes_equal=all(r["comm_equal"] for row in rows for r in row["ranks"]),
-        step_time_spearman=rho, total_seconds=time.perf_counter() - start)
+        step_time_spearman=rho, step_cpu_time_spearman=rho_cpu, total_seconds=time.perf_counter() - start)
     print("\n" + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

@@ -106,7 +106,7 @@ def run_case(case: dict) -> dict:
     _trim()
     dist.barrier()
     baseline = read_status()["RssAnon"]
-    times, sends = [], []
+    times, cpu_times, sends = [], [], []
     with PeakSampler(interval_s=0.002) as sampler:
         config, model = build(case)
         optimizer = _optimizer(model, case)
@@ -116,10 +116,11 @@ def run_case(case: dict) -> dict:
         for step in range(case["steps"]):
             ids = torch.randint(0, config.vocab_size, (rows, case["seq"]), generator=generator)
             last = step == case["steps"] - 1
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             with backend.count_comm() as records, (count_sends(sends) if last else contextlib.nullcontext()):
                 _step(model, optimizer, ids, case["pp"])
             times.append(time.perf_counter() - start)
+            cpu_times.append(time.process_time() - cpu_start)
     groups = _groups()
     axis = {ranks: name for name, ranks in groups.items()}  # the last axis of equal ranks wins
     comm = [dict(op=r.op, axis=axis.get(r.ranks, "other"), group_size=r.group_size, bytes=r.payload_bytes)
@@ -130,6 +131,7 @@ def run_case(case: dict) -> dict:
         param_bytes=sum(p.numel() * p.element_size() for p in local.values()),
         trainable_bytes=sum(p.numel() * p.element_size() for p in local.values() if p.requires_grad),
         step_seconds=min(times[1:]),  # the least disturbed by the other work on a shared machine
+        step_cpu_seconds=min(cpu_times[1:]),  # this process's CPU time: less sensitive to the machine's load
         comm=comm, p2p_send_bytes=sum(sends),
         pp_rank=parallel_state.get_pipeline_model_parallel_rank(), tp_rank=parallel_state.get_tensor_model_parallel_rank())
     del model, optimizer, records

@@ -38,14 +38,12 @@ def format_plan(result: PlanResult, *, top: int = 10, rejected: int = 10) -> str
     if not result.ranked:
         lines.append("   (no layout fits)")
     lines += ["", f"{len(result.ranked)} layouts fit; {len(result.rejected)} rejected"
-              + (f", e.g.:" if result.rejected else "")]
-    seen = set()
-    for r in result.rejected:
-        key = r.reason.split(":")[0] if r.reason.startswith("does not fit") else r.reason
-        if key in seen or len(seen) >= rejected:
-            continue
-        seen.add(key)
-        lines.append(f"   {r.layout.name():<38} {r.reason}")
+              + (" (count, reason, an example):" if result.rejected else "")]
+    groups: dict[str, list] = {}
+    for r in result.rejected:  # "does not fit: needs ..." differ by their numbers: one group
+        groups.setdefault(r.reason.split(":")[0] if r.reason.startswith("does not fit") else r.reason, []).append(r)
+    for _, members in sorted(groups.items(), key=lambda kv: -len(kv[1]))[:rejected]:
+        lines.append(f"   {len(members):>3} x {members[0].reason}   (e.g. {members[0].layout.name()})")
     return "\n".join(lines)
 
 

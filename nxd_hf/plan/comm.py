@@ -20,7 +20,7 @@ class Term:
     count: int  # number of collectives
     payload_bytes: int  # summed over them
     formula: str  # how payload_bytes follows from the config
-    axis: str = "tp"  # the group: tp, dp, pp
+    axis: str = "tp"  # the group: tp, dp, pp, ep
 
 
 def kv_size_multiplier(num_kv_heads: int, tp_size: int) -> int:
@@ -61,7 +61,7 @@ def ring_send_bytes(op: str, group_size: int, payload_bytes: float) -> float:
     """Bytes one rank sends for this collective under a ring algorithm."""
     p = group_size
     factor = {"all_reduce": 2 * (p - 1) / p, "reduce_scatter": (p - 1) / p, "all_gather": p - 1, "broadcast": 1,
-              "send": 1}
+              "send": 1, "all_to_all": (p - 1) / p}
     return factor[op] * payload_bytes
 
 

@@ -35,8 +35,8 @@ def compute_seconds(shape: ModelShape, work: Workload, layout: Layout, cluster: 
 
 def _link(axis: str, layout: Layout, cluster: Cluster) -> tuple[float, float]:
     """(bandwidth, latency) of a group: inside a node when its ranks span no more than one
-    (tp innermost, then dp, then pp)."""
-    size, stride = {"tp": (layout.tp, 1), "dp": (layout.dp, layout.tp),
+    (tp innermost, then dp, then pp; an ep group is a block of consecutive dp indices)."""
+    size, stride = {"tp": (layout.tp, 1), "dp": (layout.dp, layout.tp), "ep": (layout.ep, layout.tp),
                     "pp": (layout.pp, layout.tp * layout.dp)}[axis]
     if size * stride <= cluster.ranks_per_node:
         return cluster.intra_bandwidth, cluster.intra_latency
@@ -48,7 +48,7 @@ def step_time(shape: ModelShape, work: Workload, layout: Layout, cluster: Cluste
     compute = compute_seconds(shape, work, layout, cluster)
     items = {"compute": compute}
     for term in terms:
-        size = {"tp": layout.tp, "dp": layout.dp, "pp": layout.pp}[term.axis]
+        size = {"tp": layout.tp, "dp": layout.dp, "pp": layout.pp, "ep": layout.ep}[term.axis]
         bandwidth, latency = _link(term.axis, layout, cluster)
         seconds = term.count * latency + ring_send_bytes(term.op, size, term.payload_bytes) / bandwidth
         key = f"{term.axis}:{term.phase}:{term.op}"

@@ -106,6 +106,15 @@ def step_terms(shape: ModelShape, params: RankParams, work: Workload, layout: La
     elif layout.dp > 1:
         terms.append(Term(phase="dp_grad", op="all_reduce", kind="gradient", count=bucket_count(trainable, BUCKET_BYTES),
                           payload_bytes=trainable, formula="trainable grads, bucketed", axis="dp"))
+    if layout.ep > 1 and shape.moe_layers:
+        # expert parallelism (the contract of the EP work): each MoE layer sends every token's top-k
+        # hidden states to the experts' owners and back, in forward and again in backward
+        moe = round(len(layers) * shape.moe_layers / shape.num_layers)  # this stage's share of MoE layers
+        routed = work.micro_batch_size * work.seq_len * shape.top_k * shape.hidden * work.param_bytes
+        count = layout.num_microbatches * moe * 4
+        _add(terms, phase="ep_dispatch", op="all_to_all", kind="activation", count=count,
+             payload_bytes=count * routed, formula="m x MoE layers x 4 x b*s*top_k*h (dispatch, combine; fwd, bwd)",
+             axis="ep")
     if layout.pp > 1:
         act = work.micro_batch_size * work.seq_len * shape.hidden * FP32_BYTES
         sends = layout.num_microbatches * ((not last) + (not first))

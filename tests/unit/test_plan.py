@@ -237,3 +237,16 @@ def test_command_line_takes_auto_and_integers():
     assert args.tensor_parallel_size == "auto" and args.pipeline_parallel_size == 1 and args.has_auto_sizes
     with pytest.raises(ValueError, match="positive integer"):
         nxd_hf.NxDTrainingArguments(output_dir="/tmp/h18-auto", tensor_parallel_size="many", report_to=[])
+
+
+def test_expert_parallel_layouts_are_priced_with_their_all_to_all(tmp_path, monkeypatch):
+    from nxd_hf.plan import shapes
+
+    monkeypatch.setattr(shapes, "_has_module", lambda name: True)  # as once expert parallelism is merged
+    path = _write(tmp_path, "mixtral", MIXTRAL)
+    result = nxd_hf.plan(path, world_size=8, device_memory="10TB", seq_len=1024, dtype="bfloat16")
+    ep = [p for p in result.ranked if p.layout.ep > 1]
+    assert ep and all(any(t.op == "all_to_all" and t.axis == "ep" for t in p.comm) for p in ep)
+    plain = next(p for p in result.ranked if p.layout == Layout(tp=1, pp=1, dp=8, num_microbatches=1))
+    sharded = next(p for p in result.ranked if p.layout == Layout(tp=1, pp=1, dp=8, ep=8, num_microbatches=1))
+    assert sharded.memory["parameters"] < plain.memory["parameters"] / 4  # experts are most of Mixtral

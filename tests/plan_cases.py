@@ -1,4 +1,4 @@
-"""Rank bodies of tests/distributed/test_plan.py: the parameter bytes a rank really holds after
+"""Rank bodies of tests/distributed/test_plan_params.py: the parameter bytes a rank really holds after
 ``nxd_hf.parallelize``, to set beside ``nxd_hf.plan``'s per-rank arithmetic."""
 
 import torch

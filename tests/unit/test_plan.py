@@ -1,7 +1,7 @@
 """``nxd_hf.plan``: the search, its rejections and ranking, the cost model's pieces checked
 against what torch really does (saved activations), real model configs (Llama-3.1-8B,
 Mixtral-8x7B; configs only, built on the meta device), the command and the "auto" sizes.
-Parameter bytes per rank against real parallel models: tests/distributed/test_plan.py."""
+Parameter bytes per rank against real parallel models: tests/distributed/test_plan_params.py."""
 
 import json
 

@@ -28,7 +28,8 @@ def _preset() -> str:
 def resolve_auto_sizes(args, model, *, lora_config=None, world_size: int | None = None,
                        device_memory: int | None = None, seq_len: int | None = None) -> dict:
     """Replace "auto" in ``args.tensor_parallel_size`` / ``args.pipeline_parallel_size`` (in
-    place) with the best layout's; the other sizes the user gave stay fixed. The sequence length is
+    place) with the best layout's; the other sizes the user gave, sequence parallelism, ZeRO-1 and
+    activation checkpointing stay as the arguments say. The sequence length is
     ``seq_len`` or the model's ``max_position_embeddings`` (capped at 4096), the micro batch
     ``per_device_train_batch_size``. Returns what was chosen."""
     auto_fields = [f for f in ("tensor_parallel_size", "pipeline_parallel_size") if getattr(args, f) == AUTO]
@@ -41,8 +42,9 @@ def resolve_auto_sizes(args, model, *, lora_config=None, world_size: int | None 
         fixed["tp"] = int(args.tensor_parallel_size)
     if args.pipeline_parallel_size != AUTO:
         fixed["pp"] = int(args.pipeline_parallel_size)
-    if getattr(args, "sequence_parallel", False):
-        fixed["sequence_parallel"] = True
+    # what the arguments already decide is kept: the plan prices the run these arguments make
+    fixed.update(sequence_parallel=bool(getattr(args, "sequence_parallel", False)), zero_1=bool(args.zero_1),
+                 recompute=bool(getattr(args, "nxd_activation_checkpointing", False)))
     seq = seq_len or min(getattr(config, "max_position_embeddings", 2048) or 2048, 4096)
     micro = args.per_device_train_batch_size
     result = plan(model, world_size=world, device_memory=device_memory or device_memory_bytes(), seq_len=seq,

@@ -38,3 +38,5 @@ __all__ = [
     "initialize_parallel_optimizer",
     "neuronx_distributed_config", "parallel_state", "parallelize", "register_patch",
 ]
+from nxd_hf import plan  # noqa: E402  the layout search: nxd_hf.plan(model_or_config, world_size=..., ...) is callable
+__all__.append("plan")

@@ -96,11 +96,51 @@ def _env(args: argparse.Namespace) -> None:
     print(environment())
 
 
+def _plan_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model_dir", help="a directory holding the model's config.json (weights are not read)")
+    parser.add_argument("--world-size", type=int, required=True, help="ranks (one accelerator each)")
+    parser.add_argument("--memory", required=True, help="memory per rank, e.g. 80GB or 24GiB")
+    parser.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
+    parser.add_argument("--micro-batch-size", type=int, default=1, help="sequences per microbatch and replica")
+    parser.add_argument("--global-batch-size", type=int, default=None,
+                        help="sequences per optimizer step (default: micro batch x world size)")
+    parser.add_argument("--lora", action="store_true", help="LoRA (r=16 on q,k,v,o) instead of full training")
+    parser.add_argument("--lora-r", type=int, default=16, help="LoRA rank with --lora")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"], help="parameter dtype")
+    parser.add_argument("--nodes", type=int, default=1, help="nodes the ranks are spread over")
+    parser.add_argument("--device", default="h100", help="speed preset: h100, a100, trn1, cpu")
+    parser.add_argument("--top", type=int, default=10, help="ranked layouts to print")
+    parser.add_argument("--json", default=None, help="also write the whole plan to this file")
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import json
+
+    from nxd_hf.plan import format_plan, plan
+    from nxd_hf.plan.report import as_dict
+
+    lora_config = None
+    if args.lora:
+        import peft
+
+        lora_config = peft.LoraConfig(r=args.lora_r, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    result = plan(args.model_dir, world_size=args.world_size, device_memory=args.memory, seq_len=args.seq_len,
+                  micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
+                  lora_config=lora_config, dtype=args.dtype, nodes=args.nodes, device=args.device)
+    print(format_plan(result, top=args.top))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(as_dict(result), f, indent=1)
+    return 0 if result.ranked else 1
+
+
 SUBCOMMANDS = {
     "consolidate": ("write a checkpoint's model as a plain Hugging Face model directory", _consolidate_args, _consolidate),
     "check": ("parity (loss and every gradient) of MODEL_DIR's architecture, shrunk, on a parallel layout",
               _check_args, _check),
     "env": ("print the versions and backends nxd_hf sees (paste it into bug reports)", _env_args, _env),
+    "plan": ("rank the parallel layouts of MODEL_DIR for a cluster: predicted memory per rank and step time",
+             _plan_args, _plan),
 }
 
 

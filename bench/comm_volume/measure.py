@@ -20,58 +20,25 @@ SP's all-gather + reduce-scatter costs exactly the all-reduce it replaces.
 """
 
 import dataclasses
-from typing import Literal
 
 import torch
 
 from nxd_hf import backend, parallel_state
 from nxd_hf.parallel_layers.grads import allreduce_sequence_parallel_gradients
+from nxd_hf.plan.comm import Term, block_terms, ring_send_bytes
 from nxd_hf.testing import run_distributed
 from bench.comm_volume.tp_block import (
     BlockConfig, ReferenceBlock, TPBlock, kv_size_multiplier, load_from_reference_, local_part, unsharded_tensors,
 )
 
 CASES = [(2, False), (2, True), (4, False), (4, True)]  # (tp, sequence_parallel)
-FP32_BYTES = 4
-
-
-@dataclasses.dataclass(kw_only=True)
-class Term:
-    phase: str  # the comm_tag its records carry: "fwd", "bwd", "kv_grad_sync", "sp_grad_sync"
-    op: str  # backend op name
-    kind: Literal["activation", "design"]  # design = a weight-gradient sync the layout needs
-    count: int  # number of collectives
-    payload_bytes: int  # summed over them
-    formula: str  # how payload_bytes follows from the config
 
 
 def theory(config: BlockConfig, tp: int, sequence_parallel: bool) -> list[Term]:
-    """The collectives one forward + backward + grad sync of the block needs, itemized."""
-    if tp == 1:
-        return []  # the backend skips collectives over a single rank
-    b, s, h = config.batch, config.seq, config.hidden
-    act = b * s * h * FP32_BYTES
-    terms = []
-    for phase in ("fwd", "bwd"):
-        if sequence_parallel:
-            terms.append(Term(phase=phase, op="all_gather", kind="activation", count=2,
-                              payload_bytes=2 * act // tp, formula="2 x b*(s/tp)*h*4"))
-            terms.append(Term(phase=phase, op="reduce_scatter", kind="activation", count=2,
-                              payload_bytes=2 * act, formula="2 x b*s*h*4"))
-        else:
-            terms.append(Term(phase=phase, op="all_reduce", kind="activation", count=2,
-                              payload_bytes=2 * act, formula="2 x b*s*h*4"))
-    if kv_size_multiplier(config.num_kv_heads, tp) > 1:
-        kv = config.num_kv_heads * config.head_dim
-        count, size, formula = 2, 2 * kv * h, "2 x kv*h*4"
-        if config.qkv_bias:
-            count, size, formula = 4, size + 2 * kv, "(2 x kv*h + 2 x kv)*4"
-        terms.append(Term(phase="kv_grad_sync", op="all_reduce", kind="design", count=count,
-                          payload_bytes=size * FP32_BYTES, formula=f"{formula}, kv=num_kv_heads*head_dim"))
-    if sequence_parallel:
-        terms.append(Term(phase="sp_grad_sync", op="all_reduce", kind="design", count=1,
-                          payload_bytes=2 * h * FP32_BYTES, formula="1 x (2 norm weights)*h*4, bucketed"))
-    return terms
+    """The collectives one forward + backward + grad sync of the block needs, itemized (the
+    theory lives in ``nxd_hf.plan.comm``, where the plan search prices whole steps with it)."""
+    return block_terms(batch=config.batch, seq=config.seq, hidden=config.hidden, num_kv_heads=config.num_kv_heads,
+                       head_dim=config.head_dim, qkv_bias=config.qkv_bias, tp=tp, sequence_parallel=sequence_parallel)
 
 
 class _TagDuring:
@@ -160,13 +127,6 @@ def measure_cases(config: BlockConfig, cases: list[tuple[int, bool]]) -> list[di
         parallel_state.initialize_model_parallel(tp)
         results.append(measure_case(config, sequence_parallel=sequence_parallel))
     return results
-
-
-def ring_send_bytes(op: str, group_size: int, payload_bytes: int) -> float:
-    """Bytes one rank sends for this collective under a ring algorithm."""
-    p = group_size
-    factor = {"all_reduce": 2 * (p - 1) / p, "reduce_scatter": (p - 1) / p, "all_gather": p - 1, "broadcast": 1}
-    return factor[op] * payload_bytes
 
 
 def compare(records: list[dict], terms: list[Term]) -> dict:

@@ -40,12 +40,18 @@ from nxd_hf import backend
 from nxd_hf.trainer.config import NxDConfig, neuronx_distributed_config
 
 
+AUTO_SIZES = ("tensor_parallel_size", "pipeline_parallel_size")
+
+
 @dataclasses.dataclass(kw_only=True)
 class NxDTrainingArguments(TrainingArguments):
     """``TrainingArguments`` with the parallel layout (see the module docstring for HF's fields)."""
 
-    tensor_parallel_size: int = dataclasses.field(default=1, metadata={"help": "Tensor-parallel degree."})
-    pipeline_parallel_size: int = dataclasses.field(default=1, metadata={"help": "Pipeline-parallel degree."})
+    # typed str so that HfArgumentParser passes "auto" through; digits become ints in __post_init__
+    tensor_parallel_size: str = dataclasses.field(default=1, metadata={
+        "help": "Tensor-parallel degree, or 'auto' (chosen by nxd_hf.plan when NxDTrainer sets up the model)."})
+    pipeline_parallel_size: str = dataclasses.field(default=1, metadata={
+        "help": "Pipeline-parallel degree, or 'auto' (chosen by nxd_hf.plan when NxDTrainer sets up the model)."})
     num_microbatches: int | None = dataclasses.field(
         default=None, metadata={"help": "Pipeline microbatches per batch (default: the pipeline parallel size)."})
     virtual_pipeline_size: int = dataclasses.field(default=1, metadata={"help": "Pipeline stages per rank."})
@@ -92,9 +98,16 @@ class NxDTrainingArguments(TrainingArguments):
             value = getattr(self, name)
             if name == "num_microbatches" and value is None:
                 continue
+            if name in AUTO_SIZES and isinstance(value, str) and value.isdigit():  # from the command line
+                value = int(value)
+                setattr(self, name, value)
+            if name in AUTO_SIZES and value == "auto":
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         world = int(os.environ.get("WORLD_SIZE", "1"))
+        if self.has_auto_sizes:
+            return  # checked once NxDTrainer resolves them (nxd_hf.plan.resolve_auto_sizes)
         model_parallel = self.tensor_parallel_size * self.pipeline_parallel_size
         if world % model_parallel:
             raise ValueError(
@@ -107,6 +120,11 @@ class NxDTrainingArguments(TrainingArguments):
                 if getattr(self, name) != default:
                     warnings.warn(f"{name} is ignored: pipeline_parallel_size is 1 (set pipeline_parallel_size > 1 "
                                   "for pipeline parallelism)", stacklevel=3)
+
+    @property
+    def has_auto_sizes(self) -> bool:
+        """Whether a size is still "auto" (NxDTrainer resolves it from the model before setup)."""
+        return any(getattr(self, name) == "auto" for name in AUTO_SIZES)
 
     # -- the process view: every rank is a real process, whatever accelerate sees
     @property

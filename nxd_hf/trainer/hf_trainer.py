@@ -77,6 +77,8 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
         if trainer_kwargs.get("compute_loss_func") is not None:
             raise ValueError("compute_loss_func is not supported by NxDTrainer: the model's own loss runs on "
                              "vocab-parallel logits")
+        if args.has_auto_sizes:
+            _resolve_auto_sizes(args, model, peft_config)
         if model is not None and _is_parallel(model):  # before nxd_config() re-creates the groups
             _check_layout(args, pipelined=isinstance(getattr(model, "module", model), NxDPPModel))
         self.nxd_config = args.nxd_config(lora_config=peft_config)
@@ -233,6 +235,21 @@ def _place(nxd_model: NxDModel, device) -> None:
         if any(t.device.type != device.type or (device.index is not None and t.device != device)
                for t in (*root.parameters(), *root.buffers())):
             move_model_to_device(root, device)
+
+
+def _resolve_auto_sizes(args: NxDTrainingArguments, model, peft_config) -> None:
+    """tensor/pipeline_parallel_size="auto": the best layout ``nxd_hf.plan`` finds for this model,
+    the world size, this device's memory and the arguments' batch (then checked as any sizes)."""
+    if model is None or _is_parallel(model) or not hasattr(model, "config"):
+        raise ValueError("tensor_parallel_size/pipeline_parallel_size='auto' needs the plain HF model passed as "
+                         "model= (not model_init, not an already parallel model): give the sizes as integers")
+    from nxd_hf.plan.auto import resolve_auto_sizes
+
+    chosen = resolve_auto_sizes(args, model, lora_config=peft_config)
+    from nxd_hf.utils.logger import get_logger
+
+    get_logger().info(f"nxd_hf.plan chose {chosen} for the 'auto' sizes")
+    args._check_layout()
 
 
 def _is_parallel(model) -> bool:

@@ -1,0 +1,93 @@
+"""One layout's measurement beside the plan's prediction (``bench/plan/run.py``)."""
+
+import os
+
+from nxd_hf.plan.api import load_config
+from nxd_hf.plan.cluster import PRESETS, make_cluster
+from nxd_hf.plan.layout import Layout
+from nxd_hf.plan.memory import Workload, rank_memory
+from nxd_hf.plan.search import predict
+from nxd_hf.plan.shapes import meta_model, model_shape, rank_params
+from nxd_hf.plan.step_comm import step_terms
+
+from bench.plan.models import MODELS
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def _layout(case: dict) -> Layout:
+    return Layout(tp=case["tp"], pp=case["pp"], dp=case["dp"], sequence_parallel=case["sequence_parallel"],
+                  zero_1=case["zero_1"], num_microbatches=case["num_microbatches"], schedule=case["schedule"],
+                  recompute=case["recompute"])
+
+
+def _lora_config(case: dict):
+    if not case["lora"]:
+        return None
+    import peft
+
+    return peft.LoraConfig(r=case["lora_r"], lora_alpha=16, target_modules=list(LORA_TARGETS))
+
+
+def _by_axis_op(items) -> dict:
+    out = {}
+    for axis, op, nbytes in items:
+        out[f"{axis}:{op}"] = out.get(f"{axis}:{op}", 0) + nbytes
+    return out
+
+
+def compare_case(case: dict, ranks: list[dict]) -> dict:
+    config = load_config(MODELS[case["model"]]())
+    model = meta_model(config)
+    shape = model_shape(config, model)
+    layout = _layout(case)
+    work = Workload(micro_batch_size=case["micro_batch"], seq_len=case["seq"],
+                    global_batch_size=case["micro_batch"] * case["num_microbatches"] * case["dp"],
+                    lora_r=case["lora_r"] if case["lora"] else 0, lora_targets=LORA_TARGETS if case["lora"] else ())
+    counts = rank_params(config, model, tp=layout.tp, lora_config=_lora_config(case))
+    world = layout.tp * layout.pp * layout.dp
+    # this machine: ranks beyond its cores share them
+    cluster = make_cluster(world_size=world, device_memory="24GiB", preset="cpu",
+                           flops=PRESETS["cpu"]["flops"] * min(1.0, (os.cpu_count() or 1) / world))
+    whole = predict(shape, counts, work, layout, cluster)
+    out = []
+    for r in ranks:
+        memory = rank_memory(shape, counts, work, layout, r["pp_rank"])
+        terms = step_terms(shape, counts, work, layout, r["pp_rank"])
+        predicted_comm = _by_axis_op((t.axis, t.op, t.payload_bytes) for t in terms)
+        measured = _by_axis_op((c["axis"], c["op"], c["bytes"]) for c in r["comm"])
+        if r["p2p_send_bytes"]:
+            measured["pp:send"] = r["p2p_send_bytes"]
+        predicted_params = memory["parameters"] + memory["lora"]
+        measured_peak = r["peak_anon"] - r["baseline_anon"]
+        out.append(dict(rank=r["rank"], pp_rank=r["pp_rank"], predicted=memory, predicted_peak=memory["peak"],
+                        measured_peak=measured_peak, memory_ratio=measured_peak / memory["peak"],
+                        predicted_param_bytes=predicted_params, measured_param_bytes=r["param_bytes"],
+                        param_bytes_equal=predicted_params == r["param_bytes"],
+                        predicted_comm=predicted_comm, measured_comm=measured, comm_equal=predicted_comm == measured,
+                        step_seconds=r["step_seconds"]))
+    return dict(model=case["model"], layout=layout.name() + (" lora" if case["lora"] else ""), case=case,
+                predicted_step_s=whole.step_time, measured_step_s=max(r["step_seconds"] for r in ranks),
+                measured_step_cpu_s=max(r.get("step_cpu_seconds", 0.0) for r in ranks), ranks=out)
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman's rank correlation (average ranks for ties)."""
+    def ranks(v):
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        out = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2
+            i = j + 1
+        return out
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    var = (sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry)) ** 0.5
+    return cov / var if var else 0.0

@@ -1,0 +1,38 @@
+"""The bench's models (small, random weights) and its grid of layouts. Each is ~10-20M parameters:
+below that a rank's peak is a few MiB, where what the cost model leaves out (Python objects of the
+modules and optimizer, allocator slack: 1-7 MiB measured) is more than 10% of it."""
+
+import transformers
+
+MODELS = {
+    # ~14M parameters, GQA 8/2 (K/V replicated at tp=4), vocab 1001 (padded at tp > 1)
+    "llama-s": lambda: transformers.LlamaConfig(
+        vocab_size=1001, hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False),
+    # ~19M parameters, Qwen2: Q/K/V biases, tied embeddings, 8/8 heads (MHA)
+    "qwen2-s": lambda: transformers.Qwen2Config(
+        vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=8, max_position_embeddings=512, tie_word_embeddings=True),
+    # Mixtral: 4 experts, top-2 (MoE at tp=1)
+    "mixtral-t": lambda: transformers.MixtralConfig(
+        vocab_size=1024, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=512),
+}
+
+# (model, tp, pp, dp, options); batch per DP replica and sequence length in run.py
+GRID = [
+    ("llama-s", 1, 1, 1, {}),
+    ("llama-s", 1, 1, 1, {"recompute": True}),
+    ("llama-s", 1, 1, 1, {"lora": True}),
+    ("qwen2-s", 1, 1, 1, {}),
+    ("mixtral-t", 1, 1, 1, {}),
+    ("llama-s", 2, 1, 1, {}),
+    ("llama-s", 2, 1, 1, {"sequence_parallel": True}),
+    ("llama-s", 1, 1, 2, {}),
+    ("llama-s", 1, 1, 2, {"zero_1": True}),
+    ("llama-s", 1, 2, 1, {"schedule": "1f1b", "num_microbatches": 2}),
+    ("qwen2-s", 2, 1, 1, {"lora": True}),
+    ("llama-s", 4, 1, 1, {}),
+    ("llama-s", 2, 1, 2, {"zero_1": True}),
+    ("llama-s", 2, 2, 1, {"schedule": "gpipe", "num_microbatches": 4}),
+]

@@ -1,0 +1,99 @@
+"""The plan's cost model against measurement: a grid of small real layouts (``bench/plan/models.py``:
+tp/pp/dp, sequence parallelism, ZeRO-1, recomputation, LoRA on three tiny-to-small models, worlds
+of 1, 2 and 4 gloo ranks on CPU) each trained for a few steps through ``nxd_hf.parallelize``:
+
+- peak memory per rank: peak RssAnon (sampled every 2 ms) minus the rank's baseline just before
+  the layout is built, beside ``nxd_hf.plan``'s predicted peak for that rank (target: ratio within
+  1 +- 0.10 for every rank of every layout);
+- parameter bytes per rank (LoRA included) beside the prediction (target: equal);
+- communication of the last step: payload bytes per (group, collective) counted by
+  ``nxd_hf.backend.count_comm``, and the pipeline's sends, beside the predicted terms (target: equal);
+- step time: the Spearman rank correlation of predicted (``cpu`` preset, ranks sharing the
+  machine's cores) and measured times (the fastest step after the first, wall clock and the
+  process's CPU time; absolute times on a shared CPU mean little).
+
+Run from the repo root: ``python -m bench.plan [--out PATH] [--steps N]``; JSON in bench/results/plan.json.
+"""
+
+import argparse
+import json
+import os
+import time
+
+from bench.common import RESULTS
+from bench.common.stamp import stamp
+from bench.plan.compare import compare_case, spearman
+from bench.plan.models import GRID
+
+MICRO_BATCH, SEQ = 2, 128
+
+
+def cases(steps: int) -> list[dict]:
+    out = []
+    for model, tp, pp, dp, options in GRID:
+        out.append(dict(model=model, tp=tp, pp=pp, dp=dp, sequence_parallel=options.get("sequence_parallel", False),
+                        recompute=options.get("recompute", False), lora=options.get("lora", False), lora_r=8,
+                        zero_1=options.get("zero_1", False), schedule=options.get("schedule"),
+                        num_microbatches=options.get("num_microbatches", 1), micro_batch=MICRO_BATCH, seq=SEQ,
+                        steps=steps))
+    return out
+
+
+def measure(all_cases: list[dict]) -> list[list[dict]]:
+    """Per case, every rank's measurement: one spawn per world size."""
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"  # every tensor its own mapping, returned when freed
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    from nxd_hf.testing import run_distributed
+    from bench.plan.worker import run_cases
+
+    results: list = [None] * len(all_cases)
+    for world in sorted({c["tp"] * c["pp"] * c["dp"] for c in all_cases}):
+        index = [i for i, c in enumerate(all_cases) if c["tp"] * c["pp"] * c["dp"] == world]
+        start = time.perf_counter()
+        per_rank = run_distributed(run_cases, world, [all_cases[i] for i in index], timeout_s=600)
+        print(f"world {world}: {len(index)} layouts in {time.perf_counter() - start:.0f}s", flush=True)
+        for j, i in enumerate(index):
+            results[i] = [rank[j] for rank in per_rank]
+    return results
+
+
+def format_rows(rows: list[dict]) -> str:
+    head = (f"{'model':<10} {'layout':<34} {'rank':>4} {'pred MiB':>9} {'meas MiB':>9} {'ratio':>6} "
+            f"{'param B ok':>10} {'comm B ok':>9} {'pred s':>8} {'meas s':>7} {'cpu s':>6}")
+    lines = [head, "-" * len(head)]
+    for row in rows:
+        for r in row["ranks"]:
+            lines.append(f"{row['model']:<10} {row['layout']:<34} {r['rank']:>4} {r['predicted_peak'] / 2**20:>9.1f} "
+                         f"{r['measured_peak'] / 2**20:>9.1f} {r['memory_ratio']:>6.3f} "
+                         f"{str(r['param_bytes_equal']):>10} {str(r['comm_equal']):>9} "
+                         f"{row['predicted_step_s']:>8.4f} {row['measured_step_s']:>7.2f} "
+                         f"{row['measured_step_cpu_s']:>6.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.plan", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=str(RESULTS / "plan.json"))
+    parser.add_argument("--steps", type=int, default=4, help="training steps per layout (the last is counted)")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    all_cases = cases(args.steps)
+    measured = measure(all_cases)
+    rows = [compare_case(case, ranks) for case, ranks in zip(all_cases, measured)]
+    print(format_rows(rows))
+    ratios = [r["memory_ratio"] for row in rows for r in row["ranks"]]
+    predicted = [row["predicted_step_s"] for row in rows]
+    rho = spearman(predicted, [row["measured_step_s"] for row in rows])
+    rho_cpu = spearman(predicted, [row["measured_step_cpu_s"] for row in rows])
+    summary = dict(
+        memory_ratio_min=min(ratios), memory_ratio_max=max(ratios),
+        memory_within_10pct=all(0.9 <= x <= 1.1 for x in ratios),
+        param_bytes_equal=all(r["param_bytes_equal"] for row in rows for r in row["ranks"]),
+        comm_bytes_equal=all(r["comm_equal"] for row in rows for r in row["ranks"]),
+        step_time_spearman=rho, step_cpu_time_spearman=rho_cpu, total_seconds=time.perf_counter() - start)
+    print("\n" + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(dict(**stamp(), micro_batch=MICRO_BATCH, seq_len=SEQ, steps=args.steps, summary=summary, rows=rows),
+                  f, indent=1)
+    print(f"wrote {args.out}")

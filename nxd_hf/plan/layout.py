@@ -1,0 +1,74 @@
+"""A candidate layout and what the cost model predicts for it (plans as data)."""
+
+import dataclasses
+from typing import Literal
+
+Schedule = Literal["1f1b", "gpipe", "interleaved_1f1b"]
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class Layout:
+    """One way to run the model on the cluster."""
+
+    tp: int
+    """Tensor-parallel size."""
+    pp: int
+    """Pipeline-parallel size."""
+    dp: int
+    """Data-parallel size (world / (tp x pp))."""
+    ep: int = 1
+    """Expert-parallel size, carved from dp (dp % ep == 0); 1 for dense models."""
+    sequence_parallel: bool = False
+    """Activations split along the sequence between TP regions."""
+    zero_1: bool = False
+    """Optimizer state sharded over dp."""
+    num_microbatches: int = 1
+    """Microbatches per optimizer step and replica (pipeline microbatches, or gradient accumulation at pp=1)."""
+    schedule: Schedule | None = None
+    """Pipeline schedule (None at pp=1)."""
+    virtual_stages: int = 1
+    """Pipeline stages per rank (interleaved schedules)."""
+    recompute: bool = False
+    """Full activation checkpointing of every decoder layer."""
+
+    def name(self) -> str:
+        parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}"]
+        parts += [f"ep{self.ep}"] if self.ep > 1 else []
+        parts += ["sp"] if self.sequence_parallel else []
+        parts += ["zero1"] if self.zero_1 else []
+        parts += [f"mb{self.num_microbatches}"]
+        parts += [self.schedule + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else "")] if self.schedule else []
+        parts += ["recompute"] if self.recompute else []
+        return " ".join(parts)
+
+
+@dataclasses.dataclass(kw_only=True)
+class Prediction:
+    """The cost model's numbers for one layout (bytes per rank, seconds per step)."""
+
+    layout: Layout
+    memory: dict
+    """Peak bytes of the busiest rank, itemized: parameters, gradients, optimizer_state, activations,
+    loss, communication_buffers, lora (and ``peak``, their peak-time sum)."""
+    time: dict
+    """Seconds per optimizer step, itemized: compute, one entry per communication term, bubble (and ``step``)."""
+    comm: list
+    """The communication terms of one step (``nxd_hf.plan.comm.Term``), payload bytes per rank."""
+    fits: bool = True
+
+    @property
+    def peak_memory(self) -> int:
+        return self.memory["peak"]
+
+    @property
+    def step_time(self) -> float:
+        return self.time["step"]
+
+
+@dataclasses.dataclass(kw_only=True)
+class Rejected:
+    """A layout that was not kept, and why."""
+
+    layout: Layout
+    reason: str
+    peak_memory: int | None = None

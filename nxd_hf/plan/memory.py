@@ -1,0 +1,162 @@
+"""Peak memory per rank, itemized, from the model's shape and the ranks' parameter counts.
+
+Activations are the tensors autograd saves for backward, per token and decoder layer, read off
+the config for a pre-norm decoder (RMSNorm, rotary attention through SDPA, gated or plain MLP,
+fused top-k experts); a frozen linear layer (LoRA) saves no input for its weight gradient:
+
+- each norm: its input x (h) and 1/rms (1), and x/rms (h) when the norm weight trains;
+- attention: the input of Q/K/V (h, when they train or carry adapters), the rotated Q
+  (heads x d), K and V (kv heads x d), SDPA's output (heads x d, also o_proj's input) and
+  log-sum-exp (heads);
+- a gated MLP: its input (h, when trained), gate (I), act(gate) (I), up (I), and the product
+  (I, down's input, when trained);
+- experts: router logits (E) and top-k, and per chosen expert the token (h), gate|up (2I),
+  act (I), product (I), output (h) and weight (1);
+- LoRA: the r-wide output of each adapter's A.
+Sharded parts divide by tp (sequence parallelism divides the rest too). The peak is at the
+start of backward (all activations, the loss's logits, log-probabilities and their gradient,
+no gradients yet) or at its end (all gradients plus a bucket being reduced), on top of the
+parameters and optimizer state."""
+
+import dataclasses
+
+from nxd_hf.plan.layout import Layout
+from nxd_hf.plan.shapes import ModelShape, RankParams
+from nxd_hf.parallel_layers.sharding import padded_size
+
+BUCKET_BYTES = 25 * 2**20  # parallelize's bucket_size_mb
+
+
+@dataclasses.dataclass(kw_only=True)
+class Workload:
+    """What one optimizer step computes."""
+
+    micro_batch_size: int
+    """Sequences per microbatch and data-parallel replica."""
+    seq_len: int
+    """Tokens per sequence."""
+    global_batch_size: int
+    """Sequences per optimizer step over all replicas."""
+    param_bytes: int = 4
+    """Bytes per parameter (4: fp32, 2: bf16)."""
+    lora_r: int = 0
+    """LoRA rank (0: full training)."""
+    lora_targets: tuple[str, ...] = ()
+    """Projections carrying adapters (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)."""
+
+    @property
+    def lora(self) -> bool:
+        return self.lora_r > 0
+
+    def trains(self, projection: str) -> bool:
+        return not self.lora or projection in self.lora_targets
+
+
+def layer_activation_elements(shape: ModelShape, work: Workload, layout: Layout, *, moe: bool) -> float:
+    """Elements autograd saves per token of one decoder layer on one rank."""
+    h, tp, sp = shape.hidden, layout.tp, layout.sequence_parallel
+    full = not work.lora
+    heads = padded_size(shape.num_heads, tp) if shape.num_heads == shape.num_kv_heads else shape.num_heads
+    kv = shape.num_kv_heads * max(1, tp // _gcd(shape.num_kv_heads, tp)) if shape.num_heads != shape.num_kv_heads \
+        else heads
+    norms = 2 * (h + 1 + (h if full else 0)) / (tp if sp else 1)
+    attention_in = h if any(work.trains(p) for p in ("q_proj", "k_proj", "v_proj")) else 0
+    attention = (2 * heads * shape.head_dim + 2 * kv * shape.head_dim + heads) / tp
+    lora = work.lora_r * len(work.lora_targets)
+    if moe:
+        i, k = shape.expert_intermediate / tp, shape.top_k
+        mlp = (h if full else 0) + shape.num_experts + 3 * k + k * (h + 3 * i + (i if full else 0) + h + 1)
+    else:
+        i = shape.intermediate / tp
+        mlp = (h if work.trains("gate_proj") or work.trains("up_proj") else 0) + 3 * i + (i if work.trains("down_proj") else 0)
+    return norms + attention_in + attention + lora + mlp
+
+
+def _gcd(a: int, b: int) -> int:
+    while b:
+        a, b = b, a % b
+    return a
+
+
+def stage_layers(num_layers: int, pp: int, virtual: int = 1) -> list[range]:
+    """Layers of each pipeline rank (``nxd_hf.pipeline.partition.auto_cuts``: remainder on later stages)."""
+    stages = pp * virtual
+    base, extra = divmod(num_layers, stages)
+    sizes = [base + (1 if s >= stages - extra else 0) for s in range(stages)]
+    starts = [sum(sizes[:s]) for s in range(stages)]
+    per_rank = [[] for _ in range(pp)]
+    for s in range(stages):
+        per_rank[s % pp].extend(range(starts[s], starts[s] + sizes[s]))
+    return [range(min(r), max(r) + 1) if r else range(0) for r in per_rank]
+
+
+def in_flight(layout: Layout, pp_rank: int) -> int:
+    """Microbatches whose activations a pipeline rank holds at once."""
+    if layout.pp == 1:
+        return 1
+    if layout.schedule == "gpipe":
+        return layout.num_microbatches
+    return min(layout.num_microbatches, layout.pp - pp_rank + (layout.pp if layout.virtual_stages > 1 else 0))
+
+
+def rank_memory(shape: ModelShape, params: RankParams, work: Workload, layout: Layout, pp_rank: int) -> dict:
+    """Itemized peak bytes of one pipeline rank (TP rank 0)."""
+    layers = stage_layers(shape.num_layers, layout.pp, layout.virtual_stages)[pp_rank]
+    first, last = pp_rank == 0, pp_rank == layout.pp - 1
+    n_params = params.stage(layers, first=first, last=last)
+    n_lora = params.stage(layers, first=first, last=last, lora=True)
+    trainable = n_lora if work.lora else n_params
+    grad_bytes = trainable * (4 if work.lora else work.param_bytes)
+    dp_shard = layout.dp if layout.zero_1 else 1
+    state = 2 * 4 * trainable / dp_shard  # AdamW's two moments (fp32)
+    if work.param_bytes < 4 and not work.lora and not layout.zero_1:
+        state += 4 * trainable  # fp32 master weights of low-precision parameters
+    buffers = 0.0
+    if layout.zero_1:
+        state += 2 * 4 * trainable / dp_shard  # the fp32 master slice and its gradient
+        buffers = min(BUCKET_BYTES, grad_bytes)  # the collective staging buffer (dp x a bucket's columns)
+    elif layout.dp > 1:  # flat buckets of the gradient all-reduce; the next is built while the last is held
+        buffers = min(2 * BUCKET_BYTES, grad_bytes)
+    tokens = work.micro_batch_size * work.seq_len
+    act_bytes = work.param_bytes  # activations take the parameters' dtype
+    moe_layers = set(range(shape.num_layers)) if shape.moe_layers == shape.num_layers else set()
+    per_layer = [layer_activation_elements(shape, work, layout, moe=i in moe_layers) * tokens * act_bytes
+                 for i in layers]
+    one_layer = max(per_layer, default=0)
+    if layout.recompute:  # each layer keeps its input; backward recomputes one layer at a time
+        per_microbatch = len(layers) * tokens * shape.hidden / (layout.tp if layout.sequence_parallel else 1) * act_bytes
+    else:
+        per_microbatch = sum(per_layer)
+    loss_saved = loss_forward = loss_backward = head_grad = tied_grad = 0.0
+    if last:
+        vocab = padded_size(shape.vocab, layout.tp) / layout.tp
+        logits = tokens * 4 * vocab  # fp32
+        loss_saved = logits + tokens * act_bytes * (3 * shape.hidden + 1)  # log-probs or softmax; final norm
+        # end of forward: HF's loss holds the logits and log-probs; the vocab-parallel one (tp > 1) the
+        # logits, their fp32 masked copy, the shifted logits, their exp and a masked sum operand
+        loss_forward = logits * (2 if layout.tp == 1 else 5)
+        loss_backward = logits * (2 if layout.tp == 1 else 1)  # the gradients of log-probs and logits
+        head_grad = 0 if work.lora else vocab * shape.hidden * work.param_bytes
+        if params.tied_embedding and layout.pp == 1 and not work.lora:  # the lookup's gradient, then summed in
+            tied_grad = params.tied_embedding * work.param_bytes
+    flight, m = in_flight(layout, pp_rank), layout.num_microbatches
+    after_first = (flight if m > flight else flight - 1) if m > 1 else 0  # held with the gradients
+    activations = per_microbatch * flight + (one_layer if layout.recompute else 0)
+    held = per_microbatch * flight + loss_saved * (flight - 1 if last else 0)
+    end_of_forward = held + loss_forward
+    start_of_backward = held + loss_saved + loss_backward + head_grad
+    end_of_backward = grad_bytes + one_layer + tied_grad + (per_microbatch + loss_saved * last) * after_first
+    reduction = grad_bytes + buffers
+    items = dict(parameters=n_params * work.param_bytes, lora=n_lora * 4, gradients=grad_bytes, optimizer_state=state,
+                 activations=activations, loss=max(loss_forward, loss_saved + loss_backward),
+                 communication_buffers=buffers)
+    items["peak"] = int(items["parameters"] + items["lora"] + state
+                        + max(end_of_forward, start_of_backward, end_of_backward, reduction))
+    return {k: int(v) for k, v in items.items()}
+
+
+def peak_memory(shape: ModelShape, params: RankParams, work: Workload, layout: Layout) -> dict:
+    """The itemized memory of the busiest pipeline rank."""
+    ranks = [rank_memory(shape, params, work, layout, r) for r in range(layout.pp)]
+    worst = max(range(layout.pp), key=lambda r: ranks[r]["peak"])
+    return {**ranks[worst], "pp_rank": worst}

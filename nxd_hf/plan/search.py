@@ -1,0 +1,120 @@
+"""The search: every (tp, pp, dp, ep, sequence parallelism, ZeRO-1, schedule, recomputation)
+for the world size, each checked against nxd_hf's rules and priced by the cost model; the ones
+that fit are ranked by predicted step time (then memory), the others kept with the reason."""
+
+import dataclasses
+
+from nxd_hf.plan.cluster import Cluster
+from nxd_hf.plan.compute import step_time
+from nxd_hf.plan.layout import Layout, Prediction, Rejected
+from nxd_hf.plan.memory import Workload, peak_memory
+from nxd_hf.plan.shapes import ModelShape, experts_supported, rank_params
+from nxd_hf.plan.step_comm import step_terms
+
+GiB = 2**30
+
+
+@dataclasses.dataclass(kw_only=True)
+class PlanResult:
+    """Ranked layouts that fit (best first) and the rejected ones with their reasons."""
+
+    ranked: list[Prediction]
+    rejected: list[Rejected]
+    shape: ModelShape
+    cluster: Cluster
+    workload: Workload
+
+    @property
+    def best(self) -> Prediction:
+        if not self.ranked:
+            reasons = sorted({r.reason.split(":")[0] for r in self.rejected})
+            raise ValueError(f"no layout of {self.shape.model_type} fits {self.cluster.world_size} ranks of "
+                             f"{self.cluster.device_memory / GiB:.1f} GiB ({'; '.join(reasons)}): use more ranks or "
+                             "memory, a shorter sequence, a smaller micro batch, or LoRA")
+        return self.ranked[0]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(shape: ModelShape, world_size: int, work: Workload, *, schedules=("1f1b", "gpipe", "interleaved_1f1b"),
+               fixed: dict | None = None):
+    """Every layout of ``world_size`` ranks (``fixed``: field values to keep, e.g. {"tp": 2})."""
+    fixed = fixed or {}
+    for tp in _divisors(world_size):
+        for pp in _divisors(world_size // tp):
+            dp = world_size // (tp * pp)
+            per_step = dp * work.micro_batch_size
+            microbatches = max(1, work.global_batch_size // per_step)
+            eps = [e for e in _divisors(dp) if shape.num_experts and shape.num_experts % e == 0] or [1]
+            for ep in eps:
+                for sp in ([False, True] if tp > 1 else [False]):
+                    for zero_1 in ([False, True] if dp > 1 else [False]):
+                        for recompute in (False, True):
+                            for schedule, virtual in ([(s, 2 if s.startswith("interleaved") else 1) for s in schedules]
+                                                      if pp > 1 else [(None, 1)]):
+                                layout = Layout(tp=tp, pp=pp, dp=dp, ep=ep, sequence_parallel=sp, zero_1=zero_1,
+                                                num_microbatches=microbatches, schedule=schedule,
+                                                virtual_stages=virtual, recompute=recompute)
+                                if all(getattr(layout, k) == v for k, v in fixed.items()):
+                                    yield layout
+
+
+def why_not(shape: ModelShape, work: Workload, layout: Layout) -> str | None:
+    """The rule a layout breaks, in words, or None."""
+    if work.global_batch_size % (layout.dp * work.micro_batch_size):
+        return (f"global batch {work.global_batch_size} does not divide into dp={layout.dp} x micro batch "
+                f"{work.micro_batch_size}")
+    if layout.pp * layout.virtual_stages > shape.num_layers:
+        return f"{layout.pp * layout.virtual_stages} pipeline stages for {shape.num_layers} layers"
+    if layout.schedule == "1f1b" and layout.num_microbatches < layout.pp:
+        return f"1f1b needs microbatches ({layout.num_microbatches}) >= pp ({layout.pp})"
+    if layout.schedule == "interleaved_1f1b" and layout.num_microbatches % layout.pp:
+        return f"interleaved_1f1b needs microbatches ({layout.num_microbatches}) a multiple of pp ({layout.pp})"
+    if layout.sequence_parallel and not shape.sequence_parallel:
+        return f"{shape.model_type} does not support sequence parallelism"
+    if layout.sequence_parallel and work.seq_len % layout.tp:
+        return f"sequence length {work.seq_len} does not divide over tp={layout.tp} (sequence parallelism)"
+    if shape.num_experts and layout.dp % layout.ep:
+        return f"ep={layout.ep} does not divide dp={layout.dp} (experts are carved from data parallelism)"
+    if shape.num_experts:
+        return experts_supported(layout.tp, layout.ep)
+    return None
+
+
+def predict(shape: ModelShape, counts, work: Workload, layout: Layout, cluster: Cluster) -> Prediction:
+    """The cost model's numbers for one valid layout (``counts``: ``shapes.rank_params`` at its tp, ep)."""
+    memory = peak_memory(shape, counts, work, layout)
+    terms = step_terms(shape, counts, work, layout, memory["pp_rank"])
+    return Prediction(layout=layout, memory=memory, comm=terms, time=step_time(shape, work, layout, cluster, terms))
+
+
+def search(config, model, shape: ModelShape, work: Workload, cluster: Cluster, *, lora_config=None,
+           memory_margin: float = 0.1, fixed: dict | None = None) -> PlanResult:
+    """Rank every layout of ``cluster`` for ``work``; a layout fits when its predicted peak stays
+    under ``(1 - memory_margin) x device_memory`` (the margin covers the allocator's slack)."""
+    ranked, rejected, params = [], [], {}
+    budget = cluster.device_memory * (1 - memory_margin)
+    for layout in candidates(shape, cluster.world_size, work, fixed=fixed):
+        reason = why_not(shape, work, layout)
+        if reason is None and (layout.tp, layout.ep) not in params:
+            try:
+                params[layout.tp, layout.ep] = rank_params(config, model, tp=layout.tp, ep=layout.ep,
+                                                           lora_config=lora_config)
+            except ValueError as error:
+                params[layout.tp, layout.ep] = str(error)
+        if reason is None and isinstance(params[layout.tp, layout.ep], str):
+            reason = f"nxd_hf cannot shard it: {params[layout.tp, layout.ep]}"
+        if reason is not None:
+            rejected.append(Rejected(layout=layout, reason=reason))
+            continue
+        prediction = predict(shape, params[layout.tp, layout.ep], work, layout, cluster)
+        memory = prediction.memory
+        if memory["peak"] > budget:
+            rejected.append(Rejected(layout=layout, peak_memory=memory["peak"], reason=(
+                f"does not fit: needs {memory['peak'] / GiB:.2f} GiB per rank of {budget / GiB:.2f} GiB usable")))
+            continue
+        ranked.append(prediction)
+    ranked.sort(key=lambda p: (p.step_time, p.peak_memory))
+    return PlanResult(ranked=ranked, rejected=rejected, shape=shape, cluster=cluster, workload=work)

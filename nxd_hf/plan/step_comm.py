@@ -1,0 +1,125 @@
+"""The communication terms of one optimizer step of a whole model under a layout, per rank of
+the busiest pipeline stage: each decoder layer's tensor-parallel traffic (``comm.block_terms``'s
+theory), the vocab-parallel embedding, LM head and loss, the weight-gradient syncs the layout
+needs (replicated K/V, sequence-parallel norms, LoRA factors), data-parallel gradient reduction
+(all-reduce, or ZeRO-1's reduce-scatter and all-gather) and the pipeline's sends."""
+
+from nxd_hf.plan.comm import FP32_BYTES, Term, bucket_count, kv_size_multiplier
+from nxd_hf.plan.layout import Layout
+from nxd_hf.plan.memory import BUCKET_BYTES, Workload, stage_layers
+from nxd_hf.plan.shapes import ModelShape, RankParams
+from nxd_hf.parallel_layers.sharding import padded_size
+
+
+def _add(terms: list, **kw) -> None:
+    if kw["count"] > 0:
+        terms.append(Term(**kw))
+
+
+def _tp_activation_terms(shape: ModelShape, work: Workload, layout: Layout, layers: range, first_layers: bool,
+                         last_layers: bool, first: bool, last: bool) -> list[Term]:
+    """Per step (all microbatches) on one stage: layers, embedding, LM head and loss."""
+    m, tp = layout.num_microbatches, layout.tp
+    act = work.micro_batch_size * work.seq_len * shape.hidden * FP32_BYTES
+    tokens_bytes = work.micro_batch_size * work.seq_len * FP32_BYTES
+    n = len(layers)
+    # the first layer's attention input needs no gradient when the embedding is frozen (LoRA)
+    skip = 1 if (work.lora and first_layers) else 0
+    terms = []
+    if layout.sequence_parallel:
+        _add(terms, phase="fwd", op="all_gather", kind="activation", count=m * (2 * n + last_layers),
+             payload_bytes=m * (2 * n + last_layers) * act // tp, formula="m x (2L + last) x b*(s/tp)*h*4")
+        _add(terms, phase="fwd", op="reduce_scatter", kind="activation", count=m * 2 * n,
+             payload_bytes=m * 2 * n * act, formula="m x 2L x b*s*h*4")
+        back = 2 * n + (first_layers and not work.lora)
+        _add(terms, phase="bwd", op="all_gather", kind="activation", count=m * back,
+             payload_bytes=m * back * act // tp, formula="m x (2L + first) x b*(s/tp)*h*4")
+        _add(terms, phase="bwd", op="reduce_scatter", kind="activation", count=m * (2 * n - skip),
+             payload_bytes=m * (2 * n - skip) * act, formula="m x 2L x b*s*h*4")
+    else:
+        _add(terms, phase="fwd", op="all_reduce", kind="activation", count=m * 2 * n,
+             payload_bytes=m * 2 * n * act, formula="m x 2L x b*s*h*4")
+        _add(terms, phase="bwd", op="all_reduce", kind="activation", count=m * (2 * n - skip),
+             payload_bytes=m * (2 * n - skip) * act, formula="m x 2L x b*s*h*4")
+    if first:
+        _add(terms, phase="embedding", op="all_reduce", kind="activation", count=m, payload_bytes=m * act,
+             formula="m x b*s*h*4 (vocab-parallel lookup)")
+    if last:
+        _add(terms, phase="lm_head", op="all_reduce", kind="activation", count=m, payload_bytes=m * act,
+             formula="m x b*s*h*4 (backward into the LM head's region)")
+        _add(terms, phase="loss", op="all_reduce", kind="activation", count=2 * m, payload_bytes=m * 4 * tokens_bytes,
+             formula="m x (max + [sum exp, target, sum]) x b*s*4")
+    return terms
+
+
+def _tp_design_terms(shape: ModelShape, work: Workload, layout: Layout, layers: range, lora_sync: int) -> list[Term]:
+    """Weight-gradient syncs over TP: replicated K/V copies (each microbatch's backward), and
+    one bucketed all-reduce per step of partial gradients (SP norms, LoRA's replicated factors)."""
+    m, n, terms = layout.num_microbatches, len(layers), []
+    kv = shape.num_kv_heads * shape.head_dim
+    if shape.num_heads != shape.num_kv_heads and kv_size_multiplier(shape.num_kv_heads, layout.tp) > 1:
+        if not work.lora:
+            _add(terms, phase="kv_grad_sync", op="all_reduce", kind="design", count=m * 2 * n,
+                 payload_bytes=m * n * 2 * kv * shape.hidden * FP32_BYTES, formula="m x L x 2 x kv*h*4")
+        elif {"k_proj", "v_proj"} & set(work.lora_targets):
+            k = len({"k_proj", "v_proj"} & set(work.lora_targets))
+            _add(terms, phase="kv_grad_sync", op="all_reduce", kind="design", count=m * k * n,
+                 payload_bytes=m * n * k * kv * work.lora_r * FP32_BYTES, formula="m x L x kv*r*4 per K/V adapter")
+    partial = 0
+    if layout.sequence_parallel and not work.lora:
+        partial += n * 2 * shape.hidden * FP32_BYTES
+    partial += lora_sync
+    if partial:
+        _add(terms, phase="partial_grad_sync", op="all_reduce", kind="design", count=bucket_count(partial, BUCKET_BYTES),
+             payload_bytes=partial, formula="(SP norm weights 2h per layer + LoRA factors) x 4, bucketed")
+    return terms
+
+
+def _lora_tp_sync_bytes(shape: ModelShape, work: Workload, n_layers: int) -> int:
+    """LoRA factors replicated over TP whose gradients are partial: a column layer's A [r, in],
+    a row layer's B [out, r]."""
+    if not work.lora:
+        return 0
+    # A of q/k/v/gate/up is [r, h]; B of o_proj/down is [h, r]
+    projections = {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    return sum(shape.hidden * work.lora_r for t in work.lora_targets if t in projections) * n_layers * FP32_BYTES
+
+
+def step_terms(shape: ModelShape, params: RankParams, work: Workload, layout: Layout, pp_rank: int = 0) -> list[Term]:
+    """Every communication term of one optimizer step on pipeline rank ``pp_rank``."""
+    stages = stage_layers(shape.num_layers, layout.pp, layout.virtual_stages)
+    layers = stages[pp_rank]
+    first, last = pp_rank == 0, pp_rank == layout.pp - 1
+    terms = []
+    if layout.tp > 1:
+        terms += _tp_activation_terms(shape, work, layout, layers, 0 in layers, shape.num_layers - 1 in layers,
+                                      first, last)
+        terms += _tp_design_terms(shape, work, layout, layers, _lora_tp_sync_bytes(shape, work, len(layers)))
+    trainable = params.stage(layers, first=first, last=last, lora=work.lora) * (4 if work.lora else work.param_bytes)
+    if layout.dp > 1 and layout.zero_1:
+        padded = padded_size(trainable // FP32_BYTES, layout.dp) * FP32_BYTES
+        buckets = bucket_count(padded, BUCKET_BYTES)
+        terms.append(Term(phase="zero1", op="reduce_scatter", kind="gradient", count=buckets, payload_bytes=padded,
+                          formula="trainable grads, padded to dp", axis="dp"))
+        terms.append(Term(phase="zero1", op="all_gather", kind="gradient", count=buckets,
+                          payload_bytes=padded // layout.dp, formula="trainable params / dp", axis="dp"))
+    elif layout.dp > 1:
+        terms.append(Term(phase="dp_grad", op="all_reduce", kind="gradient", count=bucket_count(trainable, BUCKET_BYTES),
+                          payload_bytes=trainable, formula="trainable grads, bucketed", axis="dp"))
+    if layout.ep > 1 and shape.moe_layers:
+        # expert parallelism (the contract of the EP work): each MoE layer sends every token's top-k
+        # hidden states to the experts' owners and back, in forward and again in backward
+        moe = round(len(layers) * shape.moe_layers / shape.num_layers)  # this stage's share of MoE layers
+        routed = work.micro_batch_size * work.seq_len * shape.top_k * shape.hidden * work.param_bytes
+        count = layout.num_microbatches * moe * 4
+        _add(terms, phase="ep_dispatch", op="all_to_all", kind="activation", count=count,
+             payload_bytes=count * routed, formula="m x MoE layers x 4 x b*s*top_k*h (dispatch, combine; fwd, bwd)",
+             axis="ep")
+    if layout.pp > 1:
+        act = work.micro_batch_size * work.seq_len * shape.hidden * FP32_BYTES
+        sends = layout.num_microbatches * ((not last) + (not first))
+        if layout.virtual_stages > 1:
+            sends = layout.num_microbatches * 2 * layout.virtual_stages - layout.num_microbatches * (first + last)
+        _add(terms, phase="p2p", op="send", kind="p2p", count=sends, payload_bytes=sends * act,
+             formula="m x (fwd unless last + bwd unless first) x b*s*h*4", axis="pp")
+    return terms

@@ -1,0 +1,62 @@
+"""Rank bodies of tests/distributed/test_plan_params.py: the parameter bytes a rank really holds after
+``nxd_hf.parallelize``, to set beside ``nxd_hf.plan``'s per-rank arithmetic."""
+
+import torch
+
+import hf_parity
+import nxd_hf
+from nxd_hf import parallel_state
+
+LORA_TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]
+
+
+def tiny_config(model_type: str):
+    config_class, _, kwargs = hf_parity.TINY[model_type]
+    return config_class(**kwargs)
+
+
+def lora_config():
+    import peft
+
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS)
+
+
+def _init(module) -> None:
+    with torch.no_grad():
+        for param in module.parameters(recurse=False):
+            param.normal_(0.0, 0.02)
+
+
+def local_param_bytes(model_type: str, lora: bool = False) -> dict:
+    """Bytes of the unique parameters this rank holds (and of its LoRA adapters)."""
+    _, model_class, _ = hf_parity.TINY[model_type]
+    with torch.device("meta"):
+        model = model_class(tiny_config(model_type))
+    tp, pp = parallel_state.get_tensor_model_parallel_size(), parallel_state.get_pipeline_model_parallel_size()
+    torch.manual_seed(0)  # data-parallel replicas must start alike
+    model = nxd_hf.parallelize(model, tensor_parallel_size=tp, pipeline_parallel_size=pp, param_init_fn=_init,
+                               lora_config=lora_config() if lora else None,
+                               **({"num_microbatches": 2} if pp > 1 else {}))
+    params = {id(p): p for p in model.parameters()}.values()
+    adapters = [p for p in params if p.requires_grad] if lora else []
+    return dict(pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+                param_bytes=sum(p.numel() * p.element_size() for p in params),
+                lora_bytes=sum(p.numel() * p.element_size() for p in adapters))
+
+
+def train_with_auto_sizes(out_dir: str) -> dict:
+    """NxDTrainer with tensor_parallel_size="auto": the plan picks the size, training runs on it."""
+    import math
+
+    parallel_state.destroy_model_parallel()
+    _, model = hf_parity.build_pair("llama")
+    generator = torch.Generator().manual_seed(0)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, hf_parity.VOCAB, (8, 16), generator=generator)]
+    args = nxd_hf.NxDTrainingArguments(output_dir=out_dir, tensor_parallel_size="auto", max_steps=2, logging_steps=1,
+                                       per_device_train_batch_size=2, report_to=[], save_strategy="no",
+                                       disable_tqdm=True)
+    trainer = nxd_hf.NxDTrainer(model, args, train_dataset=data)
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert losses and all(math.isfinite(x) for x in losses)
+    return dict(tp=args.tensor_parallel_size, groups_tp=parallel_state.get_tensor_model_parallel_size())

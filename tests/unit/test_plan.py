@@ -1,0 +1,252 @@
+"""``nxd_hf.plan``: the search, its rejections and ranking, the cost model's pieces checked
+against what torch really does (saved activations), real model configs (Llama-3.1-8B,
+Mixtral-8x7B; configs only, built on the meta device), the command and the "auto" sizes.
+Parameter bytes per rank against real parallel models: tests/distributed/test_plan_params.py."""
+
+import json
+
+import pytest
+import torch
+import transformers
+
+import nxd_hf
+from nxd_hf import cli
+from nxd_hf.plan import Layout, parse_bytes
+from nxd_hf.plan.memory import Workload, layer_activation_elements, stage_layers
+from nxd_hf.plan.shapes import meta_model, model_shape, rank_params
+
+LLAMA_8B = dict(  # meta-llama/Llama-3.1-8B config.json (the fields a model is built from)
+    architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096, intermediate_size=14336,
+    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+    max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=False,
+    rope_scaling=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                      original_max_position_embeddings=8192, rope_type="llama3"),
+    bos_token_id=128000, eos_token_id=128001, hidden_act="silu", torch_dtype="bfloat16")
+MIXTRAL = dict(  # mistralai/Mixtral-8x7B-v0.1 config.json
+    architectures=["MixtralForCausalLM"], model_type="mixtral", hidden_size=4096, intermediate_size=14336,
+    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+    num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=32768, rope_theta=1e6,
+    sliding_window=None, tie_word_embeddings=False, torch_dtype="bfloat16")
+TINY = "examples/data/tiny-llama"
+
+
+def _write(tmp_path, name: str, config: dict) -> str:
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    return str(folder)
+
+
+def test_parse_bytes():
+    assert parse_bytes("80GB") == 80 * 10**9 and parse_bytes("24GiB") == 24 * 2**30 and parse_bytes(123) == 123
+    with pytest.raises(ValueError, match="80GB"):
+        parse_bytes("lots")
+
+
+def test_llama_8b_params_per_rank_follow_the_sharding_rules(tmp_path):
+    config = nxd_hf.plan.load_config(_write(tmp_path, "llama8b", LLAMA_8B))
+    model = meta_model(config)
+    assert model_shape(config, model).total_params == 8_030_261_248
+    h, i, kv = 4096, 14336, 8 * 128
+    for tp in (1, 2, 8):
+        counts = rank_params(config, model, tp=tp)
+        layer = (2 * h * h + 2 * kv * h + 3 * h * i) // tp + 2 * h  # q, o, k, v, MLP sharded; two norms replicated
+        assert counts.by_place[0] == layer
+        assert counts.by_place["pre"] == 128256 // tp * h  # 128256 divides by 8: no padding
+        assert counts.by_place["post"] == 128256 // tp * h + h
+
+
+def test_kv_replication_and_vocab_padding_in_params_per_rank():
+    config = transformers.AutoConfig.from_pretrained(TINY)  # 4 heads over 2 K/V heads, vocab 301
+    model = meta_model(config)
+    counts = rank_params(config, model, tp=4)  # K/V heads copied twice, vocab padded to 304
+    h, d = 128, 32
+    assert counts.by_place["pre"] == 304 // 4 * h
+    kv_rows = 2 * 2 * d // 4  # 2 K/V heads x 2 copies, split over 4 ranks
+    assert counts.by_place[0] == h * h // 4 + 2 * kv_rows * h + h * h // 4 + 3 * 256 // 4 * h + 2 * h
+
+
+def _saved_bytes_per_token_layer(make_config, lora_targets=()) -> float:
+    """Bytes autograd saves per token and decoder layer (parameters excluded), by difference of
+    one- and two-layer models, measured with saved-tensor hooks."""
+    def saved(layers: int) -> int:
+        config = make_config(layers)
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        if lora_targets:
+            import peft
+
+            model = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=list(lora_targets)))
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        found = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in params:
+                found[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        ids = torch.randint(0, config.vocab_size, (2, 32))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(input_ids=ids, labels=ids)
+        return sum(found.values())
+
+    return (saved(2) - saved(1)) / (2 * 32)
+
+
+@pytest.mark.parametrize("name,lora", [("llama", ()), ("qwen2", ()), ("mixtral", ()), ("llama", ("q_proj", "v_proj"))])
+def test_activation_bytes_per_token_are_what_autograd_saves(name, lora):
+    make_config = {
+        "llama": lambda n: transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96,
+                                                    num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=n),
+        "qwen2": lambda n: transformers.Qwen2Config(vocab_size=97, hidden_size=64, intermediate_size=96,
+                                                    num_attention_heads=4, num_key_value_heads=4, num_hidden_layers=n),
+        "mixtral": lambda n: transformers.MixtralConfig(vocab_size=97, hidden_size=64, intermediate_size=96,
+                                                        num_attention_heads=4, num_key_value_heads=2,
+                                                        num_hidden_layers=n, num_local_experts=4,
+                                                        num_experts_per_tok=2),
+    }[name]
+    shape = model_shape(make_config(1))
+    work = Workload(micro_batch_size=2, seq_len=32, global_batch_size=2, lora_r=4 if lora else 0, lora_targets=lora)
+    predicted = 4 * layer_activation_elements(shape, work, Layout(tp=1, pp=1, dp=1), moe=name == "mixtral")
+    measured = _saved_bytes_per_token_layer(make_config, lora)
+    assert predicted == pytest.approx(measured, rel=0.02), (predicted, measured)
+
+
+def test_stage_layers_match_the_pipeline_partition():
+    from nxd_hf.pipeline.partition import auto_cuts
+
+    names = [f"layers.{i}" for i in range(10)]
+    cuts = auto_cuts(names, 4)
+    ends = [max(r) for r in stage_layers(10, 4)]
+    assert [f"layers.{e}" for e in ends[:-1]] == cuts
+
+
+def test_rejections_say_why():
+    result = nxd_hf.plan(TINY, world_size=8, device_memory="1GiB", seq_len=63, micro_batch_size=1,
+                         global_batch_size=8)
+    reasons = {r.layout.name(): r.reason for r in result.rejected}
+    assert "exceeds the 4 attention heads" in reasons["tp8 pp1 dp1 mb8"]
+    assert "4 pipeline stages for 2 layers" in reasons["tp1 pp4 dp2 mb4 1f1b"]
+    assert "does not divide over tp=2" in reasons["tp2 pp1 dp4 sp mb2"]
+    small = nxd_hf.plan(TINY, world_size=2, device_memory="2MiB", seq_len=64, micro_batch_size=1)
+    assert not small.ranked and all("does not fit" in r.reason or "stages" in r.reason for r in small.rejected)
+    with pytest.raises(ValueError, match="no layout of llama fits 2 ranks"):
+        small.best
+    odd = nxd_hf.plan(TINY, world_size=4, device_memory="1GiB", seq_len=64, micro_batch_size=3, global_batch_size=8)
+    assert any("does not divide into dp=" in r.reason for r in odd.rejected)
+
+
+def test_ranking_is_by_step_time_and_respects_slow_links(tmp_path):
+    path = _write(tmp_path, "llama8b", LLAMA_8B)
+    result = nxd_hf.plan(path, world_size=16, nodes=2, device_memory="80GB", seq_len=4096, micro_batch_size=1,
+                         global_batch_size=64, dtype="bfloat16")
+    times = [p.step_time for p in result.ranked]
+    assert times == sorted(times)
+    assert result.best.layout.tp <= 8  # TP across the slow inter-node links is never best
+    for p in result.ranked:
+        assert p.memory["peak"] <= 0.9 * 80e9
+        assert p.time["step"] == pytest.approx(sum(v for k, v in p.time.items() if k != "step"))
+
+
+def test_recompute_and_sequence_parallel_lower_activations(tmp_path):
+    path = _write(tmp_path, "llama8b", LLAMA_8B)
+    result = nxd_hf.plan(path, world_size=8, device_memory="1TB", seq_len=4096, micro_batch_size=1, dtype="bfloat16",
+                         global_batch_size=4)
+
+    def memory(**fields) -> dict:
+        layout = Layout(tp=2, pp=1, dp=4, num_microbatches=1, **fields)
+        return next(p.memory for p in result.ranked if p.layout == layout)
+
+    plain = memory()
+    assert memory(recompute=True)["activations"] < plain["activations"] / 5
+    assert memory(sequence_parallel=True)["activations"] < plain["activations"]
+    assert memory(zero_1=True)["optimizer_state"] < plain["optimizer_state"]
+
+
+def test_llama_8b_top_layout_fits(tmp_path):
+    path = _write(tmp_path, "llama8b", LLAMA_8B)
+    result = nxd_hf.plan(path, world_size=8, device_memory="80GB", seq_len=4096, micro_batch_size=1,
+                         global_batch_size=32, dtype="bfloat16")
+    assert result.best.peak_memory <= 80e9 * 0.9
+    assert any(r.reason.startswith("does not fit") for r in result.rejected)  # tp1 dp8: 16 B/param does not fit
+
+
+def test_mixtral_moe_plan(tmp_path):
+    import peft
+
+    path = _write(tmp_path, "mixtral", MIXTRAL)
+    result = nxd_hf.plan(path, world_size=8, device_memory="80GB", seq_len=4096, micro_batch_size=1,
+                         dtype="bfloat16", lora_config=peft.LoraConfig(r=16, target_modules=["q_proj", "v_proj"]))
+    assert result.shape.num_experts == 8 and result.shape.top_k == 2
+    assert result.shape.total_params == 46_702_792_704
+    assert result.best.peak_memory <= 80e9 * 0.9
+    assert any("experts" in r.reason for r in result.rejected)  # tp > 1 / ep > 1 are named, not silently dropped
+
+
+def test_expert_params_divide_over_tp_times_ep(tmp_path):
+    config = nxd_hf.plan.load_config(_write(tmp_path, "mixtral", MIXTRAL))
+    model = meta_model(config)
+    one, sharded = rank_params(config, model, tp=2), rank_params(config, model, tp=2, ep=4)
+    experts = 8 * 3 * 4096 * 14336
+    assert one.by_place[0] - sharded.by_place[0] == experts // 2 - experts // 8  # E/ep experts, I/tp of each
+
+
+def test_cli_prints_a_table(capsys, tmp_path):
+    assert cli.main(["plan", TINY, "--world-size", "4", "--memory", "2GiB", "--seq-len", "128", "--dtype", "float32",
+                     "--json", str(tmp_path / "plan.json")]) == 0
+    out = capsys.readouterr().out
+    assert "peak MiB" in out and "tp1 pp1 dp4" in out and "rejected" in out
+    saved = json.loads((tmp_path / "plan.json").read_text())
+    assert saved["ranked"] and saved["rejected"]
+
+
+def test_cli_on_8b_and_moe_configs(capsys, tmp_path):
+    for name, config, extra in (("llama8b", LLAMA_8B, []), ("mixtral", MIXTRAL, ["--lora"])):
+        path = _write(tmp_path, name, config)
+        assert cli.main(["plan", path, "--world-size", "8", "--memory", "80GB", "--seq-len", "4096", *extra]) == 0
+        out = capsys.readouterr().out
+        assert "peak GiB" in out and out.count("\n") > 10
+
+
+def test_cli_error_for_a_missing_directory(capsys):
+    assert cli.main(["plan", "/nonexistent/model", "--world-size", "2", "--memory", "1GB", "--seq-len", "8"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_auto_sizes_resolve_from_the_plan():
+    args = nxd_hf.NxDTrainingArguments(output_dir="/tmp/h18-auto", tensor_parallel_size="auto",
+                                       pipeline_parallel_size="1", report_to=[], per_device_train_batch_size=2)
+    assert args.has_auto_sizes and args.pipeline_parallel_size == 1
+    model = transformers.AutoModelForCausalLM.from_pretrained(TINY)
+    chosen = nxd_hf.plan.resolve_auto_sizes(args, model, world_size=1, device_memory=2**30, seq_len=64)
+    assert chosen == {"tensor_parallel_size": 1} and args.tensor_parallel_size == 1 and not args.has_auto_sizes
+
+
+def test_autodist_policy_returns_the_best_layout():
+    model = transformers.AutoModelForCausalLM.from_pretrained(TINY)
+    policy = nxd_hf.plan.autodist_policy(model, world_size=4, device_memory="1GiB", seq_len=64, micro_batch_size=2)
+    best = policy["plan"].best.layout
+    assert (policy["tensor_parallel_size"], policy["pipeline_parallel_size"]) == (best.tp, best.pp)
+    assert policy["plan_ngpus"] == best.tp * best.pp and policy["runtime_ngpus"] == 4
+
+
+def test_command_line_takes_auto_and_integers():
+    parser = transformers.HfArgumentParser(nxd_hf.NxDTrainingArguments)
+    (args,) = parser.parse_args_into_dataclasses(["--output_dir", "/tmp/h18-auto", "--tensor_parallel_size", "auto",
+                                                  "--pipeline_parallel_size", "1", "--report_to", "none"])
+    assert args.tensor_parallel_size == "auto" and args.pipeline_parallel_size == 1 and args.has_auto_sizes
+    with pytest.raises(ValueError, match="positive integer"):
+        nxd_hf.NxDTrainingArguments(output_dir="/tmp/h18-auto", tensor_parallel_size="many", report_to=[])
+
+
+def test_expert_parallel_layouts_are_priced_with_their_all_to_all(tmp_path, monkeypatch):
+    from nxd_hf.plan import shapes
+
+    monkeypatch.setattr(shapes, "_has_module", lambda name: True)  # as once expert parallelism is merged
+    path = _write(tmp_path, "mixtral", MIXTRAL)
+    result = nxd_hf.plan(path, world_size=8, device_memory="10TB", seq_len=1024, dtype="bfloat16")
+    ep = [p for p in result.ranked if p.layout.ep > 1]
+    assert ep and all(any(t.op == "all_to_all" and t.axis == "ep" for t in p.comm) for p in ep)
+    plain = next(p for p in result.ranked if p.layout == Layout(tp=1, pp=1, dp=8, num_microbatches=1))
+    sharded = next(p for p in result.ranked if p.layout == Layout(tp=1, pp=1, dp=8, ep=8, num_microbatches=1))
+    assert sharded.memory["parameters"] < plain.memory["parameters"] / 4  # experts are most of Mixtral

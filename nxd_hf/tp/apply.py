@@ -20,6 +20,7 @@ from nxd_hf.parallel_layers.heads import HeadLayout
 from nxd_hf.tp import plan
 from nxd_hf.tp.custom_modules import build_embedding, check_experts, check_kept
 from nxd_hf.tp.layouts import module_layout
+from nxd_hf.tp.mla import LatentAttention, check_latent_attention
 from nxd_hf.tp.region_parameters import mark_region_parameters
 
 
@@ -77,7 +78,10 @@ def _build(module: nn.Module, style: plan.Style, layout: HeadLayout | None, sp: 
     heads = style.heads
     if heads == "q" and isinstance(style, plan.Column) and out_features == 2 * layout.num_heads * layout.head_dim:
         heads = "q_gated"  # the query and its output gate, per head
-    rows, replicas = layout.rows(heads) if heads else (None, 1)
+    if heads == "head_blocks":  # multi-head latent attention (nxd_hf.tp.mla)
+        rows, replicas = layout.head_blocks(out_features if isinstance(style, plan.Column) else in_features), 1
+    else:
+        rows, replicas = layout.rows(heads) if heads else (None, 1)
     if isinstance(style, plan.Column):
         return ColumnParallelLinear(
             in_features, out_features, bias, gather_output=style.gather_output, sequence_parallel_enabled=sp,
@@ -119,8 +123,7 @@ def _shard_head_parameters(model: nn.Module, patch: plan.ModelPatch, layouts: di
                 f"the plan shards parameter {name!r} colwise; nxd_hf shards a bare parameter only when it holds "
                 "one value per query head of a sharded attention module. Register a hand-written patch"
             )
-        heads = layout.q_rows.view(-1, layout.head_dim)[:, 0]
-        heads = torch.where(heads >= 0, heads // layout.head_dim, -1)
+        heads = layout.local_heads()
         local = nn.Parameter(shard_from_full(param.detach(), 0, heads), requires_grad=param.requires_grad)
         set_tensor_model_parallel_attributes(local, partition_dim=0, logical_size=layout.num_heads, shard_index=heads)
         owner, _, leaf = name.rpartition(".")
@@ -201,6 +204,8 @@ def apply_tensor_parallel(model: nn.Module, patch: plan.ModelPatch, layout: Head
             module.register_forward_pre_hook(_enter_region_hook(sequence_parallel), with_kwargs=True)
             if isinstance(style, plan.Attention):
                 _set_local_attrs(module, style, layouts[name])
+            if isinstance(style, LatentAttention):
+                check_latent_attention(name, module, {n for n, _, _ in matched})
         elif isinstance(style, plan.Experts):
             check_experts(name, module)
         elif isinstance(style, plan.PerHeadNorm):

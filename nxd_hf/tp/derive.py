@@ -9,6 +9,7 @@ is a ``ParallelRegion`` (the MLP); ``embed_tokens`` becomes a vocab-parallel emb
 ``X.*`` prefix of the entries is the decoder-layer list.
 """
 
+from nxd_hf.tp import mla
 from nxd_hf.tp.plan import Attention, Column, Embedding, Experts, ModelPatch, ParallelRegion, PerHeadNorm, Row
 
 Q_PROJECTIONS = {"q_proj", "query"}
@@ -28,7 +29,7 @@ QK_NORM_FLAGS = ("use_qk_norm", "qk_layernorm")
 # have entries of their own (attention sinks: colwise, sharded by heads in ``nxd_hf.tp.apply``).
 _NO_MODULE_CHANGE = {"sequence_parallel", "replicate", "local_params"}
 _UNSUPPORTED = {
-    "packed_rowwise", "embedding_colwise", "mla_kv_a_proj", "all_reduce", "moe_identity_expert",
+    "packed_rowwise", "embedding_colwise", "all_reduce", "moe_identity_expert",
     "ep_dispatch_experts",
 }
 
@@ -36,8 +37,6 @@ _DENSE = "Closest supported: the dense variant of the family (e.g. Qwen3 for Qwe
 _UNSUPPORTED_CONSTRUCTS = {
     "ep_dispatch_experts": ("a mixture-of-experts layer with expert parallelism", _DENSE),
     "moe_identity_expert": ("a mixture-of-experts layer with identity experts", _DENSE),
-    "mla_kv_a_proj": ("multi-head latent attention (low-rank compressed K/V)",
-                      "Closest supported: attention with grouped K/V heads (GQA, e.g. Llama or Qwen3). "),
     "packed_rowwise": ("a row-parallel layer over packed experts", _DENSE),
 }
 
@@ -134,13 +133,17 @@ def patch_from_hf_plan(model_type: str, hf_plan: dict[str, str], *, config=None)
     if config is not None:
         _check_config(model_type, hf_plan, config)
     decoder_layers = _decoder_layers(model_type, hf_plan)
-    q_parents = _attention_modules(hf_plan)
-    plan = {"embed_tokens": Embedding()}
+    hf_plan = mla.with_implied_entries(hf_plan, decoder_layers, config)
+    latent = mla.latent_parents(hf_plan)
+    q_parents = _attention_modules({p: s for p, s in hf_plan.items() if _split(p)[0] not in latent})
+    plan = {"embed_tokens": Embedding(), **mla.latent_plan(hf_plan, latent)}
     plan.update({parent: Attention(attrs=ATTENTION_ATTRS) for parent in sorted(q_parents)})
     experts = {p for p, s in hf_plan.items() if _base_style(s) == "moe_tp_experts"}
     for pattern, hf_style in hf_plan.items():
         if _split(pattern)[0] in experts:
             continue  # a 3-D parameter of a fused experts module: part of its Experts style
+        if pattern in latent or _split(pattern)[0] in latent:
+            continue  # planned by mla.latent_plan
         style = _style(pattern, hf_style, q_parents)
         if style is None:
             if pattern not in q_parents:  # an attention module stays one ("local_params")
@@ -159,7 +162,8 @@ def patch_from_hf_plan(model_type: str, hf_plan: dict[str, str], *, config=None)
     # chunk of the sequence.
     gathered = any(isinstance(s, (Column, Row)) and not _splits_sequence(s) for s in plan.values())
     return ModelPatch(model_type=model_type, plan=plan, decoder_layers=decoder_layers,
-                      sequence_parallel=not gathered and bool(q_parents))
+                      sequence_parallel=not gathered and bool(q_parents or latent),
+                      num_kv_heads_attr=None if latent else "num_key_value_heads")  # MLA: K/V per query head
 
 
 def _splits_sequence(style: Column | Row) -> bool:

@@ -10,11 +10,12 @@ import dataclasses
 from collections.abc import Callable
 from typing import Literal
 
-HeadRows = Literal["q", "kv", "qkv", "qkv_per_head", "q_gated", None]
+HeadRows = Literal["q", "kv", "qkv", "qkv_per_head", "q_gated", "head_blocks", None]
 """Which attention-head layout a projection's sharded rows follow: query heads, K/V heads
 (replicated when num_kv_heads < tp), a stacked fused ``[q; k; v]``, GPT-NeoX's per-head
 interleaved ``[q_h k_h v_h]``, a query fused per head with its output gate ``[q_h gate_h]``
-(Qwen3.5; a "q" column twice the query size is taken as this), or None for a plain contiguous
+(Qwen3.5; a "q" column twice the query size is taken as this), one block of any width per query
+head, "head_blocks" (multi-head latent attention: ``nxd_hf.tp.mla``), or None for a plain contiguous
 split (MLPs)."""
 
 

@@ -22,3 +22,129 @@ TINY = {
         _MLA, **_DENSE, q_lora_rank=None, n_shared_experts=1)),
 }
 hf_parity.TINY.update(TINY)  # hf_parity.build_pair / lora_cases then build these too
+
+
+import os  # noqa: E402  (below the table above, which the test file reads)
+
+import torch  # noqa: E402
+
+import lora_cases  # noqa: E402
+import nxd_hf  # noqa: E402
+from nxd_hf import parallel_state  # noqa: E402
+from nxd_hf.parallel_layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
+from nxd_hf.parallel_layers.sharding import full_tensor  # noqa: E402
+
+TOL = hf_parity.TOL
+STEPS = 3
+LORA_TARGETS = ["q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
+
+
+def _logits(model, ids):
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    model.train()
+    return logits
+
+
+def _assert_sharded_by_heads(model, model_type: str, tp: int) -> None:
+    """The up-projections and o_proj are parallel layers holding this rank's (padded) heads."""
+    config = model.config
+    local = -(-config.num_attention_heads // tp)
+    attention = model.model.layers[0].self_attn
+    up = attention.q_b_proj if getattr(config, "q_lora_rank", None) else attention.q_proj
+    assert attention.num_heads == local, (model_type, attention.num_heads, local)
+    assert isinstance(up, ColumnParallelLinear) and up.weight.shape[0] == local * attention.qk_head_dim
+    kv_width = attention.qk_nope_head_dim + attention.v_head_dim
+    assert isinstance(attention.kv_b_proj, ColumnParallelLinear) and attention.kv_b_proj.weight.shape[0] == local * kv_width
+    assert isinstance(attention.o_proj, RowParallelLinear) and attention.o_proj.weight.shape[1] == local * attention.v_head_dim
+    assert isinstance(attention.kv_a_proj_with_mqa, torch.nn.Linear), "the down-projection stays whole"
+
+
+def check_training(model_type: str, tp: int, sp: bool) -> None:
+    """Loss, logits, every gathered gradient and the parameters after ``STEPS`` AdamW steps equal
+    the unparallelized model's."""
+    parallel_state.destroy_model_parallel()
+    reference, model = hf_parity.build_pair(model_type)
+    nxd_hf.parallelize(model, tensor_parallel_size=tp, sequence_parallel=sp, gather_logits=True)
+    _assert_sharded_by_heads(model, model_type, tp)
+    what = f"{model_type} tp={tp} sp={sp}"
+    ids, _ = hf_parity.batch(seed=99)
+    torch.testing.assert_close(_logits(model, ids), _logits(reference, ids), **TOL, msg=lambda m: f"{what} logits: {m}")
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ref_params = dict(reference.named_parameters())
+    for step in range(STEPS):
+        ids, labels = hf_parity.batch(seed=10 + step)
+        ref_loss = reference(input_ids=ids, labels=labels).loss
+        loss = model(input_ids=ids, labels=labels).loss
+        ref_loss.backward()
+        loss.backward()
+        torch.testing.assert_close(loss, ref_loss, **TOL, msg=lambda m: f"{what} step {step} loss: {m}")
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(hf_parity.gathered_grad(param), ref_params[name].grad, **TOL,
+                                       msg=lambda m: f"{what} step {step} grad {name}: {m}")
+        ref_opt.step(), opt.step()
+        ref_opt.zero_grad(), opt.zero_grad()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(full_tensor(param), ref_params[name].detach(), **TOL,
+                                   msg=lambda m: f"{what} after {STEPS} steps {name}: {m}")
+
+
+def check_checkpoint_reshards(root: str, model_type: str) -> None:
+    """``save_checkpoint`` at tp=2 (after a step), ``load_checkpoint`` into a fresh model at tp=1:
+    every tensor equal; the next step's loss equals the one the tp=2 model takes."""
+    path = os.path.join(root, "ckpt")
+    parallel_state.destroy_model_parallel()
+    _, model = hf_parity.build_pair(model_type)
+    nxd_hf.parallelize(model, tensor_parallel_size=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids, labels = hf_parity.batch(seed=5)
+    model(input_ids=ids, labels=labels).loss.backward()
+    opt.step(), opt.zero_grad()
+    nxd_hf.save_checkpoint(path, tag="step1", model=model, optimizer=opt)
+    saved = nxd_hf.full_state_dict(model)
+    ids, labels = hf_parity.batch(seed=6)
+    loss_tp2 = model(input_ids=ids, labels=labels).loss.detach()
+    parallel_state.destroy_model_parallel()
+    _, fresh = hf_parity.build_pair(model_type, seed=3)
+    nxd_hf.parallelize(fresh, tensor_parallel_size=1)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+    nxd_hf.load_checkpoint(path, tag="step1", model=fresh, optimizer=fresh_opt)
+    loaded = nxd_hf.full_state_dict(fresh)
+    assert set(loaded) == set(saved)
+    for name, tensor in saved.items():
+        torch.testing.assert_close(loaded[name], tensor, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+    torch.testing.assert_close(fresh(input_ids=ids, labels=labels).loss.detach(), loss_tp2, **TOL)
+
+
+def check_plain_transformers_loads(root: str, model_type: str) -> None:
+    """``save_pretrained`` and ``consolidate`` of a tp=2 MLA model load in plain transformers with
+    the unparallelized model's logits; ``nxd_hf.from_pretrained`` reads it back at tp=2 (each rank
+    its heads' rows of the files)."""
+    parallel_state.destroy_model_parallel()
+    reference, model = hf_parity.build_pair(model_type)
+    nxd_hf.parallelize(model, tensor_parallel_size=2)
+    pretrained, ckpt, consolidated = (os.path.join(root, d) for d in ("pretrained", "ckpt", "hf"))
+    model.save_pretrained(pretrained)
+    nxd_hf.save_checkpoint(ckpt, tag="final", model=model)
+    ids, _ = hf_parity.batch()
+    expected = _logits(reference, ids)
+    if torch.distributed.get_rank() == 0:
+        nxd_hf.consolidate(ckpt, consolidated)
+        for directory in (pretrained, consolidated):
+            loaded = transformers.AutoModelForCausalLM.from_pretrained(directory)
+            torch.testing.assert_close(_logits(loaded, ids), expected, rtol=0, atol=0, msg=lambda m: f"{directory}: {m}")
+    torch.distributed.barrier()
+    again = nxd_hf.from_pretrained(consolidated, tensor_parallel_size=2, gather_logits=True)
+    _assert_sharded_by_heads(again, model_type, 2)
+    torch.testing.assert_close(_logits(again, ids), expected, **TOL)
+
+
+def check_lora(model_type: str, tp: int, sp: bool = False) -> None:
+    """LoRA on every MLA projection (down, up and output) at ``tp``: plain peft's losses, adapters
+    after five steps, logits and merged logits (``lora_cases.check_training``)."""
+    config = getattr(transformers, TINY[model_type][0].__name__)(**TINY[model_type][2])
+    targets = [t for t in LORA_TARGETS if t != ("q_b_proj" if config.q_lora_rank is None else "q_proj")
+               and (t != "q_a_proj" or config.q_lora_rank is not None)]
+    lora_cases.check_training(model_type, tp, sp=sp, target_modules=targets)

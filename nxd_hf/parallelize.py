@@ -215,7 +215,8 @@ def resolve_patch(model, *, sequence_parallel: bool) -> ModelPatch:
     if sequence_parallel and not patch.sequence_parallel:
         raise ValueError(
             f"sequence_parallel=True is not supported for model_type {patch.model_type!r}: "
-            "its plan gathers activations, leaves attention replicated, or it is an encoder. "
+            "its plan gathers activations, leaves attention replicated, runs several decoder-layer stacks (HRM), "
+            "or it is an encoder. "
             "Use sequence_parallel=False"
         )
     return patch

@@ -148,3 +148,22 @@ def check_lora(model_type: str, tp: int, sp: bool = False) -> None:
     targets = [t for t in LORA_TARGETS if t != ("q_b_proj" if config.q_lora_rank is None else "q_proj")
                and (t != "q_a_proj" or config.q_lora_rank is not None)]
     lora_cases.check_training(model_type, tp, sp=sp, target_modules=targets)
+
+
+def check_indexer_refused(tp: int) -> None:
+    """DeepSeek-V3.2's attention holds a sparse-attention indexer the plan does not place: refused
+    at tp > 1 with the reason on every rank; at tp=1 (nothing sharded) it runs as HF's."""
+    import pytest
+
+    parallel_state.destroy_model_parallel()
+    config = transformers.DeepseekV32Config(**TINY["deepseek_v3"][2], index_topk=4, index_head_dim=8,
+                                            index_n_heads=2)
+    reference, model = hf_parity.parity.build_pair(config, transformers.DeepseekV32ForCausalLM)
+    if tp > 1:
+        with pytest.raises(ValueError, match="indexer.*does not place"):
+            nxd_hf.parallelize(model, tensor_parallel_size=tp)
+        return
+    nxd_hf.parallelize(model, tensor_parallel_size=1)
+    ids, labels = hf_parity.batch()
+    torch.testing.assert_close(model(input_ids=ids, labels=labels).loss, reference(input_ids=ids, labels=labels).loss,
+                               **TOL)

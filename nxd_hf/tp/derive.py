@@ -54,7 +54,11 @@ def _base_style(hf_style: str) -> str:
 
 
 def _colwise(parent: str, leaf: str, q_parents: set[str]) -> Column:
-    return Column(heads="q" if leaf in Q_PROJECTIONS else "kv" if leaf in KV_PROJECTIONS else None)
+    if leaf in Q_PROJECTIONS or leaf in KV_PROJECTIONS:
+        return Column(heads="q" if leaf in Q_PROJECTIONS else "kv")
+    # another projection of an attention module (an output gate: HRM's gate_proj, Laguna's g_proj)
+    # has one block per query head, padded heads included
+    return Column(heads="head_blocks" if parent in q_parents else None)
 
 
 def _rowwise(parent: str, leaf: str, q_parents: set[str]) -> Row:
@@ -92,14 +96,17 @@ def _style(pattern: str, hf_style: str, q_parents: set[str]):
     raise ValueError(f"{pattern!r}: unknown HF tensor-parallel style {hf_style!r} in base_model_tp_plan")
 
 
-def _decoder_layers(model_type: str, hf_plan: dict[str, str]) -> str:
+def _decoder_layers(model_type: str, hf_plan: dict[str, str]) -> tuple[str, int]:
+    """(the decoder-layer list, how many layer stacks the plan names). Several stacks (HRM's
+    ``H_module.layers`` and ``L_module.layers``, each run several times per step) shard alike;
+    only SP, which splits the sequence on entry to one list and gathers after it, needs one."""
     prefixes = {p.split(".*.", 1)[0] for p in hf_plan if ".*." in p}
-    if len(prefixes) != 1:
+    if not prefixes:
         raise ValueError(
-            f"cannot tell the decoder layers of {model_type!r} from its base_model_tp_plan (entry prefixes before "
-            f"'.*.': {sorted(prefixes)}); register a hand-written patch with nxd_hf.register_patch"
+            f"cannot tell the decoder layers of {model_type!r} from its base_model_tp_plan (no entry of the form "
+            "'<layers>.*.<module>'); register a hand-written patch with nxd_hf.register_patch"
         )
-    return prefixes.pop()
+    return sorted(prefixes)[0], len(prefixes)
 
 
 def _attention_modules(hf_plan: dict[str, str]) -> set[str]:
@@ -132,7 +139,7 @@ def patch_from_hf_plan(model_type: str, hf_plan: dict[str, str], *, config=None)
     ``config``, when given, is checked for features the plan does not cover."""
     if config is not None:
         _check_config(model_type, hf_plan, config)
-    decoder_layers = _decoder_layers(model_type, hf_plan)
+    decoder_layers, stacks = _decoder_layers(model_type, hf_plan)
     hf_plan = mla.with_implied_entries(hf_plan, decoder_layers, config)
     latent = mla.latent_parents(hf_plan)
     q_parents = _attention_modules({p: s for p, s in hf_plan.items() if _split(p)[0] not in latent})
@@ -162,7 +169,7 @@ def patch_from_hf_plan(model_type: str, hf_plan: dict[str, str], *, config=None)
     # chunk of the sequence.
     gathered = any(isinstance(s, (Column, Row)) and not _splits_sequence(s) for s in plan.values())
     return ModelPatch(model_type=model_type, plan=plan, decoder_layers=decoder_layers,
-                      sequence_parallel=not gathered and bool(q_parents or latent),
+                      sequence_parallel=not gathered and bool(q_parents or latent) and stacks == 1,
                       num_kv_heads_attr=None if latent else "num_key_value_heads")  # MLA: K/V per query head
 
 

@@ -50,9 +50,11 @@ def _parent(pattern: str) -> str:
 def with_implied_entries(hf_plan: dict[str, str], decoder_layers: str, config) -> dict[str, str]:
     """``hf_plan`` plus MLA entries for ``{decoder_layers}.*.self_attn`` when the config is an MLA
     one (``kv_lora_rank``) with a single kind of attention layer and the plan names no attention."""
-    if (config is None or not getattr(config, "kv_lora_rank", None) or getattr(config, "linear_attn_config", None)
-            or any(".self_attn" in p or LATENT_STYLE in s for p, s in hf_plan.items())):
+    if config is None or not getattr(config, "kv_lora_rank", None):
         return hf_plan
+    other_kinds = set(getattr(config, "layer_types", None) or ()) - {"full_attention", "sliding_attention"}
+    if other_kinds or any(".self_attn" in p or LATENT_STYLE in s for p, s in hf_plan.items()):
+        return hf_plan  # Kimi-Linear: its linear-attention layers are self_attn too
     parent = f"{decoder_layers}.*.self_attn"
     return {**hf_plan, **{f"{parent}.{leaf}": style for leaf, style in _IMPLIED.items()}}
 
@@ -103,10 +105,11 @@ def check_latent_attention(name: str, module: nn.Module, planned: set[str]) -> N
             "register a hand-written patch with nxd_hf.register_patch")
     if parallel_state.get_tensor_model_parallel_size() == 1:
         return
+    children = {p for p in planned if p.startswith(name + ".")}
     for sub_name, sub in module.named_modules():
         full = f"{name}.{sub_name}"
-        if sub_name and full not in planned and any(True for _ in sub.parameters(recurse=False)) and not any(
-                full.startswith(p + ".") for p in planned):
+        if sub_name and full not in children and any(True for _ in sub.parameters(recurse=False)) and not any(
+                full.startswith(p + ".") for p in children):
             raise ValueError(
                 f"{full!r} ({type(sub).__name__}) inside the multi-head latent attention module {name!r} has "
                 "parameters the tensor-parallel plan does not place (e.g. DeepSeek-V3.2's sparse-attention "

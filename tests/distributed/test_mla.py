@@ -1,0 +1,43 @@
+"""Multi-head latent attention (``nxd_hf.tp.mla``) on tiny MiniCPM3- and dense DeepSeek-V2/V3-shaped
+models against the unparallelized HF model: training parity at tp=2 and tp=4 (6 heads: padded to
+8), with and without SP; a tp=2 checkpoint loaded at tp=1; ``save_pretrained``/``consolidate``
+loading in plain transformers and back through ``from_pretrained``; LoRA on every MLA projection
+against plain peft; DeepSeek-V3.2's indexer refused at tp > 1."""
+
+import pytest
+
+import mla_cases
+
+TYPES = list(mla_cases.TINY)
+
+
+@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("model_type", TYPES)
+def test_training_tp2(ranks2, model_type, sp):
+    ranks2.run(mla_cases.check_training, model_type, 2, sp)
+
+
+@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("model_type", TYPES)
+def test_training_tp4_padded_heads(ranks4, model_type, sp):
+    ranks4.run(mla_cases.check_training, model_type, 4, sp)
+
+
+@pytest.mark.parametrize("model_type", ["minicpm3", "deepseek_v2"])
+def test_checkpoint_tp2_loads_at_tp1(ranks2, tmp_path, model_type):
+    ranks2.run(mla_cases.check_checkpoint_reshards, str(tmp_path), model_type)
+
+
+@pytest.mark.parametrize("model_type", ["minicpm3", "deepseek_v3"])
+def test_save_pretrained_and_consolidate_load_in_transformers(ranks2, tmp_path, model_type):
+    ranks2.run(mla_cases.check_plain_transformers_loads, str(tmp_path), model_type)
+
+
+@pytest.mark.parametrize("model_type, sp", [("minicpm3", False), ("deepseek_v3", False), ("deepseek_v2", True)])
+def test_lora_matches_plain_peft_tp2(ranks2, model_type, sp):
+    ranks2.run(mla_cases.check_lora, model_type, 2, sp)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_indexer_refused_at_tp2(ranks2, tp):
+    ranks2.run(mla_cases.check_indexer_refused, tp)

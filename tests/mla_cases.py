@@ -167,3 +167,14 @@ def check_indexer_refused(tp: int) -> None:
     ids, labels = hf_parity.batch()
     torch.testing.assert_close(model(input_ids=ids, labels=labels).loss, reference(input_ids=ids, labels=labels).loss,
                                **TOL)
+
+
+def hrm_case(tp: int, pp: int, sp: bool):
+    """``nxd_hf.parity.run_case`` on a shrunk HRM (two layer stacks run in cycles, a per-head output
+    gate, 6 heads): its agreed ``CaseResult``."""
+    from nxd_hf.parity.cases import run_case
+    from nxd_hf.parity.shrink import shrink_config
+
+    config = shrink_config(transformers.HrmTextConfig())
+    assert config.num_attention_heads == 6
+    return run_case(config, tensor_parallel_size=tp, pipeline_parallel_size=pp, sequence_parallel=sp)

@@ -170,6 +170,7 @@ def patch_from_hf_plan(model_type: str, hf_plan: dict[str, str], *, config=None)
     gathered = any(isinstance(s, (Column, Row)) and not _splits_sequence(s) for s in plan.values())
     return ModelPatch(model_type=model_type, plan=plan, decoder_layers=decoder_layers,
                       sequence_parallel=not gathered and bool(q_parents or latent) and stacks == 1,
+                      pipeline_parallel=stacks == 1,
                       num_kv_heads_attr=None if latent else "num_key_value_heads")  # MLA: K/V per query head
 
 

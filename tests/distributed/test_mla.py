@@ -41,3 +41,17 @@ def test_lora_matches_plain_peft_tp2(ranks2, model_type, sp):
 @pytest.mark.parametrize("tp", [1, 2])
 def test_indexer_refused_at_tp2(ranks2, tp):
     ranks2.run(mla_cases.check_indexer_refused, tp)
+
+
+@pytest.mark.parametrize("tp, pp, sp, expected", [
+    (2, 1, False, "pass"), (2, 1, True, "sequence_parallel=True is not supported"),
+    (1, 2, False, "pipeline_parallel_size=2 is not supported")])
+def test_hrm_two_layer_stacks_world2(ranks2, tp, pp, sp, expected):
+    results = ranks2.run(mla_cases.hrm_case, tp, pp, sp)
+    assert results[0] == results[1]
+    assert (results[0].status if expected == "pass" else results[0].message).find(expected) >= 0, results[0]
+
+
+def test_hrm_padded_heads_tp4(ranks4):
+    result = ranks4.run(mla_cases.hrm_case, 4, 1, False)[0]
+    assert result.status == "pass", result.message

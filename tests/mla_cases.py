@@ -178,3 +178,19 @@ def hrm_case(tp: int, pp: int, sp: bool):
     config = shrink_config(transformers.HrmTextConfig())
     assert config.num_attention_heads == 6
     return run_case(config, tensor_parallel_size=tp, pipeline_parallel_size=pp, sequence_parallel=sp)
+
+
+def llama4_dense_qk_norm_case(tp: int, sp: bool):
+    """A dense Llama-4 text model (``moe_layers=[]``) with ``use_qk_norm=True`` (a parameter-free L2
+    norm per head) and 6 heads over 2 K/V heads: ``run_case``'s agreed ``CaseResult``."""
+    from nxd_hf.parity.cases import run_case
+
+    config = transformers.Llama4TextConfig(
+        hidden_size=48, intermediate_size=64, intermediate_size_mlp=64, num_attention_heads=6, num_key_value_heads=2,
+        head_dim=8, num_hidden_layers=2, moe_layers=[], vocab_size=VOCAB, use_qk_norm=True, no_rope_layers=[1, 0])
+    parallel_state.destroy_model_parallel()
+    _, model = hf_parity.parity.build_pair(config)  # Llama4ForCausalLM: its base model is .model
+    nxd_hf.parallelize(model, tensor_parallel_size=tp)
+    attention = model.model.layers[0].self_attn
+    assert isinstance(attention.q_proj, ColumnParallelLinear) and isinstance(attention.o_proj, RowParallelLinear)
+    return run_case(config, tensor_parallel_size=tp, sequence_parallel=sp)

@@ -24,13 +24,25 @@ from nxd_hf.tp.mla import LatentAttention, check_latent_attention
 from nxd_hf.tp.region_parameters import mark_region_parameters
 
 
+def base_prefix(model: nn.Module, patch: plan.ModelPatch) -> str:
+    """The attribute holding the base model, that the plan's names are relative to. A task model
+    whose HF ``base_model_prefix`` names no attribute of it (``Llama4ForCausalLM``: "language_model",
+    its base model at ``.model``) has it in the child model sharing its config."""
+    prefix = patch.base_model_prefix if patch.base_model_prefix is not None else model.base_model_prefix
+    if prefix and not hasattr(model, prefix):
+        config = getattr(model, "config", None)
+        return next((name for name, child in model.named_children() if getattr(child, "config", None) is config
+                     and config is not None), prefix)
+    return prefix
+
+
 def _pattern(pattern: str) -> re.Pattern:
     return re.compile(re.escape(pattern).replace(r"\*", r"[^.]+"))
 
 
 def match_plan(patch: plan.ModelPatch, model: nn.Module) -> list[tuple[str, nn.Module, plan.Style]]:
     """(full name, module, style) for every module of ``model`` a plan entry names."""
-    prefix = patch.base_model_prefix if patch.base_model_prefix is not None else model.base_model_prefix
+    prefix = base_prefix(model, patch)
     compiled = [(_pattern(p), style) for p, style in patch.plan.items()]
     found = []
     for name, module in model.named_modules():
@@ -111,7 +123,7 @@ def _layout_of(name: str, layouts: dict[str, HeadLayout], default: HeadLayout | 
 def _shard_head_parameters(model: nn.Module, patch: plan.ModelPatch, layouts: dict[str, HeadLayout]) -> None:
     """A colwise plan entry naming a bare parameter of an attention module with one value per
     query head (attention sinks, ``[num_heads]``): keep this rank's heads (0 for padding heads)."""
-    prefix = patch.base_model_prefix if patch.base_model_prefix is not None else model.base_model_prefix
+    prefix = base_prefix(model, patch)
     columns = [_pattern(p) for p, style in patch.plan.items() if isinstance(style, plan.Column)]
     for name, param in list(model.named_parameters()):
         relative = name[len(prefix) + 1 :] if prefix and name.startswith(prefix + ".") else name
@@ -159,7 +171,7 @@ def _last_layer_hook(module, args, kwargs, output):
 def _install_sequence_parallel(model: nn.Module, patch: plan.ModelPatch) -> None:
     """Bracket the decoder layers with the SP split/gather; their replicated parameters
     (norms, row-parallel biases) now see one sequence chunk, so their grads are partial."""
-    prefix = patch.base_model_prefix if patch.base_model_prefix is not None else model.base_model_prefix
+    prefix = base_prefix(model, patch)
     layers = model.get_submodule(f"{prefix}.{patch.decoder_layers}" if prefix else patch.decoder_layers)
     layers[0].register_forward_pre_hook(_first_layer_hook, with_kwargs=True)
     layers[len(layers) - 1].register_forward_hook(_last_layer_hook, with_kwargs=True)

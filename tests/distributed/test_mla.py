@@ -55,3 +55,14 @@ def test_hrm_two_layer_stacks_world2(ranks2, tp, pp, sp, expected):
 def test_hrm_padded_heads_tp4(ranks4):
     result = ranks4.run(mla_cases.hrm_case, 4, 1, False)[0]
     assert result.status == "pass", result.message
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_llama4_dense_attention_with_qk_norm_tp2(ranks2, sp):
+    result = ranks2.run(mla_cases.llama4_dense_qk_norm_case, 2, sp)[0]
+    assert result.status == "pass", result.message
+
+
+def test_llama4_dense_attention_with_qk_norm_tp4(ranks4):
+    result = ranks4.run(mla_cases.llama4_dense_qk_norm_case, 4, False)[0]
+    assert result.status == "pass", result.message

@@ -150,23 +150,40 @@ def check_lora(model_type: str, tp: int, sp: bool = False) -> None:
     lora_cases.check_training(model_type, tp, sp=sp, target_modules=targets)
 
 
-def check_indexer_refused(tp: int) -> None:
-    """DeepSeek-V3.2's attention holds a sparse-attention indexer the plan does not place: refused
-    at tp > 1 with the reason on every rank; at tp=1 (nothing sharded) it runs as HF's."""
+def check_unplanned_child_refused(tp: int) -> None:
+    """A parameterized module inside MLA attention that the plan does not place is refused at
+    tp > 1 with the reason on every rank; at tp=1 (nothing sharded) it is kept as is."""
     import pytest
 
     parallel_state.destroy_model_parallel()
-    config = transformers.DeepseekV32Config(**TINY["deepseek_v3"][2], index_topk=4, index_head_dim=8,
-                                            index_n_heads=2)
-    reference, model = hf_parity.parity.build_pair(config, transformers.DeepseekV32ForCausalLM)
+    _, model = hf_parity.build_pair("minicpm3")
+    for layer in model.model.layers:
+        layer.self_attn.extra = torch.nn.Linear(4, 4)
     if tp > 1:
-        with pytest.raises(ValueError, match="indexer.*does not place"):
+        with pytest.raises(ValueError, match="self_attn.extra.*does not place"):
             nxd_hf.parallelize(model, tensor_parallel_size=tp)
-        return
-    nxd_hf.parallelize(model, tensor_parallel_size=1)
-    ids, labels = hf_parity.batch()
-    torch.testing.assert_close(model(input_ids=ids, labels=labels).loss, reference(input_ids=ids, labels=labels).loss,
-                               **TOL)
+    else:
+        nxd_hf.parallelize(model, tensor_parallel_size=1)
+
+
+def _dense_variant(model_type: str):
+    """transformers' default config of ``model_type``, shrunk (``nxd_hf.parity.shrink``) to two layers,
+    both dense (MoE experts under TP are another branch's work)."""
+    from nxd_hf.parity.shrink import shrink_config
+
+    config = transformers.AutoConfig.for_model(model_type).get_text_config()
+    overrides = {key: 2 for key in ("first_k_dense_replace", "num_dense_layers") if hasattr(config, key)}
+    if getattr(config, "mlp_layer_types", None) is not None:
+        overrides["mlp_layer_types"] = ["dense", "dense"]
+    return shrink_config(config, num_layers=2, overrides={"num_hidden_layers": 2, **overrides})
+
+
+def dense_variant_case(model_type: str, tp: int, sp: bool):
+    """``run_case`` on ``_dense_variant(model_type)``: its agreed ``CaseResult``."""
+    from nxd_hf.parity.cases import run_case
+
+    transformers.logging.set_verbosity_error()
+    return run_case(_dense_variant(model_type), tensor_parallel_size=tp, sequence_parallel=sp)
 
 
 def hrm_case(tp: int, pp: int, sp: bool):

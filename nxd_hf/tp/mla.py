@@ -14,8 +14,8 @@ head with up-projections whose rows are one contiguous block per head of any wid
 - the down-projections and their norms stay whole on every rank (``PerHeadNorm``): each rank
   back-propagates through its own heads only, so their gradients are summed over TP.
 
-A child module with parameters that the plan does not name (DeepSeek-V3.2's indexer) is refused:
-where it sits relative to the heads cannot be told. Under sequence parallelism the region
+Any other child module with parameters that the plan does not name is refused: where it sits
+relative to the heads cannot be told. Under sequence parallelism the region
 gathers the sequence like any attention, so MLA runs with SP too.
 """
 
@@ -27,8 +27,10 @@ from nxd_hf import parallel_state
 from nxd_hf.tp.plan import Attention, Column, PerHeadNorm, Row
 
 LATENT_STYLE = "mla_kv_a_proj"
-DOWN_PROJECTIONS = ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm")
-"""The replicated low-rank parts (only ``kv_a_proj_with_mqa`` is named by HF's plans)."""
+DOWN_PROJECTIONS = ("q_a_proj", "q_a_layernorm", "kv_a_proj_with_mqa", "kv_a_layernorm", "indexer")
+"""The replicated parts (only ``kv_a_proj_with_mqa`` is named by HF's plans): the low-rank
+down-projections and DeepSeek sparse attention's ``indexer``, which picks the top-k keys from the
+hidden states and the query latent (both whole on every rank) for all heads alike."""
 
 # Plans that leave their MLA attention out (DeepSeek-V3, Youtu): the entries HF's other MLA plans have.
 _IMPLIED = {"q_proj": "colwise", "q_b_proj": "colwise", "kv_a_proj_with_mqa": LATENT_STYLE,
@@ -50,10 +52,14 @@ def _parent(pattern: str) -> str:
 def with_implied_entries(hf_plan: dict[str, str], decoder_layers: str, config) -> dict[str, str]:
     """``hf_plan`` plus MLA entries for ``{decoder_layers}.*.self_attn`` when the config is an MLA
     one (``kv_lora_rank``) with a single kind of attention layer and the plan names no attention."""
-    if config is None or not getattr(config, "kv_lora_rank", None):
+    if config is None or any(".self_attn" in p or LATENT_STYLE in s for p, s in hf_plan.items()):
+        return hf_plan
+    try:
+        kv_lora_rank = getattr(config, "kv_lora_rank", None)
+    except RuntimeError:  # a per-layer value (heterogeneous config): not one kind of attention layer
         return hf_plan
     other_kinds = set(getattr(config, "layer_types", None) or ()) - {"full_attention", "sliding_attention"}
-    if other_kinds or any(".self_attn" in p or LATENT_STYLE in s for p, s in hf_plan.items()):
+    if not kv_lora_rank or other_kinds:
         return hf_plan  # Kimi-Linear: its linear-attention layers are self_attn too
     parent = f"{decoder_layers}.*.self_attn"
     return {**hf_plan, **{f"{parent}.{leaf}": style for leaf, style in _IMPLIED.items()}}
@@ -112,6 +118,6 @@ def check_latent_attention(name: str, module: nn.Module, planned: set[str]) -> N
                 full.startswith(p + ".") for p in children):
             raise ValueError(
                 f"{full!r} ({type(sub).__name__}) inside the multi-head latent attention module {name!r} has "
-                "parameters the tensor-parallel plan does not place (e.g. DeepSeek-V3.2's sparse-attention "
-                "indexer); nxd_hf cannot tell whether it reads the sharded heads. Use tensor_parallel_size=1, or "
+                "parameters the tensor-parallel plan does not place; nxd_hf cannot tell whether it reads the "
+                "sharded heads. Use tensor_parallel_size=1, or "
                 "register a hand-written patch with nxd_hf.register_patch")

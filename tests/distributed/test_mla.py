@@ -2,7 +2,9 @@
 models against the unparallelized HF model: training parity at tp=2 and tp=4 (6 heads: padded to
 8), with and without SP; a tp=2 checkpoint loaded at tp=1; ``save_pretrained``/``consolidate``
 loading in plain transformers and back through ``from_pretrained``; LoRA on every MLA projection
-against plain peft; DeepSeek-V3.2's indexer refused at tp > 1."""
+against plain peft; the other MLA architectures (indexers, gates, sinks) in dense variants; an
+unplanned child refused at tp > 1. Also item 5 of issue 24: HRM's two layer stacks and the dense
+Llama-4 attention with its parameter-free q/k norm."""
 
 import pytest
 
@@ -39,8 +41,26 @@ def test_lora_matches_plain_peft_tp2(ranks2, model_type, sp):
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_indexer_refused_at_tp2(ranks2, tp):
-    ranks2.run(mla_cases.check_indexer_refused, tp)
+def test_unplanned_child_of_mla_refused_at_tp2(ranks2, tp):
+    ranks2.run(mla_cases.check_unplanned_child_refused, tp)
+
+
+# every other MLA architecture of transformers 5.23 (shrunk, its layers dense): DeepSeek sparse
+# attention's indexer (deepseek_v32, glm_moe_dsa, hy_v4 with sinks and a per-head gate, dots3_note
+# with a per-head gate and a rope-key norm, axk2 with a fused query+gate projection)
+DENSE_VARIANTS = ["glm4_moe_lite", "deepseek_v32", "glm_moe_dsa", "hy_v4", "dots3_note_text", "axk2"]
+
+
+@pytest.mark.parametrize("model_type", DENSE_VARIANTS)
+def test_dense_variants_tp2_sequence_parallel(ranks2, model_type):
+    result = ranks2.run(mla_cases.dense_variant_case, model_type, 2, True)[0]
+    assert result.status == "pass", result.message
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v32", "hy_v4"])
+def test_dense_variants_tp4(ranks4, model_type):
+    result = ranks4.run(mla_cases.dense_variant_case, model_type, 4, False)[0]
+    assert result.status == "pass", result.message
 
 
 @pytest.mark.parametrize("tp, pp, sp, expected", [

@@ -212,11 +212,10 @@ def _init_parallel_state(tensor_parallel_size: int, pipeline_parallel_size: int,
 def resolve_patch(model, *, sequence_parallel: bool, pipeline_parallel_size: int = 1) -> ModelPatch:
     """Step 1."""
     patch = get_patch(model.config)
-    if pipeline_parallel_size > 1 and not patch.pipeline_parallel:
+    if pipeline_parallel_size > 1 and patch.pipeline_refusal:
         raise ValueError(
             f"pipeline_parallel_size={pipeline_parallel_size} is not supported for model_type {patch.model_type!r}: "
-            f"its decoder is several layer stacks run in cycles ({patch.decoder_layers} and others), not one list "
-            "of layers to cut into stages. Use pipeline_parallel_size=1 (tensor and data parallelism work)"
+            f"{patch.pipeline_refusal}. Use pipeline_parallel_size=1 (tensor and data parallelism work)"
         )
     if sequence_parallel and not patch.sequence_parallel:
         raise ValueError(

@@ -211,3 +211,15 @@ def llama4_dense_qk_norm_case(tp: int, sp: bool):
     attention = model.model.layers[0].self_attn
     assert isinstance(attention.q_proj, ColumnParallelLinear) and isinstance(attention.o_proj, RowParallelLinear)
     return run_case(config, tensor_parallel_size=tp, sequence_parallel=sp)
+
+
+def doge_case(tp: int, pp: int = 1, num_key_value_heads: int = 6):
+    """``run_case`` on a shrunk Doge (6 heads; dt_proj and o_proj biases; a keep window of 4 keys
+    of 8, so the dynamic mask drops keys): its agreed ``CaseResult``."""
+    from nxd_hf.parity.cases import run_case
+    from nxd_hf.parity.shrink import shrink_config
+
+    config = shrink_config(transformers.DogeConfig(), overrides=dict(
+        attention_bias=True, keep_window_size=4, num_key_value_heads=num_key_value_heads))
+    assert config.num_attention_heads == 6 and config.num_key_value_heads == num_key_value_heads
+    return run_case(config, tensor_parallel_size=tp, pipeline_parallel_size=pp)

@@ -120,8 +120,8 @@ def _attention_modules(hf_plan: dict[str, str]) -> set[str]:
         if len(rows) > 1:  # only the output projection reads query heads
             raise ValueError(
                 f"attention module {parent!r} has several rowwise layers {rows}: nxd_hf shards the input of the "
-                "attention output projection by query heads, but another rowwise layer reads something else (e.g. "
-                "Doge's dt_proj reads the value heads) and cannot be split the same way. Closest supported: "
+                "attention output projection by query heads, but another rowwise layer reads something else (as "
+                "Doge's dt_proj reads the value heads: model_patches/doge.py) and cannot be split the same way. Closest supported: "
                 "tensor_parallel_size=1 for this architecture, or a hand-written patch with nxd_hf.register_patch"
             )
     return parents
@@ -173,7 +173,8 @@ def patch_from_hf_plan(model_type: str, hf_plan: dict[str, str], *, config=None)
     gathered = any(isinstance(s, (Column, Row)) and not _splits_sequence(s) for s in plan.values())
     return ModelPatch(model_type=model_type, plan=plan, decoder_layers=decoder_layers,
                       sequence_parallel=not gathered and bool(q_parents or latent) and stacks == 1,
-                      pipeline_parallel=stacks == 1,
+                      pipeline_refusal=None if stacks == 1 else "its decoder is several layer stacks run in cycles, "
+                      "not one list of layers to cut into stages",
                       num_kv_heads_attr=None if latent else "num_key_value_heads")  # MLA: K/V per query head
 
 

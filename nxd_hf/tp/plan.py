@@ -111,6 +111,6 @@ class ModelPatch:
     after_swap: Callable | None = None
     """``fn(model)`` run after the swap for what a plan cannot say (Gemma 3n's activation
     sparsity takes statistics over the sharded hidden units: ``model_patches/gemma3n.py``)."""
-    pipeline_parallel: bool = True
-    """Whether the decoder layers can be cut into pipeline stages (not HRM's two layer stacks,
-    each run several times per step)."""
+    pipeline_refusal: str | None = None
+    """Why the decoder cannot be cut into pipeline stages (HRM: two layer stacks, each run several
+    times per step); None: it can."""

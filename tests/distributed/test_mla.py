@@ -86,3 +86,21 @@ def test_llama4_dense_attention_with_qk_norm_tp2(ranks2, sp):
 def test_llama4_dense_attention_with_qk_norm_tp4(ranks4):
     result = ranks4.run(mla_cases.llama4_dense_qk_norm_case, 4, False)[0]
     assert result.status == "pass", result.message
+
+
+@pytest.mark.parametrize("kv_heads", [6, 2])
+def test_doge_dynamic_mask_projection_tp2(ranks2, kv_heads):
+    result = ranks2.run(mla_cases.doge_case, 2, 1, kv_heads)[0]
+    assert result.status == "pass", result.message
+
+
+def test_doge_pipeline_refused(ranks2):
+    result = ranks2.run(mla_cases.doge_case, 1, 2)[0]
+    assert result.status == "refused" and "pipeline_parallel_size=2 is not supported" in result.message, result
+
+
+@pytest.mark.parametrize("kv_heads, expected", [(6, "pass"), (2, "refused")])
+def test_doge_tp4_padded_heads_or_replicated_kv_refused(ranks4, kv_heads, expected):
+    result = ranks4.run(mla_cases.doge_case, 4, 1, kv_heads)[0]
+    assert result.status == expected, result.message
+    assert expected == "pass" or "dt_proj reads every value head" in result.message

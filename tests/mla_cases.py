@@ -1,10 +1,22 @@
-"""Multi-head latent attention case bodies run on gloo ranks by tests/distributed/test_mla.py:
+"""Case bodies run on gloo ranks by tests/distributed/test_mla.py: multi-head latent attention on
 tiny MiniCPM3- and dense DeepSeek-V2/V3-shaped models (6 heads: padded to 8 at tp=4; head blocks
-of different widths for q, k/v and o) against the unparallelized HF model."""
+of different widths for q, k/v and o) and dense variants of the other MLA architectures; HRM's two
+layer stacks, a dense Llama 4 with its q/k norm and Doge's dynamic mask (issue 24, item 5); all
+against the unparallelized HF model."""
 
+import os
+
+import torch
 import transformers
 
+import ckpt_cases
 import hf_parity
+import lora_cases
+import nxd_hf
+from nxd_hf import parallel_state
+from nxd_hf.checkpoint import full_optimizer_state
+from nxd_hf.parallel_layers import ColumnParallelLinear, RowParallelLinear
+from nxd_hf.parallel_layers.sharding import full_tensor
 
 VOCAB = hf_parity.VOCAB
 _MLA = dict(hidden_size=48, intermediate_size=64, num_attention_heads=6, num_key_value_heads=6, num_hidden_layers=2,
@@ -22,17 +34,6 @@ TINY = {
         _MLA, **_DENSE, q_lora_rank=None, n_shared_experts=1)),
 }
 hf_parity.TINY.update(TINY)  # hf_parity.build_pair / lora_cases then build these too
-
-
-import os  # noqa: E402  (below the table above, which the test file reads)
-
-import torch  # noqa: E402
-
-import lora_cases  # noqa: E402
-import nxd_hf  # noqa: E402
-from nxd_hf import parallel_state  # noqa: E402
-from nxd_hf.parallel_layers import ColumnParallelLinear, RowParallelLinear  # noqa: E402
-from nxd_hf.parallel_layers.sharding import full_tensor  # noqa: E402
 
 TOL = hf_parity.TOL
 STEPS = 3
@@ -93,7 +94,7 @@ def check_training(model_type: str, tp: int, sp: bool) -> None:
 
 def check_checkpoint_reshards(root: str, model_type: str) -> None:
     """``save_checkpoint`` at tp=2 (after a step), ``load_checkpoint`` into a fresh model at tp=1:
-    every tensor equal; the next step's loss equals the one the tp=2 model takes."""
+    every model and optimizer tensor equal; the next loss equals the tp=2 model's."""
     path = os.path.join(root, "ckpt")
     parallel_state.destroy_model_parallel()
     _, model = hf_parity.build_pair(model_type)
@@ -103,7 +104,7 @@ def check_checkpoint_reshards(root: str, model_type: str) -> None:
     model(input_ids=ids, labels=labels).loss.backward()
     opt.step(), opt.zero_grad()
     nxd_hf.save_checkpoint(path, tag="step1", model=model, optimizer=opt)
-    saved = nxd_hf.full_state_dict(model)
+    saved = {"params": nxd_hf.full_state_dict(model), "optim": full_optimizer_state(model, opt)}
     ids, labels = hf_parity.batch(seed=6)
     loss_tp2 = model(input_ids=ids, labels=labels).loss.detach()
     parallel_state.destroy_model_parallel()
@@ -111,10 +112,8 @@ def check_checkpoint_reshards(root: str, model_type: str) -> None:
     nxd_hf.parallelize(fresh, tensor_parallel_size=1)
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
     nxd_hf.load_checkpoint(path, tag="step1", model=fresh, optimizer=fresh_opt)
-    loaded = nxd_hf.full_state_dict(fresh)
-    assert set(loaded) == set(saved)
-    for name, tensor in saved.items():
-        torch.testing.assert_close(loaded[name], tensor, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+    loaded = {"params": nxd_hf.full_state_dict(fresh), "optim": full_optimizer_state(fresh, fresh_opt)}
+    ckpt_cases.assert_snapshots_equal(loaded, saved)  # model and Adam moments, exactly
     torch.testing.assert_close(fresh(input_ids=ids, labels=labels).loss.detach(), loss_tp2, **TOL)
 
 
@@ -144,7 +143,7 @@ def check_plain_transformers_loads(root: str, model_type: str) -> None:
 def check_lora(model_type: str, tp: int, sp: bool = False) -> None:
     """LoRA on every MLA projection (down, up and output) at ``tp``: plain peft's losses, adapters
     after five steps, logits and merged logits (``lora_cases.check_training``)."""
-    config = getattr(transformers, TINY[model_type][0].__name__)(**TINY[model_type][2])
+    config = TINY[model_type][0](**TINY[model_type][2])
     targets = [t for t in LORA_TARGETS if t != ("q_b_proj" if config.q_lora_rank is None else "q_proj")
                and (t != "q_a_proj" or config.q_lora_rank is not None)]
     lora_cases.check_training(model_type, tp, sp=sp, target_modules=targets)

@@ -76,14 +76,14 @@ def test_shrink_keeps_head_ratio_and_one_layer_per_kind():
     assert small.per_layer_config[1].head_dim == 2 * small.per_layer_config[0].head_dim  # 512 vs 256, shrunk
 
 
-def test_mla_refused_naming_the_construct_and_fused_experts_folded():
+def test_mla_planned_by_heads_and_fused_experts_folded():
     from nxd_hf.tp.derive import patch_from_hf_plan
+    from nxd_hf.tp.mla import LatentAttention
     from nxd_hf.tp.plan import Experts
 
-    config = transformers.AutoConfig.for_model("minicpm3")
-    with pytest.raises(ValueError, match="latent attention") as info:
-        patch_from_hf_plan("minicpm3", config.base_model_tp_plan, config=config)
-    assert "Closest supported" in str(info.value)
+    config = transformers.AutoConfig.for_model("minicpm3")  # parity: tests/distributed/test_mla.py
+    plan = patch_from_hf_plan("minicpm3", config.base_model_tp_plan, config=config).plan
+    assert isinstance(plan["layers.*.self_attn"], LatentAttention)
     config = transformers.AutoConfig.for_model("mixtral")
     plan = patch_from_hf_plan("mixtral", config.base_model_tp_plan, config=config).plan
     assert plan["layers.*.mlp.experts"] == Experts()

@@ -222,3 +222,11 @@ def doge_case(tp: int, pp: int = 1, num_key_value_heads: int = 6):
         attention_bias=True, keep_window_size=4, num_key_value_heads=num_key_value_heads))
     assert config.num_attention_heads == 6 and config.num_key_value_heads == num_key_value_heads
     return run_case(config, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+
+
+def pipeline_case(model_type: str, tp: int, pp: int):
+    """``run_case`` (tp x pp, the pipeline's own schedule) on ``TINY[model_type]``'s config."""
+    from nxd_hf.parity.cases import run_case
+
+    config_cls, model_cls, kwargs = TINY[model_type]
+    return run_case(config_cls(**kwargs), tensor_parallel_size=tp, pipeline_parallel_size=pp, model_cls=model_cls)

@@ -1,6 +1,6 @@
 """Multi-head latent attention (``nxd_hf.tp.mla``) on tiny MiniCPM3- and dense DeepSeek-V2/V3-shaped
 models against the unparallelized HF model: training parity at tp=2 and tp=4 (6 heads: padded to
-8), with and without SP; a tp=2 checkpoint loaded at tp=1; ``save_pretrained``/``consolidate``
+8), with and without SP, and through the pipeline (pp=2, tp=2 x pp=2); a tp=2 checkpoint loaded at tp=1; ``save_pretrained``/``consolidate``
 loading in plain transformers and back through ``from_pretrained``; LoRA on every MLA projection
 against plain peft; the other MLA architectures (indexers, gates, sinks) in dense variants; an
 unplanned child refused at tp > 1. Also item 5 of issue 24: HRM's two layer stacks and the dense
@@ -104,3 +104,15 @@ def test_doge_tp4_padded_heads_or_replicated_kv_refused(ranks4, kv_heads, expect
     result = ranks4.run(mla_cases.doge_case, 4, 1, kv_heads)[0]
     assert result.status == expected, result.message
     assert expected == "pass" or "dt_proj reads every value head" in result.message
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_pipeline_pp2(ranks2, model_type):
+    result = ranks2.run(mla_cases.pipeline_case, model_type, 1, 2)[0]
+    assert result.status == "pass", result.message
+
+
+@pytest.mark.parametrize("model_type", ["minicpm3", "deepseek_v3"])
+def test_tp2_pp2(ranks4, model_type):
+    result = ranks4.run(mla_cases.pipeline_case, model_type, 2, 2)[0]
+    assert result.status == "pass", result.message

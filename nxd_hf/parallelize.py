@@ -111,7 +111,7 @@ def parallelize(
         if fused_loss and pipeline_parallel_size > 1:
             raise ValueError("fused_loss=True is not supported with pipeline_parallel_size > 1 (the last stage computes "
                              "the loss from its logits): use fused_loss=False")
-        patch = resolve_patch(model, sequence_parallel=sequence_parallel)
+        patch = resolve_patch(model, sequence_parallel=sequence_parallel, pipeline_parallel_size=pipeline_parallel_size)
         layout = attention_layout(model, patch, pad_model=pad_model, kv_size_multiplier=kv_size_multiplier)
         swap_layers(model, patch, layout, sequence_parallel=sequence_parallel, gather_logits=gather_logits,
                     fused_loss=fused_loss)
@@ -209,13 +209,19 @@ def _init_parallel_state(tensor_parallel_size: int, pipeline_parallel_size: int,
     parallel_state.initialize_model_parallel(tensor_parallel_size, pipeline_parallel_size, timeout=timeout)
 
 
-def resolve_patch(model, *, sequence_parallel: bool) -> ModelPatch:
+def resolve_patch(model, *, sequence_parallel: bool, pipeline_parallel_size: int = 1) -> ModelPatch:
     """Step 1."""
     patch = get_patch(model.config)
+    if pipeline_parallel_size > 1 and patch.pipeline_refusal:
+        raise ValueError(
+            f"pipeline_parallel_size={pipeline_parallel_size} is not supported for model_type {patch.model_type!r}: "
+            f"{patch.pipeline_refusal}. Use pipeline_parallel_size=1 (tensor and data parallelism work)"
+        )
     if sequence_parallel and not patch.sequence_parallel:
         raise ValueError(
             f"sequence_parallel=True is not supported for model_type {patch.model_type!r}: "
-            "its plan gathers activations, leaves attention replicated, or it is an encoder. "
+            "its plan gathers activations, leaves attention replicated, runs several decoder-layer stacks (HRM), "
+            "or it is an encoder. "
             "Use sequence_parallel=False"
         )
     return patch

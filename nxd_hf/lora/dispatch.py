@@ -32,21 +32,32 @@ from peft.tuners.lora.model import LoraModel
 from peft.tuners import tuners_utils
 from peft.tuners.tuners_utils import BaseTuner, BaseTunerLayer
 from peft.utils.other import ModulesToSaveWrapper
+from torch import nn
 from transformers import PreTrainedModel
 
 from nxd_hf.lora import io
-from nxd_hf.lora.layers import LORA_LAYERS
+from nxd_hf.lora.layers import LORA_LAYERS, LoraPartialGradLinear
+from nxd_hf.parallel_layers.sharding import has_partial_grad_over_tp
 
 
 def dispatch_parallel(target, adapter_name: str, config, **kwargs):
     """peft dispatcher for nxd_hf layers, or None (peft's own chain decides)."""
     base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
     lora_cls = next((cls for base_cls, cls in LORA_LAYERS.items() if isinstance(base, base_cls)), None)
-    if lora_cls is None or kwargs.get("parameter_name") is not None:
+    if kwargs.get("parameter_name") is not None:
         return None
+    if lora_cls is None:
+        return partial_grad_lora(target, base, adapter_name, config, **kwargs)
     # what peft sets (with a warning) for HF's Conv1D vs nn.Linear; it is saved in adapter_config.json
     config.fan_in_fan_out = bool(getattr(base.weight, "hf_transposed", False))
     return lora_cls(target, adapter_name, config=config, **kwargs)
+
+
+def partial_grad_lora(target, base, adapter_name: str, config, **kwargs):
+    """A ``LoraPartialGradLinear`` for a replicated ``nn.Linear`` with a partial gradient, else None."""
+    if type(base) is not nn.Linear or not has_partial_grad_over_tp(base.weight):
+        return None
+    return LoraPartialGradLinear(target, adapter_name, config=config, **kwargs)
 
 
 def _wrap_create_new_module(original):

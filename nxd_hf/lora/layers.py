@@ -22,7 +22,7 @@ from torch import nn
 
 from nxd_hf.parallel_layers import ColumnParallelLinear, RowParallelLinear, mappings
 from nxd_hf.parallel_layers.sharding import (
-    local_rows_mask, mark_partial_grad_over_tp, set_tensor_model_parallel_attributes, shard_from_full,
+    has_partial_grad_over_tp, local_rows_mask, mark_partial_grad_over_tp, set_tensor_model_parallel_attributes, shard_from_full,
 )
 
 SUPPORTED_INITS = (True, False, "gaussian")
@@ -178,3 +178,16 @@ class LoraRowParallelLinear(_ParallelLoraLinear):
 
 
 LORA_LAYERS = {ColumnParallelLinear: LoraColumnParallelLinear, RowParallelLinear: LoraRowParallelLinear}
+
+
+class LoraPartialGradLinear(peft_lora.Linear):
+    """peft's own LoRA on a replicated ``nn.Linear`` whose gradient is partial on each TP rank
+    (marked ``partial_grad_over_tp``: multi-head latent attention's down-projections, which feed
+    only this rank's heads; any replicated layer under SP): its adapters' gradients are partial
+    alike and are summed over TP."""
+
+    def update_layer(self, adapter_name: str, *args, **kwargs) -> None:
+        super().update_layer(adapter_name, *args, **kwargs)
+        if adapter_name in self.lora_A:
+            mark_partial_grad_over_tp(self.lora_A[adapter_name].weight)
+            mark_partial_grad_over_tp(self.lora_B[adapter_name].weight)

@@ -136,12 +136,23 @@ class HeadLayout:
             return self._per_query_head(2), 1
         raise AssertionError(kind)
 
+    def head_blocks(self, size: int) -> torch.Tensor:
+        """Rows of a projection of ``size`` rows where each query head owns one contiguous block of
+        ``size / num_heads`` rows, whatever its width (multi-head latent attention's ``q_b_proj``
+        ``[q_nope_h; q_rope_h]``, ``kv_b_proj`` ``[k_nope_h; v_h]``, the input of its ``o_proj``)."""
+        if size % self.num_heads:
+            raise ValueError(f"a per-head projection of {size} rows is not a whole number of blocks for "
+                             f"{self.num_heads} heads; register a hand-written patch with nxd_hf.register_patch")
+        return _head_rows(self.local_heads(), size // self.num_heads)
+
+    def local_heads(self) -> torch.Tensor:
+        """The logical query head of each local head (-1: padding)."""
+        heads = self.q_rows.view(-1, self.head_dim)[:, 0]
+        return torch.where(heads >= 0, heads // self.head_dim, -1)
+
     def _per_query_head(self, width: int) -> torch.Tensor:
         """Rows of a projection holding ``width`` head-sized blocks per query head, head by head."""
-        heads = self.q_rows.view(-1, self.head_dim)[:, 0]
-        heads = torch.where(heads >= 0, heads // self.head_dim, -1)
-        offsets = torch.arange(width * self.head_dim)
-        return torch.where(heads[:, None] >= 0, heads[:, None] * width * self.head_dim + offsets, -1).reshape(-1)
+        return _head_rows(self.local_heads(), width * self.head_dim)
 
 
 def _shift(rows: torch.Tensor, offset: int) -> torch.Tensor:

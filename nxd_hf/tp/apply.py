@@ -20,7 +20,20 @@ from nxd_hf.parallel_layers.heads import HeadLayout
 from nxd_hf.tp import plan
 from nxd_hf.tp.custom_modules import build_embedding, check_experts, check_kept
 from nxd_hf.tp.layouts import module_layout
+from nxd_hf.tp.mla import LatentAttention, check_latent_attention
 from nxd_hf.tp.region_parameters import mark_region_parameters
+
+
+def base_prefix(model: nn.Module, patch: plan.ModelPatch) -> str:
+    """The attribute holding the base model, that the plan's names are relative to. A task model
+    whose HF ``base_model_prefix`` names no attribute of it (``Llama4ForCausalLM``: "language_model",
+    its base model at ``.model``) has it in the child model sharing its config."""
+    prefix = patch.base_model_prefix if patch.base_model_prefix is not None else model.base_model_prefix
+    if prefix and not hasattr(model, prefix):
+        config = getattr(model, "config", None)
+        return next((name for name, child in model.named_children() if getattr(child, "config", None) is config
+                     and config is not None), prefix)
+    return prefix
 
 
 def _pattern(pattern: str) -> re.Pattern:
@@ -29,7 +42,7 @@ def _pattern(pattern: str) -> re.Pattern:
 
 def match_plan(patch: plan.ModelPatch, model: nn.Module) -> list[tuple[str, nn.Module, plan.Style]]:
     """(full name, module, style) for every module of ``model`` a plan entry names."""
-    prefix = patch.base_model_prefix if patch.base_model_prefix is not None else model.base_model_prefix
+    prefix = base_prefix(model, patch)
     compiled = [(_pattern(p), style) for p, style in patch.plan.items()]
     found = []
     for name, module in model.named_modules():
@@ -77,7 +90,10 @@ def _build(module: nn.Module, style: plan.Style, layout: HeadLayout | None, sp: 
     heads = style.heads
     if heads == "q" and isinstance(style, plan.Column) and out_features == 2 * layout.num_heads * layout.head_dim:
         heads = "q_gated"  # the query and its output gate, per head
-    rows, replicas = layout.rows(heads) if heads else (None, 1)
+    if heads == "head_blocks":  # multi-head latent attention (nxd_hf.tp.mla)
+        rows, replicas = layout.head_blocks(out_features if isinstance(style, plan.Column) else in_features), 1
+    else:
+        rows, replicas = layout.rows(heads) if heads else (None, 1)
     if isinstance(style, plan.Column):
         return ColumnParallelLinear(
             in_features, out_features, bias, gather_output=style.gather_output, sequence_parallel_enabled=sp,
@@ -107,7 +123,7 @@ def _layout_of(name: str, layouts: dict[str, HeadLayout], default: HeadLayout | 
 def _shard_head_parameters(model: nn.Module, patch: plan.ModelPatch, layouts: dict[str, HeadLayout]) -> None:
     """A colwise plan entry naming a bare parameter of an attention module with one value per
     query head (attention sinks, ``[num_heads]``): keep this rank's heads (0 for padding heads)."""
-    prefix = patch.base_model_prefix if patch.base_model_prefix is not None else model.base_model_prefix
+    prefix = base_prefix(model, patch)
     columns = [_pattern(p) for p, style in patch.plan.items() if isinstance(style, plan.Column)]
     for name, param in list(model.named_parameters()):
         relative = name[len(prefix) + 1 :] if prefix and name.startswith(prefix + ".") else name
@@ -119,8 +135,7 @@ def _shard_head_parameters(model: nn.Module, patch: plan.ModelPatch, layouts: di
                 f"the plan shards parameter {name!r} colwise; nxd_hf shards a bare parameter only when it holds "
                 "one value per query head of a sharded attention module. Register a hand-written patch"
             )
-        heads = layout.q_rows.view(-1, layout.head_dim)[:, 0]
-        heads = torch.where(heads >= 0, heads // layout.head_dim, -1)
+        heads = layout.local_heads()
         local = nn.Parameter(shard_from_full(param.detach(), 0, heads), requires_grad=param.requires_grad)
         set_tensor_model_parallel_attributes(local, partition_dim=0, logical_size=layout.num_heads, shard_index=heads)
         owner, _, leaf = name.rpartition(".")
@@ -156,7 +171,7 @@ def _last_layer_hook(module, args, kwargs, output):
 def _install_sequence_parallel(model: nn.Module, patch: plan.ModelPatch) -> None:
     """Bracket the decoder layers with the SP split/gather; their replicated parameters
     (norms, row-parallel biases) now see one sequence chunk, so their grads are partial."""
-    prefix = patch.base_model_prefix if patch.base_model_prefix is not None else model.base_model_prefix
+    prefix = base_prefix(model, patch)
     layers = model.get_submodule(f"{prefix}.{patch.decoder_layers}" if prefix else patch.decoder_layers)
     layers[0].register_forward_pre_hook(_first_layer_hook, with_kwargs=True)
     layers[len(layers) - 1].register_forward_hook(_last_layer_hook, with_kwargs=True)
@@ -201,6 +216,8 @@ def apply_tensor_parallel(model: nn.Module, patch: plan.ModelPatch, layout: Head
             module.register_forward_pre_hook(_enter_region_hook(sequence_parallel), with_kwargs=True)
             if isinstance(style, plan.Attention):
                 _set_local_attrs(module, style, layouts[name])
+            if isinstance(style, LatentAttention):
+                check_latent_attention(name, module, {n for n, _, _ in matched})
         elif isinstance(style, plan.Experts):
             check_experts(name, module)
         elif isinstance(style, plan.PerHeadNorm):

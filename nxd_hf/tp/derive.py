@@ -9,6 +9,7 @@ is a ``ParallelRegion`` (the MLP); ``embed_tokens`` becomes a vocab-parallel emb
 ``X.*`` prefix of the entries is the decoder-layer list.
 """
 
+from nxd_hf.tp import mla
 from nxd_hf.tp.plan import Attention, Column, Embedding, Experts, ModelPatch, ParallelRegion, PerHeadNorm, Row
 
 Q_PROJECTIONS = {"q_proj", "query"}
@@ -23,12 +24,15 @@ ATTENTION_ATTRS = (
 # Config flags that add q/k norms a plan may not name: e.g. Cohere's use_qk_norm holds one
 # weight row per head over all heads, Phi's qk_layernorm a head_dim norm with partial grads.
 QK_NORM_FLAGS = ("use_qk_norm", "qk_layernorm")
+# ... except where the norm holds no parameter: Llama 4's L2 norm over each head's head_dim is exact
+# on a rank's own heads as it is.
+_PARAMETER_FREE_QK_NORMS = {("llama4_text", "use_qk_norm")}
 
 # Our SP already covers decoder layers; "local_params" marks a module whose own parameters
 # have entries of their own (attention sinks: colwise, sharded by heads in ``nxd_hf.tp.apply``).
 _NO_MODULE_CHANGE = {"sequence_parallel", "replicate", "local_params"}
 _UNSUPPORTED = {
-    "packed_rowwise", "embedding_colwise", "mla_kv_a_proj", "all_reduce", "moe_identity_expert",
+    "packed_rowwise", "embedding_colwise", "all_reduce", "moe_identity_expert",
     "ep_dispatch_experts",
 }
 
@@ -36,8 +40,6 @@ _DENSE = "Closest supported: the dense variant of the family (e.g. Qwen3 for Qwe
 _UNSUPPORTED_CONSTRUCTS = {
     "ep_dispatch_experts": ("a mixture-of-experts layer with expert parallelism", _DENSE),
     "moe_identity_expert": ("a mixture-of-experts layer with identity experts", _DENSE),
-    "mla_kv_a_proj": ("multi-head latent attention (low-rank compressed K/V)",
-                      "Closest supported: attention with grouped K/V heads (GQA, e.g. Llama or Qwen3). "),
     "packed_rowwise": ("a row-parallel layer over packed experts", _DENSE),
 }
 
@@ -55,7 +57,11 @@ def _base_style(hf_style: str) -> str:
 
 
 def _colwise(parent: str, leaf: str, q_parents: set[str]) -> Column:
-    return Column(heads="q" if leaf in Q_PROJECTIONS else "kv" if leaf in KV_PROJECTIONS else None)
+    if leaf in Q_PROJECTIONS or leaf in KV_PROJECTIONS:
+        return Column(heads="q" if leaf in Q_PROJECTIONS else "kv")
+    # another projection of an attention module (an output gate: HRM's gate_proj, Laguna's g_proj)
+    # has one block per query head, padded heads included
+    return Column(heads="head_blocks" if parent in q_parents else None)
 
 
 def _rowwise(parent: str, leaf: str, q_parents: set[str]) -> Row:
@@ -93,14 +99,17 @@ def _style(pattern: str, hf_style: str, q_parents: set[str]):
     raise ValueError(f"{pattern!r}: unknown HF tensor-parallel style {hf_style!r} in base_model_tp_plan")
 
 
-def _decoder_layers(model_type: str, hf_plan: dict[str, str]) -> str:
+def _decoder_layers(model_type: str, hf_plan: dict[str, str]) -> tuple[str, int]:
+    """(the decoder-layer list, how many layer stacks the plan names). Several stacks (HRM's
+    ``H_module.layers`` and ``L_module.layers``, each run several times per step) shard alike;
+    only SP, which splits the sequence on entry to one list and gathers after it, needs one."""
     prefixes = {p.split(".*.", 1)[0] for p in hf_plan if ".*." in p}
-    if len(prefixes) != 1:
+    if not prefixes:
         raise ValueError(
-            f"cannot tell the decoder layers of {model_type!r} from its base_model_tp_plan (entry prefixes before "
-            f"'.*.': {sorted(prefixes)}); register a hand-written patch with nxd_hf.register_patch"
+            f"cannot tell the decoder layers of {model_type!r} from its base_model_tp_plan (no entry of the form "
+            "'<layers>.*.<module>'); register a hand-written patch with nxd_hf.register_patch"
         )
-    return prefixes.pop()
+    return sorted(prefixes)[0], len(prefixes)
 
 
 def _attention_modules(hf_plan: dict[str, str]) -> set[str]:
@@ -111,8 +120,8 @@ def _attention_modules(hf_plan: dict[str, str]) -> set[str]:
         if len(rows) > 1:  # only the output projection reads query heads
             raise ValueError(
                 f"attention module {parent!r} has several rowwise layers {rows}: nxd_hf shards the input of the "
-                "attention output projection by query heads, but another rowwise layer reads something else (e.g. "
-                "Doge's dt_proj reads the value heads) and cannot be split the same way. Closest supported: "
+                "attention output projection by query heads, but another rowwise layer reads something else (as "
+                "Doge's dt_proj reads the value heads: model_patches/doge.py) and cannot be split the same way. Closest supported: "
                 "tensor_parallel_size=1 for this architecture, or a hand-written patch with nxd_hf.register_patch"
             )
     return parents
@@ -121,7 +130,7 @@ def _attention_modules(hf_plan: dict[str, str]) -> set[str]:
 def _check_config(model_type: str, hf_plan: dict[str, str], config) -> None:
     names_norms = any(_base_style(s) == "replicated_with_grad_allreduce" for s in hf_plan.values())
     for flag in QK_NORM_FLAGS:
-        if getattr(config, flag, False) and not names_norms:
+        if getattr(config, flag, False) and not names_norms and (model_type, flag) not in _PARAMETER_FREE_QK_NORMS:
             raise ValueError(
                 f"config.{flag}=True adds q/k norms that {model_type!r}'s base_model_tp_plan does not shard; "
                 f"set {flag}=False, or register a hand-written patch with nxd_hf.register_patch"
@@ -133,14 +142,18 @@ def patch_from_hf_plan(model_type: str, hf_plan: dict[str, str], *, config=None)
     ``config``, when given, is checked for features the plan does not cover."""
     if config is not None:
         _check_config(model_type, hf_plan, config)
-    decoder_layers = _decoder_layers(model_type, hf_plan)
-    q_parents = _attention_modules(hf_plan)
-    plan = {"embed_tokens": Embedding()}
+    decoder_layers, stacks = _decoder_layers(model_type, hf_plan)
+    hf_plan = mla.with_implied_entries(hf_plan, decoder_layers, config)
+    latent = mla.latent_parents(hf_plan)
+    q_parents = _attention_modules({p: s for p, s in hf_plan.items() if _split(p)[0] not in latent})
+    plan = {"embed_tokens": Embedding(), **mla.latent_plan(hf_plan, latent)}
     plan.update({parent: Attention(attrs=ATTENTION_ATTRS) for parent in sorted(q_parents)})
     experts = {p for p, s in hf_plan.items() if _base_style(s) == "moe_tp_experts"}
     for pattern, hf_style in hf_plan.items():
         if _split(pattern)[0] in experts:
             continue  # a 3-D parameter of a fused experts module: part of its Experts style
+        if pattern in latent or _split(pattern)[0] in latent:
+            continue  # planned by mla.latent_plan
         style = _style(pattern, hf_style, q_parents)
         if style is None:
             if pattern not in q_parents:  # an attention module stays one ("local_params")
@@ -159,7 +172,10 @@ def patch_from_hf_plan(model_type: str, hf_plan: dict[str, str], *, config=None)
     # chunk of the sequence.
     gathered = any(isinstance(s, (Column, Row)) and not _splits_sequence(s) for s in plan.values())
     return ModelPatch(model_type=model_type, plan=plan, decoder_layers=decoder_layers,
-                      sequence_parallel=not gathered and bool(q_parents))
+                      sequence_parallel=not gathered and bool(q_parents or latent) and stacks == 1,
+                      pipeline_refusal=None if stacks == 1 else "its decoder is several layer stacks run in cycles, "
+                      "not one list of layers to cut into stages",
+                      num_kv_heads_attr=None if latent else "num_key_value_heads")  # MLA: K/V per query head
 
 
 def _splits_sequence(style: Column | Row) -> bool:

@@ -10,11 +10,12 @@ import dataclasses
 from collections.abc import Callable
 from typing import Literal
 
-HeadRows = Literal["q", "kv", "qkv", "qkv_per_head", "q_gated", None]
+HeadRows = Literal["q", "kv", "qkv", "qkv_per_head", "q_gated", "head_blocks", None]
 """Which attention-head layout a projection's sharded rows follow: query heads, K/V heads
 (replicated when num_kv_heads < tp), a stacked fused ``[q; k; v]``, GPT-NeoX's per-head
 interleaved ``[q_h k_h v_h]``, a query fused per head with its output gate ``[q_h gate_h]``
-(Qwen3.5; a "q" column twice the query size is taken as this), or None for a plain contiguous
+(Qwen3.5; a "q" column twice the query size is taken as this), one block of any width per query
+head, "head_blocks" (multi-head latent attention: ``nxd_hf.tp.mla``), or None for a plain contiguous
 split (MLPs)."""
 
 
@@ -110,3 +111,6 @@ class ModelPatch:
     after_swap: Callable | None = None
     """``fn(model)`` run after the swap for what a plan cannot say (Gemma 3n's activation
     sparsity takes statistics over the sharded hidden units: ``model_patches/gemma3n.py``)."""
+    pipeline_refusal: str | None = None
+    """Why the decoder cannot be cut into pipeline stages (HRM: two layer stacks, each run several
+    times per step); None: it can."""

@@ -1,8 +1,8 @@
 """A fixed subset of the architecture sweep (``python -m bench.architectures``), one case per fixed class:
 scaled embedding (gemma), learnable activation scalar (apertus), fused gated query
 (qwen3_5_text), per-layer head_dim (gemma4_unified_text), exact statistics over sharded units
-(gemma3n_text), attention sinks (granite_swa), a non-head rowwise layer (doge: refused on every
-rank together); the config shrinking keeps head ratios and per-layer kinds; a parallelize
+(gemma3n_text), attention sinks (granite_swa), a rowwise layer over the value heads (doge's
+dt_proj: ``model_patches/doge.py``); the config shrinking keeps head ratios and per-layer kinds; a parallelize
 that fails on one rank only fails promptly on every rank; ``nxd-hf check`` on a saved config."""
 
 import time
@@ -15,7 +15,7 @@ import transformers
 # model_type -> (expected status, sequence_parallel too)
 CASES = {
     "gemma": ("pass", True), "apertus": ("pass", True), "qwen3_5_text": ("pass", False),
-    "gemma4_unified_text": ("pass", True), "gemma3n_text": ("pass", False), "doge": ("refused", False),
+    "gemma4_unified_text": ("pass", True), "gemma3n_text": ("pass", False), "doge": ("pass", False),
     "granite_swa": ("pass", True),  # attention sinks, one per query head
 }
 
@@ -53,8 +53,6 @@ def test_fixed_architecture_classes(ranks2, model_type, sp):
     results = [result for result, _ in ranks2.run(architecture_case, model_type, sp)]
     assert results[0] == results[1], "the ranks must agree on the outcome"
     assert results[0].status == expected, f"{model_type} sp={sp}: {results[0].message}"
-    if expected == "refused":
-        assert "dt_proj" in results[0].message and "value heads" in results[0].message
 
 
 def test_failing_rank_fails_promptly_on_every_rank(ranks2):
@@ -78,14 +76,14 @@ def test_shrink_keeps_head_ratio_and_one_layer_per_kind():
     assert small.per_layer_config[1].head_dim == 2 * small.per_layer_config[0].head_dim  # 512 vs 256, shrunk
 
 
-def test_mla_refused_naming_the_construct_and_fused_experts_folded():
+def test_mla_planned_by_heads_and_fused_experts_folded():
     from nxd_hf.tp.derive import patch_from_hf_plan
+    from nxd_hf.tp.mla import LatentAttention
     from nxd_hf.tp.plan import Experts
 
-    config = transformers.AutoConfig.for_model("minicpm3")
-    with pytest.raises(ValueError, match="latent attention") as info:
-        patch_from_hf_plan("minicpm3", config.base_model_tp_plan, config=config)
-    assert "Closest supported" in str(info.value)
+    config = transformers.AutoConfig.for_model("minicpm3")  # parity: tests/distributed/test_mla.py
+    plan = patch_from_hf_plan("minicpm3", config.base_model_tp_plan, config=config).plan
+    assert isinstance(plan["layers.*.self_attn"], LatentAttention)
     config = transformers.AutoConfig.for_model("mixtral")
     plan = patch_from_hf_plan("mixtral", config.base_model_tp_plan, config=config).plan
     assert plan["layers.*.mlp.experts"] == Experts()

@@ -1,0 +1,1 @@
+"""Mixture-of-experts: experts sharded over TP (``tp_experts``)."""

@@ -48,6 +48,11 @@ def _layout(name: str, module: nn.Module) -> tuple[bool, bool]:
 def expert_sharding(name: str, module: nn.Module) -> dict[str, tuple[int, int]]:
     """{parameter name: (partition dim, stride)} of ``module``'s TP-sharded parameters; the rest
     must be in ``ONCE_OVER_TP``."""
+    if getattr(module, "has_post_expert_norm", False):
+        raise ValueError(
+            f"{name!r}: a norm after each expert (has_post_expert_norm) is not linear in the expert's intermediate "
+            "units, so the experts cannot be sharded over TP; use tensor_parallel_size=1 for this model"
+        )
     transposed, concatenated = _layout(name, module)
     column, row = (2, 1) if transposed else (1, 2)
     stride = 2 if concatenated and getattr(module, "has_gate", True) else 1
@@ -164,16 +169,26 @@ def _gather_sequence(x):
 
 def _enter_block(module, args, kwargs):
     """Under SP: the MoE block sees the whole sequence (backward keeps this rank's chunk)."""
+    x = _gather_sequence(args[0] if args else kwargs["hidden_states"])
+    module._nxd_sequence_shape = x.shape
     if args:
-        return (_gather_sequence(args[0]), *args[1:]), kwargs
-    return args, {**kwargs, "hidden_states": _gather_sequence(kwargs["hidden_states"])}
+        return (x, *args[1:]), kwargs
+    return args, {**kwargs, "hidden_states": x}
+
+
+def _split_sequence(module, y: torch.Tensor) -> torch.Tensor:
+    """This rank's chunk of the block's output, which may come flattened to ``[tokens, h]`` (Llama 4)."""
+    batch, seq = module._nxd_sequence_shape[:2]
+    if y.dim() == 2 and y.shape[0] == batch * seq:
+        return mappings.scatter_to_sequence_parallel_region(y.view(batch, seq, -1)).reshape(-1, y.shape[-1])
+    return mappings.scatter_to_sequence_parallel_region(y)
 
 
 def _leave_block(module, args, kwargs, output):
     """Under SP: back to this rank's chunk of the sequence (backward all-gathers)."""
     if isinstance(output, tuple):
-        return (mappings.scatter_to_sequence_parallel_region(output[0]), *output[1:])
-    return mappings.scatter_to_sequence_parallel_region(output)
+        return (_split_sequence(module, output[0]), *output[1:])
+    return _split_sequence(module, output)
 
 
 def install_block_sequence_parallel(block: nn.Module) -> None:

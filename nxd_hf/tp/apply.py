@@ -29,9 +29,20 @@ def _pattern(pattern: str) -> re.Pattern:
     return re.compile(re.escape(pattern).replace(r"\*", r"[^.]+"))
 
 
+def base_prefix(patch: plan.ModelPatch, model: nn.Module) -> str:
+    """The base model's attribute: the patch's, else HF's ``base_model_prefix`` (Llama 4's
+    causal LM names "language_model" but holds ``model``: then "model")."""
+    if patch.base_model_prefix is not None:
+        return patch.base_model_prefix
+    prefix = model.base_model_prefix
+    if prefix and not isinstance(getattr(model, prefix, None), nn.Module) and isinstance(getattr(model, "model", None), nn.Module):
+        return "model"
+    return prefix
+
+
 def match_plan(patch: plan.ModelPatch, model: nn.Module) -> list[tuple[str, nn.Module, plan.Style]]:
     """(full name, module, style) for every module of ``model`` a plan entry names."""
-    prefix = patch.base_model_prefix if patch.base_model_prefix is not None else model.base_model_prefix
+    prefix = base_prefix(patch, model)
     compiled = [(_pattern(p), style) for p, style in patch.plan.items()]
     found = []
     for name, module in model.named_modules():
@@ -109,7 +120,7 @@ def _layout_of(name: str, layouts: dict[str, HeadLayout], default: HeadLayout | 
 def _shard_head_parameters(model: nn.Module, patch: plan.ModelPatch, layouts: dict[str, HeadLayout]) -> None:
     """A colwise plan entry naming a bare parameter of an attention module with one value per
     query head (attention sinks, ``[num_heads]``): keep this rank's heads (0 for padding heads)."""
-    prefix = patch.base_model_prefix if patch.base_model_prefix is not None else model.base_model_prefix
+    prefix = base_prefix(patch, model)
     columns = [_pattern(p) for p, style in patch.plan.items() if isinstance(style, plan.Column)]
     for name, param in list(model.named_parameters()):
         relative = name[len(prefix) + 1 :] if prefix and name.startswith(prefix + ".") else name
@@ -159,7 +170,7 @@ def _install_sequence_parallel(model: nn.Module, patch: plan.ModelPatch, moe_blo
     """Bracket the decoder layers with the SP split/gather; their replicated parameters
     (norms, row-parallel biases) now see one sequence chunk, so their grads are partial.
     A MoE block sees the whole sequence (``nxd_hf.moe.tp_experts``): its parameters are whole."""
-    prefix = patch.base_model_prefix if patch.base_model_prefix is not None else model.base_model_prefix
+    prefix = base_prefix(patch, model)
     layers = model.get_submodule(f"{prefix}.{patch.decoder_layers}" if prefix else patch.decoder_layers)
     layers[0].register_forward_pre_hook(_first_layer_hook, with_kwargs=True)
     layers[len(layers) - 1].register_forward_hook(_last_layer_hook, with_kwargs=True)

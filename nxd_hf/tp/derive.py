@@ -23,6 +23,8 @@ ATTENTION_ATTRS = (
 # Config flags that add q/k norms a plan may not name: e.g. Cohere's use_qk_norm holds one
 # weight row per head over all heads, Phi's qk_layernorm a head_dim norm with partial grads.
 QK_NORM_FLAGS = ("use_qk_norm", "qk_layernorm")
+# Model types whose q/k norm has no weight (Llama 4's L2 norm per head): exact on the local heads.
+WEIGHTLESS_QK_NORMS = {"llama4_text"}
 
 # Our SP already covers decoder layers; "local_params" marks a module whose own parameters
 # have entries of their own (attention sinks: colwise, sharded by heads in ``nxd_hf.tp.apply``).
@@ -121,7 +123,7 @@ def _attention_modules(hf_plan: dict[str, str]) -> set[str]:
 def _check_config(model_type: str, hf_plan: dict[str, str], config) -> None:
     names_norms = any(_base_style(s) == "replicated_with_grad_allreduce" for s in hf_plan.values())
     for flag in QK_NORM_FLAGS:
-        if getattr(config, flag, False) and not names_norms:
+        if getattr(config, flag, False) and not names_norms and model_type not in WEIGHTLESS_QK_NORMS:
             raise ValueError(
                 f"config.{flag}=True adds q/k norms that {model_type!r}'s base_model_tp_plan does not shard; "
                 f"set {flag}=False, or register a hand-written patch with nxd_hf.register_patch"

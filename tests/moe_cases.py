@@ -1,0 +1,100 @@
+"""Tiny mixture-of-experts models (Mixtral, Qwen3-MoE with a dense layer, DeepSeek-V3 with shared
+experts and routed scaling, gpt-oss with expert biases, sinks and an interleaved clamped SwiGLU)
+and the parity cases of experts sharded over TP: loss, the load-balancing aux loss
+(``output_router_logits``, with padding in the attention mask), every gathered gradient, several
+AdamW steps, then eval logits, against the unparallelized HF model."""
+
+import torch
+import transformers
+
+import nxd_hf
+from nxd_hf import backend, parallel_state, parity
+
+TOL = dict(rtol=parity.RTOL, atol=parity.ATOL)
+VOCAB = 101
+_ATTENTION = dict(hidden_size=48, num_attention_heads=6, num_key_value_heads=2, vocab_size=VOCAB, num_hidden_layers=2,
+                  tie_word_embeddings=False)
+
+# model_type -> (config class, causal-LM class, config kwargs); intermediate sizes divisible by 2 x 4.
+MOE_TINY = {
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM, dict(
+        _ATTENTION, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+        router_aux_loss_coef=0.3)),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, dict(  # layer 1 dense
+        _ATTENTION, head_dim=16, intermediate_size=64, moe_intermediate_size=32, num_experts=4,
+        num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1], output_router_logits=True,
+        router_aux_loss_coef=0.3)),
+    "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM, dict(  # layer 0 dense
+        _ATTENTION, num_key_value_heads=6, intermediate_size=64, moe_intermediate_size=32, n_routed_experts=4,
+        n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+        norm_topk_prob=True, first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=8, head_dim=8)),
+    "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM, dict(
+        _ATTENTION, head_dim=8, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+        layer_types=["sliding_attention", "full_attention"], sliding_window=4, output_router_logits=True,
+        router_aux_loss_coef=0.3)),
+}
+
+
+def tiny_config(model_type: str, **overrides):
+    config_cls, _, kwargs = MOE_TINY[model_type]
+    return config_cls(**{**kwargs, **overrides})
+
+
+def build_pair(model_type: str, **overrides):
+    """(reference, copy to parallelize) with identical fp32 weights, noise on every parameter
+    (routers and biases included)."""
+    _, model_cls, _ = MOE_TINY[model_type]
+    return parity.build_pair(tiny_config(model_type, **overrides), model_cls)
+
+
+def batch(seed: int = 1):
+    """(input_ids, attention_mask, labels): row 1 ends in two padding tokens (masked out of the aux loss)."""
+    ids, labels = parity.make_batch(VOCAB, batch_size=2, seq_len=8, seed=seed)
+    mask = torch.ones_like(ids)
+    mask[1, -2:] = 0
+    device = backend.default_device()
+    return ids.to(device), mask.to(device), labels.to(device)
+
+
+def _check_grads(model, reference, label: str) -> None:
+    ref_params = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        torch.testing.assert_close(parity.gathered_grad(param, grad), ref_params[name].grad, **TOL,
+                                   msg=lambda m: f"{label} {name}: {m}")
+
+
+def moe_training_matches_hf(model_type: str, tp: int, sp: bool, steps: int = 3) -> dict:
+    """``steps`` AdamW steps at ``tp`` (SP on/off) equal HF's: loss, aux loss, every gradient,
+    then the eval logits. Returns what was compared, for the test to assert on."""
+    parallel_state.destroy_model_parallel()
+    reference, model = build_pair(model_type)
+    nxd_hf.parallelize(model, tensor_parallel_size=tp, sequence_parallel=sp)
+    sharded = [n for n, p in model.named_parameters() if "experts" in n and getattr(p, "tensor_model_parallel", False)]
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    aux_losses = []
+    for step in range(steps):
+        ids, mask, labels = batch(seed=step + 1)
+        ref_out = reference(input_ids=ids, attention_mask=mask, labels=labels)
+        out = model(input_ids=ids, attention_mask=mask, labels=labels)
+        label = f"{model_type} tp={tp} sp={sp} step {step}"
+        torch.testing.assert_close(out.loss, ref_out.loss, **TOL, msg=lambda m: f"{label} loss: {m}")
+        if getattr(ref_out, "aux_loss", None) is not None:
+            torch.testing.assert_close(out.aux_loss, ref_out.aux_loss, **TOL, msg=lambda m: f"{label} aux: {m}")
+            aux_losses.append(float(ref_out.aux_loss))
+        ref_out.loss.backward()
+        out.loss.backward()
+        _check_grads(model, reference, label)
+        ref_opt.step()
+        opt.step()
+        ref_opt.zero_grad()
+        opt.zero_grad()
+    reference.eval()
+    model.eval()
+    ids, mask, _ = batch(seed=9)
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits,
+                                   reference(input_ids=ids, attention_mask=mask).logits, **TOL)
+    return {"sharded": sharded, "aux_losses": aux_losses}

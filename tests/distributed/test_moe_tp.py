@@ -6,7 +6,7 @@ three AdamW steps, eval logits."""
 
 import pytest
 
-from moe_cases import moe_training_matches_hf
+from moe_cases import moe_checkpoints_round_trip, moe_training_matches_hf
 
 # DeepSeek-V3's attention (MLA) stays replicated in HF's plan, so it runs without SP.
 CASES = [("mixtral", False), ("mixtral", True), ("qwen3_moe", False), ("qwen3_moe", True),
@@ -24,3 +24,12 @@ def test_moe_tp2_matches_hf(ranks2, model_type, sp):
 @pytest.mark.parametrize("model_type,sp", [("qwen3_moe", True), ("gpt_oss", False)])
 def test_moe_tp4_matches_hf(ranks4, model_type, sp):
     assert ranks4.run(moe_training_matches_hf, model_type, 4, sp)[0]["sharded"]
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "gpt_oss"])
+def test_moe_checkpoints_at_tp2_round_trip_through_plain_transformers(ranks2, tmp_path, model_type):
+    """from_pretrained of transformers' per-expert files (Mixtral's renamed block_sparse_moe.*.w1/w3/w2,
+    Qwen3-MoE's gate/up/down_proj) or fused ones (gpt-oss); save_pretrained / consolidate load in
+    plain transformers with the same logits; the tp=2 checkpoint loads at tp=1."""
+    done = ranks2.run(moe_checkpoints_round_trip, model_type, str(tmp_path))[0]
+    assert done == ["from_pretrained", "save_pretrained+consolidate", "tp->1 load"]

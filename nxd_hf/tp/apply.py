@@ -20,6 +20,7 @@ from nxd_hf.parallel_layers.sharding import (
 from nxd_hf.parallel_layers.heads import HeadLayout
 from nxd_hf.tp import plan
 from nxd_hf.moe.tp_experts import install_block_sequence_parallel, shard_experts
+from nxd_hf.tp.derive import check_shardable
 from nxd_hf.tp.custom_modules import build_embedding, check_experts, check_kept
 from nxd_hf.tp.layouts import module_layout
 from nxd_hf.tp.region_parameters import mark_region_parameters
@@ -140,6 +141,16 @@ def _shard_head_parameters(model: nn.Module, patch: plan.ModelPatch, layouts: di
         setattr(model.get_submodule(owner), leaf, local)
 
 
+def _keep_replicated_attention(name: str, sequence_parallel: bool) -> None:
+    """An attention module the plan's projections do not reach (MiniMax's lightning-attention
+    layers) runs whole on every rank; under SP it would see one chunk of the sequence."""
+    if sequence_parallel:
+        raise ValueError(
+            f"{name!r} is an attention module none of whose projections the plan shards (e.g. a linear-attention "
+            "layer); it stays replicated, which sequence parallelism cannot split. Use sequence_parallel=False"
+        )
+
+
 def _set_local_attrs(module: nn.Module, style: plan.Attention, layout: HeadLayout) -> None:
     for path, quantity in style.attrs:
         target, *rest = path.split(".")
@@ -216,6 +227,8 @@ def _retie(model: nn.Module, swapped: dict[int, nn.Parameter]) -> None:
 
 def apply_tensor_parallel(model: nn.Module, patch: plan.ModelPatch, layout: HeadLayout | None, *, sequence_parallel: bool) -> None:
     """Swap every planned module of ``model`` (in place) and mark partial-gradient parameters."""
+    if parallel_state.get_tensor_model_parallel_size() > 1 and getattr(model, "config", None) is not None:
+        check_shardable(model.config)
     embedding, swapped, alive = None, {}, []  # swapped: id(old param) -> new; `matched` keeps the old ones alive
     matched = match_plan(patch, model)
     regions = [name + "." for name, _, style in matched if isinstance(style, plan.ParallelRegion)]
@@ -224,6 +237,9 @@ def apply_tensor_parallel(model: nn.Module, patch: plan.ModelPatch, layout: Head
     moe_blocks = [name.rpartition(".")[0] for name, _, style in matched if isinstance(style, plan.Experts)]
     for name, module, style in matched:
         sp = sequence_parallel and not any(name.startswith(block + ".") for block in moe_blocks)
+        if isinstance(style, plan.Attention) and not any(n.startswith(name + ".") for n, _, _ in matched):
+            _keep_replicated_attention(name, sequence_parallel)  # none of its projections is planned
+            continue
         if isinstance(style, plan.ParallelRegion):
             if name not in moe_blocks:
                 module.register_forward_pre_hook(_enter_region_hook(sp), with_kwargs=True)

@@ -120,6 +120,23 @@ def _attention_modules(hf_plan: dict[str, str]) -> set[str]:
     return parents
 
 
+# Config fields whose model code cannot run on a TP shard as derived -> why (and what to do).
+_UNSHARDABLE_CONFIG = {
+    "unpadded_vocab_size": (lambda v: v is not None, "the model slices its logits to config.unpadded_vocab_size, which would cut this "
+                           "rank's vocab-parallel shard of them (Inkling 2)"),
+    "gating": (lambda v: v is True or v == "per-head", "the attention output gate g_proj has one row per query "
+               "head, which nxd_hf does not shard by heads yet (Laguna)"),
+}
+
+
+def check_shardable(config) -> None:
+    """ValueError at tp > 1 for config features whose model code cannot run on a TP shard."""
+    for field, (applies, why) in _UNSHARDABLE_CONFIG.items():
+        if hasattr(config, field) and applies(getattr(config, field)):
+            raise ValueError(f"{config.model_type!r}: {why}. Use tensor_parallel_size=1 for this architecture, or "
+                             "a hand-written patch with nxd_hf.register_patch")
+
+
 def _check_config(model_type: str, hf_plan: dict[str, str], config) -> None:
     names_norms = any(_base_style(s) == "replicated_with_grad_allreduce" for s in hf_plan.values())
     for flag in QK_NORM_FLAGS:
@@ -160,6 +177,8 @@ def patch_from_hf_plan(model_type: str, hf_plan: dict[str, str], *, config=None)
     # Nor when the plan leaves attention replicated (no sharded q projection: YoutU): it would see one
     # chunk of the sequence.
     gathered = any(isinstance(s, (Column, Row)) and not _splits_sequence(s) for s in plan.values())
+    # Per-layer inputs (Gemma 4's PLE) are whole-sequence tensors every decoder layer multiplies in.
+    gathered = gathered or bool(getattr(config, "hidden_size_per_layer_input", 0))
     return ModelPatch(model_type=model_type, plan=plan, decoder_layers=decoder_layers,
                       sequence_parallel=not gathered and bool(q_parents))
 

@@ -148,3 +148,33 @@ def moe_checkpoints_round_trip(model_type: str, tmp: str, tp: int = 2) -> list[s
         torch.testing.assert_close(state[name], value, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
     done.append("tp->1 load")
     return done
+
+
+def moe_trainer_matches_hf(out_dir: str, accumulate: int = 2, steps: int = 3) -> list[float]:
+    """NxDTrainer at tp=2 with gradient accumulation on Mixtral with output_router_logits (the
+    aux loss in every micro-batch's loss) equals transformers.Trainer on the same model and data:
+    logged losses and grad norms, final parameters. Returns the logged losses."""
+    from nxd_hf.parallel_layers.sharding import full_tensor
+
+    parallel_state.destroy_model_parallel()
+    reference, model = build_pair("mixtral")
+    g = torch.Generator().manual_seed(3)
+    data = [{"input_ids": (ids := torch.randint(0, VOCAB, (8,), generator=g)), "labels": ids.clone()}
+            for _ in range(16)]
+    common = dict(max_steps=steps, learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[], seed=7,
+                  disable_tqdm=True, per_device_train_batch_size=2, gradient_accumulation_steps=accumulate)
+    ref = transformers.Trainer(reference, transformers.TrainingArguments(output_dir=f"{out_dir}/ref", **common),
+                               train_dataset=data)
+    ref.train()
+    ours = nxd_hf.NxDTrainer(model, nxd_hf.NxDTrainingArguments(output_dir=f"{out_dir}/nxd", tensor_parallel_size=2,
+                                                                 **common), train_dataset=data)
+    ours.train()
+    for key in ("loss", "grad_norm"):
+        want = [h[key] for h in ref.state.log_history if key in h and "train_runtime" not in h]
+        got = [h[key] for h in ours.state.log_history if key in h and "train_runtime" not in h]
+        assert len(got) == len(want) == steps, (key, got, want)
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), **TOL, msg=lambda m: f"{key}: {m}")
+    ref_params = dict(ref.model.named_parameters())
+    for name, param in ours.nxd_model.named_parameters():
+        torch.testing.assert_close(full_tensor(param), ref_params[name].detach(), **TOL, msg=lambda m: f"{name}: {m}")
+    return [h["loss"] for h in ours.state.log_history if "loss" in h]

@@ -6,7 +6,7 @@ three AdamW steps, eval logits."""
 
 import pytest
 
-from moe_cases import moe_checkpoints_round_trip, moe_training_matches_hf
+from moe_cases import moe_checkpoints_round_trip, moe_trainer_matches_hf, moe_training_matches_hf
 
 # DeepSeek-V3's attention (MLA) stays replicated in HF's plan, so it runs without SP.
 CASES = [("mixtral", False), ("mixtral", True), ("qwen3_moe", False), ("qwen3_moe", True),
@@ -33,3 +33,10 @@ def test_moe_checkpoints_at_tp2_round_trip_through_plain_transformers(ranks2, tm
     plain transformers with the same logits; the tp=2 checkpoint loads at tp=1."""
     done = ranks2.run(moe_checkpoints_round_trip, model_type, str(tmp_path))[0]
     assert done == ["from_pretrained", "save_pretrained+consolidate", "tp->1 load"]
+
+
+def test_nxd_trainer_tp2_accumulation_with_aux_loss_matches_trainer(ranks2, tmp_path):
+    """Mixtral with output_router_logits (the aux loss in every micro-batch's loss), tp=2 and
+    gradient accumulation 2: NxDTrainer's logged losses, grad norms and final parameters are
+    transformers.Trainer's."""
+    assert len(ranks2.run(moe_trainer_matches_hf, str(tmp_path))[0]) == 3

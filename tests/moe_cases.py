@@ -106,6 +106,20 @@ def _logits(model, ids) -> torch.Tensor:
         return model(input_ids=ids).logits
 
 
+def _stored_names(directory: str) -> set[str]:
+    import json
+    import os
+
+    import safetensors
+
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            return set(json.load(f)["weight_map"])
+    with safetensors.safe_open(os.path.join(directory, "model.safetensors"), "pt") as f:
+        return set(f.keys())
+
+
 def moe_checkpoints_round_trip(model_type: str, tmp: str, tp: int = 2) -> list[str]:
     """At ``tp``: ``from_pretrained`` of what transformers' ``save_pretrained`` wrote (per-expert
     names for most MoE types) reads the local slices; ``save_pretrained``, and ``save_checkpoint``
@@ -133,6 +147,7 @@ def moe_checkpoints_round_trip(model_type: str, tmp: str, tp: int = 2) -> list[s
         nxd_hf.consolidate(ckpt, merged)
     torch.distributed.barrier()
     for directory in (ours, merged):
+        assert _stored_names(directory) == _stored_names(hf_dir), directory  # what transformers writes
         plain = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
         torch.testing.assert_close(_logits(plain, ids), expected, **TOL)
     done.append("save_pretrained+consolidate")

@@ -99,3 +99,39 @@ def read_fused(checkpoint, sources: ExpertSources, param: torch.Tensor) -> torch
                 pieces.append(checkpoint.read_rows(key, dim - 1, param.shard_index))
         stacked.append(torch.cat(pieces, dim=sources.concat_dim - 1) if len(pieces) > 1 else pieces[0])
     return torch.stack(stacked)
+
+
+def per_expert_converters(model_type: str | None) -> list:
+    """(converter, concat dim) of ``model_type``'s experts merges, as transformers registers them."""
+    if not model_type:
+        return []
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+        from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
+    except ImportError:
+        return []
+    found = []
+    for conversion in get_checkpoint_conversion_mapping(model_type) or []:
+        ops = getattr(conversion, "operations", None) or []
+        if not isinstance(conversion, WeightConverter) or not isinstance(ops[0], MergeModulelist) or ops[0].dim != 0:
+            continue
+        if len(ops) == 1 or (len(ops) == 2 and isinstance(ops[1], Concatenate)):
+            found.append((conversion, ops[1].dim if len(ops) == 2 else None))
+    return found
+
+
+def split_fused(name: str, tensor: torch.Tensor, converters: list) -> list[tuple[str, torch.Tensor]]:
+    """``name``'s whole fused experts tensor as transformers' ``save_pretrained`` stores it: one
+    tensor per expert (and per concatenated part), under the converter's source names; other
+    tensors unchanged."""
+    for conversion, concat_dim in converters:
+        for target in conversion.target_patterns:
+            target = target.lstrip("^").rstrip("$").lstrip(".")
+            if tensor.dim() != 3 or not name.endswith(target) or re.search(r"[\\*(\[]", target):
+                continue
+            stem = name[: len(name) - len(target)]
+            sources = conversion.source_patterns
+            parts = tensor.chunk(len(sources), dim=concat_dim) if concat_dim is not None else (tensor,)
+            return [(stem + source.lstrip("^").lstrip(".").replace("*", str(e)), part[e].contiguous())
+                    for source, part in zip(sources, parts) for e in range(tensor.shape[0])]
+    return [(name, tensor)]

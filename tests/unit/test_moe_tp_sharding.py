@@ -41,3 +41,12 @@ def test_post_expert_norm_and_unknown_parameters_are_refused():
     experts.scale = transformers.pytorch_utils.nn.Parameter(experts.down_proj.new_ones(4))
     with pytest.raises(ValueError, match="e.scale"):
         expert_sharding("e", experts)
+
+
+def test_shrink_keeps_top_k_and_enough_experts_for_ep4():
+    from nxd_hf.parity.shrink import shrink_config
+
+    small = shrink_config(transformers.Qwen3MoeConfig())  # 128 experts, top-8
+    assert small.num_experts_per_tok == 8 and small.num_experts == 16
+    small = shrink_config(transformers.MixtralConfig())  # 8 experts, top-2
+    assert small.num_experts_per_tok == 2 and small.num_local_experts == 4

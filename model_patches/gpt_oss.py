@@ -5,16 +5,13 @@ mixture-of-experts MLP whose fused experts hold biases, an interleaved ``[g0 u0 
 ``nxd_hf.moe.tp_experts`` (interleaved pairs kept together, ``down_proj_bias`` added once);
 the router stays replicated."""
 
-from nxd_hf.tp.plan import Attention, Column, Embedding, Experts, ModelPatch, Row
+from model_patches.llama import DECODER_PLAN
+from nxd_hf.tp.plan import Column, Experts, ModelPatch
 from nxd_hf.tp.registry import register_patch
 
-PATCH = register_patch(ModelPatch(model_type="gpt_oss", plan={
-    "embed_tokens": Embedding(),
-    "layers.*.self_attn": Attention(),
-    "layers.*.self_attn.q_proj": Column(heads="q"),
-    "layers.*.self_attn.k_proj": Column(heads="kv"),
-    "layers.*.self_attn.v_proj": Column(heads="kv"),
-    "layers.*.self_attn.o_proj": Row(heads="q"),
+ATTENTION_PLAN = {pattern: style for pattern, style in DECODER_PLAN.items() if not pattern.startswith("layers.*.mlp")}
+
+PATCH = register_patch(ModelPatch(model_type="gpt_oss", plan=ATTENTION_PLAN | {
     "layers.*.self_attn.sinks": Column(),
     "layers.*.mlp.experts": Experts(),
 }))

@@ -193,3 +193,41 @@ def moe_trainer_matches_hf(out_dir: str, accumulate: int = 2, steps: int = 3) ->
     for name, param in ours.nxd_model.named_parameters():
         torch.testing.assert_close(full_tensor(param), ref_params[name].detach(), **TOL, msg=lambda m: f"{name}: {m}")
     return [h["loss"] for h in ours.state.log_history if "loss" in h]
+
+
+def identity_experts_match(tp: int) -> int:
+    """LongCat-Flash's experts module (identity experts past the routed ones; HF style
+    "moe_identity_expert") sharded over TP by ``shard_experts``: output and every gradient (input,
+    top-k weights, gathered expert weights) equal the unsharded module's. Returns the tokens routed
+    to an identity expert."""
+    import copy
+
+    from nxd_hf.moe.tp_experts import shard_experts
+    from transformers.models.longcat_flash.modeling_longcat_flash import LongcatFlashExperts
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    config = transformers.LongcatFlashConfig(hidden_size=16, expert_ffn_hidden_size=8, n_routed_experts=4,
+                                             zero_expert_num=2, hidden_act="silu")
+    torch.manual_seed(0)
+    reference = LongcatFlashExperts(config)
+    with torch.no_grad():
+        reference.gate_up_proj.normal_()
+        reference.down_proj.normal_()
+    sharded = copy.deepcopy(reference)
+    shard_experts("experts", sharded)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(10, 16, generator=g)
+    index = torch.randint(0, 6, (10, 2), generator=g)
+    weights = torch.rand(10, 2, generator=g)
+    outs = []
+    for module in (reference, sharded):
+        xi, wi = x.clone().requires_grad_(), weights.clone().requires_grad_()
+        out = module(xi, index, wi)
+        (out * torch.arange(16.0)).sum().backward()
+        outs.append((out.detach(), xi.grad, wi.grad))
+    for got, want in zip(outs[1], outs[0]):
+        torch.testing.assert_close(got, want, **TOL)
+    for name, param in sharded.named_parameters():
+        torch.testing.assert_close(parity.gathered_grad(param), dict(reference.named_parameters())[name].grad, **TOL)
+    return int((index >= 4).sum())

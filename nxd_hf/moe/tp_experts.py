@@ -27,8 +27,9 @@ from nxd_hf.parallel_layers.sharding import (
 )
 
 # (transposed, concatenated) of experts modules without HF's ``use_experts_implementation``
-# attributes: Llama 4's ``bmm`` experts hold ``[E, H, 2I]`` / ``[E, I, H]``.
-KNOWN_LAYOUTS = {"Llama4TextExperts": (True, True)}
+# attributes: Llama 4's ``bmm`` experts hold ``[E, H, 2I]`` / ``[E, I, H]``; LongCat's loop ones
+# ``[E, 2I, H]`` / ``[E, H, I]`` (plus identity experts).
+KNOWN_LAYOUTS = {"Llama4TextExperts": (True, True), "LongcatFlashExperts": (False, True)}
 ONCE_OVER_TP = ("down_proj_bias",)  # added to the partial sum: kept on rank 0 only
 IDENTITY_EXPERTS = ("identity_expert",)
 

@@ -6,7 +6,7 @@ three AdamW steps, eval logits."""
 
 import pytest
 
-from moe_cases import moe_checkpoints_round_trip, moe_trainer_matches_hf, moe_training_matches_hf
+from moe_cases import identity_experts_match, moe_checkpoints_round_trip, moe_trainer_matches_hf, moe_training_matches_hf
 
 # DeepSeek-V3's attention (MLA) stays replicated in HF's plan, so it runs without SP.
 CASES = [("mixtral", False), ("mixtral", True), ("qwen3_moe", False), ("qwen3_moe", True),
@@ -40,3 +40,8 @@ def test_nxd_trainer_tp2_accumulation_with_aux_loss_matches_trainer(ranks2, tmp_
     gradient accumulation 2: NxDTrainer's logged losses, grad norms and final parameters are
     transformers.Trainer's."""
     assert len(ranks2.run(moe_trainer_matches_hf, str(tmp_path))[0]) == 3
+
+
+def test_identity_experts_count_once_over_tp(ranks2):
+    """LongCat's identity experts (HF "moe_identity_expert") inside the TP region add their input on one rank."""
+    assert ranks2.run(identity_experts_match, 2)[0] > 0

@@ -60,13 +60,13 @@ def build_embedding(module: nn.Module, dtype: torch.dtype) -> ParallelEmbedding:
 
 def _random_router(block: nn.Module) -> str | None:
     """Why ``block``'s router draws random numbers in training (None: it does not)."""
+    if type(block).__name__.startswith("Phimoe"):
+        return "PhiMoE's sparsemixer router samples experts at random in training"
     config = getattr(block, "config", None) or getattr(getattr(block, "experts", None), "config", None)
     for holder in (block, getattr(block, "gate", None), getattr(block, "router", None), config):
         for attr in ("jitter_noise", "router_jitter_noise", "input_jitter_noise"):
             if holder is not None and isinstance(getattr(holder, attr, None), float) and getattr(holder, attr) > 0:
                 return f"{attr}={getattr(holder, attr)} multiplies by random noise"
-    if type(block).__name__.startswith("Phimoe"):
-        return "PhiMoE's sparsemixer router samples experts at random in training"
     return None
 
 

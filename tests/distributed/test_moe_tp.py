@@ -45,3 +45,14 @@ def test_nxd_trainer_tp2_accumulation_with_aux_loss_matches_trainer(ranks2, tmp_
 def test_identity_experts_count_once_over_tp(ranks2):
     """LongCat's identity experts (HF "moe_identity_expert") inside the TP region add their input on one rank."""
     assert ranks2.run(identity_experts_match, 2)[0] > 0
+
+
+def test_check_parity_covers_moe():
+    """nxd_hf.check_parity (and so ``nxd-hf check``) on a full-size Qwen3-MoE config: shrunk with its
+    top-8 routing and 16 experts kept, it passes at tp=2 with SP."""
+    import transformers
+
+    import nxd_hf
+
+    result = nxd_hf.check_parity(transformers.Qwen3MoeConfig(), tensor_parallel_size=2, sequence_parallel=True)
+    assert result.status == "pass", result.message

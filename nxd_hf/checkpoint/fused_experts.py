@@ -15,6 +15,7 @@ import re
 import torch
 from torch import nn
 
+from nxd_hf.checkpoint.logical import DiskNames
 from nxd_hf.parallel_layers.sharding import is_sharded
 
 
@@ -72,6 +73,18 @@ def _present(stem: str, source: str, expert: int, present, disk_name) -> str | N
         if "." in candidate and candidate.split(".", 1)[1] in present:  # stored without the base prefix
             return candidate.split(".", 1)[1]
     return None
+
+
+def fused_parameters(hf_model, named, keys: dict, checkpoint) -> dict:
+    """{name: ExpertSources} for fused experts parameters stored per expert (see ``fused_experts``)."""
+    fused, disk_name = {}, None
+    for name, param in named:
+        if keys[name] is None and param.dim() == 3 and ".experts." in f".{name}":
+            disk_name = disk_name or DiskNames(hf_model)
+            sources = find_expert_sources(hf_model, name, param.shape[0], checkpoint, disk_name)
+            if sources is not None:
+                fused[name] = sources
+    return fused
 
 
 def read_fused(checkpoint, sources: ExpertSources, param: torch.Tensor) -> torch.Tensor:

@@ -19,8 +19,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from nxd_hf.checkpoint.fused_experts import find_expert_sources, read_fused
-from nxd_hf.checkpoint.logical import DiskNames
+from nxd_hf.checkpoint.fused_experts import fused_parameters, read_fused
 from nxd_hf.parallel_layers.sharding import is_sharded
 from nxd_hf.utils import owners_of
 
@@ -234,7 +233,7 @@ def load_hf_safetensors(modules: nn.Module | list[nn.Module], path: str, *,
     key_of = HFKeys(hf_model if hf_model is not None else modules[0], checkpoint.files)
     named = list(_named_parameters(modules))
     keys = {name: key_of(name) for name, _ in named}
-    fused = _fused_experts(hf_model if hf_model is not None else modules[0], named, keys, checkpoint)
+    fused = fused_parameters(hf_model if hf_model is not None else modules[0], named, keys, checkpoint)
     missing = [name for name, key in keys.items() if key is None and name not in fused]
     if missing:
         raise ValueError(f"{len(missing)} parameters are not in the checkpoint at {path}: {missing[:5]}")
@@ -257,18 +256,6 @@ def load_hf_safetensors(modules: nn.Module | list[nn.Module], path: str, *,
     for module in modules:
         _load_buffers(module, checkpoint, key_of, device)
     return checkpoint.report
-
-
-def _fused_experts(hf_model, named, keys: dict, checkpoint) -> dict:
-    """{name: ExpertSources} for fused experts parameters stored per expert (see ``fused_experts``)."""
-    fused, disk_name = {}, None
-    for name, param in named:
-        if keys[name] is None and param.dim() == 3 and ".experts." in f".{name}":
-            disk_name = disk_name or DiskNames(hf_model)
-            sources = find_expert_sources(hf_model, name, param.shape[0], checkpoint, disk_name)
-            if sources is not None:
-                fused[name] = sources
-    return fused
 
 
 def logical_shape(param: torch.Tensor) -> tuple[int, ...]:

@@ -41,6 +41,8 @@ _UNSUPPORTED_CONSTRUCTS = {
     "mla_kv_a_proj": ("multi-head latent attention (low-rank compressed K/V)",
                       "Closest supported: attention with grouped K/V heads (GQA, e.g. Llama or Qwen3). "),
     "packed_rowwise": ("a row-parallel layer over packed experts", _DENSE),
+    "all_reduce": ("a module whose own output HF all-reduces (Inkling's shared experts, fused as 3-D tensors with "
+                   "per-token gammas, which nxd_hf does not shard)", "Use tensor_parallel_size=1 for it. "),
 }
 
 

@@ -16,6 +16,7 @@ import torch
 from nxd_hf import backend
 from nxd_hf.checkpoint import store
 from nxd_hf.checkpoint.format import Reader, file_problem, write_file
+from nxd_hf.checkpoint.fused_experts import per_expert_converters, split_fused
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "tokenizer.model", "vocab.txt", "added_tokens.json", "chat_template.jinja")
@@ -77,6 +78,15 @@ def _copy_side_files(directory: str, checkpoint_dir: str, output_dir: str, dtype
         store.write_json_atomic(config_path, config)
 
 
+def _model_type(directory: str, checkpoint_dir: str) -> str | None:
+    path = next((os.path.join(d, "config.json") for d in (directory, checkpoint_dir)
+                 if os.path.exists(os.path.join(d, "config.json"))), None)
+    if path is None:
+        return None
+    with open(path) as f:
+        return json.load(f).get("model_type")
+
+
 def consolidate(checkpoint_dir: str, output_dir: str, tag: str | None = None, max_shard_size: int | str = "5GB",
                 dtype: torch.dtype | None = None) -> None:
     """Write the model of checkpoint ``checkpoint_dir`` (``tag``, default the newest) as a
@@ -96,14 +106,16 @@ def consolidate(checkpoint_dir: str, output_dir: str, tag: str | None = None, ma
     shards = _plan(entries, dtype, parse_size(max_shard_size))
     reader = Reader(directory, index)
     weight_map, total = {}, 0
+    converters = per_expert_converters(_model_type(directory, checkpoint_dir))
     for k, names in enumerate(shards, start=1):
         file = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
         tensors = {}
         for name in names:
             tensor = reader.full("model", name)
-            tensors[name] = (tensor.to(dtype) if dtype is not None else tensor).contiguous()
-            total += tensors[name].numel() * tensors[name].element_size()
-            weight_map[name] = file
+            for key, value in split_fused(name, tensor, converters):  # per-expert names, as transformers writes
+                tensors[key] = (value.to(dtype) if dtype is not None else value).contiguous()
+                total += tensors[key].numel() * tensors[key].element_size()
+                weight_map[key] = file
         write_file(os.path.join(output_dir, file + ".tmp"), tensors)  # from the tensors' memory, no copy
         os.replace(os.path.join(output_dir, file + ".tmp"), os.path.join(output_dir, file))
         del tensors

@@ -19,6 +19,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from nxd_hf.checkpoint.fused_experts import fused_parameters, read_fused
 from nxd_hf.parallel_layers.sharding import is_sharded
 from nxd_hf.utils import owners_of
 
@@ -232,13 +233,16 @@ def load_hf_safetensors(modules: nn.Module | list[nn.Module], path: str, *,
     key_of = HFKeys(hf_model if hf_model is not None else modules[0], checkpoint.files)
     named = list(_named_parameters(modules))
     keys = {name: key_of(name) for name, _ in named}
-    missing = [name for name, key in keys.items() if key is None]
+    fused = fused_parameters(hf_model if hf_model is not None else modules[0], named, keys, checkpoint)
+    missing = [name for name, key in keys.items() if key is None and name not in fused]
     if missing:
         raise ValueError(f"{len(missing)} parameters are not in the checkpoint at {path}: {missing[:5]}")
-    _check_shapes([(keys[name], logical_shape(param)) for name, param in named], checkpoint, path)
+    _check_shapes([(keys[name], logical_shape(param)) for name, param in named if name not in fused], checkpoint, path)
     for name, param in named:
         key = keys[name]
-        if is_sharded(param):
+        if name in fused:
+            local = read_fused(checkpoint, fused[name], param)
+        elif is_sharded(param):
             transposed = getattr(param, "hf_transposed", False)
             dim = 1 - param.partition_dim if transposed else param.partition_dim
             local = checkpoint.read_rows(key, dim, param.shard_index)

@@ -2,7 +2,7 @@
 what matters to tensor parallelism: the query/K-V head ratio, one decoder layer of each kind
 (sliding and global attention, dense and sparse MLP, linear and full attention, ...), biases,
 ties and every architecture flag. Sizes become small: head_dim 8, a few heads, vocab 101
-(prime, so never divisible by tp), a few experts."""
+(prime, so never divisible by tp), a few experts (at least 4, twice the top-k, which is kept)."""
 
 VOCAB = 101
 HEAD_DIM = 8
@@ -72,12 +72,18 @@ def _shrink_value(key: str, value, values: dict, num_heads: int, num_kv_heads: i
     if isinstance(value, float):
         return 0.0 if "dropout" in key or key.endswith("_pdrop") else value
     if key in _EXPERT_COUNTS and isinstance(value, int):
-        return min(value, 4)
+        return min(value, _experts_kept(values))
     if key in _EXPERTS_PER_TOKEN and isinstance(value, int):
-        return min(value, 2)
+        return value  # top-k kept: the routing (and its aux loss) is the model's
     if key in ("n_group", "num_expert_group", "topk_group"):
         return 1
     return _shrink_size(key, value, values, num_heads)
+
+
+def _experts_kept(values: dict) -> int:
+    """At least 4 experts (expert parallelism up to 4) and twice the top-k, a multiple of 4."""
+    top_k = max([v for k, v in values.items() if k in _EXPERTS_PER_TOKEN and isinstance(v, int)] or [2])
+    return max(4, -(-2 * top_k // 4) * 4)
 
 
 def _shrink_sub_config(values: dict) -> dict:

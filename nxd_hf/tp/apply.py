@@ -11,6 +11,7 @@ import re
 import torch
 from torch import nn
 
+from nxd_hf import parallel_state
 from nxd_hf.parallel_layers import ColumnParallelLinear, RowParallelLinear, mappings
 from nxd_hf.parallel_layers.layers import set_local_
 from nxd_hf.parallel_layers.sharding import (
@@ -18,6 +19,8 @@ from nxd_hf.parallel_layers.sharding import (
 )
 from nxd_hf.parallel_layers.heads import HeadLayout
 from nxd_hf.tp import plan
+from nxd_hf.moe.tp_experts import install_block_sequence_parallel, shard_experts
+from nxd_hf.tp.derive import check_shardable
 from nxd_hf.tp.custom_modules import build_embedding, check_experts, check_kept
 from nxd_hf.tp.layouts import module_layout
 from nxd_hf.tp.mla import LatentAttention, check_latent_attention
@@ -142,6 +145,16 @@ def _shard_head_parameters(model: nn.Module, patch: plan.ModelPatch, layouts: di
         setattr(model.get_submodule(owner), leaf, local)
 
 
+def _keep_replicated_attention(name: str, sequence_parallel: bool) -> None:
+    """An attention module the plan's projections do not reach (MiniMax's lightning-attention
+    layers) runs whole on every rank; under SP it would see one chunk of the sequence."""
+    if sequence_parallel:
+        raise ValueError(
+            f"{name!r} is an attention module none of whose projections the plan shards (e.g. a linear-attention "
+            "layer); it stays replicated, which sequence parallelism cannot split. Use sequence_parallel=False"
+        )
+
+
 def _set_local_attrs(module: nn.Module, style: plan.Attention, layout: HeadLayout) -> None:
     for path, quantity in style.attrs:
         target, *rest = path.split(".")
@@ -168,15 +181,26 @@ def _last_layer_hook(module, args, kwargs, output):
     return mappings.gather_from_sequence_parallel_region(output, to_model_parallel=False)
 
 
-def _install_sequence_parallel(model: nn.Module, patch: plan.ModelPatch) -> None:
+def _install_sequence_parallel(model: nn.Module, patch: plan.ModelPatch, moe_blocks: list[str]) -> None:
     """Bracket the decoder layers with the SP split/gather; their replicated parameters
-    (norms, row-parallel biases) now see one sequence chunk, so their grads are partial."""
+    (norms, row-parallel biases) now see one sequence chunk, so their grads are partial.
+    A MoE block sees the whole sequence (``nxd_hf.moe.tp_experts``): its parameters are whole."""
     prefix = base_prefix(model, patch)
     layers = model.get_submodule(f"{prefix}.{patch.decoder_layers}" if prefix else patch.decoder_layers)
     layers[0].register_forward_pre_hook(_first_layer_hook, with_kwargs=True)
     layers[len(layers) - 1].register_forward_hook(_last_layer_hook, with_kwargs=True)
+    whole = set()
+    for block_name in moe_blocks:
+        block = model.get_submodule(block_name)
+        if any(block is layer for layer in layers):
+            raise ValueError(
+                f"{block_name!r}: the decoder layer itself calls the router and experts; nxd_hf gathers the sequence "
+                "around a MoE block under sequence parallelism and cannot do so here. Use sequence_parallel=False"
+            )
+        install_block_sequence_parallel(block)
+        whole.update(id(p) for p in block.parameters())
     for p in layers.parameters():
-        if not is_sharded(p):
+        if not is_sharded(p) and id(p) not in whole:
             mark_partial_grad_over_tp(p)
 
 
@@ -207,26 +231,39 @@ def _retie(model: nn.Module, swapped: dict[int, nn.Parameter]) -> None:
 
 def apply_tensor_parallel(model: nn.Module, patch: plan.ModelPatch, layout: HeadLayout | None, *, sequence_parallel: bool) -> None:
     """Swap every planned module of ``model`` (in place) and mark partial-gradient parameters."""
-    embedding, swapped = None, {}  # swapped: id(old param) -> new; `matched` keeps the old ones alive
+    if parallel_state.get_tensor_model_parallel_size() > 1 and getattr(model, "config", None) is not None:
+        check_shardable(model.config)
+    embedding, swapped, alive = None, {}, []  # swapped: id(old param) -> new; `matched` keeps the old ones alive
     matched = match_plan(patch, model)
     regions = [name + "." for name, _, style in matched if isinstance(style, plan.ParallelRegion)]
     layouts = _attention_layouts(matched, layout)
+    # A MoE block (the experts' parent) is no TP region: its router is replicated.
+    moe_blocks = [name.rpartition(".")[0] for name, _, style in matched if isinstance(style, plan.Experts)]
     for name, module, style in matched:
+        sp = sequence_parallel and not any(name.startswith(block + ".") for block in moe_blocks)
+        if isinstance(style, plan.Attention) and not any(n.startswith(name + ".") for n, _, _ in matched):
+            _keep_replicated_attention(name, sequence_parallel)  # none of its projections is planned
+            continue
         if isinstance(style, plan.ParallelRegion):
-            module.register_forward_pre_hook(_enter_region_hook(sequence_parallel), with_kwargs=True)
+            if name not in moe_blocks:
+                module.register_forward_pre_hook(_enter_region_hook(sp), with_kwargs=True)
             if isinstance(style, plan.Attention):
                 _set_local_attrs(module, style, layouts[name])
             if isinstance(style, LatentAttention):
                 check_latent_attention(name, module, {n for n, _, _ in matched})
         elif isinstance(style, plan.Experts):
-            check_experts(name, module)
+            check_experts(name, module, model.get_submodule(name.rpartition(".")[0]))
+            if parallel_state.get_tensor_model_parallel_size() > 1:
+                for old, new in shard_experts(name, module):
+                    swapped[id(old)] = new
+                    alive.append(old)  # ids stay unique until _retie
         elif isinstance(style, plan.PerHeadNorm):
             for p in module.parameters():
                 mark_partial_grad_over_tp(p)  # partial over heads: summed over TP
         else:
             in_region = any(name.startswith(r) for r in regions)
             check_kept(name, module, style)
-            new = _build(module, style, _layout_of(name, layouts, layout), sequence_parallel, in_region)
+            new = _build(module, style, _layout_of(name, layouts, layout), sp, in_region)
             tied = (isinstance(style, (plan.LMHead, plan.Column)) and embedding is not None
                     and module.weight is embedding[0].weight)
             _copy_sharded(new, module, transposed=type(module).__name__ == "Conv1D")
@@ -240,10 +277,10 @@ def apply_tensor_parallel(model: nn.Module, patch: plan.ModelPatch, layout: Head
             model.set_submodule(name, new)
     _retie(model, swapped)
     _shard_head_parameters(model, patch, layouts)
-    mlp_regions = [name for name, _, style in matched if type(style) is plan.ParallelRegion and any(
+    mlp_regions = [name for name, _, style in matched if type(style) is plan.ParallelRegion and name not in moe_blocks and any(
         n.startswith(name + ".") and isinstance(s, plan.Column) and not s.gather_output for n, _, s in matched)]
     mark_region_parameters(model, mlp_regions, {id(p) for p in swapped.values()})
     if patch.after_swap is not None:
         patch.after_swap(model)
     if sequence_parallel:
-        _install_sequence_parallel(model, patch)
+        _install_sequence_parallel(model, patch, moe_blocks if parallel_state.get_tensor_model_parallel_size() > 1 else [])

@@ -58,12 +58,25 @@ def build_embedding(module: nn.Module, dtype: torch.dtype) -> ParallelEmbedding:
                              device="meta")
 
 
-def check_experts(name: str, module: nn.Module) -> None:
-    """Fused experts are kept whole (replicated) at tp=1; sharding them over TP is not built yet."""
-    if parallel_state.get_tensor_model_parallel_size() > 1:
+def _random_router(block: nn.Module) -> str | None:
+    """Why ``block``'s router draws random numbers in training (None: it does not)."""
+    if type(block).__name__.startswith("Phimoe"):
+        return "PhiMoE's sparsemixer router samples experts at random in training"
+    config = getattr(block, "config", None) or getattr(getattr(block, "experts", None), "config", None)
+    for holder in (block, getattr(block, "gate", None), getattr(block, "router", None), config):
+        for attr in ("jitter_noise", "router_jitter_noise", "input_jitter_noise"):
+            if holder is not None and isinstance(getattr(holder, attr, None), float) and getattr(holder, attr) > 0:
+                return f"{attr}={getattr(holder, attr)} multiplies by random noise"
+    return None
+
+
+def check_experts(name: str, module: nn.Module, block: nn.Module) -> None:
+    """ValueError for fused experts that cannot be sharded over TP exactly (kept whole at tp=1)."""
+    if parallel_state.get_tensor_model_parallel_size() == 1:
+        return
+    reason = _random_router(block)
+    if reason is not None:
         raise ValueError(
-            f"{name!r}: a mixture-of-experts layer with experts sharded across TP (HF tensor-parallel style "
-            "'moe_tp_experts') is not supported by nxd_hf yet at tensor_parallel_size > 1. Use "
-            "tensor_parallel_size=1 (pipeline and data parallelism work), or the dense variant of the family "
-            "(e.g. Qwen3 for Qwen3-MoE, Mistral for Mixtral)"
+            f"{name!r}: {reason}; at tensor_parallel_size > 1 each TP rank would draw its own numbers and route "
+            "tokens differently. Set the jitter to 0.0 in the config, or use tensor_parallel_size=1 for this model"
         )

@@ -24,9 +24,8 @@ ATTENTION_ATTRS = (
 # Config flags that add q/k norms a plan may not name: e.g. Cohere's use_qk_norm holds one
 # weight row per head over all heads, Phi's qk_layernorm a head_dim norm with partial grads.
 QK_NORM_FLAGS = ("use_qk_norm", "qk_layernorm")
-# ... except where the norm holds no parameter: Llama 4's L2 norm over each head's head_dim is exact
-# on a rank's own heads as it is.
-_PARAMETER_FREE_QK_NORMS = {("llama4_text", "use_qk_norm")}
+# Model types whose q/k norm has no weight (Llama 4's L2 norm per head): exact on the local heads.
+WEIGHTLESS_QK_NORMS = {"llama4_text"}
 
 # Our SP already covers decoder layers; "local_params" marks a module whose own parameters
 # have entries of their own (attention sinks: colwise, sharded by heads in ``nxd_hf.tp.apply``).
@@ -41,6 +40,8 @@ _UNSUPPORTED_CONSTRUCTS = {
     "ep_dispatch_experts": ("a mixture-of-experts layer with expert parallelism", _DENSE),
     "moe_identity_expert": ("a mixture-of-experts layer with identity experts", _DENSE),
     "packed_rowwise": ("a row-parallel layer over packed experts", _DENSE),
+    "all_reduce": ("a module whose own output HF all-reduces (Inkling's shared experts, fused as 3-D tensors with "
+                   "per-token gammas, which nxd_hf does not shard)", "Use tensor_parallel_size=1 for it. "),
 }
 
 
@@ -127,10 +128,27 @@ def _attention_modules(hf_plan: dict[str, str]) -> set[str]:
     return parents
 
 
+# Config fields whose model code cannot run on a TP shard as derived -> why (and what to do).
+_UNSHARDABLE_CONFIG = {
+    "unpadded_vocab_size": (lambda v: v is not None, "the model slices its logits to config.unpadded_vocab_size, which would cut this "
+                           "rank's vocab-parallel shard of them (Inkling 2)"),
+    "gating": (lambda v: v is True or v == "per-head", "the attention output gate g_proj has one row per query "
+               "head, which nxd_hf does not shard by heads yet (Laguna)"),
+}
+
+
+def check_shardable(config) -> None:
+    """ValueError at tp > 1 for config features whose model code cannot run on a TP shard."""
+    for field, (applies, why) in _UNSHARDABLE_CONFIG.items():
+        if hasattr(config, field) and applies(getattr(config, field)):
+            raise ValueError(f"{config.model_type!r}: {why}. Use tensor_parallel_size=1 for this architecture, or "
+                             "a hand-written patch with nxd_hf.register_patch")
+
+
 def _check_config(model_type: str, hf_plan: dict[str, str], config) -> None:
     names_norms = any(_base_style(s) == "replicated_with_grad_allreduce" for s in hf_plan.values())
     for flag in QK_NORM_FLAGS:
-        if getattr(config, flag, False) and not names_norms and (model_type, flag) not in _PARAMETER_FREE_QK_NORMS:
+        if getattr(config, flag, False) and not names_norms and model_type not in WEIGHTLESS_QK_NORMS:
             raise ValueError(
                 f"config.{flag}=True adds q/k norms that {model_type!r}'s base_model_tp_plan does not shard; "
                 f"set {flag}=False, or register a hand-written patch with nxd_hf.register_patch"
@@ -171,6 +189,8 @@ def patch_from_hf_plan(model_type: str, hf_plan: dict[str, str], *, config=None)
     # Nor when the plan leaves attention replicated (no sharded q projection: YoutU): it would see one
     # chunk of the sequence.
     gathered = any(isinstance(s, (Column, Row)) and not _splits_sequence(s) for s in plan.values())
+    # Per-layer inputs (Gemma 4's PLE) are whole-sequence tensors every decoder layer multiplies in.
+    gathered = gathered or bool(getattr(config, "hidden_size_per_layer_input", 0))
     return ModelPatch(model_type=model_type, plan=plan, decoder_layers=decoder_layers,
                       sequence_parallel=not gathered and bool(q_parents or latent) and stacks == 1,
                       pipeline_refusal=None if stacks == 1 else "its decoder is several layer stacks run in cycles, "

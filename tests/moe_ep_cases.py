@@ -13,12 +13,12 @@ MOE_TINY = {
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM, dict(
         hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
         num_local_experts=4, num_experts_per_tok=2, vocab_size=VOCAB, tie_word_embeddings=False,
-        router_jitter_noise=0.0, output_router_logits=True, router_aux_loss_coef=0.02)),
+        router_jitter_noise=0.0, output_router_logits=False)),
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, dict(
         hidden_size=32, intermediate_size=48, moe_intermediate_size=24, num_attention_heads=4, num_key_value_heads=2,
         head_dim=8, num_hidden_layers=2, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
         decoder_sparse_step=1, mlp_only_layers=[], vocab_size=VOCAB, tie_word_embeddings=False,
-        output_router_logits=True, router_aux_loss_coef=0.01)),
+        output_router_logits=False)),
 }
 
 
@@ -36,3 +36,67 @@ def batch(seed: int = 1, b: int = 2, s: int = 8):
     ids, labels = parity.make_batch(VOCAB, batch_size=b, seq_len=s, seed=seed)
     device = backend.default_device()
     return ids.to(device), labels.to(device)
+
+
+# The load-balancing loss is a product of batch means, so a data-parallel mean of it is not the
+# loss of the whole batch; the configs above leave it off (its exactness across DP is issue 24 item 3).
+TOL = dict(rtol=1e-4, atol=1e-5)
+STEPS = 3
+
+
+def rank_batch(step: int, dp_rank: int):
+    """This data-parallel rank's batch of ``step`` (2 rows; each rank the same number of labels)."""
+    return batch(seed=100 * step + dp_rank)
+
+
+def global_batch(step: int, dp: int):
+    """Every rank's batch of ``step``, concatenated in DP-rank order (what the reference trains on)."""
+    parts = [rank_batch(step, r) for r in range(dp)]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def expert_params(model) -> dict:
+    return {n: p for n, p in model.named_parameters() if getattr(p, "expert_parallel", False)}
+
+
+def check_ep_training(model_type: str, ep: int, steps: int = STEPS) -> None:
+    """Losses, gathered gradients and parameters after ``steps`` SGD steps at ``ep`` (DP = world)
+    equal the single-process HF model on the concatenated batches."""
+    import nxd_hf
+    from nxd_hf import parallel_state
+    from nxd_hf.parity import gathered_grad
+
+    parallel_state.destroy_model_parallel()
+    reference, model = build_pair(model_type)
+    nxd_hf.parallelize(model, expert_parallel_size=ep)
+    dp, dp_rank = parallel_state.get_data_parallel_size(), parallel_state.get_data_parallel_rank()
+    assert parallel_state.get_expert_parallel_size() == ep and len(expert_params(model)) > 0
+    for name, param in expert_params(model).items():
+        assert param.shape[0] == dict(reference.named_parameters())[name].shape[0] // ep, name
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    ref_params = dict(reference.named_parameters())
+    for step in range(steps):
+        ids, labels = global_batch(step, dp)
+        ref_loss = reference(input_ids=ids, labels=labels).loss
+        ref_loss.backward()
+        ids, labels = rank_batch(step, dp_rank)
+        with backend.count_comm() as records:
+            loss = model(input_ids=ids, labels=labels).loss
+            loss.backward()
+        tags = {r.tag for r in records if r.op == "all_to_all"}
+        assert {"ep_dispatch", "ep_combine", "ep_dispatch.backward", "ep_combine.backward"} <= tags, tags
+        mean = loss.detach().clone()
+        torch.distributed.all_reduce(mean, group=parallel_state.get_data_parallel_group())
+        torch.testing.assert_close(mean / dp, ref_loss.detach(), **TOL)
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(gathered_grad(param), ref_params[name].grad, **TOL,
+                                       msg=lambda m: f"step {step} grad {name}: {m}")
+        ref_opt.step()
+        opt.step()
+        ref_opt.zero_grad()
+        opt.zero_grad()
+    from nxd_hf.parallel_layers.sharding import full_tensor
+
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(full_tensor(param), ref_params[name].detach(), **TOL, msg=lambda m: f"{name}: {m}")

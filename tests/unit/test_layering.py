@@ -14,7 +14,7 @@ LAYERS = [
     ["nxd_hf.parallel_state"],
     ["nxd_hf.guards"],  # setup guards: every rank raises the same ValueError (fail_together, input check)
     ["nxd_hf.parallel_layers"],
-    ["nxd_hf.modules", "nxd_hf.model_state"],  # model.nxd: read by checkpoint/ and everything above
+    ["nxd_hf.modules", "nxd_hf.model_state", "nxd_hf.moe"],  # model.nxd: read by checkpoint/ and everything above
     ["nxd_hf.checkpoint"],
     ["nxd_hf.tp", "nxd_hf.optim", "nxd_hf.model_setup"],
     ["nxd_hf.lora", "nxd_hf.pipeline"],

@@ -1,0 +1,1 @@
+"""Mixture-of-experts parallelism: expert parallelism (``ep_dispatch``)."""

@@ -100,3 +100,68 @@ def check_ep_training(model_type: str, ep: int, steps: int = STEPS) -> None:
 
     for name, param in model.named_parameters():
         torch.testing.assert_close(full_tensor(param), ref_params[name].detach(), **TOL, msg=lambda m: f"{name}: {m}")
+
+
+def _train_steps(model, optimizer, start: int, steps: int, dp: int, dp_rank: int) -> list[float]:
+    losses = []
+    for step in range(start, start + steps):
+        ids, labels = rank_batch(step, dp_rank)
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        mean = loss.detach().clone()
+        torch.distributed.all_reduce(mean)
+        losses.append(float(mean) / dp)
+    return losses
+
+
+def _check_expert_parts(directory: str, ep: int) -> None:
+    """The fused experts are stored as ``ep`` parts along the expert dim, one per expert-parallel rank."""
+    import json
+    import os
+
+    with open(os.path.join(directory, "index.json")) as f:
+        entry = json.load(f)["tensors"]["model"]["model.layers.0.block_sparse_moe.experts.gate_up_proj"]
+    parts = sorted((p["dim"], p["start"], p["stop"]) for p in entry["parts"])
+    experts = entry["shape"][0]
+    expected = [(0, r * experts // ep, (r + 1) * experts // ep) for r in range(ep)] if ep > 1 else [(None, 0, 0)]
+    assert parts == expected, parts
+
+
+def check_checkpoint_reshard(model_type: str, path: str, save_ep: int, load_ep: int) -> None:
+    """Train 2 AdamW steps at ``save_ep`` (DP = world), save_checkpoint, rebuild at ``load_ep``,
+    load_checkpoint, one more step: equal to 3 uninterrupted steps; the gathered model and
+    optimizer state equal at every point."""
+    import nxd_hf
+    from nxd_hf import parallel_state
+    from nxd_hf.checkpoint import full_optimizer_state
+
+    def build(ep):
+        parallel_state.destroy_model_parallel()
+        _, model = build_pair(model_type)
+        nxd_hf.parallelize(model, expert_parallel_size=ep)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    model, opt = build(save_ep)
+    dp, dp_rank = parallel_state.get_data_parallel_size(), parallel_state.get_data_parallel_rank()
+    first = _train_steps(model, opt, 0, 2, dp, dp_rank)
+    nxd_hf.save_checkpoint(path, tag="step2", model=model, optimizer=opt)
+    _check_expert_parts(f"{path}/step2", save_ep)
+    saved = nxd_hf.full_state_dict(model), full_optimizer_state(model, opt)
+    uninterrupted = _train_steps(model, opt, 2, 1, dp, dp_rank)
+    after = nxd_hf.full_state_dict(model)
+    model, opt = build(load_ep)
+    dp, dp_rank = parallel_state.get_data_parallel_size(), parallel_state.get_data_parallel_rank()
+    nxd_hf.load_checkpoint(path, tag="step2", model=model, optimizer=opt)
+    loaded = nxd_hf.full_state_dict(model), full_optimizer_state(model, opt)
+    for a, b in zip(saved, loaded):
+        assert set(a) == set(b), set(a) ^ set(b)
+        for name in a:
+            torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+    resumed = _train_steps(model, opt, 2, 1, dp, dp_rank)
+    assert len(first) == 2
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(uninterrupted), **TOL)
+    final = nxd_hf.full_state_dict(model)
+    for name in after:
+        torch.testing.assert_close(final[name], after[name], **TOL, msg=lambda m: f"{name}: {m}")

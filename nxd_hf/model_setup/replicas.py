@@ -36,8 +36,9 @@ def check_replicas_equal(modules: list[nn.Module]) -> None:
     listed = []
     for experts, group in ((False, parallel_state.get_data_parallel_group()),
                            (True, parallel_state.get_expert_data_parallel_group())):
-        names, params = zip(*[(n, p) for n, p in named.values() if is_expert_parallel(p) == experts]) or ((), ())
-        listed += _differing(list(names), list(params), group)
+        chosen = [(n, p) for n, p in named.values() if is_expert_parallel(p) == experts]
+        if chosen or not experts:  # expert tensors exist on every rank or on none (ep > 1)
+            listed += _differing([n for n, _ in chosen], [p for _, p in chosen], group)
     if listed:
         raise ValueError(
             f"data-parallel replicas hold different weights ({len(listed)} parameters differ, e.g. {listed[:3]}): "

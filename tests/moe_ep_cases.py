@@ -165,3 +165,43 @@ def check_checkpoint_reshard(model_type: str, path: str, save_ep: int, load_ep: 
     final = nxd_hf.full_state_dict(model)
     for name in after:
         torch.testing.assert_close(final[name], after[name], **TOL, msg=lambda m: f"{name}: {m}")
+
+
+def check_from_pretrained_and_save(model_type: str, path: str, ep: int) -> None:
+    """transformers' own save_pretrained (per-expert names) -> nxd_hf.from_pretrained at ``ep``:
+    each rank reads only its experts, logits equal; nxd's save_pretrained at ``ep`` writes the keys
+    transformers writes, and plain transformers loads it with the same logits."""
+    import os
+
+    import safetensors.torch
+    import transformers
+
+    import nxd_hf
+    from nxd_hf import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    reference, _ = build_pair(model_type)
+    reference.eval()
+    source, out = os.path.join(path, "hf"), os.path.join(path, "nxd")
+    if torch.distributed.get_rank() == 0:
+        reference.save_pretrained(source)
+    torch.distributed.barrier()
+    model = nxd_hf.from_pretrained(source, expert_parallel_size=ep)
+    ids, _ = batch(seed=7)
+    with torch.no_grad():
+        expected = reference(input_ids=ids).logits
+        torch.testing.assert_close(model(input_ids=ids).logits, expected, **TOL)
+    local = sum(p.numel() * p.element_size() for p in model.parameters())
+    whole = sum(p.numel() * p.element_size() for p in reference.parameters())
+    assert model.nxd.load_report.bytes_read == local, (model.nxd.load_report.bytes_read, local)
+    assert len(expert_params(model)) == 2 * model.config.num_hidden_layers and (ep == 1 or local < whole)
+    model.save_pretrained(out)
+    if torch.distributed.get_rank() == 0:
+        def keys(directory):
+            return {k for f in os.listdir(directory) if f.endswith(".safetensors")
+                    for k in safetensors.torch.load_file(os.path.join(directory, f))}
+        assert keys(out) == keys(source), keys(out) ^ keys(source)
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(reloaded(input_ids=ids).logits, expected, **TOL)
+    torch.distributed.barrier()

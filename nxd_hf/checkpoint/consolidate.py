@@ -3,7 +3,8 @@
 ``consolidate`` streams: it plans the output shards from the index's shapes, then reads,
 writes and frees one output shard at a time (each tensor is a concatenation of its parts), so
 memory stays near one ``max_shard_size`` however large the model. Unlike NxD/optimum-neuron's
-consolidation it never loads every TP shard at once.
+consolidation it never loads every TP shard at once. Fused mixture-of-experts tensors are written
+per expert, as transformers' own ``save_pretrained`` does (``hf_experts.per_expert_writer``).
 """
 
 import json
@@ -16,6 +17,7 @@ import torch
 from nxd_hf import backend
 from nxd_hf.checkpoint import store
 from nxd_hf.checkpoint.format import Reader, file_problem, write_file
+from nxd_hf.checkpoint.hf_experts import per_expert_writer
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "tokenizer.model", "vocab.txt", "added_tokens.json", "chat_template.jinja")
@@ -95,6 +97,7 @@ def consolidate(checkpoint_dir: str, output_dir: str, tag: str | None = None, ma
     os.makedirs(output_dir, exist_ok=True)
     shards = _plan(entries, dtype, parse_size(max_shard_size))
     reader = Reader(directory, index)
+    per_expert = per_expert_writer(directory) or (lambda tensors: tensors)
     weight_map, total = {}, 0
     for k, names in enumerate(shards, start=1):
         file = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
@@ -102,7 +105,9 @@ def consolidate(checkpoint_dir: str, output_dir: str, tag: str | None = None, ma
         for name in names:
             tensor = reader.full("model", name)
             tensors[name] = (tensor.to(dtype) if dtype is not None else tensor).contiguous()
-            total += tensors[name].numel() * tensors[name].element_size()
+        tensors = {name: tensor.contiguous() for name, tensor in per_expert(tensors).items()}
+        for name, tensor in tensors.items():
+            total += tensor.numel() * tensor.element_size()
             weight_map[name] = file
         write_file(os.path.join(output_dir, file + ".tmp"), tensors)  # from the tensors' memory, no copy
         os.replace(os.path.join(output_dir, file + ".tmp"), os.path.join(output_dir, file))

@@ -19,7 +19,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from nxd_hf.parallel_layers.sharding import is_sharded
+from nxd_hf.checkpoint.hf_experts import ExpertSources
+from nxd_hf.parallel_layers.sharding import is_expert_parallel, is_sharded
 from nxd_hf.utils import owners_of
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -232,13 +233,21 @@ def load_hf_safetensors(modules: nn.Module | list[nn.Module], path: str, *,
     key_of = HFKeys(hf_model if hf_model is not None else modules[0], checkpoint.files)
     named = list(_named_parameters(modules))
     keys = {name: key_of(name) for name, _ in named}
-    missing = [name for name, key in keys.items() if key is None]
+    per_expert = ExpertSources(hf_model if hf_model is not None else modules[0], key_of)
+    experts = {name: _experts_held(param) for name, param in named
+               if keys[name] is None and param.dim() > 0 and per_expert.keys(name, _experts_held(param)) is not None}
+    missing = [name for name, key in keys.items() if key is None and name not in experts]
     if missing:
         raise ValueError(f"{len(missing)} parameters are not in the checkpoint at {path}: {missing[:5]}")
-    _check_shapes([(keys[name], logical_shape(param)) for name, param in named], checkpoint, path)
+    _check_shapes([(keys[name], logical_shape(param)) for name, param in named if name not in experts], checkpoint, path)
     for name, param in named:
         key = keys[name]
-        if is_sharded(param):
+        if name in experts:  # stored per expert: only the experts this rank holds are read
+            local = per_expert.read(checkpoint, name, experts[name])
+            if tuple(local.shape) != tuple(param.shape):
+                raise ValueError(f"{name}: the per-expert tensors in {path} stack to {list(local.shape)}, the model "
+                                 f"holds {list(param.shape)}: use the config the weights were saved with")
+        elif is_sharded(param):
             transposed = getattr(param, "hf_transposed", False)
             dim = 1 - param.partition_dim if transposed else param.partition_dim
             local = checkpoint.read_rows(key, dim, param.shard_index)
@@ -252,6 +261,11 @@ def load_hf_safetensors(modules: nn.Module | list[nn.Module], path: str, *,
     for module in modules:
         _load_buffers(module, checkpoint, key_of, device)
     return checkpoint.report
+
+
+def _experts_held(param: torch.Tensor) -> list[int]:
+    """The experts (along dim 0) of a fused experts tensor this rank holds."""
+    return param.expert_shard_index.tolist() if is_expert_parallel(param) else list(range(param.shape[0]))
 
 
 def logical_shape(param: torch.Tensor) -> tuple[int, ...]:

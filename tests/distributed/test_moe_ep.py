@@ -4,7 +4,7 @@ model (tests/moe_ep_cases.py)."""
 
 import pytest
 
-from moe_ep_cases import check_checkpoint_reshard, check_ep_training
+from moe_ep_cases import check_checkpoint_reshard, check_ep_training, check_from_pretrained_and_save
 
 
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
@@ -20,3 +20,8 @@ def test_ep2_dp4_matches_hf(ranks4, model_type):
 @pytest.mark.parametrize("save_ep,load_ep", [(2, 1), (1, 2)], ids=["ep2_to_ep1dp2", "ep1dp2_to_ep2"])
 def test_checkpoint_reshards_across_ep(ranks2, tmp_path, save_ep, load_ep):
     ranks2.run(check_checkpoint_reshard, "mixtral", str(tmp_path / "ckpt"), save_ep, load_ep)
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_from_pretrained_reads_local_experts_and_save_pretrained_writes_hf(ranks2, tmp_path, model_type):
+    ranks2.run(check_from_pretrained_and_save, model_type, str(tmp_path), 2)

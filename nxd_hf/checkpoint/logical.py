@@ -185,7 +185,7 @@ def describe_experts(name: str, model_name: str, tensor: torch.Tensor, writes_he
     rows = tensor.expert_shard_index
     shape = (tensor.expert_logical_size, *tensor.shape[1:])
     runs = [(0, len(rows), int(rows[0]))] if writes_here else []
-    assert torch.equal(rows, torch.arange(int(rows[0]), int(rows[0]) + len(rows))), "experts are held in one block"
+    assert rows.tolist() == list(range(int(rows[0]), int(rows[0]) + len(rows))), "experts are held in one block"
     return LogicalTensor(name=name, tensor=tensor, shape=shape, dim=0, rows=rows, transposed=False, runs=runs,
                          writes_whole=writes_here and parallel_state.get_expert_parallel_rank() == 0,
                          model_name=model_name)

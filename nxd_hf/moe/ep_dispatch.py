@@ -69,7 +69,7 @@ def apply_expert_parallel(experts: list[tuple[str, nn.Module]]) -> None:
     for _, module in experts:
         total = num_experts_of("", module)
         local = total // ep
-        index = torch.arange(rank * local, (rank + 1) * local)
+        index = torch.arange(rank * local, (rank + 1) * local, device="cpu")  # metadata, as shard_index
         for pname, param in list(module.named_parameters(recurse=False)):
             if param.dim() == 0 or param.shape[0] != total:
                 continue

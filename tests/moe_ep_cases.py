@@ -205,3 +205,48 @@ def check_from_pretrained_and_save(model_type: str, path: str, ep: int) -> None:
         with torch.no_grad():
             torch.testing.assert_close(reloaded(input_ids=ids).logits, expected, **TOL)
     torch.distributed.barrier()
+
+
+def _dataset(n=24, s=8, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n):
+        ids = torch.randint(0, VOCAB, (s,), generator=g)
+        labels = ids.clone()
+        labels[: i % 4] = -100  # a different number of ignored tokens per sample
+        rows.append({"input_ids": ids, "labels": labels})
+    return rows
+
+
+def check_trainer_matches(model_type: str, out_dir: str, ep: int, accumulate: int = 1) -> None:
+    """NxDTrainer at ``ep`` (DP = world) logs the losses and grad norms of transformers.Trainer on
+    the single-process model (AdamW, weight decay, clipping, warmup) and ends with its parameters."""
+    import transformers
+
+    import nxd_hf
+    from nxd_hf import parallel_state
+    from nxd_hf.parallel_layers.sharding import full_tensor
+
+    parallel_state.destroy_model_parallel()
+    reference, model = build_pair(model_type)
+    common = dict(max_steps=4, learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[], seed=7,
+                  max_grad_norm=0.5, disable_tqdm=True, weight_decay=0.1, warmup_steps=1,
+                  gradient_accumulation_steps=accumulate)
+    dp = torch.distributed.get_world_size()
+    data = _dataset()
+    ref = transformers.Trainer(reference, transformers.TrainingArguments(
+        output_dir=f"{out_dir}/ref", per_device_train_batch_size=2 * dp, **common), train_dataset=data)
+    ref.train()
+    args = nxd_hf.NxDTrainingArguments(output_dir=f"{out_dir}/nxd", per_device_train_batch_size=2,
+                                       expert_parallel_size=ep, **common)
+    ours = nxd_hf.NxDTrainer(model, args, train_dataset=data)
+    ours.train()
+    assert parallel_state.get_expert_parallel_size() == ep
+    for key in ("loss", "grad_norm"):
+        got = [h[key] for h in ours.state.log_history if key in h]
+        want = [h[key] for h in ref.state.log_history if key in h]
+        assert len(got) == len(want) == 4, (key, got, want)
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), **TOL, msg=lambda m: f"{key}: {m}")
+    ref_params = dict(ref.model.named_parameters())
+    for name, param in ours.nxd_model.named_parameters():
+        torch.testing.assert_close(full_tensor(param), ref_params[name].detach(), **TOL, msg=lambda m: f"{name}: {m}")

@@ -4,7 +4,9 @@ model (tests/moe_ep_cases.py)."""
 
 import pytest
 
-from moe_ep_cases import check_checkpoint_reshard, check_ep_training, check_from_pretrained_and_save
+from moe_ep_cases import (
+    check_checkpoint_reshard, check_ep_training, check_from_pretrained_and_save, check_trainer_matches,
+)
 
 
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
@@ -25,3 +27,8 @@ def test_checkpoint_reshards_across_ep(ranks2, tmp_path, save_ep, load_ep):
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
 def test_from_pretrained_reads_local_experts_and_save_pretrained_writes_hf(ranks2, tmp_path, model_type):
     ranks2.run(check_from_pretrained_and_save, model_type, str(tmp_path), 2)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_nxd_trainer_at_ep2_matches_trainer(ranks2, tmp_path, accumulate):
+    ranks2.run(check_trainer_matches, "mixtral", str(tmp_path), 2, accumulate)

@@ -11,6 +11,8 @@ a directly constructed ``NxDPPModel`` all run these steps, in this order:
  3. swap layers for parallel ones (TP, SP), copying this rank's slices of real weights, and
     install the output contract (vocab-parallel loss, gathered logits) — ``nxd_hf.tp`` — and
     the first-step input check (``nxd_hf.guards.input_check``);
+    3b. with ``expert_parallel_size`` > 1, split the fused experts of mixture-of-experts layers
+    over the expert-parallel group, tokens dispatched by all-to-all (``nxd_hf.moe.ep_dispatch``);
     steps 1-3 run without collectives inside ``fail_together``: a rank failing alone there
     fails every rank with the same ValueError instead of leaving them in the next collective;
  4. partition into pipeline stages, keeping this rank's (``NxDPPModel``, when pp > 1);
@@ -44,7 +46,7 @@ from nxd_hf.parallel_layers.heads import HeadLayout, head_layout
 from nxd_hf.guards.input_check import install_input_check
 from nxd_hf.guards.fail_together import fail_together
 from nxd_hf.lora import register_with_peft
-from nxd_hf.moe.ep_dispatch import apply_expert_parallel
+from nxd_hf.moe.ep_dispatch import apply_expert_parallel, check_layout as check_expert_layout
 from nxd_hf.tp.apply import apply_tensor_parallel, match_plan
 from nxd_hf.tp.layouts import config_head_dim
 from nxd_hf.tp.outputs import install_output_contract
@@ -116,11 +118,12 @@ def parallelize(
         if fused_loss and pipeline_parallel_size > 1:
             raise ValueError("fused_loss=True is not supported with pipeline_parallel_size > 1 (the last stage computes "
                              "the loss from its logits): use fused_loss=False")
+        check_expert_layout(tensor_parallel_size, pipeline_parallel_size, expert_parallel_size)
         patch = resolve_patch(model, sequence_parallel=sequence_parallel)
         layout = attention_layout(model, patch, pad_model=pad_model, kv_size_multiplier=kv_size_multiplier)
         swap_layers(model, patch, layout, sequence_parallel=sequence_parallel, gather_logits=gather_logits,
                     fused_loss=fused_loss)
-        split_experts(model, patch, pipeline_parallel_size)
+        split_experts(model, patch)
         check = install_input_check(model, check_inputs)
     model.nxd = NxDModelState(
         tp_size=tensor_parallel_size, pp_size=pipeline_parallel_size, dp_size=parallel_state.get_data_parallel_size(),
@@ -269,14 +272,10 @@ def swap_layers(model, patch: ModelPatch, layout: HeadLayout | None, *, sequence
                          "parallelize with fused_loss=False")
 
 
-def split_experts(model, patch: ModelPatch, pipeline_parallel_size: int) -> None:
+def split_experts(model, patch: ModelPatch) -> None:
     """Step 3b: the fused experts split over the expert-parallel group (``nxd_hf.moe.ep_dispatch``)."""
-    ep = parallel_state.get_expert_parallel_size()
-    if ep == 1:
+    if parallel_state.get_expert_parallel_size() == 1:
         return
-    if pipeline_parallel_size > 1:
-        raise ValueError(f"expert_parallel_size={ep} with pipeline_parallel_size={pipeline_parallel_size} is not "
-                         "supported yet: use pipeline_parallel_size=1 with expert parallelism")
     experts = [(name, module) for name, module, style in match_plan(patch, model) if isinstance(style, Experts)]
     apply_expert_parallel(experts)
 

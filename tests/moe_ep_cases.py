@@ -250,3 +250,45 @@ def check_trainer_matches(model_type: str, out_dir: str, ep: int, accumulate: in
     ref_params = dict(ref.model.named_parameters())
     for name, param in ours.nxd_model.named_parameters():
         torch.testing.assert_close(full_tensor(param), ref_params[name].detach(), **TOL, msg=lambda m: f"{name}: {m}")
+
+
+def check_refusals() -> None:
+    """What expert parallelism cannot do yet is a ValueError naming the fix, on every rank."""
+    import pytest
+
+    import nxd_hf
+    from nxd_hf import parallel_state
+    from nxd_hf.optim import NeuronZero1Optimizer
+
+    world = torch.distributed.get_world_size()
+    cases = [
+        (dict(expert_parallel_size=2 * world), "must divide the data-parallel size"),
+        (dict(expert_parallel_size=2, tensor_parallel_size=2), "tensor_parallel_size=2 is not supported yet"),
+        (dict(expert_parallel_size=2, pipeline_parallel_size=2), "pipeline_parallel_size=2 is not supported yet"),
+        (dict(expert_parallel_size=0), "expert_parallel_size must be an int"),
+    ]
+    for kwargs, message in cases:
+        if world < 2 * kwargs.get("tensor_parallel_size", 1) * kwargs.get("pipeline_parallel_size", 1):
+            continue
+        parallel_state.destroy_model_parallel()
+        _, model = build_pair("mixtral")
+        with pytest.raises(ValueError, match=message):
+            nxd_hf.parallelize(model, **kwargs)
+    parallel_state.destroy_model_parallel()
+    _, model = build_pair("mixtral", num_local_experts=6)
+    if world == 4:
+        with pytest.raises(ValueError, match="6 experts, not divisible by expert_parallel_size=4"):
+            nxd_hf.parallelize(model, expert_parallel_size=4)
+    parallel_state.destroy_model_parallel()
+    _, model = parity.build_pair(transformers.LlamaConfig(hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                                                          num_hidden_layers=1, vocab_size=VOCAB))
+    with pytest.raises(ValueError, match="has no mixture-of-experts layer"):
+        nxd_hf.parallelize(model, expert_parallel_size=2)
+    parallel_state.destroy_model_parallel()
+    _, model = build_pair("mixtral")
+    nxd_hf.parallelize(model, expert_parallel_size=2)
+    with pytest.raises(ValueError, match="does not shard expert-parallel parameters"):
+        NeuronZero1Optimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
+    with pytest.raises(ValueError, match="zero_one_enabled=True with expert_parallel_size > 1"):
+        nxd_hf.neuronx_distributed_config(expert_parallel_size=2, optimizer_config={"zero_one_enabled": True})
+    parallel_state.destroy_model_parallel()

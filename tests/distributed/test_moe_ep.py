@@ -5,7 +5,7 @@ model (tests/moe_ep_cases.py)."""
 import pytest
 
 from moe_ep_cases import (
-    check_checkpoint_reshard, check_ep_training, check_from_pretrained_and_save, check_trainer_matches,
+    check_checkpoint_reshard, check_ep_training, check_from_pretrained_and_save, check_refusals, check_trainer_matches,
 )
 
 
@@ -32,3 +32,11 @@ def test_from_pretrained_reads_local_experts_and_save_pretrained_writes_hf(ranks
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_nxd_trainer_at_ep2_matches_trainer(ranks2, tmp_path, accumulate):
     ranks2.run(check_trainer_matches, "mixtral", str(tmp_path), 2, accumulate)
+
+
+def test_refusals_world2(ranks2):
+    ranks2.run(check_refusals)
+
+
+def test_refusals_world4(ranks4):
+    ranks4.run(check_refusals)

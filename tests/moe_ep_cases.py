@@ -292,3 +292,17 @@ def check_refusals() -> None:
     with pytest.raises(ValueError, match="zero_one_enabled=True with expert_parallel_size > 1"):
         nxd_hf.neuronx_distributed_config(expert_parallel_size=2, optimizer_config={"zero_one_enabled": True})
     parallel_state.destroy_model_parallel()
+
+
+def check_bench_moe_figures(ep: int) -> None:
+    """``bench.moe``'s per-rank figures: the token all-to-alls hand exactly tokens x top-k x hidden x
+    4 bytes per direction, and a rank holds its experts / ep plus the replicated parameters."""
+    from bench.moe.measure import MoEConfig, measure_rank
+
+    config = MoEConfig(layers=1, batch=2, seq=8)
+    r = measure_rank(config, ep)
+    minimum = r["tokens"] * config.top_k * config.layers * config.hidden * 4
+    assert r["bytes_by_tag"]["ep_dispatch"] == r["bytes_by_tag"]["ep_combine.backward"] == minimum, r
+    received = r["bytes_by_tag"]["ep_combine"]  # the rows this rank's experts got, sent back
+    assert received == r["bytes_by_tag"]["ep_dispatch.backward"] and received % (config.hidden * 4) == 0, r
+    assert r["param_bytes"] == r["expert_total_bytes"] // ep + r["replicated_bytes"], r

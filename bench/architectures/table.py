@@ -10,6 +10,7 @@ MARK = {"pass": "yes", "refused": "refused", "wrong": "**WRONG**", "crash": "**C
 
 def _reason(message: str) -> str:
     """The construct a refusal names, short enough for a table cell."""
+    message = message.split("(every rank stops here): ")[-1].removeprefix("ValueError: ") if message else ""
     first = message.split(". ")[0] if message else ""
     if first.startswith("'"):  # "'layers.*.mlp.experts': a mixture-of-experts layer ..."
         first = first.split(": ", 1)[-1]

@@ -226,6 +226,12 @@ class DispatchTokens(_AllToAllRows):
     tag = "ep_dispatch"
 
 
+class DispatchWeights(_AllToAllRows):
+    """The routing weights of the dispatched rows (their own tag: not part of the token volume)."""
+
+    tag = "ep_dispatch_weights"
+
+
 class CombineTokens(_AllToAllRows):
     """Expert outputs back to the ranks the tokens came from (expert parallelism's combine)."""
 

@@ -105,12 +105,13 @@ class ExpertParallelForward:
         token_of = order // k
         device = backend.collective_device(self.group)
         per_expert = torch.bincount(experts, minlength=self.num_local * self.ep).to(device)
-        received = backend.exchange_counts(per_expert, self.group).view(self.ep, self.num_local)  # [source, local expert]
+        with backend.comm_tag("ep_counts"):
+            received = backend.exchange_counts(per_expert, self.group).view(self.ep, self.num_local)  # [source, expert]
         send_splits = per_expert.view(self.ep, self.num_local).sum(1).tolist()
         recv_splits = received.sum(1).tolist()
         rows = backend.DispatchTokens.apply(hidden[token_of], recv_splits, send_splits, self.group)
         weights = top_k_weights.reshape(-1)[order]
-        weights = backend.DispatchTokens.apply(weights.unsqueeze(1), recv_splits, send_splits, self.group)
+        weights = backend.DispatchWeights.apply(weights.unsqueeze(1), recv_splits, send_splits, self.group)
         local_ids = torch.arange(self.num_local, device=received.device).repeat(self.ep).repeat_interleave(
             received.reshape(-1)).to(rows.device)
         out = self.local_forward(rows, local_ids.unsqueeze(1), weights, *args, **kwargs)

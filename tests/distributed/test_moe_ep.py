@@ -5,7 +5,8 @@ model (tests/moe_ep_cases.py)."""
 import pytest
 
 from moe_ep_cases import (
-    check_checkpoint_reshard, check_ep_training, check_from_pretrained_and_save, check_refusals, check_trainer_matches,
+    check_bench_moe_figures, check_checkpoint_reshard, check_ep_training, check_from_pretrained_and_save, check_refusals,
+    check_trainer_matches,
 )
 
 
@@ -40,3 +41,7 @@ def test_refusals_world2(ranks2):
 
 def test_refusals_world4(ranks4):
     ranks4.run(check_refusals)
+
+
+def test_bench_moe_figures(ranks2):
+    ranks2.run(check_bench_moe_figures, 2)

@@ -306,3 +306,12 @@ def check_bench_moe_figures(ep: int) -> None:
     received = r["bytes_by_tag"]["ep_combine"]  # the rows this rank's experts got, sent back
     assert received == r["bytes_by_tag"]["ep_dispatch.backward"] and received % (config.hidden * 4) == 0, r
     assert r["param_bytes"] == r["expert_total_bytes"] // ep + r["replicated_bytes"], r
+
+
+def check_sweep_case(model_type: str, tp: int, ep: int) -> tuple[str, str]:
+    """The architecture sweep's case at ``tp`` x ``ep`` (``nxd_hf.parity.run_case``) on the sweep's tiny config."""
+    from bench.architectures.run import tiny_config
+    from nxd_hf.parity.cases import run_case
+
+    case = run_case(tiny_config(model_type), tensor_parallel_size=tp, expert_parallel_size=ep)
+    return case.status, case.message

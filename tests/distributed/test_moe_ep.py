@@ -6,7 +6,7 @@ import pytest
 
 from moe_ep_cases import (
     check_bench_moe_figures, check_checkpoint_reshard, check_ep_training, check_from_pretrained_and_save, check_refusals,
-    check_trainer_matches,
+    check_sweep_case, check_trainer_matches,
 )
 
 
@@ -45,3 +45,14 @@ def test_refusals_world4(ranks4):
 
 def test_bench_moe_figures(ranks2):
     ranks2.run(check_bench_moe_figures, 2)
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "phimoe"])  # phimoe: a router that samples in training
+def test_sweep_ep2_layout_passes(ranks2, model_type):
+    status, message = ranks2.run(check_sweep_case, model_type, 1, 2)[0]
+    assert status == "pass", message
+
+
+def test_sweep_tp2_ep2_layout_is_refused_until_composed(ranks4):
+    status, message = ranks4.run(check_sweep_case, "mixtral", 2, 2)[0]
+    assert status == "refused" and "tensor_parallel_size=2 is not supported yet" in message, (status, message)

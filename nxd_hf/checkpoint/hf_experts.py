@@ -93,13 +93,16 @@ def per_expert_writer(config_dir: str):
 
     if not os.path.exists(os.path.join(config_dir, "config.json")):
         return None
-    config = transformers.AutoConfig.from_pretrained(config_dir)
-    try:
-        with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(config)
-    except ValueError:  # not a causal LM: the conversions are the same for the base model
-        with torch.device("meta"):
-            model = transformers.AutoModel.from_config(config)
+    model = None
+    for auto in (transformers.AutoModelForCausalLM, transformers.AutoModel):  # the conversions name both alike
+        try:
+            with torch.device("meta"):
+                model = auto.from_config(transformers.AutoConfig.from_pretrained(config_dir))
+            break
+        except Exception:  # noqa: BLE001  not such a model, or not a transformers config: tensors as stored
+            continue
+    if model is None:
+        return None
     targets = [c.target for c in _converters(model)]
     if not targets:
         return None

@@ -218,9 +218,9 @@ def _check_layout(args: NxDTrainingArguments, *, pipelined: bool) -> None:
             parallel_state.get_expert_parallel_size())
     want = (args.tensor_parallel_size, args.pipeline_parallel_size, args.expert_parallel_size)
     if have != want or pipelined != (args.pipeline_parallel_size > 1):
-        raise ValueError(f"the model is parallelized with tp={have[0]}, pp={have[1]}, ep={have[2]} but the arguments "
-                         f"ask for tp={want[0]}, pp={want[1]}, ep={want[2]}: pass the plain HF model and let "
-                         "NxDTrainer parallelize it")
+        ep = f" (expert_parallel_size {have[2]}, the arguments {want[2]})" if have[2] != want[2] else ""
+        raise ValueError(f"the model is parallelized with tp={have[0]}, pp={have[1]} but the arguments ask for "
+                         f"tp={want[0]}, pp={want[1]}{ep}: pass the plain HF model and let NxDTrainer parallelize it")
 
 
 def _replica_rows(batch: dict) -> dict:

@@ -56,3 +56,15 @@ def test_sweep_ep2_layout_passes(ranks2, model_type):
 def test_sweep_tp2_ep2_layout_is_refused_until_composed(ranks4):
     status, message = ranks4.run(check_sweep_case, "mixtral", 2, 2)[0]
     assert status == "refused" and "tensor_parallel_size=2 is not supported yet" in message, (status, message)
+
+
+def test_check_command_at_ep2(tmp_path, capsys):
+    import transformers
+
+    from nxd_hf.cli import main
+
+    transformers.Qwen3MoeConfig(hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_experts=16,
+                                num_experts_per_tok=4, num_attention_heads=4, num_key_value_heads=2,
+                                num_hidden_layers=4, vocab_size=500).save_pretrained(tmp_path)
+    assert main(["check", str(tmp_path), "--tp", "1", "--ep", "2"]) == 0
+    assert "(tp=1 pp=1 ep=2): pass" in capsys.readouterr().out

@@ -195,6 +195,17 @@ def check_from_pretrained_and_save(model_type: str, path: str, ep: int) -> None:
     whole = sum(p.numel() * p.element_size() for p in reference.parameters())
     assert model.nxd.load_report.bytes_read == local, (model.nxd.load_report.bytes_read, local)
     assert len(expert_params(model)) == 2 * model.config.num_hidden_layers and (ep == 1 or local < whole)
+    fused = os.path.join(path, "fused")  # the in-memory (fused) names, as older consolidations wrote them
+    if torch.distributed.get_rank() == 0:
+        reference.config.save_pretrained(fused)
+        safetensors.torch.save_file({k: v.contiguous() for k, v in reference.state_dict().items()},
+                                    os.path.join(fused, "model.safetensors"))
+    torch.distributed.barrier()
+    parallel_state.destroy_model_parallel()
+    from_fused = nxd_hf.from_pretrained(fused, expert_parallel_size=ep)
+    with torch.no_grad():
+        torch.testing.assert_close(from_fused(input_ids=ids).logits, expected, **TOL)
+    assert from_fused.nxd.load_report.bytes_read == local, (from_fused.nxd.load_report.bytes_read, local)
     model.save_pretrained(out)
     if torch.distributed.get_rank() == 0:
         def keys(directory):

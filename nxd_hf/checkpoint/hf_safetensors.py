@@ -247,6 +247,8 @@ def load_hf_safetensors(modules: nn.Module | list[nn.Module], path: str, *,
             if tuple(local.shape) != tuple(param.shape):
                 raise ValueError(f"{name}: the per-expert tensors in {path} stack to {list(local.shape)}, the model "
                                  f"holds {list(param.shape)}: use the config the weights were saved with")
+        elif is_expert_parallel(param):  # stored fused (e.g. an older consolidation): this rank's experts
+            local = checkpoint.read_rows(key, 0, param.expert_shard_index)
         elif is_sharded(param):
             transposed = getattr(param, "hf_transposed", False)
             dim = 1 - param.partition_dim if transposed else param.partition_dim
@@ -273,6 +275,8 @@ def logical_shape(param: torch.Tensor) -> tuple[int, ...]:
     shape = list(param.shape)
     if is_sharded(param):
         shape[param.partition_dim] = param.logical_size
+    if is_expert_parallel(param):
+        shape[0] = param.expert_logical_size
     return tuple(reversed(shape)) if getattr(param, "hf_transposed", False) else tuple(shape)
 
 

@@ -122,7 +122,8 @@ def _check_expert_parts(directory: str, ep: int) -> None:
     import os
 
     with open(os.path.join(directory, "index.json")) as f:
-        entry = json.load(f)["tensors"]["model"]["model.layers.0.block_sparse_moe.experts.gate_up_proj"]
+        entries = json.load(f)["tensors"]["model"]
+    entry = next(v for k, v in entries.items() if k.startswith("model.layers.0.") and k.endswith("experts.gate_up_proj"))
     parts = sorted((p["dim"], p["start"], p["stop"]) for p in entry["parts"])
     experts = entry["shape"][0]
     expected = [(0, r * experts // ep, (r + 1) * experts // ep) for r in range(ep)] if ep > 1 else [(None, 0, 0)]

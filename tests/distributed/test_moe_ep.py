@@ -68,3 +68,7 @@ def test_check_command_at_ep2(tmp_path, capsys):
                                 num_hidden_layers=4, vocab_size=500).save_pretrained(tmp_path)
     assert main(["check", str(tmp_path), "--tp", "1", "--ep", "2"]) == 0
     assert "(tp=1 pp=1 ep=2): pass" in capsys.readouterr().out
+
+
+def test_checkpoint_reshards_ep2_dp4_to_ep1_dp4(ranks4, tmp_path):
+    ranks4.run(check_checkpoint_reshard, "qwen3_moe", str(tmp_path / "ckpt"), 2, 1)

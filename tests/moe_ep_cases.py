@@ -59,15 +59,30 @@ def expert_params(model) -> dict:
     return {n: p for n, p in model.named_parameters() if getattr(p, "expert_parallel", False)}
 
 
-def check_ep_training(model_type: str, ep: int, steps: int = STEPS) -> None:
+def _route_to_first_experts(model, count: int) -> None:
+    """Route every token to experts ``< count`` (the router's indices modulo ``count``): the ranks
+    holding the other experts receive no rows."""
+    def hook(_module, _inputs, output):
+        logits, scores, indices = output
+        return logits, scores, indices % count
+    for name, module in model.named_modules():
+        if name.endswith("mlp.gate"):
+            module.register_forward_hook(hook)
+
+
+def check_ep_training(model_type: str, ep: int, steps: int = STEPS, starve: bool = False) -> None:
     """Losses, gathered gradients and parameters after ``steps`` SGD steps at ``ep`` (DP = world)
-    equal the single-process HF model on the concatenated batches."""
+    equal the single-process HF model on the concatenated batches. ``starve``: every token goes to
+    the first rank's experts (the others get no rows, and still join every exchange)."""
     import nxd_hf
     from nxd_hf import parallel_state
     from nxd_hf.parity import gathered_grad
 
     parallel_state.destroy_model_parallel()
     reference, model = build_pair(model_type)
+    if starve:
+        for m in (reference, model):
+            _route_to_first_experts(m, config(model_type).num_local_experts // ep)
     nxd_hf.parallelize(model, expert_parallel_size=ep)
     dp, dp_rank = parallel_state.get_data_parallel_size(), parallel_state.get_data_parallel_rank()
     assert parallel_state.get_expert_parallel_size() == ep and len(expert_params(model)) > 0

@@ -202,37 +202,42 @@ def exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:
 
 
 class _AllToAllRows(torch.autograd.Function):
-    """``all_to_all`` forward; the reverse exchange of the gradient rows backward. ``tag`` names
-    the direction in ``CommRecord.tag`` (".backward" added for the gradient)."""
+    """``all_to_all`` of each tensor (same split sizes) forward; the reverse exchange of their
+    gradients backward, in the same order on every rank (one autograd node). ``tags`` name each
+    tensor's exchange in ``CommRecord.tag`` (".backward" added for the gradient)."""
 
-    tag = ""
+    tags: tuple[str, ...] = ()
 
     @classmethod
-    def forward(cls, ctx, tensor, out_splits, in_splits, group):
+    def forward(cls, ctx, out_splits, in_splits, group, *tensors):
         ctx.splits, ctx.group = (out_splits, in_splits), group
-        with comm_tag(cls.tag):
-            return all_to_all(tensor, out_splits, in_splits, group)
+        outs = []
+        for tag, tensor in zip(cls.tags, tensors, strict=True):
+            with comm_tag(tag):
+                outs.append(all_to_all(tensor, out_splits, in_splits, group))
+        ctx.outputs = [(out.shape, out.dtype, out.device) for out in outs]
+        return tuple(outs) if len(outs) > 1 else outs[0]
 
     @classmethod
-    def backward(cls, ctx, grad):
+    def backward(cls, ctx, *grads):
         out_splits, in_splits = ctx.splits
-        with comm_tag(cls.tag + ".backward"):
-            return all_to_all(grad.contiguous(), in_splits, out_splits, ctx.group), None, None, None
+        result = []
+        for tag, grad, (shape, dtype, device) in zip(cls.tags, grads, ctx.outputs):
+            grad = torch.zeros(shape, dtype=dtype, device=device) if grad is None else grad.contiguous()
+            with comm_tag(tag + ".backward"):  # every rank exchanges, with or without a gradient
+                result.append(all_to_all(grad, in_splits, out_splits, ctx.group))
+        return None, None, None, *result
 
 
 class DispatchTokens(_AllToAllRows):
-    """Token rows to the ranks holding their experts (expert parallelism's dispatch)."""
+    """Token rows and their routing weights to the ranks holding their experts (expert
+    parallelism's dispatch): ``apply(out_splits, in_splits, group, rows, weights)``."""
 
-    tag = "ep_dispatch"
-
-
-class DispatchWeights(_AllToAllRows):
-    """The routing weights of the dispatched rows (their own tag: not part of the token volume)."""
-
-    tag = "ep_dispatch_weights"
+    tags = ("ep_dispatch", "ep_dispatch_weights")
 
 
 class CombineTokens(_AllToAllRows):
-    """Expert outputs back to the ranks the tokens came from (expert parallelism's combine)."""
+    """Expert outputs back to the ranks the tokens came from (expert parallelism's combine):
+    ``apply(out_splits, in_splits, group, rows)``."""
 
-    tag = "ep_combine"
+    tags = ("ep_combine",)

@@ -8,7 +8,8 @@ this rank's tokens as in HF; the experts' ``forward`` becomes:
 1. sort the (token, k) assignments by expert, count them per expert and exchange the counts
    (``backend.exchange_counts``: each rank learns what it receives, and for which local expert);
 2. dispatch the token rows and their routing weights to the experts' owners
-   (``backend.DispatchTokens``, an all-to-all with variable split sizes);
+   (``backend.DispatchTokens``, all-to-alls with variable split sizes, one autograd node so that
+   every rank runs their backward exchanges in the same order);
 3. run HF's own experts ``forward`` on the received rows with top-k of 1 (local expert id, its
    weight), so each architecture's expert math (biases, clamped activations, ...) is kept;
 4. send the outputs back (``backend.CombineTokens``) and sum each token's k rows, in expert order
@@ -109,14 +110,13 @@ class ExpertParallelForward:
             received = backend.exchange_counts(per_expert, self.group).view(self.ep, self.num_local)  # [source, expert]
         send_splits = per_expert.view(self.ep, self.num_local).sum(1).tolist()
         recv_splits = received.sum(1).tolist()
-        rows = backend.DispatchTokens.apply(hidden[token_of], recv_splits, send_splits, self.group)
-        weights = top_k_weights.reshape(-1)[order]
-        weights = backend.DispatchWeights.apply(weights.unsqueeze(1), recv_splits, send_splits, self.group)
+        rows, weights = backend.DispatchTokens.apply(recv_splits, send_splits, self.group, hidden[token_of],
+                                                     top_k_weights.reshape(-1)[order].unsqueeze(1))
         local_ids = torch.arange(self.num_local, device=received.device).repeat(self.ep).repeat_interleave(
             received.reshape(-1)).to(rows.device)
         out = self.local_forward(rows, local_ids.unsqueeze(1), weights, *args, **kwargs)
-        if rows.requires_grad and not out.requires_grad:  # no rows here: the backward's all-to-all still runs
+        if rows.requires_grad and not out.requires_grad:  # no rows here: the backward's all-to-alls still run
             out = out + rows.sum() * 0
-        back = backend.CombineTokens.apply(out, send_splits, recv_splits, self.group)
+        back = backend.CombineTokens.apply(send_splits, recv_splits, self.group, out)
         combined = torch.zeros_like(hidden).index_add_(0, token_of, back.to(hidden.dtype))
         return combined.reshape(shape)

@@ -72,3 +72,7 @@ def test_check_command_at_ep2(tmp_path, capsys):
 
 def test_checkpoint_reshards_ep2_dp4_to_ep1_dp4(ranks4, tmp_path):
     ranks4.run(check_checkpoint_reshard, "qwen3_moe", str(tmp_path / "ckpt"), 2, 1)
+
+
+def test_ep2_rank_without_tokens_matches_hf(ranks2):
+    ranks2.run(check_ep_training, "mixtral", 2, starve=True)

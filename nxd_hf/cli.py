@@ -31,14 +31,15 @@ def _check_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, required=True, help="tensor_parallel_size")
     parser.add_argument("--pp", type=int, default=1, help="pipeline_parallel_size")
     parser.add_argument("--sp", action="store_true", help="sequence parallelism")
+    parser.add_argument("--ep", type=int, default=1, help="expert_parallel_size (mixture-of-experts models)")
 
 
 def _check(args: argparse.Namespace) -> int:
     from nxd_hf.parity import check_parity
 
     result = check_parity(args.model_dir, tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
-                          sequence_parallel=args.sp)
-    layout = f"tp={args.tp} pp={args.pp}" + (" sp" if args.sp else "")
+                          sequence_parallel=args.sp, expert_parallel_size=args.ep)
+    layout = f"tp={args.tp} pp={args.pp}" + (" sp" if args.sp else "") + (f" ep={args.ep}" if args.ep > 1 else "")
     print(f"{args.model_dir} ({layout}): {result.status}")
     if result.max_loss_diff is not None:
         print(f"  max |loss diff| {result.max_loss_diff:.2e}, max |grad diff| {result.max_grad_diff:.2e}")

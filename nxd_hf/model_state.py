@@ -52,6 +52,8 @@ class NxDModelState:
     """What ``nxd_hf.from_pretrained`` read (``nxd_hf.checkpoint.hf_safetensors.LoadReport``)."""
     nxd_config: Any = None
     """The config API's ``NxDConfig`` once an ``NxDModel`` wraps the model (checkpoint options)."""
+    ep_size: int = 1
+    """Expert-parallel size: the ranks each mixture-of-experts layer's experts are split over."""
 
     @property
     def pipelined(self) -> bool:

@@ -1,9 +1,16 @@
-"""Ranks and process groups for tensor (TP), pipeline (PP) and data (DP) parallelism.
+"""Ranks and process groups for tensor (TP), pipeline (PP), data (DP) and expert (EP) parallelism.
 
 Rank layout is [PP, DP, TP] with TP fastest: global rank = (pp_rank * dp + dp_rank) * tp + tp_rank,
 so the ranks of one TP group are contiguous (on one node when tp <= GPUs per node).
 Names follow NxD's ``neuronx_distributed.parallel_state``. When nothing is initialized, every
 getter answers as for a single process (tp = pp = dp = 1), so layers work without setup.
+
+Expert parallelism is carved from the data-parallel dimension (as Megatron and torchtitan do,
+docs/moe.md): for each (pp, tp) position the DP indices split into consecutive blocks of ``ep``;
+an "expert" group is one block (the ranks that split the experts among them), an "expert_data"
+group the ranks at the same position in every block (they hold the same experts: their expert
+gradients are averaged over it). With ep = 1 the expert group is the rank alone and expert_data
+is the data group (no extra groups are made).
 """
 
 import dataclasses
@@ -17,6 +24,7 @@ class _State:
     tp_size: int
     pp_size: int
     dp_size: int
+    ep_size: int
     groups: dict  # kind -> this rank's group
     ranks: dict  # kind -> this rank's index within its group of that kind
     rank_lists: dict  # kind -> list of rank lists, one per group of that kind
@@ -27,7 +35,8 @@ _state: _State | None = None
 
 
 GROUP_NAMES = {"tensor": "tensor-parallel (tp)", "data": "data-parallel (dp)", "pipeline": "pipeline-parallel (pp)",
-               "model": "model-parallel (tp x pp)"}
+               "model": "model-parallel (tp x pp)", "expert": "expert-parallel (ep)",
+               "expert_data": "expert-data-parallel (dp / ep)"}
 
 
 def check_sizes(tensor_parallel_size, pipeline_parallel_size) -> None:
@@ -51,8 +60,16 @@ def as_timeout(timeout) -> datetime.timedelta | None:
     return None if seconds is None else datetime.timedelta(seconds=seconds)
 
 
-def rank_lists(world_size: int, tp: int, pp: int) -> dict[str, list[list[int]]]:
-    """Every group of every kind for a [PP, DP, TP] layout (pure; unit-tested)."""
+def check_expert_parallel_size(expert_parallel_size) -> None:
+    """ValueError unless ``expert_parallel_size`` is an int >= 1."""
+    if not isinstance(expert_parallel_size, int) or isinstance(expert_parallel_size, bool) or expert_parallel_size < 1:
+        raise ValueError(f"expert_parallel_size must be an int >= 1, got {expert_parallel_size!r}: pass e.g. "
+                         "expert_parallel_size=2")
+
+
+def rank_lists(world_size: int, tp: int, pp: int, ep: int = 1) -> dict[str, list[list[int]]]:
+    """Every group of every kind for a [PP, DP, TP] layout, plus the "expert" and "expert_data"
+    groups carved from DP when ``ep`` > 1 (pure; unit-tested)."""
     if tp < 1 or pp < 1:
         raise ValueError(f"tensor ({tp}) and pipeline ({pp}) parallel sizes must be >= 1")
     if world_size % (tp * pp) != 0:
@@ -66,32 +83,49 @@ def rank_lists(world_size: int, tp: int, pp: int) -> dict[str, list[list[int]]]:
     def rank(p, d, t):
         return (p * dp + d) * tp + t
 
-    return {
+    if dp % ep != 0:
+        raise ValueError(
+            f"expert_parallel_size ({ep}) must divide the data-parallel size {dp} (world {world_size} / (tp {tp} x "
+            f"pp {pp})): experts are split over data-parallel ranks. Use an expert_parallel_size dividing {dp}, or "
+            f"launch {tp * pp * ep} x k processes")
+    lists = {
         "tensor": [[rank(p, d, t) for t in range(tp)] for p in range(pp) for d in range(dp)],
         "data": [[rank(p, d, t) for d in range(dp)] for p in range(pp) for t in range(tp)],
         "pipeline": [[rank(p, d, t) for p in range(pp)] for d in range(dp) for t in range(tp)],
         # every rank holding a different part of one model replica: TP x PP
         "model": [[rank(p, d, t) for p in range(pp) for t in range(tp)] for d in range(dp)],
     }
+    if ep > 1:
+        blocks = range(dp // ep)
+        lists["expert"] = [[rank(p, b * ep + e, t) for e in range(ep)] for p in range(pp) for t in range(tp)
+                           for b in blocks]
+        lists["expert_data"] = [[rank(p, b * ep + e, t) for b in blocks] for p in range(pp) for t in range(tp)
+                                for e in range(ep)]
+    return lists
 
 
 def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1, *,
-                              timeout: float | datetime.timedelta | None = None) -> None:
+                              timeout: float | datetime.timedelta | None = None,
+                              expert_parallel_size: int = 1) -> None:
     """Create the TP, PP, DP and model-parallel groups; initializes torch.distributed from the
     torchrun environment if needed. Calling it again first destroys the previous groups.
 
     timeout: seconds (or a timedelta) a collective on these groups may wait for the other
     ranks before it raises a ``TimeoutError`` naming the group; None keeps torch's default
-    (30 minutes; 10 for nccl). Not in NxD, which takes the timeout from the launcher."""
+    (30 minutes; 10 for nccl). Not in NxD, which takes the timeout from the launcher.
+
+    expert_parallel_size: ranks the experts of a mixture-of-experts layer are split over, carved
+    from the data-parallel ranks (module docstring); must divide the data-parallel size."""
     global _state
     check_sizes(tensor_model_parallel_size, pipeline_model_parallel_size)
+    check_expert_parallel_size(expert_parallel_size)
     timeout = as_timeout(timeout)
     backend.init_process_group_from_env(timeout)
     if _state is not None:
         destroy_model_parallel()
     world = backend.world_size()
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
-    lists = rank_lists(world, tp, pp)
+    lists = rank_lists(world, tp, pp, expert_parallel_size)
     me = backend.rank()
     groups, my_ranks = {}, {}
     for kind, rank_groups in lists.items():
@@ -101,7 +135,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
             if me in ranks:
                 groups[kind], my_ranks[kind] = group, ranks.index(me)
     dp = world // (tp * pp)
-    _state = _State(tp_size=tp, pp_size=pp, dp_size=dp, groups=groups, ranks=my_ranks, rank_lists=lists,
+    _state = _State(tp_size=tp, pp_size=pp, dp_size=dp, ep_size=expert_parallel_size, groups=groups, ranks=my_ranks, rank_lists=lists,
                     timeout=timeout)
 
 
@@ -194,6 +228,35 @@ def get_model_parallel_group(as_list: bool = False):
 
 def get_model_parallel_rank() -> int:
     return _rank_in("model")
+
+
+# -- expert parallel (carved from data parallel; module docstring)
+def get_expert_parallel_size() -> int:
+    return _state.ep_size if _state else 1
+
+
+def get_expert_parallel_rank() -> int:
+    return _rank_in("expert") if get_expert_parallel_size() > 1 else 0
+
+
+def get_expert_parallel_group(as_list: bool = False):
+    """The ranks splitting the experts among them (this rank alone at ep = 1)."""
+    if get_expert_parallel_size() > 1:
+        return _group("expert", as_list)
+    return [[r] for r in range(backend.world_size())] if as_list else backend.SELF
+
+
+def get_expert_data_parallel_size() -> int:
+    return get_data_parallel_size() // get_expert_parallel_size()
+
+
+def get_expert_data_parallel_rank() -> int:
+    return _rank_in("expert_data") if get_expert_parallel_size() > 1 else get_data_parallel_rank()
+
+
+def get_expert_data_parallel_group(as_list: bool = False):
+    """The ranks holding the same experts (the data group at ep = 1)."""
+    return _group("expert_data" if get_expert_parallel_size() > 1 else "data", as_list)
 
 
 # NxD spells some of these two ways; both work.

@@ -11,6 +11,8 @@ a directly constructed ``NxDPPModel`` all run these steps, in this order:
  3. swap layers for parallel ones (TP, SP), copying this rank's slices of real weights, and
     install the output contract (vocab-parallel loss, gathered logits) — ``nxd_hf.tp`` — and
     the first-step input check (``nxd_hf.guards.input_check``);
+    3b. with ``expert_parallel_size`` > 1, split the fused experts of mixture-of-experts layers
+    over the expert-parallel group, tokens dispatched by all-to-all (``nxd_hf.moe.ep_dispatch``);
     steps 1-3 run without collectives inside ``fail_together``: a rank failing alone there
     fails every rank with the same ValueError instead of leaving them in the next collective;
  4. partition into pipeline stages, keeping this rank's (``NxDPPModel``, when pp > 1);
@@ -44,10 +46,11 @@ from nxd_hf.parallel_layers.heads import HeadLayout, head_layout
 from nxd_hf.guards.input_check import install_input_check
 from nxd_hf.guards.fail_together import fail_together
 from nxd_hf.lora import register_with_peft
-from nxd_hf.tp.apply import apply_tensor_parallel
+from nxd_hf.moe.ep_dispatch import apply_expert_parallel, check_layout as check_expert_layout
+from nxd_hf.tp.apply import apply_tensor_parallel, match_plan
 from nxd_hf.tp.layouts import config_head_dim
 from nxd_hf.tp.outputs import install_output_contract
-from nxd_hf.tp.plan import ModelPatch
+from nxd_hf.tp.plan import Experts, ModelPatch
 
 
 def parallelize(
@@ -55,7 +58,8 @@ def parallelize(
     pad_model: bool | str = "auto", kv_size_multiplier: int | str = "auto", gather_logits: bool = False,
     bucket_size_mb: float = 25, param_init_fn=None, load_weights=None, activation_checkpoint_config=None,
     fp32_grad_accumulation: bool = False, device=None, check_inputs: bool | str = True, timeout=None,
-    lora_config=None, autocast_adapter_dtype: bool = True, fused_loss: bool = False, **pipeline_kwargs,
+    lora_config=None, autocast_adapter_dtype: bool = True, fused_loss: bool = False, expert_parallel_size: int = 1,
+    **pipeline_kwargs,
 ):
     """Shard a Hugging Face model (real or meta weights) in place and return it.
 
@@ -86,6 +90,9 @@ def parallelize(
         step (True), every step ("always") or never (False); see ``guards.input_check``.
     timeout: seconds (or a timedelta) a collective waits for the other ranks before raising a
         TimeoutError naming its group (None: torch's default, 30 minutes; 10 for nccl).
+    expert_parallel_size: ranks the experts of each mixture-of-experts layer are split over,
+        carved from the data-parallel ranks (must divide them); tokens reach their experts by
+        all-to-all (``nxd_hf.moe.ep_dispatch``, docs/moe.md).
     pipeline_kwargs: with pipeline_parallel_size > 1, ``NxDPPModel`` arguments (num_microbatches,
         schedule, virtual_pipeline_size, pipeline_cuts, use_zero1_optimizer, ...); the result is
         then an ``NxDPPModel`` trained with ``run_train``.
@@ -103,22 +110,25 @@ def parallelize(
                           pad_model=pad_model, kv_size_multiplier=kv_size_multiplier, gather_logits=gather_logits,
                           check_inputs=check_inputs, lora_config=type(lora_config).__name__, fused_loss=fused_loss,
                           activation_checkpoint_config=repr(activation_checkpoint_config),
-                          pipeline_options=sorted(pipeline_kwargs))
-    _init_parallel_state(tensor_parallel_size, pipeline_parallel_size, timeout)
+                          pipeline_options=sorted(pipeline_kwargs), expert_parallel_size=expert_parallel_size)
+    _init_parallel_state(tensor_parallel_size, pipeline_parallel_size, timeout, expert_parallel_size)
     with fail_together("nxd_hf.parallelize"):  # no collective inside: a rank failing alone fails every rank
         if pipeline_kwargs and pipeline_parallel_size == 1:
             raise ValueError(f"{sorted(pipeline_kwargs)} are pipeline options: they need pipeline_parallel_size > 1")
         if fused_loss and pipeline_parallel_size > 1:
             raise ValueError("fused_loss=True is not supported with pipeline_parallel_size > 1 (the last stage computes "
                              "the loss from its logits): use fused_loss=False")
+        check_expert_layout(tensor_parallel_size, pipeline_parallel_size, expert_parallel_size)
         patch = resolve_patch(model, sequence_parallel=sequence_parallel, pipeline_parallel_size=pipeline_parallel_size)
         layout = attention_layout(model, patch, pad_model=pad_model, kv_size_multiplier=kv_size_multiplier)
         swap_layers(model, patch, layout, sequence_parallel=sequence_parallel, gather_logits=gather_logits,
                     fused_loss=fused_loss)
+        split_experts(model, patch)
         check = install_input_check(model, check_inputs)
     model.nxd = NxDModelState(
         tp_size=tensor_parallel_size, pp_size=pipeline_parallel_size, dp_size=parallel_state.get_data_parallel_size(),
-        hf_model=model, local_modules=[model], patch=patch, head_layout=layout, input_check=check)
+        hf_model=model, local_modules=[model], patch=patch, head_layout=layout, input_check=check,
+        ep_size=expert_parallel_size)
     setup = LocalSetup(load_weights=load_weights, param_init_fn=param_init_fn,
                        add_adapters=_adapters(model, lora_config, autocast_adapter_dtype),
                        activation_checkpoint_config=activation_checkpoint_config,
@@ -192,9 +202,11 @@ def _check_same_arguments(model, timeout, **arguments) -> None:
                          + "; ".join(differ) + ". Every rank must call it with the same arguments and the same model")
 
 
-def _init_parallel_state(tensor_parallel_size: int, pipeline_parallel_size: int, timeout) -> None:
+def _init_parallel_state(tensor_parallel_size: int, pipeline_parallel_size: int, timeout,
+                         expert_parallel_size: int = 1) -> None:
     """Step 0."""
     parallel_state.check_sizes(tensor_parallel_size, pipeline_parallel_size)
+    parallel_state.check_expert_parallel_size(expert_parallel_size)
     if parallel_state.model_parallel_is_initialized():
         if timeout is not None:
             warnings.warn("timeout is ignored: parallel_state is already initialized; pass timeout to "
@@ -205,8 +217,13 @@ def _init_parallel_state(tensor_parallel_size: int, pipeline_parallel_size: int,
                 f"parallel_state is initialized with tp={have[0]}, pp={have[1]} but parallelize was asked for "
                 f"tp={tensor_parallel_size}, pp={pipeline_parallel_size}"
             )
+        if parallel_state.get_expert_parallel_size() != expert_parallel_size:
+            raise ValueError(
+                f"parallel_state is initialized with expert_parallel_size={parallel_state.get_expert_parallel_size()} "
+                f"but parallelize was asked for expert_parallel_size={expert_parallel_size}: pass the same to both")
         return
-    parallel_state.initialize_model_parallel(tensor_parallel_size, pipeline_parallel_size, timeout=timeout)
+    parallel_state.initialize_model_parallel(tensor_parallel_size, pipeline_parallel_size, timeout=timeout,
+                                             expert_parallel_size=expert_parallel_size)
 
 
 def resolve_patch(model, *, sequence_parallel: bool, pipeline_parallel_size: int = 1) -> ModelPatch:
@@ -259,6 +276,14 @@ def swap_layers(model, patch: ModelPatch, layout: HeadLayout | None, *, sequence
     elif fused_loss:
         raise ValueError(f"fused_loss=True needs a causal-LM head ({type(model).__name__} has none): "
                          "parallelize with fused_loss=False")
+
+
+def split_experts(model, patch: ModelPatch) -> None:
+    """Step 3b: the fused experts split over the expert-parallel group (``nxd_hf.moe.ep_dispatch``)."""
+    if parallel_state.get_expert_parallel_size() == 1:
+        return
+    experts = [(name, module) for name, module, style in match_plan(patch, model) if isinstance(style, Experts)]
+    apply_expert_parallel(experts)
 
 
 def _has(model, name: str) -> bool:

@@ -11,7 +11,8 @@ from nxd_hf.parallelize import parallelize
 
 
 def from_pretrained(path: str, *, auto_class=transformers.AutoModelForCausalLM, tensor_parallel_size: int = 1,
-                    pipeline_parallel_size: int = 1, dtype: torch.dtype | None = None, **parallelize_kwargs):
+                    pipeline_parallel_size: int = 1, dtype: torch.dtype | None = None, expert_parallel_size: int = 1,
+                    **parallelize_kwargs):
     """Load a local HF checkpoint (``model.safetensors`` or sharded with an index) straight into
     a parallelized model. No rank ever holds the full weights: the model is built on the meta
     device (buffers such as RoPE ``inv_freq`` are computed normally), sharded, and each rank
@@ -20,6 +21,8 @@ def from_pretrained(path: str, *, auto_class=transformers.AutoModelForCausalLM, 
     the weights of its own stages. Slices go from the file straight to ``device`` (default: the
     backend's compute device, as ``parallelize``). Returns the model in eval mode, as transformers does;
     ``model.nxd.load_report`` holds the bytes this rank read.
+    expert_parallel_size: split each mixture-of-experts layer's experts over this many
+    data-parallel ranks (``parallelize``); each rank reads only its experts' per-expert tensors.
     """
     check_checkpoint_dir(path)
     with fail_together("nxd_hf.from_pretrained (reading config.json)"):
@@ -37,7 +40,8 @@ def from_pretrained(path: str, *, auto_class=transformers.AutoModelForCausalLM, 
         reports.append(load_hf_safetensors(modules, path, hf_model=hf_model, device=device))
 
     model = parallelize(hf_model, tensor_parallel_size=tensor_parallel_size,
-                        pipeline_parallel_size=pipeline_parallel_size, load_weights=load_weights, **parallelize_kwargs)
+                        pipeline_parallel_size=pipeline_parallel_size, load_weights=load_weights,
+                        expert_parallel_size=expert_parallel_size, **parallelize_kwargs)
     model.nxd.load_report = reports[0]
     model.eval()
     return model

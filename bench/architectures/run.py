@@ -25,11 +25,19 @@ from bench.common import RESULTS
 from bench.common.stamp import stamp
 from nxd_hf.testing import DistributedTestError, run_distributed
 
-# name -> (world size, tp, pp, sequence parallel)
+# name -> (world size, tp, pp, sequence parallel[, expert parallel]); the ep layouts run only
+# for mixture-of-experts types (``is_moe``), their ep ranks all on the same batch (``run_case``)
 LAYOUTS = {
     "tp2": (2, 2, 1, False), "tp2_sp": (2, 2, 1, True), "pp2": (2, 1, 2, False),
     "tp4": (4, 4, 1, False), "tp4_sp": (4, 4, 1, True), "tp2_pp2": (4, 2, 2, False),
+    "ep2": (2, 1, 1, False, 2), "tp2_ep2": (4, 2, 1, False, 2),
 }
+
+
+def is_moe(config) -> bool:
+    """Whether the (tiny) config has routed experts: the ep layouts apply to it."""
+    return any(isinstance(getattr(config, name, None), int) and getattr(config, name) > 1
+               for name in ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"))
 
 
 def model_types() -> list[str]:
@@ -92,14 +100,18 @@ def _sweep_rank(types: list[str], layouts: list[str], log_path: str) -> None:
     transformers.logging.set_verbosity_error()
     for model_type in types:
         for layout in layouts:
-            _, tp, pp, sp = LAYOUTS[layout]
+            _, tp, pp, sp, *ep = LAYOUTS[layout]
+            ep = ep[0] if ep else 1
             start = time.perf_counter()
             try:
                 config = tiny_config(model_type)
             except Exception as exc:  # noqa: BLE001  the same on every rank: our shrinking failed
                 result = dict(status="build_error", message=f"{type(exc).__name__}: {exc}"[:1000])
             else:
-                case = run_case(config, tensor_parallel_size=tp, pipeline_parallel_size=pp, sequence_parallel=sp)
+                if ep > 1 and not is_moe(config):
+                    continue
+                case = run_case(config, tensor_parallel_size=tp, pipeline_parallel_size=pp, sequence_parallel=sp,
+                                expert_parallel_size=ep)
                 result = dict(vars(case))
             result["seconds"] = round(time.perf_counter() - start, 2)
             if dist.get_rank() == 0:

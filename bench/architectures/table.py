@@ -4,12 +4,13 @@ marker comments; the only source of that table. ``python -m bench.docs_tables`` 
 
 BEGIN, END = "<!-- architectures-table:begin -->", "<!-- architectures-table:end -->"
 COLUMNS = {"tp2": "tp=2", "tp2_sp": "tp=2 SP", "tp4": "tp=4", "tp4_sp": "tp=4 SP", "pp2": "pp=2",
-           "tp2_pp2": "tp=2 pp=2"}
+           "tp2_pp2": "tp=2 pp=2", "ep2": "ep=2", "tp2_ep2": "tp=2 ep=2"}
 MARK = {"pass": "yes", "refused": "refused", "wrong": "**WRONG**", "crash": "**CRASH**"}
 
 
 def _reason(message: str) -> str:
     """The construct a refusal names, short enough for a table cell."""
+    message = message.split("(every rank stops here): ")[-1].removeprefix("ValueError: ") if message else ""
     first = message.split(". ")[0] if message else ""
     if first.startswith("'"):  # "'layers.*.mlp.experts': a mixture-of-experts layer ..."
         first = first.split(": ", 1)[-1]

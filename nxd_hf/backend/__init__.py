@@ -44,6 +44,9 @@ from nxd_hf.backend.collectives import (  # noqa: F401
     CommRecord, _is_abstract, all_gather, all_gather_into, all_reduce, broadcast, comm_tag, count_comm, reduce_scatter,
     reduce_scatter_into,
 )
+from nxd_hf.backend.collectives import (  # noqa: F401
+    CombineTokens, DispatchTokens, all_to_all, exchange_counts,
+)
 from nxd_hf.backend.devices import (  # noqa: F401
     _computes_on_cuda, _config_devices, _served_devices, collective_device, default_backend, default_device,
     launch_device, materialize, p2p_device, set_cuda_device_from_env,

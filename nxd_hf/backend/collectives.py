@@ -172,3 +172,72 @@ def broadcast(tensor: torch.Tensor, src: int, group) -> torch.Tensor:
     with _named_errors("broadcast", group):
         dist.broadcast(tensor, src=src, group=group)
     return tensor
+
+
+def all_to_all(tensor: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
+    """Expert-parallel exchange of rows: ``tensor``'s first ``in_splits[0]`` rows go to group rank
+    0, the next ``in_splits[1]`` to rank 1, ...; returns the rows received, ``out_splits[j]``
+    from rank j, in group-rank order (variable sizes; gloo serves it on the CPU)."""
+    if group_size(group) == 1:
+        return tensor
+    out = torch.empty((sum(out_splits), *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+    if _is_abstract(tensor):
+        return out
+    _record("all_to_all", tensor, group)
+    with _named_errors("all_to_all", group):
+        dist.all_to_all_single(out, tensor.contiguous(), out_splits, in_splits, group=group)
+    return out
+
+
+def exchange_counts(counts: torch.Tensor, group) -> torch.Tensor:
+    """``counts[j]`` (int64, one per group rank) is what this rank sends to rank j; returns what
+    each rank sends to this one (the split sizes of an ``all_to_all``, exchanged first)."""
+    if group_size(group) == 1:
+        return counts
+    received = torch.empty_like(counts)
+    _record("all_to_all", counts, group)
+    with _named_errors("all_to_all", group):
+        dist.all_to_all_single(received, counts.contiguous(), group=group)
+    return received
+
+
+class _AllToAllRows(torch.autograd.Function):
+    """``all_to_all`` of each tensor (same split sizes) forward; the reverse exchange of their
+    gradients backward, in the same order on every rank (one autograd node). ``tags`` name each
+    tensor's exchange in ``CommRecord.tag`` (".backward" added for the gradient)."""
+
+    tags: tuple[str, ...] = ()
+
+    @classmethod
+    def forward(cls, ctx, out_splits, in_splits, group, *tensors):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        outs = []
+        for tag, tensor in zip(cls.tags, tensors, strict=True):
+            with comm_tag(tag):
+                outs.append(all_to_all(tensor, out_splits, in_splits, group))
+        ctx.outputs = [(out.shape, out.dtype, out.device) for out in outs]
+        return tuple(outs) if len(outs) > 1 else outs[0]
+
+    @classmethod
+    def backward(cls, ctx, *grads):
+        out_splits, in_splits = ctx.splits
+        result = []
+        for tag, grad, (shape, dtype, device) in zip(cls.tags, grads, ctx.outputs):
+            grad = torch.zeros(shape, dtype=dtype, device=device) if grad is None else grad.contiguous()
+            with comm_tag(tag + ".backward"):  # every rank exchanges, with or without a gradient
+                result.append(all_to_all(grad, in_splits, out_splits, ctx.group))
+        return None, None, None, *result
+
+
+class DispatchTokens(_AllToAllRows):
+    """Token rows and their routing weights to the ranks holding their experts (expert
+    parallelism's dispatch): ``apply(out_splits, in_splits, group, rows, weights)``."""
+
+    tags = ("ep_dispatch", "ep_dispatch_weights")
+
+
+class CombineTokens(_AllToAllRows):
+    """Expert outputs back to the ranks the tokens came from (expert parallelism's combine):
+    ``apply(out_splits, in_splits, group, rows)``."""
+
+    tags = ("ep_combine",)

@@ -3,7 +3,8 @@
 ``consolidate`` streams: it plans the output shards from the index's shapes, then reads,
 writes and frees one output shard at a time (each tensor is a concatenation of its parts), so
 memory stays near one ``max_shard_size`` however large the model. Unlike NxD/optimum-neuron's
-consolidation it never loads every TP shard at once.
+consolidation it never loads every TP shard at once. Fused mixture-of-experts tensors are written
+per expert, as transformers' own ``save_pretrained`` does (``fused_experts.split_fused``).
 """
 
 import json
@@ -105,6 +106,7 @@ def consolidate(checkpoint_dir: str, output_dir: str, tag: str | None = None, ma
     os.makedirs(output_dir, exist_ok=True)
     shards = _plan(entries, dtype, parse_size(max_shard_size))
     reader = Reader(directory, index)
+    per_expert = per_expert_writer(directory) or (lambda tensors: tensors)
     weight_map, total = {}, 0
     converters = per_expert_converters(_model_type(directory, checkpoint_dir))
     for k, names in enumerate(shards, start=1):
@@ -130,7 +132,7 @@ def save_pretrained(model, save_directory: str, *, max_shard_size: int | str = "
     each writes its slices, rank 0 consolidates them into a plain HF model directory that
     ``from_pretrained`` (transformers' or nxd_hf's, at any tp/pp) loads. Other
     ``save_pretrained`` options are not supported (ignored with a warning)."""
-    from nxd_hf.checkpoint.logical import adapters_of, hf_model
+    from nxd_hf.checkpoint.logical import adapters_of
     from nxd_hf.checkpoint.save import save_checkpoint
 
     if adapters_of(model) is not None:
@@ -147,42 +149,4 @@ def save_pretrained(model, save_directory: str, *, max_shard_size: int | str = "
     if backend.rank() == 0:
         consolidate(staging, save_directory, max_shard_size=max_shard_size)
         shutil.rmtree(staging, ignore_errors=True)
-        hf = hf_model(model)
-        if _fuses_weights_on_load(hf):
-            _resave_with_transformers(type(hf), save_directory, max_shard_size)
     backend.barrier()
-
-
-def _fuses_weights_on_load(model) -> bool:
-    """Whether transformers fuses this model's on-disk tensors when loading (MoE experts: one
-    3-D tensor in memory, one tensor per expert on disk), so its files differ from memory."""
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter
-    except ImportError:
-        return False
-    try:
-        conversions = get_model_conversion_mapping(model, add_legacy=False) or []
-    except Exception:  # an architecture transformers has no mapping for
-        return False
-    return any(isinstance(c, WeightConverter) for c in conversions)
-
-
-def _resave_with_transformers(model_cls, directory: str, max_shard_size) -> None:
-    """Rewrite ``directory`` as transformers' own ``save_pretrained`` writes it (per-expert
-    tensors under their on-disk names): loaded whole on this rank, written beside it, then
-    moved over the consolidated files (whose index is removed first: the directory never
-    holds a mix)."""
-    staging = directory.rstrip("/") + ".nxd_hf_resave"
-    shutil.rmtree(staging, ignore_errors=True)
-    model = model_cls.from_pretrained(directory, dtype="auto")
-    # loaded from fused tensors, it recorded no fusion to revert: revert the architecture's own
-    model._weight_conversions = None
-    model.save_pretrained(staging, max_shard_size=max_shard_size)
-    del model
-    for name in os.listdir(directory):
-        if name.endswith(".safetensors") or name == "model.safetensors.index.json":
-            os.remove(os.path.join(directory, name))
-    for name in sorted(os.listdir(staging), key=lambda n: n == "model.safetensors.index.json"):  # index last
-        os.replace(os.path.join(staging, name), os.path.join(directory, name))
-    shutil.rmtree(staging, ignore_errors=True)

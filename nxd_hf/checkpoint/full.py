@@ -11,13 +11,13 @@ import torch
 from nxd_hf import backend, parallel_state
 from nxd_hf.checkpoint import optim_state
 from nxd_hf.checkpoint.logical import LogicalTensor, logical_tensors
-from nxd_hf.parallel_layers.sharding import gather_full_tensor
+from nxd_hf.parallel_layers.sharding import full_tensor
 
 
 def _gather_tp(lt: LogicalTensor, value: torch.Tensor) -> torch.Tensor:
     if lt.dim is None or value.shape != lt.tensor.shape:
         return lt.to_disk(value.detach()) if value.shape == lt.tensor.shape else value.detach()
-    return lt.to_disk(gather_full_tensor(lt.tensor, value))
+    return lt.to_disk(full_tensor(lt.tensor, value))  # over TP and over EP for experts
 
 
 def _gather(entries: list[tuple[str, LogicalTensor, torch.Tensor]], rank0_only: bool) -> dict | None:

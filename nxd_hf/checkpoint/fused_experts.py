@@ -81,7 +81,8 @@ def fused_parameters(hf_model, named, keys: dict, checkpoint) -> dict:
     for name, param in named:
         if keys[name] is None and param.dim() == 3 and ".experts." in f".{name}":
             disk_name = disk_name or DiskNames(hf_model)
-            sources = find_expert_sources(hf_model, name, param.shape[0], checkpoint, disk_name)
+            sources = find_expert_sources(hf_model, name, getattr(param, "expert_logical_size", param.shape[0]), checkpoint,
+                                          disk_name)
             if sources is not None:
                 fused[name] = sources
     return fused

@@ -20,7 +20,7 @@ from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from nxd_hf.checkpoint.fused_experts import fused_parameters, read_fused
-from nxd_hf.parallel_layers.sharding import is_sharded
+from nxd_hf.parallel_layers.sharding import is_expert_parallel, is_sharded
 from nxd_hf.utils import owners_of
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -242,6 +242,8 @@ def load_hf_safetensors(modules: nn.Module | list[nn.Module], path: str, *,
         key = keys[name]
         if name in fused:
             local = read_fused(checkpoint, fused[name], param)
+        elif is_expert_parallel(param):  # stored fused (e.g. an older consolidation): this rank's experts
+            local = checkpoint.read_rows(key, 0, param.expert_shard_index)
         elif is_sharded(param):
             transposed = getattr(param, "hf_transposed", False)
             dim = 1 - param.partition_dim if transposed else param.partition_dim
@@ -263,6 +265,8 @@ def logical_shape(param: torch.Tensor) -> tuple[int, ...]:
     shape = list(param.shape)
     if is_sharded(param):
         shape[param.partition_dim] = param.logical_size
+    if is_expert_parallel(param):
+        shape[0] = param.expert_logical_size
     return tuple(reversed(shape)) if getattr(param, "hf_transposed", False) else tuple(shape)
 
 

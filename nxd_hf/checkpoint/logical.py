@@ -8,6 +8,9 @@ unsharded, unpadded shape, the dim it is sharded on and the logical row of each 
 replicated tensors by TP rank 0, replicated K/V rows by the first TP rank holding them, a
 weight tied across pipeline stages by its first holder (the others carry
 ``count_in_grad_norm = False``), padding never; data-parallel replicas take turns by tensor.
+An expert-parallel tensor (``sharding.is_expert_parallel``: a fused experts tensor split over the
+expert-parallel group) is sharded along its expert dim 0 with ``rows`` its experts; each rank
+writes its own experts, the replicas holding the same experts (the expert-data group) take turns.
 
 It is read from the sharding metadata every parallel layer carries
 (``nxd_hf.parallel_layers.sharding``). ``checkpoint/`` never imports the packages above it: what
@@ -30,7 +33,7 @@ from torch import nn
 
 from nxd_hf import backend, parallel_state
 from nxd_hf.model_state import state_of
-from nxd_hf.parallel_layers.sharding import is_sharded
+from nxd_hf.parallel_layers.sharding import is_expert_parallel, is_sharded
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -164,11 +167,28 @@ def logical_tensors(model: nn.Module, *, named=None) -> list[LogicalTensor]:
     dp_size = parallel_state.get_data_parallel_size()
     if not parallel_state.model_parallel_is_initialized():  # plain replicas (e.g. DDP): all are DP ranks
         dp_rank, dp_size = backend.rank(), backend.world_size()
+    edp_rank, edp_size = parallel_state.get_expert_data_parallel_rank(), parallel_state.get_expert_data_parallel_size()
     out = []
     for i, (name, tensor) in enumerate(named_local_tensors(model) if named is None else named):
+        if is_expert_parallel(tensor):
+            writes_here = i % edp_size == edp_rank and getattr(tensor, "count_in_grad_norm", True)
+            out.append(describe_experts(disk_name(name), name, tensor, writes_here and tp_rank == 0))
+            continue
         writes_here = i % dp_size == dp_rank and getattr(tensor, "count_in_grad_norm", True)
         out.append(describe(disk_name(name), name, tensor, tp_rank, writes_here))
     return out
+
+
+def describe_experts(name: str, model_name: str, tensor: torch.Tensor, writes_here: bool) -> LogicalTensor:
+    """An expert-parallel tensor's ``LogicalTensor``: sharded along the expert dim 0 (module docstring)."""
+    assert not is_sharded(tensor), "experts sharded over both TP and EP: composed at merge"
+    rows = tensor.expert_shard_index
+    shape = (tensor.expert_logical_size, *tensor.shape[1:])
+    runs = [(0, len(rows), int(rows[0]))] if writes_here else []
+    assert rows.tolist() == list(range(int(rows[0]), int(rows[0]) + len(rows))), "experts are held in one block"
+    return LogicalTensor(name=name, tensor=tensor, shape=shape, dim=0, rows=rows, transposed=False, runs=runs,
+                         writes_whole=writes_here and parallel_state.get_expert_parallel_rank() == 0,
+                         model_name=model_name)
 
 
 def describe(name: str, model_name: str, tensor: torch.Tensor, tp_rank: int, writes_here: bool) -> LogicalTensor:

@@ -34,7 +34,8 @@ OPTIM_SEP = "::"
 
 def parallel_sizes(optimizer=None) -> dict:
     return {"tp": parallel_state.get_tensor_model_parallel_size(), "pp": parallel_state.get_pipeline_model_parallel_size(),
-            "dp": parallel_state.get_data_parallel_size(), "world": backend.world_size(),
+            "dp": parallel_state.get_data_parallel_size(), "ep": parallel_state.get_expert_parallel_size(),
+            "world": backend.world_size(),
             "zero1": optimizer is not None and optim_state.shards_state(optimizer)}
 
 

@@ -8,7 +8,7 @@ from nxd_hf import parallel_state
 from nxd_hf.checkpoint.optim_state import MASTER, ParamStates, set_torch_state, tensor_state
 from nxd_hf.optim.mixed_precision import MasterWeights
 from nxd_hf.parallel_layers.grad_reduction import grad_reductions_of
-from nxd_hf.parallel_layers.grads import all_reduce_bucketed, clip_grad_norm
+from nxd_hf.parallel_layers.grads import clip_grad_norm, data_parallel_mean
 
 
 class NxDOptimizer(torch.optim.Optimizer):
@@ -56,10 +56,8 @@ class NxDOptimizer(torch.optim.Optimizer):
         masters = [m for group in self.masters for m in group.masters]
         for group in self.masters:
             group.load_grads()
-        grads = [m.grad for m in masters if m.grad is not None]
-        dp_size = parallel_state.get_data_parallel_size()
-        all_reduce_bucketed(grads, parallel_state.get_data_parallel_group(), scale=1.0 / dp_size,
-                            bucket_size_mb=self.bucket_size_mb)
+        with_grads = [m for m in masters if m.grad is not None]
+        data_parallel_mean(with_grads, [m.grad for m in with_grads], bucket_size_mb=self.bucket_size_mb)
         if self.max_grad_norm is not None:
             self.grad_norm = clip_grad_norm(masters, self.max_grad_norm)
         loss = self.optimizer.step(closure)

@@ -28,6 +28,7 @@ from nxd_hf.optim.groups import resolve_group
 from nxd_hf.optim.zero1_state import Zero1StateMixin
 from nxd_hf.parallel_layers.grad_reduction import grad_reductions_of
 from nxd_hf.parallel_layers.grads import accumulated_grad, install_fp32_grad_accumulation
+from nxd_hf.parallel_layers.sharding import is_expert_parallel
 
 ELEMENTWISE_OPTIMIZERS = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
@@ -101,6 +102,12 @@ class NeuronZero1Optimizer(Zero1StateMixin, torch.optim.Optimizer):
             raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
         self._layout_done = False
         super().__init__(params, defaults)
+        if any(is_expert_parallel(p) for group in self.param_groups for p in group["params"]):
+            raise ValueError(
+                "NeuronZero1Optimizer does not shard expert-parallel parameters (expert_parallel_size > 1) yet: their "
+                "gradients are reduced over the expert-data group, not the data-parallel group ZeRO-1 shards over. "
+                "Use a plain torch optimizer (NxDTrainingArguments zero_1=False / the config API's "
+                "zero_one_enabled=False), or expert_parallel_size=1")
         self.max_norm, self.norm_type, self.pin_layout = max_norm, float(norm_type), pin_layout
         self.optimizer_dtype = optimizer_dtype or torch.float32
         self.save_master_weights, self.higher_cc_precision = save_master_weights, higher_cc_precision

@@ -15,6 +15,8 @@ After a backward (a pipeline step counts as one), this model's gradients get, in
      averages the accumulated sum);
    - an optimizer that reduces in its ``step()`` and registered itself with
      ``reduce_in_optimizer`` (ZeRO-1's reduce-scatter, the config API's optimizer).
+   Expert-parallel parameters are averaged over the expert-data group instead (``grads.data_parallel_mean``);
+   one that got no tokens on this rank gets a zero gradient first (its peers' reduction needs it).
 
 Gradients are read where they accumulate (``accumulated_grad``: fp32 ``main_grad`` or ``grad``).
 """
@@ -27,8 +29,8 @@ import torch
 from torch import nn
 
 from nxd_hf import parallel_state
-from nxd_hf.parallel_layers.grads import accumulated_grad, all_reduce_bucketed
-from nxd_hf.parallel_layers.sharding import has_partial_grad_over_tp
+from nxd_hf.parallel_layers.grads import accumulated_grad, all_reduce_bucketed, data_parallel_mean
+from nxd_hf.parallel_layers.sharding import has_partial_grad_over_tp, is_expert_parallel
 
 _LIVE: "weakref.WeakSet[GradReduction]" = weakref.WeakSet()
 
@@ -108,10 +110,12 @@ class GradReduction:
         for reduce in self._extra:
             reduce()
         self._sum_partial(snapshot)
+        for p in self.params():
+            if is_expert_parallel(p) and accumulated_grad(p) is None:  # no token reached these experts
+                p.grad = torch.zeros_like(p)
         if not self.deferred and not self.dp_in_optimizer and parallel_state.get_data_parallel_size() > 1:
-            grads = [g for g in map(accumulated_grad, self.params()) if g is not None]
-            all_reduce_bucketed(grads, parallel_state.get_data_parallel_group(),
-                                scale=1.0 / parallel_state.get_data_parallel_size(), bucket_size_mb=self.bucket_size_mb)
+            params = [p for p in self.params() if accumulated_grad(p) is not None]
+            data_parallel_mean(params, [accumulated_grad(p) for p in params], bucket_size_mb=self.bucket_size_mb)
 
     def _sum_partial(self, snapshot: list) -> None:
         if not snapshot:  # tp=1: nothing is partial

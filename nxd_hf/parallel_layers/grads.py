@@ -1,7 +1,8 @@
 """Gradient synchronization and clipping for TP x PP x DP training.
 
 - ``sync_data_parallel_grads``: bucketed all-reduce-mean over the DP group (a few collectives
-  per step, not one per parameter).
+  per step, not one per parameter); expert-parallel parameters over the expert-data group
+  (``data_parallel_mean``).
 - ``allreduce_sequence_parallel_gradients``: under sequence parallelism, replicated parameters
   (norm weights, row-parallel biases) see only their rank's sequence chunk; their grads are
   summed over TP (bucketed).
@@ -11,7 +12,8 @@
   ``torch.nn.utils.clip_grad_norm_`` on the unsharded model: shards summed over TP and PP,
   TP-replicated parameters counted once (on TP rank 0), each replicated K/V row once
   (``num_replicas``), parameters marked ``count_in_grad_norm = False`` (a tied weight's second
-  copy on another pipeline stage) skipped, and DP replicas (identical after sync) not summed.
+  copy on another pipeline stage) skipped, and DP replicas (identical after sync) not summed;
+  expert-parallel parameters summed over the expert-parallel group (each rank holds other experts).
 """
 
 from collections.abc import Iterable
@@ -19,7 +21,7 @@ from collections.abc import Iterable
 import torch
 
 from nxd_hf import backend, parallel_state
-from nxd_hf.parallel_layers.sharding import has_partial_grad_over_tp, is_sharded
+from nxd_hf.parallel_layers.sharding import has_partial_grad_over_tp, is_expert_parallel, is_sharded
 
 
 def accumulated_grad(param: torch.Tensor) -> torch.Tensor | None:
@@ -87,10 +89,25 @@ def all_reduce_bucketed(tensors: list[torch.Tensor], group, *, scale: float = 1.
 
 def sync_data_parallel_grads(parameters: Iterable[torch.Tensor], *, bucket_size_mb: float = 25) -> None:
     """Average gradients over the data-parallel group, in buckets of ``bucket_size_mb``."""
-    grads = [p.grad for p in _as_list(parameters) if p.grad is not None]
-    dp_size = parallel_state.get_data_parallel_size()
-    all_reduce_bucketed(grads, parallel_state.get_data_parallel_group(), scale=1.0 / dp_size,
-                        bucket_size_mb=bucket_size_mb)
+    params = [p for p in _as_list(parameters) if p.grad is not None]
+    data_parallel_mean(params, [p.grad for p in params], bucket_size_mb=bucket_size_mb)
+
+
+def data_parallel_mean(params: list[torch.Tensor], grads: list[torch.Tensor], *, bucket_size_mb: float = 25) -> None:
+    """``grads`` (of ``params``, in place) averaged over data parallelism: summed over the data
+    group and divided by its size; an expert-parallel parameter's over the expert-data group
+    (the ranks holding the same experts: the all-to-all's backward already summed the tokens of
+    its expert-parallel peers), divided by the data-parallel size all the same."""
+    scale = 1.0 / parallel_state.get_data_parallel_size()
+    dense = [g for p, g in zip(params, grads) if not is_expert_parallel(p)]
+    experts = [g for p, g in zip(params, grads) if is_expert_parallel(p)]
+    all_reduce_bucketed(dense, parallel_state.get_data_parallel_group(), scale=scale, bucket_size_mb=bucket_size_mb)
+    group = parallel_state.get_expert_data_parallel_group()
+    if backend.group_size(group) == 1:  # every data-parallel rank of this block is an expert peer
+        for g in experts:
+            g.mul_(scale)
+    else:
+        all_reduce_bucketed(experts, group, scale=scale, bucket_size_mb=bucket_size_mb)
 
 
 def allreduce_sequence_parallel_gradients(parameters: Iterable[torch.Tensor], *, bucket_size_mb: float = 25) -> None:
@@ -116,11 +133,17 @@ def get_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) ->
         total = torch.zeros((), dtype=torch.float32, device=device)
         for p in counted:
             total = torch.maximum(total, p.grad.detach().abs().max().float())
+        backend.all_reduce(total, parallel_state.get_expert_parallel_group(), op="max")
         backend.all_reduce(total, parallel_state.get_model_parallel_group(), op="max")
         return total
-    total = torch.zeros((), dtype=torch.float32, device=device)
+    total, experts = (torch.zeros((), dtype=torch.float32, device=device) for _ in range(2))
     for p in counted:
-        total = total + _replica_weighted_power(p, norm_type)
+        if is_expert_parallel(p):
+            experts = experts + _replica_weighted_power(p, norm_type)
+        else:
+            total = total + _replica_weighted_power(p, norm_type)
+    if parallel_state.get_expert_parallel_size() > 1:  # every rank joins, with or without experts
+        total = total + backend.all_reduce(experts, parallel_state.get_expert_parallel_group())
     backend.all_reduce(total, parallel_state.get_model_parallel_group())
     return total ** (1.0 / norm_type)
 

@@ -23,6 +23,11 @@ TP_ATTRIBUTES = (
     "partial_grad_over_tp",  # bool: replicated param whose grad is partial per TP rank (summed over TP)
     "sequence_parallel_enabled",  # bool: NxD's name for partial_grad_over_tp (read as an alias)
 )
+EP_ATTRIBUTES = (
+    "expert_parallel",  # bool: a fused experts tensor split over the expert-parallel group along dim 0
+    "expert_shard_index",  # LongTensor: the logical experts held locally, along dim 0
+    "expert_logical_size",  # int: the number of experts in the whole tensor
+)
 
 
 def divide(numerator: int, denominator: int) -> int:
@@ -123,7 +128,7 @@ def has_partial_grad_over_tp(param: torch.Tensor) -> bool:
 
 
 def copy_tensor_model_parallel_attributes(dst: torch.Tensor, src: torch.Tensor) -> None:
-    for name in TP_ATTRIBUTES:
+    for name in TP_ATTRIBUTES + EP_ATTRIBUTES:
         if hasattr(src, name):
             setattr(dst, name, getattr(src, name))
 
@@ -151,12 +156,16 @@ def full_tensor(param: torch.Tensor, tensor: torch.Tensor | None = None) -> torc
     """The whole (logical) ``tensor`` of ``param`` (default: ``param`` itself; e.g. its grad),
     detached: gathered over TP when ``param`` is sharded (a collective), as is otherwise."""
     tensor = param if tensor is None else tensor
-    return gather_full_tensor(param, tensor) if is_sharded(param) else tensor.detach()
+    full = gather_full_tensor(param, tensor) if is_sharded(param) else tensor.detach()
+    return gather_experts(param, full) if is_expert_parallel(param) else full
 
 
 def local_shard(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``param``'s whole (logical) tensor ``full``: its rows when ``param``
-    is sharded (zeros at padding rows), ``full`` itself otherwise."""
+    is sharded (zeros at padding rows), ``full`` itself otherwise; only its experts when it is
+    expert-parallel."""
+    if is_expert_parallel(param):
+        full = full.index_select(0, param.expert_shard_index.to(full.device))
     return shard_from_full(full, param.partition_dim, param.shard_index) if is_sharded(param) else full
 
 
@@ -171,7 +180,8 @@ def new_parameter(data: torch.Tensor, like: torch.Tensor | None = None) -> nn.Pa
 def move_model_to_device(model: nn.Module, device) -> nn.Module:
     """``model.to(device)`` that keeps the sharding metadata of every parameter (a move to an
     XLA device creates new Parameter objects, which would drop it)."""
-    saved = {name: {a: getattr(p, a) for a in TP_ATTRIBUTES if hasattr(p, a)} for name, p in model.named_parameters()}
+    saved = {name: {a: getattr(p, a) for a in TP_ATTRIBUTES + EP_ATTRIBUTES if hasattr(p, a)}
+             for name, p in model.named_parameters()}
     model.to(device)
     for name, param in model.named_parameters():
         for attr, value in saved[name].items():
@@ -187,3 +197,22 @@ def local_rows_mask(shard_index: torch.Tensor) -> torch.Tensor | None:
 
 def tp_coords() -> tuple[int, int]:
     return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_size()
+
+
+def set_expert_parallel_attributes(param: torch.Tensor, *, shard_index: torch.Tensor, logical_size: int) -> None:
+    """Mark ``param`` as holding the experts ``shard_index`` (along dim 0) of ``logical_size``."""
+    param.expert_parallel = True
+    param.expert_shard_index = shard_index
+    param.expert_logical_size = logical_size
+
+
+def is_expert_parallel(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "expert_parallel", False))
+
+
+def gather_experts(param: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """All experts of ``tensor`` (laid out as the expert-parallel ``param``, TP already gathered),
+    concatenated along dim 0 over the expert-parallel group (each rank holds a consecutive block)."""
+    group = parallel_state.get_expert_parallel_group()
+    device = backend.collective_device(group)
+    return backend.all_gather(tensor.detach().to(device), 0, group).to(tensor.device)

@@ -137,9 +137,11 @@ def _compare(model_params, reference, loss, ref_loss) -> CaseResult:
 
 
 def run_case(config, *, tensor_parallel_size: int, pipeline_parallel_size: int = 1, sequence_parallel: bool = False,
-             model_cls=None) -> CaseResult:
+             model_cls=None, expert_parallel_size: int = 1) -> CaseResult:
     """Build ``config``'s model, parallelize a copy on this layout and compare (see module doc).
-    Every rank of the world calls it with the same arguments."""
+    Every rank of the world calls it with the same arguments. With ``expert_parallel_size`` > 1
+    the world is tp x pp x ep: the ep data-parallel ranks all train on the same batch (their
+    tokens still reach the experts by all-to-all), so the mean gradient is the reference's."""
     parallel_state.destroy_model_parallel()
     reference, model = build_pair(config, model_cls)
     pp = pipeline_parallel_size
@@ -149,6 +151,8 @@ def run_case(config, *, tensor_parallel_size: int, pipeline_parallel_size: int =
     status, message = "pass", ""
     try:
         kwargs = dict(num_microbatches=2, broadcast_and_average_loss=True) if pp > 1 else {}
+        if expert_parallel_size > 1:
+            kwargs["expert_parallel_size"] = expert_parallel_size
         model = parallelize(model, tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pp,
                             sequence_parallel=sequence_parallel, **kwargs)
     except Exception as exc:  # noqa: BLE001  classified; the other ranks must hear of it
@@ -156,10 +160,12 @@ def run_case(config, *, tensor_parallel_size: int, pipeline_parallel_size: int =
     status, message = _agree(status, message)
     if status != "pass":
         return CaseResult(status=status, message=message)
+    torch.manual_seed(WEIGHT_SEED)  # the same draws for routers that sample in training (PhiMoE's sparsemixer)
     ref_loss = reference(input_ids=ids, labels=labels).loss
     ref_loss.backward()
     loss = None
     try:
+        torch.manual_seed(WEIGHT_SEED)
         loss = _train_step(model, ids, labels, pp)
     except Exception as exc:  # noqa: BLE001
         status, message = _failure(exc, setup=False)
@@ -174,8 +180,8 @@ def run_case(config, *, tensor_parallel_size: int, pipeline_parallel_size: int =
 
 def _train_step(model, ids, labels, pp: int) -> torch.Tensor:
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_size()
-    if dp_size > 1:
-        raise ValueError(f"parity runs without data parallelism: use tp x pp = world size, got dp={dp_size}")
+    if dp_size > parallel_state.get_expert_parallel_size():
+        raise ValueError(f"parity runs without data parallelism: use tp x pp (x ep) = world size, got dp={dp_size}")
     if pp > 1:
         return model.run_train(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels)
     loss = model(input_ids=ids, labels=labels).loss

@@ -10,23 +10,25 @@ from nxd_hf.parity.shrink import shrink_config
 
 
 def check_parity(config, *, tensor_parallel_size: int, pipeline_parallel_size: int = 1,
-                 sequence_parallel: bool = False, shrink: bool = True, timeout_s: float = 300.0) -> CaseResult:
+                 sequence_parallel: bool = False, shrink: bool = True, timeout_s: float = 300.0,
+                 expert_parallel_size: int = 1) -> CaseResult:
     """Parity of ``config`` (a ``PretrainedConfig``, or a model directory / hub id holding one)
     at ``tensor_parallel_size`` x ``pipeline_parallel_size``. Under torchrun (the process group
     already started, world size = tp x pp) every rank calls it; otherwise it spawns the ranks on
-    CPU itself. Returns the agreed ``CaseResult`` ("pass", "refused", "wrong" or "crash")."""
+    CPU itself. Returns the agreed ``CaseResult`` ("pass", "refused", "wrong" or "crash").
+    ``expert_parallel_size``: also split the experts over that many ranks (world tp x pp x ep)."""
     import torch.distributed as dist
 
     if isinstance(config, str):
         config = transformers.AutoConfig.from_pretrained(config)
     if shrink:
         config = shrink_config(config)
-    world_size = tensor_parallel_size * pipeline_parallel_size
+    world_size = tensor_parallel_size * pipeline_parallel_size * expert_parallel_size
     kwargs = dict(tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
-                  sequence_parallel=sequence_parallel)
+                  sequence_parallel=sequence_parallel, expert_parallel_size=expert_parallel_size)
     if dist.is_available() and dist.is_initialized():
         if dist.get_world_size() != world_size:
-            raise ValueError(f"check_parity needs world size tp x pp = {world_size}, got {dist.get_world_size()}: "
+            raise ValueError(f"check_parity needs world size tp x pp x ep = {world_size}, got {dist.get_world_size()}: "
                              f"launch it with torchrun --nproc-per-node {world_size}, or without torchrun")
         return run_case(config, **kwargs)
     from nxd_hf.testing import run_distributed  # the spawn harness, only when spawning

@@ -21,6 +21,7 @@ HF's fields keep HF's meaning; the table says what nxd_hf does with each one tha
 ``train_sampling_strategy``       "random" and "sequential"; others refused
 ``kv_size_multiplier`` (ours)     K/V head copies across TP ("auto": the fewest that fit)
 ``fused_loss`` (ours)             the loss from the hidden states, LM head fused in, in chunks
+``expert_parallel_size`` (ours)   MoE experts split over that many data-parallel ranks
 ``num_microbatches``,             pipeline options: ignored, with a warning, at
 ``virtual_pipeline_size``,        ``pipeline_parallel_size=1``
 ``pipeline_schedule`` (ours)
@@ -68,6 +69,9 @@ class NxDTrainingArguments(TrainingArguments):
     fused_loss: bool = dataclasses.field(
         default=False, metadata={"help": "Causal-LM loss from the hidden states in chunks, the LM head fused in: "
                                          "the full logits are never held (docs/gpu_speed.md)."})
+    expert_parallel_size: int = dataclasses.field(
+        default=1, metadata={"help": "Ranks each mixture-of-experts layer's experts are split over, carved from the "
+                                     "data-parallel ranks (docs/moe.md)."})
 
     def __post_init__(self):
         self.use_cpu = _check_use_cpu(self.use_cpu)
@@ -94,7 +98,8 @@ class NxDTrainingArguments(TrainingArguments):
             super()._validate_args()
 
     def _check_layout(self) -> None:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "num_microbatches", "virtual_pipeline_size"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "num_microbatches", "virtual_pipeline_size",
+                     "expert_parallel_size"):
             value = getattr(self, name)
             if name == "num_microbatches" and value is None:
                 continue
@@ -113,6 +118,11 @@ class NxDTrainingArguments(TrainingArguments):
             raise ValueError(
                 f"the world size {world} is not divisible by tensor_parallel_size x pipeline_parallel_size = "
                 f"{model_parallel}: launch with `torchrun --nproc_per_node {model_parallel}` (or a multiple of it)")
+        if (world // model_parallel) % self.expert_parallel_size:
+            raise ValueError(
+                f"expert_parallel_size={self.expert_parallel_size} must divide the data-parallel size "
+                f"{world // model_parallel} (world {world} / tp x pp {model_parallel}): launch "
+                f"{model_parallel * self.expert_parallel_size} x k processes or lower expert_parallel_size")
         if self.kv_size_multiplier != "auto" and not str(self.kv_size_multiplier).isdigit():
             raise ValueError(f"kv_size_multiplier must be 'auto' or a positive integer, got {self.kv_size_multiplier!r}")
         if self.pipeline_parallel_size == 1:
@@ -158,7 +168,7 @@ class NxDTrainingArguments(TrainingArguments):
                               "max_grad_norm": self.max_grad_norm if self.max_grad_norm > 0 else 1.0},
             activation_checkpoint_config="full" if self.nxd_activation_checkpointing else None,
             mixed_precision_config={"use_master_weights": True, "use_fp32_grad_acc": self.bf16_master_weights},
-            lora_config=lora_config,
+            lora_config=lora_config, expert_parallel_size=self.expert_parallel_size,
         )
         config.fused_loss = self.fused_loss
         return config

@@ -78,6 +78,9 @@ class NxDConfig:
     kv_size_multiplier: int | Literal["auto"] = "auto"
     """Copies of each K/V head across TP ("auto": the fewest that fit; not in NxD, where it is an argument of
     ``GQAQKVColumnParallelLinear``)."""
+    expert_parallel_size: int = 1
+    """Ranks each mixture-of-experts layer's experts are split over, carved from the data-parallel ranks
+    (``parallelize``'s; not in NxD)."""
 
     def __getitem__(self, key: str):  # NxD hands the config around as a dict
         return getattr(self, key)
@@ -128,7 +131,7 @@ def neuronx_distributed_config(
     optimizer_config: dict | None = None, activation_checkpoint_config=None, pad_model: bool | str = "auto",
     sequence_parallel: bool = False, model_init_config: dict | None = None, lora_config=None,
     mixed_precision_config: dict | None = None, *, check_inputs: bool | str = True, timeout=None,
-    kv_size_multiplier: int | str = "auto",
+    kv_size_multiplier: int | str = "auto", expert_parallel_size: int = 1,
 ) -> NxDConfig:
     """Validate the training configuration and initialize model parallelism (see ``NxDConfig``)."""
     config = NxDConfig(
@@ -141,10 +144,11 @@ def neuronx_distributed_config(
         lora_config=lora_config,
         mixed_precision_config=_build(MixedPrecisionConfig, mixed_precision_config, "mixed_precision_config"),
         check_inputs=check_inputs, timeout=timeout, kv_size_multiplier=kv_size_multiplier,
+        expert_parallel_size=expert_parallel_size,
     )
     hints = typing.get_type_hints(NxDConfig)
     for key in ("tensor_parallel_size", "pipeline_parallel_size", "pad_model", "sequence_parallel", "check_inputs",
-                "timeout", "kv_size_multiplier"):
+                "timeout", "kv_size_multiplier", "expert_parallel_size"):
         _check_type("neuronx_distributed_config", key, getattr(config, key), hints[key])
     _check_pipeline_config(config.pipeline_config)
     if not 1 <= config.model_init_config.sequential_move_factor <= 32:
@@ -156,7 +160,13 @@ def neuronx_distributed_config(
                          f"got {type(lora_config).__name__}")
     if config.pipeline_config and pipeline_parallel_size == 1:
         raise ValueError("pipeline_config is given but pipeline_parallel_size is 1: set pipeline_parallel_size > 1")
-    parallel_state.initialize_model_parallel(tensor_parallel_size, pipeline_parallel_size, timeout=timeout)
+    parallel_state.check_expert_parallel_size(expert_parallel_size)
+    if expert_parallel_size > 1 and config.optimizer_config.zero_one_enabled:
+        raise ValueError("optimizer_config zero_one_enabled=True with expert_parallel_size > 1 is not supported yet "
+                         "(ZeRO-1 does not shard expert-parallel parameters): use zero_one_enabled=False or "
+                         "expert_parallel_size=1")
+    parallel_state.initialize_model_parallel(tensor_parallel_size, pipeline_parallel_size, timeout=timeout,
+                                             expert_parallel_size=expert_parallel_size)
     return config
 
 

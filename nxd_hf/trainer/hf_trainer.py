@@ -259,11 +259,13 @@ def _is_parallel(model) -> bool:
 
 def _check_layout(args: NxDTrainingArguments, *, pipelined: bool) -> None:
     """An already parallel model must have the layout the arguments ask for."""
-    have = (parallel_state.get_tensor_model_parallel_size(), parallel_state.get_pipeline_model_parallel_size())
-    want = (args.tensor_parallel_size, args.pipeline_parallel_size)
+    have = (parallel_state.get_tensor_model_parallel_size(), parallel_state.get_pipeline_model_parallel_size(),
+            parallel_state.get_expert_parallel_size())
+    want = (args.tensor_parallel_size, args.pipeline_parallel_size, args.expert_parallel_size)
     if have != want or pipelined != (args.pipeline_parallel_size > 1):
+        ep = f" (expert_parallel_size {have[2]}, the arguments {want[2]})" if have[2] != want[2] else ""
         raise ValueError(f"the model is parallelized with tp={have[0]}, pp={have[1]} but the arguments ask for "
-                         f"tp={want[0]}, pp={want[1]}: pass the plain HF model and let NxDTrainer parallelize it")
+                         f"tp={want[0]}, pp={want[1]}{ep}: pass the plain HF model and let NxDTrainer parallelize it")
 
 
 def _replica_rows(batch: dict) -> dict:

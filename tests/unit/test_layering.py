@@ -15,7 +15,7 @@ LAYERS = [
     ["nxd_hf.guards"],  # setup guards: every rank raises the same ValueError (fail_together, input check)
     ["nxd_hf.parallel_layers"],
     ["nxd_hf.modules", "nxd_hf.model_state"],  # model.nxd: read by checkpoint/ and everything above
-    ["nxd_hf.moe"],  # mixture-of-experts math and wrappers (TP experts, aux loss across stages/replicas)
+    ["nxd_hf.moe"],  # mixture-of-experts math and wrappers (TP experts, EP dispatch, aux loss across stages/replicas)
     ["nxd_hf.checkpoint"],
     ["nxd_hf.tp", "nxd_hf.optim", "nxd_hf.model_setup"],
     ["nxd_hf.lora", "nxd_hf.pipeline"],

@@ -1,0 +1,5 @@
+"""``python -m bench.moe``: see ``bench/moe/run.py``."""
+
+from bench.moe.run import main
+
+main()

@@ -1,0 +1,122 @@
+"""Expert parallelism: HF's fused experts split over the expert-parallel group (docs/moe.md).
+
+Each rank of the expert group keeps ``E / ep`` consecutive experts of every fused experts module
+(its 3-D ``gate_up_proj``/``down_proj`` and any other per-expert tensor, sliced along dim 0 and
+marked with ``sharding.set_expert_parallel_attributes``). The router stays replicated and routes
+this rank's tokens as in HF; the experts' ``forward`` becomes:
+
+1. sort the (token, k) assignments by expert, count them per expert and exchange the counts
+   (``backend.exchange_counts``: each rank learns what it receives, and for which local expert);
+2. dispatch the token rows and their routing weights to the experts' owners
+   (``backend.DispatchTokens``, all-to-alls with variable split sizes, one autograd node so that
+   every rank runs their backward exchanges in the same order);
+3. run HF's own experts ``forward`` on the received rows with top-k of 1 (local expert id, its
+   weight), so each architecture's expert math (biases, clamped activations, ...) is kept;
+4. send the outputs back (``backend.CombineTokens``) and sum each token's k rows, in expert order
+   as HF does. Dropless, as HF: no capacity, no dropped tokens.
+"""
+
+import inspect
+
+import torch
+from torch import nn
+
+from nxd_hf import backend, parallel_state
+from nxd_hf.parallel_layers.sharding import is_sharded, set_expert_parallel_attributes
+
+
+def num_experts_of(name: str, module: nn.Module) -> int:
+    """The number of experts of a fused experts module (its ``num_experts``, else dim 0 of its 3-D tensors)."""
+    count = getattr(module, "num_experts", None)
+    if isinstance(count, int):
+        return count
+    sizes = {p.shape[0] for p in module.parameters(recurse=False) if p.dim() == 3}
+    if len(sizes) != 1:
+        raise ValueError(f"{name!r} ({type(module).__name__}): cannot tell its number of experts (no num_experts and "
+                         "no 3-D expert tensors): expert parallelism needs HF's fused experts")
+    return sizes.pop()
+
+
+def check_layout(tp: int, pp: int, ep: int) -> None:
+    """ValueError for the layouts expert parallelism does not support yet (before any layer is swapped)."""
+    if ep > 1 and tp > 1:
+        raise ValueError(
+            f"expert_parallel_size={ep} with tensor_parallel_size={tp} is not supported yet (experts sharded over "
+            "both TP and EP): use tensor_parallel_size=1 with expert parallelism, or expert_parallel_size=1")
+    if ep > 1 and pp > 1:
+        raise ValueError(f"expert_parallel_size={ep} with pipeline_parallel_size={pp} is not supported yet: use "
+                         "pipeline_parallel_size=1 with expert parallelism, or expert_parallel_size=1")
+
+
+def check_expert_parallel(experts: list[tuple[str, nn.Module]], ep: int) -> None:
+    """ValueError, the same on every rank, when these experts cannot be split over ``ep`` ranks."""
+    check_layout(parallel_state.get_tensor_model_parallel_size(), parallel_state.get_pipeline_model_parallel_size(), ep)
+    if not experts:
+        raise ValueError(f"expert_parallel_size={ep} but the model has no mixture-of-experts layer (HF fused experts, "
+                         "tensor-parallel style 'moe_tp_experts'): use expert_parallel_size=1")
+    for name, module in experts:
+        count = num_experts_of(name, module)
+        if count % ep:
+            raise ValueError(f"{name!r} has {count} experts, not divisible by expert_parallel_size={ep}: use an "
+                             "expert_parallel_size dividing the number of experts")
+        params = list(inspect.signature(type(module).forward).parameters)
+        if len(params) < 4:  # self, hidden_states, top_k_index, top_k_weights
+            raise ValueError(f"{name!r} ({type(module).__name__}) is not called with (hidden_states, top_k_index, "
+                             "top_k_weights) as HF's fused experts are: expert parallelism cannot dispatch its tokens; "
+                             "use expert_parallel_size=1")
+
+
+def apply_expert_parallel(experts: list[tuple[str, nn.Module]]) -> None:
+    """Split every fused experts module over the expert-parallel group (module docstring), in place.
+    Real weights keep this rank's experts; meta ones stay meta, shaped for them."""
+    ep = parallel_state.get_expert_parallel_size()
+    if ep == 1:
+        return
+    check_expert_parallel(experts, ep)
+    rank, group = parallel_state.get_expert_parallel_rank(), parallel_state.get_expert_parallel_group()
+    for _, module in experts:
+        total = num_experts_of("", module)
+        local = total // ep
+        index = torch.arange(rank * local, (rank + 1) * local, device="cpu")  # metadata, as shard_index
+        for pname, param in list(module.named_parameters(recurse=False)):
+            if param.dim() == 0 or param.shape[0] != total:
+                continue
+            assert not is_sharded(param), "experts sharded over TP and EP are composed at merge"
+            new = nn.Parameter(param.detach()[rank * local : (rank + 1) * local].clone(), requires_grad=param.requires_grad)
+            set_expert_parallel_attributes(new, shard_index=index, logical_size=total)
+            setattr(module, pname, new)
+        if isinstance(getattr(module, "num_experts", None), int):
+            module.num_experts = local  # HF's forward one-hot encodes local ids
+        module.forward = ExpertParallelForward(module.forward, num_local=local, ep=ep, group=group)
+
+
+class ExpertParallelForward:
+    """The experts' ``forward`` under expert parallelism (steps 1-4 of the module docstring)."""
+
+    def __init__(self, local_forward, *, num_local: int, ep: int, group):
+        self.local_forward, self.num_local, self.ep, self.group = local_forward, num_local, ep, group
+
+    def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *args,
+                 **kwargs) -> torch.Tensor:
+        shape = hidden_states.shape
+        hidden = hidden_states.reshape(-1, shape[-1])
+        k = top_k_index.shape[-1]
+        experts = top_k_index.reshape(-1)
+        order = torch.argsort(experts, stable=True)  # assignments by expert: by owner, then local expert
+        token_of = order // k
+        device = backend.collective_device(self.group)
+        per_expert = torch.bincount(experts, minlength=self.num_local * self.ep).to(device)
+        with backend.comm_tag("ep_counts"):
+            received = backend.exchange_counts(per_expert, self.group).view(self.ep, self.num_local)  # [source, expert]
+        send_splits = per_expert.view(self.ep, self.num_local).sum(1).tolist()
+        recv_splits = received.sum(1).tolist()
+        rows, weights = backend.DispatchTokens.apply(recv_splits, send_splits, self.group, hidden[token_of],
+                                                     top_k_weights.reshape(-1)[order].unsqueeze(1))
+        local_ids = torch.arange(self.num_local, device=received.device).repeat(self.ep).repeat_interleave(
+            received.reshape(-1)).to(rows.device)
+        out = self.local_forward(rows, local_ids.unsqueeze(1), weights, *args, **kwargs)
+        if rows.requires_grad and not out.requires_grad:  # no rows here: the backward's all-to-alls still run
+            out = out + rows.sum() * 0
+        back = backend.CombineTokens.apply(send_splits, recv_splits, self.group, out)
+        combined = torch.zeros_like(hidden).index_add_(0, token_of, back.to(hidden.dtype))
+        return combined.reshape(shape)

@@ -62,7 +62,7 @@ def parallelize(
             module.to(module_dtype)
     is_hf = hasattr(module, "config") and hasattr(module, "base_model_prefix")
     graph = None if is_hf else derive.trace(module, dummy_forward_args)
-    plan = policy.resolve(pas_policy, compute_config, graph)
+    plan = policy.resolve(pas_policy, compute_config, graph, module=module, dummy_forward_args=dummy_forward_args)
     instance_name = instance_name or "_"
     save = functools.partial(_save_plan, module, plan, compute_config, gen_savedir, instance_name, reuse,
                              broadcast_strategy, load_module)

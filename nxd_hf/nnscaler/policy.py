@@ -33,15 +33,15 @@ class Plan:
         return {"tp_size": self.tp_size, "pp_size": self.pp_size, "layouts": dict(sorted(self.layouts.items()))}
 
 
-def resolve(pas_policy: str | Callable, config: ComputeConfig, graph: derive.TracedGraph | None) -> Plan:
+def resolve(pas_policy: str | Callable, config: ComputeConfig, graph: derive.TracedGraph | None, *,
+            module=None, dummy_forward_args: dict | None = None) -> Plan:
     """The plan of ``pas_policy`` (``graph`` None for a Hugging Face model: its registered plan)."""
     n = config.plan_ngpus
     if isinstance(pas_policy, str):
         if pas_policy not in BUILTIN:
             raise ValueError(f"pas_policy {pas_policy!r} is not a builtin policy {BUILTIN} nor a callable")
         if pas_policy == "autodist":
-            raise ValueError("pas_policy='autodist' is the plan search of issue 26 (nxd_hf.plan.autodist_policy), not "
-                             "available in this build: use 'tp', 'pp', 'hybrid', 'dp' or a policy function")
+            return _autodist(module, dummy_forward_args or {}, config, graph)
         if pas_policy in ("dp", "data"):
             if n != 1:
                 raise ValueError(f"pas_policy={pas_policy!r} replicates the module: it needs plan_ngpus=1 (got {n}); "
@@ -111,3 +111,30 @@ def _check_exact(plan: Plan, graph: derive.TracedGraph) -> None:
                          f"imply ({have}); a column's output must reach only row layers, through ops that keep the "
                          "split (elementwise, reshape, attention by heads)")
     graph.derived = dict(plan.layouts)
+
+
+def _autodist(module, dummy_forward_args: dict, config: ComputeConfig, graph) -> Plan:
+    """nxd_hf's plan search (``nxd_hf.plan``) picks the unit's tp x pp for a Hugging Face model: the
+    best predicted layout with ``plan_ngpus`` ranks per unit (pipeline stages only for end2end
+    modules, ZeRO-1 as ``use_zero``), from the config and the dummy batch's shape."""
+    if graph is not None:
+        raise ValueError("pas_policy='autodist' uses nxd_hf.plan's cost model, which reads a Hugging Face model's config; "
+                         "for a plain module use 'tp', 'pp', 'hybrid', 'dp' or a policy function")
+    from nxd_hf.plan.api import plan as search
+    from nxd_hf.plan.auto import device_memory_bytes
+
+    ids = next((v for v in dummy_forward_args.values() if hasattr(v, "shape") and v.dim() == 2), None)
+    if ids is None:
+        raise ValueError("pas_policy='autodist' reads the batch and sequence size from a [batch, seq] tensor in "
+                         "dummy_forward_args (e.g. input_ids)")
+    result = search(module, world_size=config.runtime_ngpus, device_memory=device_memory_bytes(),
+                    seq_len=ids.shape[1], micro_batch_size=ids.shape[0])
+    for prediction in result.ranked:
+        layout = prediction.layout
+        if (layout.tp * layout.pp == config.plan_ngpus and layout.ep == 1 and not layout.sequence_parallel
+                and not layout.recompute and (layout.pp == 1 or config.use_end2end)
+                and (layout.zero_1 == config.use_zero or layout.dp == 1)):
+            return Plan(tp_size=layout.tp, pp_size=layout.pp)
+    raise ValueError(f"pas_policy='autodist': no layout of plan_ngpus={config.plan_ngpus} fits (nxd_hf.plan rejected "
+                     f"{len(result.rejected)}; e.g. {result.rejected[0].reason if result.rejected else 'none fits'}). "
+                     "Use another plan_ngpus, or `nxd-hf plan` to see every layout")

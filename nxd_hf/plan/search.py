@@ -79,7 +79,7 @@ def why_not(shape: ModelShape, work: Workload, layout: Layout) -> str | None:
     if shape.num_experts and layout.dp % layout.ep:
         return f"ep={layout.ep} does not divide dp={layout.dp} (experts are carved from data parallelism)"
     if shape.num_experts:
-        return experts_supported(layout.tp, layout.ep)
+        return experts_supported(layout.tp, layout.pp, layout.ep, layout.zero_1, shape.num_experts)
     return None
 
 

@@ -11,7 +11,6 @@ E/ep experts and I/tp of each (the expert-parallel contract).
 """
 
 import dataclasses
-import importlib.util
 import re
 
 import torch
@@ -111,19 +110,20 @@ def model_shape(config, model: nn.Module | None = None) -> ModelShape:
         total_params=sum(p.numel() for p in model.parameters()))
 
 
-def experts_supported(tp: int, ep: int) -> str | None:
-    """Why nxd_hf cannot run fused experts at this (tp, ep) yet, or None (the modules of the
-    expert-parallel and expert-TP work are found without being imported)."""
-    if tp > 1 and not _has_module("nxd_hf.moe.tp_experts"):
-        return "experts sharded over TP (tp > 1 on a MoE model) are not in this nxd_hf yet"
-    if ep > 1 and not _has_module("nxd_hf.moe.ep_dispatch"):
-        return "expert parallelism (ep > 1) is not in this nxd_hf yet"
+def experts_supported(tp: int, pp: int, ep: int, zero_1: bool, num_experts: int) -> str | None:
+    """Why nxd_hf refuses fused experts at this layout, or None: the refusals of
+    ``nxd_hf.moe.ep_dispatch`` (and ZeRO-1's) as the search's rejection reasons."""
+    from nxd_hf.moe.ep_dispatch import check_layout
+
+    try:
+        check_layout(tp, pp, ep)
+    except ValueError as error:
+        return str(error).split(":")[0]
+    if ep > 1 and num_experts % ep:
+        return f"{num_experts} experts do not divide over ep={ep}"
+    if ep > 1 and zero_1:
+        return "ZeRO-1 with expert parallelism is not supported yet"
     return None
-
-
-def _has_module(name: str) -> bool:
-    parent = name.rsplit(".", 1)[0]
-    return importlib.util.find_spec(parent) is not None and importlib.util.find_spec(name) is not None
 
 
 def _place(name: str, layers_prefix: str) -> int | str:

@@ -36,7 +36,7 @@ def test_ignored_fields_warn():
 
 
 @pytest.mark.parametrize("policy, config, words", [
-    ("autodist", ComputeConfig(2, 2), "issue 26"),
+    ("autodist", ComputeConfig(2, 2), "Hugging Face model's config"),
     ("dp", ComputeConfig(2, 2), "plan_ngpus=1"),
     ("pp", ComputeConfig(2, 2), "use_end2end=True"),
     ("hybrid", ComputeConfig(4, 4), "use_end2end=True"),
@@ -50,6 +50,20 @@ def test_policy_errors(tmp_path, policy, config, words):
     with pytest.raises(ValueError, match=words):
         parallelize(cases.LLM(), {"x": torch.randint(0, 32, (2, 8))}, policy, config, gen_savedir=tmp_path,
                     load_module=False)
+
+
+def test_autodist_picks_a_unit_layout_by_the_plan_search(tmp_path):
+    """pas_policy='autodist' on an HF model: nxd_hf.plan's best layout with plan_ngpus ranks per unit."""
+    import os
+
+    import transformers
+
+    tiny = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "data", "tiny-llama")
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tiny))
+    assert parallelize(model, {"input_ids": torch.randint(0, 32, (2, 16))}, "autodist", ComputeConfig(2, 4),
+                       gen_savedir=tmp_path, instance_name="auto", load_module=False) is None
+    saved = json.loads((tmp_path / "auto" / "plan.json").read_text())["plan"]
+    assert saved["tp_size"] * saved["pp_size"] == 2 and saved["pp_size"] == 1  # no end2end: no pipeline
 
 
 def test_load_module_false_plans_and_saves(tmp_path):

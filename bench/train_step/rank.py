@@ -9,6 +9,10 @@ import json
 import os
 import time
 
+from bench.train_step.memtrace import MemTrace
+
+TRACE = MemTrace()  # started by ``worker``; the cases mark their phases on it
+
 MODEL = dict(hidden_size=768, num_attention_heads=12, num_key_value_heads=4, intermediate_size=2048,
              vocab_size=32000)  # the ~125M llama of bench/; the layer count is a flag
 LR, MAX_NORM = 5e-5, 1.0  # Trainer's defaults, used by the bare loops too
@@ -80,9 +84,17 @@ def step_timer():
             self._begin, self._begin_cpu, self._end = None, None, None
 
         def on_step_begin(self, args, state, control, **kwargs):
+            TRACE.mark("forward")
             self._begin, self._begin_cpu = time.perf_counter(), time.process_time()
 
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            TRACE.mark("optimizer")  # NxDOptimizer.step: DP reduction, clipping, the step
+
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            TRACE.mark("zero_grad")  # Trainer: scheduler, zero_grad, callbacks
+
         def on_step_end(self, args, state, control, **kwargs):
+            TRACE.mark("step_end")
             now = time.perf_counter()
             self.cpu_seconds.append(time.process_time() - self._begin_cpu)
             self.seconds.append(now - self._begin)
@@ -103,6 +115,7 @@ def trainer_args(cls, out_dir: str, steps: int, batch: int, **extra):
 def run_trainer(trainer, timer) -> dict:
     """``trainer.train()`` with the peak reset after setup (the model is already built)."""
     setup_peak = reset_peak()
+    trainer.model.register_forward_hook(lambda *_: TRACE.mark("backward"))  # loss computed
     output = trainer.train()
     return dict(seconds=timer.seconds, cpu_seconds=timer.cpu_seconds, intervals=timer.intervals,
                 mean_loss=output.training_loss, setup_peak_rss=setup_peak)
@@ -121,11 +134,17 @@ def run_bare_loop(model, rows, *, steps: int, batch: int, clip) -> dict:
     for step in range(steps):
         ids = rows[step * batch:(step + 1) * batch]
         start, start_cpu = time.perf_counter(), time.process_time()
+        TRACE.mark("forward")
         loss = model(input_ids=ids, labels=ids).loss
+        TRACE.mark("backward")
         loss.backward()
+        TRACE.mark("clip")
         clip(params)
+        TRACE.mark("optimizer")
         optimizer.step()
+        TRACE.mark("zero_grad")
         optimizer.zero_grad(set_to_none=True)
+        TRACE.mark("step_end")
         seconds.append(time.perf_counter() - start)
         cpu_seconds.append(time.process_time() - start_cpu)
         losses.append(loss.item())
@@ -229,9 +248,10 @@ def worker(case: str, opts: dict, result_dir: str) -> None:
         dist.barrier()
     bare = read_status()
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as out_dir:
+    with tempfile.TemporaryDirectory() as out_dir, TRACE:
         result = CASES[case](opts, rows, out_dir)
     end = read_status()
+    result.update(bare_anon=bare["RssAnon"], memtrace=TRACE.result())
     result.update(rank=rank, case=case, bare_rss=bare["VmRSS"], train_peak_rss=end["VmHWM"],
                   end_rss=end["VmRSS"], end_anon=end["RssAnon"], end_file=end["RssFile"],
                   wall_seconds=time.perf_counter() - start, threads=torch.get_num_threads())

@@ -10,7 +10,11 @@ After a backward (a pipeline step counts as one), this model's gradients get, in
    see only this rank's part of the data (norms under sequence parallelism, per-head norms).
    Only this backward's contribution is summed, so accumulation stays correct;
 3. the data-parallel mean, done by exactly one party:
-   - the end of the backward (bucketed all-reduce), the default;
+   - the backward itself, the default: on the HF path (``install_hooks``) gradients live in
+     flat buckets allocated once (``grad_buckets``), each all-reduced asynchronously as soon as
+     backward has produced all of its gradients (``overlap=False``: all at the end), waited
+     for at the end of the backward; parameters outside the buckets (fp32 ``main_grad``,
+     partial over TP, expert-parallel) and the pipeline path: a bucketed all-reduce at the end;
    - nobody, inside ``no_sync()`` (accumulation micro-steps: the first backward outside it
      averages the accumulated sum);
    - an optimizer that reduces in its ``step()`` and registered itself with
@@ -27,8 +31,10 @@ import torch
 from torch import nn
 
 from nxd_hf import parallel_state
+from nxd_hf.parallel_layers.grad_buckets import GradBuckets
 from nxd_hf.parallel_layers.grads import accumulated_grad, all_reduce_bucketed
 from nxd_hf.parallel_layers.sharding import has_partial_grad_over_tp
+from nxd_hf.utils.host_memory import release_free_host_memory
 
 _LIVE: "weakref.WeakSet[GradReduction]" = weakref.WeakSet()
 
@@ -44,6 +50,11 @@ class GradReduction:
         self._extra: list[Callable[[], None]] = []
         self._hooked: list[int] = []
         self._snapshot: list | None = None
+        self.release_host_memory = True
+        """Return freed heap pages to the OS at the start of each forward and end of each backward."""
+        self.overlap = True
+        """Start each bucket's data-parallel all-reduce during backward (False: at its end)."""
+        self.buckets: GradBuckets | None = None
         _LIVE.add(self)
 
     def params(self) -> list[torch.Tensor]:
@@ -79,15 +90,28 @@ class GradReduction:
 
     def _refresh_hooks(self, *_) -> None:
         """(Re-)attach gradient hooks when the parameters changed (e.g. replaced by loading)."""
+        if torch.is_grad_enabled() and self.buckets is not None:
+            self.buckets.release_unused()
+        if self.release_host_memory and torch.is_grad_enabled():  # freed gradients' pages, before activations
+            release_free_host_memory()
         params = self.params()
         if [id(p) for p in params] == self._hooked:
             return
         self._hooked = [id(p) for p in params]
         for p in params:
             p.register_hook(self._on_grad)
+        self.buckets = GradBuckets([p for p in params if _bucketable(p)], bucket_size_mb=self.bucket_size_mb,
+                                   overlap=self.overlap)
+        for p in self.buckets.params():
+            self.buckets.hook(p)
+
+    def _reduces_dp(self) -> bool:
+        return not self.deferred and not self.dp_in_optimizer and parallel_state.get_data_parallel_size() > 1
 
     def _on_grad(self, grad):
         if self._snapshot is None:  # the first gradient of this backward
+            self.buckets.overlap = self.overlap
+            self.buckets.begin(parallel_state.get_data_parallel_group() if self._reduces_dp() else None)
             self._snapshot = _snapshot(self.params())
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_hooked_backward)
         return grad
@@ -105,13 +129,19 @@ class GradReduction:
         self._finish(snapshot)
 
     def _finish(self, snapshot: list) -> None:
+        if self.release_host_memory:  # the activations are freed now; their heap pages go back
+            release_free_host_memory()
         for reduce in self._extra:
             reduce()
         self._sum_partial(snapshot)
-        if not self.deferred and not self.dp_in_optimizer and parallel_state.get_data_parallel_size() > 1:
-            grads = [g for g in map(accumulated_grad, self.params()) if g is not None]
-            all_reduce_bucketed(grads, parallel_state.get_data_parallel_group(),
-                                scale=1.0 / parallel_state.get_data_parallel_size(), bucket_size_mb=self.bucket_size_mb)
+        dp_size = parallel_state.get_data_parallel_size()
+        if self.buckets is not None:
+            self.buckets.finish(1.0 / dp_size)
+        if self._reduces_dp():
+            rest = [p for p in self.params() if self.buckets is None or p not in self.buckets]
+            grads = [g for g in map(accumulated_grad, rest) if g is not None]
+            all_reduce_bucketed(grads, parallel_state.get_data_parallel_group(), scale=1.0 / dp_size,
+                                bucket_size_mb=self.bucket_size_mb)
 
     def _sum_partial(self, snapshot: list) -> None:
         if not snapshot:  # tp=1: nothing is partial
@@ -121,6 +151,13 @@ class GradReduction:
         all_reduce_bucketed(deltas, parallel_state.get_tensor_model_parallel_group(), bucket_size_mb=self.bucket_size_mb)
         for (grad, before), delta in zip(fresh, deltas):
             grad.detach().copy_(delta if before is None else before + delta)
+
+
+def _bucketable(param: torch.Tensor) -> bool:
+    """Gradients that go into the flat buckets: not fp32-accumulated, not summed over TP after
+    backward, not reduced over another group (expert parallel)."""
+    return (not hasattr(param, "main_grad") and not has_partial_grad_over_tp(param)
+            and not getattr(param, "expert_parallel", False))
 
 
 def _snapshot(params: list[torch.Tensor]) -> list:

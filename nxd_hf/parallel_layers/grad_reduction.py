@@ -110,6 +110,8 @@ class GradReduction:
 
     def _on_grad(self, grad):
         if self._snapshot is None:  # the first gradient of this backward
+            if self.release_host_memory:  # the forward's freed temporaries
+                release_free_host_memory()
             self.buckets.overlap = self.overlap
             self.buckets.begin(parallel_state.get_data_parallel_group() if self._reduces_dp() else None)
             self._snapshot = _snapshot(self.params())

@@ -7,6 +7,7 @@ cases, the gloo process group up — the same imports in every case."""
 
 import json
 import os
+import resource
 import time
 
 from bench.train_step.memtrace import MemTrace
@@ -171,6 +172,50 @@ def case_nxd_loop(opts: dict, rows, out_dir: str) -> dict:
                          clip=lambda params: clip_grad_norm(params, MAX_NORM))
 
 
+def case_nxd_zero1(opts: dict, rows, out_dir: str) -> dict:
+    """NxDTrainer at tp=1 x dp=2 with ZeRO-1 (AdamW state sharded over the two ranks)."""
+    import nxd_hf
+
+    timer = step_timer()
+    args = trainer_args(nxd_hf.NxDTrainingArguments, out_dir, opts["steps"], opts["batch"], zero_1=True)
+    trainer = nxd_hf.NxDTrainer(plain_model(opts["layers"], opts["seq"]), args, train_dataset=TokenDataset(rows),
+                                callbacks=[timer])
+    return run_trainer(trainer, timer)
+
+
+def case_nxd_loop_tp1(opts: dict, rows, out_dir: str) -> dict:
+    import nxd_hf
+    from nxd_hf.parallel_layers.grads import clip_grad_norm
+
+    model = nxd_hf.parallelize(plain_model(opts["layers"], opts["seq"]), tensor_parallel_size=1)
+    return run_bare_loop(model, rows, steps=opts["steps"], batch=opts["batch"],
+                         clip=lambda params: clip_grad_norm(params, MAX_NORM))
+
+
+def case_overlap(opts: dict, rows, out_dir: str, tp: int) -> dict:
+    """The bare loop at tp x dp (dp = world / tp) on ``opts["overlap_layers"]`` layers, the
+    gradient reduction's overlap switched on and off every other step (interleaved in one run);
+    each rank takes its own rows."""
+    import torch.distributed as dist
+
+    import nxd_hf
+    from nxd_hf.parallel_layers.grads import clip_grad_norm
+
+    model = nxd_hf.parallelize(plain_model(opts["overlap_layers"], opts["seq"]), tensor_parallel_size=tp)
+    policy, dp_rank = model.nxd.grad_reduction, nxd_hf.parallel_state.get_data_parallel_rank()
+    switch = []
+
+    def clip(params):
+        switch.append(policy.overlap)
+        policy.overlap = not policy.overlap  # the next step runs the other way
+        clip_grad_norm(params, MAX_NORM)
+
+    own_rows = rows.roll(dp_rank * opts["batch"], dims=0)
+    result = run_bare_loop(model, own_rows, steps=opts["steps"], batch=opts["batch"], clip=clip)
+    dist.barrier()
+    return dict(result, overlap=switch, num_buckets=len(policy.buckets.buckets))
+
+
 def case_hf_tp(opts: dict, rows, out_dir: str) -> dict:
     """transformers' own TP (``DistributedConfig(tp_size=2)``, which only ``from_pretrained``
     takes), trained by ``transformers.Trainer`` where it can be built (``use_cpu=True``, as on a
@@ -219,7 +264,10 @@ def case_single(opts: dict, rows, out_dir: str) -> dict:
                          clip=lambda params: torch.nn.utils.clip_grad_norm_(params, MAX_NORM))
 
 
-CASES = {"nxd_trainer": case_nxd_trainer, "nxd_loop": case_nxd_loop, "hf_tp": case_hf_tp, "single": case_single}
+CASES = {"nxd_trainer": case_nxd_trainer, "nxd_loop": case_nxd_loop, "hf_tp": case_hf_tp, "single": case_single,
+         "nxd_loop_tp1": case_nxd_loop_tp1, "nxd_zero1": case_nxd_zero1,
+         "overlap_dp2": lambda *a: case_overlap(*a, tp=1), "overlap_tp2dp2": lambda *a: case_overlap(*a, tp=2)}
+ONE_PROCESS = ("single", "nxd_loop_tp1")
 
 
 def worker(case: str, opts: dict, result_dir: str) -> None:
@@ -237,8 +285,8 @@ def worker(case: str, opts: dict, result_dir: str) -> None:
 
     warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()
-    distributed = case != "single"
-    torch.set_num_threads(1 if distributed else 2)
+    distributed = case not in ONE_PROCESS
+    torch.set_num_threads(int(os.environ.get("NXD_HF_BENCH_THREADS", 1 if distributed else 2)))
     if distributed:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if distributed else 0
@@ -252,7 +300,8 @@ def worker(case: str, opts: dict, result_dir: str) -> None:
         result = CASES[case](opts, rows, out_dir)
     end = read_status()
     result.update(bare_anon=bare["RssAnon"], memtrace=TRACE.result())
-    result.update(rank=rank, case=case, bare_rss=bare["VmRSS"], train_peak_rss=end["VmHWM"],
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    result.update(rank=rank, case=case, bare_rss=bare["VmRSS"], rusage_cpu_seconds=usage.ru_utime + usage.ru_stime, train_peak_rss=end["VmHWM"],
                   end_rss=end["VmRSS"], end_anon=end["RssAnon"], end_file=end["RssFile"],
                   wall_seconds=time.perf_counter() - start, threads=torch.get_num_threads())
     with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:

@@ -45,9 +45,13 @@ from bench.common.rank_results import rank_results
 from bench.common import REPO, RESULTS
 from bench.common.stamp import stamp
 from bench.train_step.rank import CASES, worker
-from bench.train_step.report import format_table, summarize
+from bench.train_step.judge import LoadWatch, verdict
+from bench.train_step.report import CORES, format_table, summarize
 
-WORLD = {"nxd_trainer": 2, "nxd_loop": 2, "hf_tp": 2, "single": 1}
+WORLD = {"nxd_trainer": 2, "nxd_loop": 2, "hf_tp": 2, "single": 1, "nxd_loop_tp1": 1, "nxd_zero1": 2,
+         "overlap_dp2": 2, "overlap_tp2dp2": 4}
+DEFAULT_CASES = ["nxd_trainer", "nxd_loop", "hf_tp", "single", "nxd_loop_tp1", "nxd_zero1", "overlap_dp2",
+                 "overlap_tp2dp2"]
 
 
 def ensure_checkpoint(opts: dict) -> str:
@@ -78,7 +82,7 @@ def launch(case: str, opts: dict, timeout_s: float) -> dict:
         script = ["-m", "bench.train_step", "--worker", case, "--opts", json.dumps(opts), "--result-dir", result_dir]
         cmd = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
                                   if world > 1 else []) + script
-        env = dict(os.environ, OMP_NUM_THREADS=str(1 if world > 1 else 2), PYTHONPATH=str(REPO),
+        env = dict(os.environ, OMP_NUM_THREADS=str(1 if world > 1 else 2), NXD_HF_BENCH_THREADS=str(1 if world > 1 else 2), PYTHONPATH=str(REPO),
                    TRANSFORMERS_VERBOSITY="error", TOKENIZERS_PARALLELISM="false")
         start = time.perf_counter()
         try:
@@ -110,7 +114,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--cases", nargs="+", default=DEFAULT_CASES, choices=list(CASES))
+    parser.add_argument("--overlap-layers", type=int, default=2, help="layers of the overlap_* cases' model")
     parser.add_argument("--hf-tp-loop", action="store_true", help="train hf_tp with the bare loop, not Trainer")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
     parser.add_argument("--report", metavar="JSON", help="print the table of an earlier (or partial) run and exit")
@@ -126,22 +131,26 @@ def main(argv: list[str] | None = None) -> None:
 
     start, load_before = time.perf_counter(), os.getloadavg()[0]
     opts = dict(layers=args.layers, seq=args.seq, batch=args.batch, steps=args.warmup + args.steps,
-                warmup=args.warmup, hf_tp_loop=args.hf_tp_loop)
+                warmup=args.warmup, hf_tp_loop=args.hf_tp_loop, overlap_layers=args.overlap_layers)
     if "hf_tp" in args.cases:
         opts["checkpoint"] = ensure_checkpoint(opts)
     result = dict(**stamp(), config=dict(opts, timed_steps=args.steps, repeats=args.repeats),
                   num_params=num_params(opts), cpus=os.cpu_count(), runs=[])
-    for repeat in range(args.repeats):
-        for case in args.cases:
-            print(f"repeat {repeat + 1}/{args.repeats} {case} ...", end=" ", flush=True)
-            run = launch(case, opts, args.timeout)
-            print(f"{run['launch_seconds']:.0f}s" + (f" FAILED: {run['error']}" if run["error"] else ""), flush=True)
-            result["runs"].append(dict(run, repeat=repeat))
-            result.update(summarize(result), wall_seconds=time.perf_counter() - start,
-                          load_average_1min=[load_before, os.getloadavg()[0]])  # other processes on the machine
-            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-            with open(args.out, "w") as f:
-                json.dump(result, f, indent=1)
+    cores_used = max(CORES.get(case, 2) for case in args.cases)
+    with LoadWatch() as watch:
+        for repeat in range(args.repeats):
+            for case in args.cases:
+                print(f"repeat {repeat + 1}/{args.repeats} {case} ...", end=" ", flush=True)
+                with LoadWatch() as launch_watch:
+                    run = launch(case, opts, args.timeout)
+                print(f"{run['launch_seconds']:.0f}s" + (f" FAILED: {run['error']}" if run["error"] else ""), flush=True)
+                result["runs"].append(dict(run, repeat=repeat, load=launch_watch.result()))
+                result["load"] = verdict(watch.result(), cores_used, os.cpu_count())
+                result.update(summarize(result), wall_seconds=time.perf_counter() - start,
+                              load_average_1min=[load_before, os.getloadavg()[0]])  # other processes on the machine
+                os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+                with open(args.out, "w") as f:
+                    json.dump(result, f, indent=1)
     print()
     print(format_table(result))
     print(f"wrote {args.out} in {result['wall_seconds']:.0f}s (1-min load average {load_before:.1f} before, "

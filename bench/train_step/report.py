@@ -95,8 +95,10 @@ def summarize(result: dict) -> dict:
         row["peak_over_floor"] = row["peak_rss"]["median"] / row["floor"]
         summary[case] = row
     quiet = result.get("load", {}).get("quiet", False)
-    return dict(summary=summary, errors=errors, ratios=_ratios(summary) if quiet else {},
-                ratios_withheld=None if quiet else _ratios(summary))
+    ratios = _ratios(summary)  # memory ratios need no quiet machine; throughput ratios do
+    timed = {k: v for k, v in ratios.items() if "throughput" in k or k == "trainer_over_loop"}
+    return dict(summary=summary, errors=errors, ratios={k: v for k, v in ratios.items() if quiet or k not in timed},
+                ratios_withheld=None if quiet else timed)
 
 
 def _ratios(summary: dict) -> dict:

@@ -27,6 +27,19 @@ floor is (parameters + gradients + 2 AdamW moments) x 4 B / tp + bare. Every cas
 ``--repeats`` times, the cases taking turns; median and min-max over repeats. The JSON is
 rewritten after every launch.
 
+Added for issue 28: ``nxd_loop_tp1`` (the bare loop through ``parallelize`` at tp=1, one
+process, 2 threads), ``nxd_zero1`` (NxDTrainer tp=1 x dp=2 with ZeRO-1), and ``overlap_dp2`` /
+``overlap_tp2dp2`` (the bare loop on ``--overlap-layers`` layers with the gradient reduction's
+overlap switched on and off every other step in one run: the ratio of the medians, with the
+spread). Memory: every rank samples RssAnon every 1 ms through the steps (``memtrace``), phases
+marked (forward, backward, clip, optimizer, zero_grad); the table itemizes each phase's peak
+above the step's start, for the first step and the last, against the floor on RssAnon
+((params + grads + AdamW [/dp with ZeRO-1]) / tp + the bare process's RssAnon; ``memory_report``).
+Honest throughput (``judge``): the 1-min load average and steal time are sampled through the run;
+throughput ratios are printed only when the load never exceeded the cores the run uses and steal
+stayed under 5%, else they are withheld with the reason; tokens per CPU-second per rank (the rank's
+user + system seconds per step) are always recorded.
+
 Run from the repo root: ``python -m bench.train_step [--layers 12] [--steps 5] [--warmup 2]
 [--repeats 3] [--cases ...] [--out PATH]``; ``--report PATH`` prints an earlier run's table;
 a quick check: ``--layers 2 --steps 3 --warmup 1 --repeats 1 --out /tmp/train_step.json``.

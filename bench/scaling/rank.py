@@ -5,29 +5,9 @@ rank handed to collectives in one step (``nxd_hf.backend.count_comm``)."""
 
 import json
 import os
-import threading
 import time
 
-from bench.train_step.memtrace import rss_anon
-
-
-class Peak:
-    def __init__(self):
-        self.value, self._stop = rss_anon(), threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self):
-        while not self._stop.wait(0.002):
-            self.value = max(self.value, rss_anon())
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.value = max(self.value, rss_anon())
+from bench.memory.rank import PeakSampler
 
 
 def build(point: dict):
@@ -77,13 +57,13 @@ def worker(point: dict, result_dir: str) -> None:
         step()
     seconds = []
     dist.barrier()
-    with Peak() as peak:
+    with PeakSampler(interval_s=0.002) as peak:
         for _ in range(point["steps"]):
             start = time.perf_counter()
             step()
             seconds.append(time.perf_counter() - start)
     local_param_bytes = sum(p.numel() * p.element_size() for p in params)
-    result = dict(rank=dist.get_rank(), seconds=seconds, peak_anon=peak.value,
+    result = dict(rank=dist.get_rank(), seconds=seconds, peak_anon=peak.peak["RssAnon"],
                   comm_bytes=sum(r.payload_bytes for r in records), num_collectives=len(records),
                   local_param_bytes=local_param_bytes)
     with open(os.path.join(result_dir, f"rank{dist.get_rank()}.json"), "w") as f:

@@ -153,11 +153,13 @@ def run_bare_loop(model, rows, *, steps: int, batch: int, clip) -> dict:
                 setup_peak_rss=setup_peak)
 
 
-def case_nxd_trainer(opts: dict, rows, out_dir: str) -> dict:
+def case_nxd_trainer(opts: dict, rows, out_dir: str, **layout) -> dict:
+    """NxDTrainer at tp=2 (or ``layout``: NxDTrainingArguments fields)."""
     import nxd_hf
 
     timer = step_timer()
-    args = trainer_args(nxd_hf.NxDTrainingArguments, out_dir, opts["steps"], opts["batch"], tensor_parallel_size=2)
+    args = trainer_args(nxd_hf.NxDTrainingArguments, out_dir, opts["steps"], opts["batch"],
+                        **(layout or dict(tensor_parallel_size=2)))
     trainer = nxd_hf.NxDTrainer(plain_model(opts["layers"], opts["seq"]), args, train_dataset=TokenDataset(rows),
                                 callbacks=[timer])
     return run_trainer(trainer, timer)
@@ -170,17 +172,6 @@ def case_nxd_loop(opts: dict, rows, out_dir: str) -> dict:
     model = nxd_hf.parallelize(plain_model(opts["layers"], opts["seq"]), tensor_parallel_size=2)
     return run_bare_loop(model, rows, steps=opts["steps"], batch=opts["batch"],
                          clip=lambda params: clip_grad_norm(params, MAX_NORM))
-
-
-def case_nxd_zero1(opts: dict, rows, out_dir: str) -> dict:
-    """NxDTrainer at tp=1 x dp=2 with ZeRO-1 (AdamW state sharded over the two ranks)."""
-    import nxd_hf
-
-    timer = step_timer()
-    args = trainer_args(nxd_hf.NxDTrainingArguments, out_dir, opts["steps"], opts["batch"], zero_1=True)
-    trainer = nxd_hf.NxDTrainer(plain_model(opts["layers"], opts["seq"]), args, train_dataset=TokenDataset(rows),
-                                callbacks=[timer])
-    return run_trainer(trainer, timer)
 
 
 def case_nxd_loop_tp1(opts: dict, rows, out_dir: str) -> dict:
@@ -265,7 +256,7 @@ def case_single(opts: dict, rows, out_dir: str) -> dict:
 
 
 CASES = {"nxd_trainer": case_nxd_trainer, "nxd_loop": case_nxd_loop, "hf_tp": case_hf_tp, "single": case_single,
-         "nxd_loop_tp1": case_nxd_loop_tp1, "nxd_zero1": case_nxd_zero1,
+         "nxd_loop_tp1": case_nxd_loop_tp1, "nxd_zero1": lambda *a: case_nxd_trainer(*a, zero_1=True),  # tp=1 x dp=2
          "overlap_dp2": lambda *a: case_overlap(*a, tp=1), "overlap_tp2dp2": lambda *a: case_overlap(*a, tp=2)}
 ONE_PROCESS = ("single", "nxd_loop_tp1")
 

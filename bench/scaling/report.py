@@ -88,6 +88,10 @@ def write_doc(result: dict, path: str) -> None:
              "the process's own ~300 MiB (torch, transformers, nxd_hf imported) included;",
              "- comm: payload bytes the worst rank handed to collectives in one step "
              "(`nxd_hf.backend.count_comm`; all-reduce: the whole tensor, all-gather: the local shard);",
+             "- pp: the stage-to-stage activations and their gradients go through torch.distributed.pipelining's "
+             "own batched isend/irecv (asynchronous work handles), which `count_comm` does not see: per rank and "
+             "step, b x s x hidden x 4 bytes each way per stage boundary (1 MiB at the base point); the column shows "
+             "the counted collectives only;",
              "- the machine has 2 cores shared with other jobs: worlds of 4 ranks are oversubscribed and "
              "every time is what it was under the load average shown; bytes and parameter sizes are exact.",
              "- predicted: " + ("the cost model of `nxd_hf.plan` (issue 26)." if has_prediction else

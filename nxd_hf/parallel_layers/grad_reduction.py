@@ -51,7 +51,8 @@ class GradReduction:
         self._hooked: list[int] = []
         self._snapshot: list | None = None
         self.release_host_memory = True
-        """Return freed heap pages to the OS at the start of each forward and end of each backward."""
+        """Return freed heap pages to the OS (``utils.host_memory``) at the start and end of each forward, at
+        the first gradient, before each gradient bucket is allocated and at the end of each backward."""
         self.overlap = True
         """Start each bucket's data-parallel all-reduce during backward (False: at its end)."""
         self.buckets: GradBuckets | None = None
@@ -87,6 +88,11 @@ class GradReduction:
     def install_hooks(self, model: nn.Module) -> None:
         """Reduce at the end of every backward through ``model``'s forward."""
         model.register_forward_pre_hook(self._refresh_hooks)
+        model.register_forward_hook(self._after_forward)
+
+    def _after_forward(self, *_) -> None:
+        if self.release_host_memory and torch.is_grad_enabled():  # the forward's freed temporaries, before backward
+            release_free_host_memory()
 
     def _refresh_hooks(self, *_) -> None:
         """(Re-)attach gradient hooks when the parameters changed (e.g. replaced by loading)."""

@@ -81,7 +81,8 @@ def summarize(result: dict) -> dict:
         if run["error"]:
             errors.setdefault(run["case"], []).append(run["error"])
             continue
-        cases.setdefault(run["case"], []).append(per_run(run, tokens, config["warmup"], num_params))
+        params = result.get("num_params_overlap", num_params) if run["case"].startswith("overlap") else num_params
+        cases.setdefault(run["case"], []).append(per_run(run, tokens, config["warmup"], params))
     summary = {}
     for case, runs in cases.items():
         keep = ("mean_loss", "trained_by", "trainer_refused", "memory", "tokens_per_cpu_s_per_rank", "overlap")
@@ -91,7 +92,8 @@ def summarize(result: dict) -> dict:
                    trained_by=runs[-1]["trained_by"], trainer_refused=runs[-1]["trainer_refused"],
                    memory=runs[-1]["memory"], tokens_per_cpu_s_per_rank=[r["tokens_per_cpu_s_per_rank"] for r in runs],
                    overlap=[r["overlap"] for r in runs if r["overlap"]])
-        row["floor"] = floor_bytes(num_params, tp=tp, dp=dp, zero1=zero1, bare=row["bare_rss"]["median"])
+        params = result.get("num_params_overlap", num_params) if case.startswith("overlap") else num_params
+        row["floor"] = floor_bytes(params, tp=tp, dp=dp, zero1=zero1, bare=row["bare_rss"]["median"])
         row["peak_over_floor"] = row["peak_rss"]["median"] / row["floor"]
         summary[case] = row
     quiet = result.get("load", {}).get("quiet", False)

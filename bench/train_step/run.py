@@ -148,7 +148,8 @@ def main(argv: list[str] | None = None) -> None:
     if "hf_tp" in args.cases:
         opts["checkpoint"] = ensure_checkpoint(opts)
     result = dict(**stamp(), config=dict(opts, timed_steps=args.steps, repeats=args.repeats),
-                  num_params=num_params(opts), cpus=os.cpu_count(), runs=[])
+                  num_params=num_params(opts), num_params_overlap=num_params(dict(opts, layers=args.overlap_layers)),
+                  cpus=os.cpu_count(), runs=[])
     cores_used = max(CORES.get(case, 2) for case in args.cases)
     with LoadWatch() as watch:
         for repeat in range(args.repeats):

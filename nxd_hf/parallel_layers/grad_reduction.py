@@ -56,6 +56,8 @@ class GradReduction:
         self.overlap = True
         """Start each bucket's data-parallel all-reduce during backward (False: at its end)."""
         self.buckets: GradBuckets | None = None
+        """The gradient buckets of the HF path (None on the pipeline path and in a world of one)."""
+        self._grad_bytes = 0
         _LIVE.add(self)
 
     def params(self) -> list[torch.Tensor]:
@@ -106,6 +108,8 @@ class GradReduction:
         self._hooked = [id(p) for p in params]
         for p in params:
             p.register_hook(self._on_grad)
+        if parallel_state.get_world_size() == 1:  # nothing is ever reduced: autograd's own tensors, no copy
+            return
         self.buckets = GradBuckets([p for p in params if _bucketable(p)], bucket_size_mb=self.bucket_size_mb,
                                    overlap=self.overlap)
         for p in self.buckets.params():
@@ -118,10 +122,17 @@ class GradReduction:
         if self._snapshot is None:  # the first gradient of this backward
             if self.release_host_memory:  # the forward's freed temporaries
                 release_free_host_memory()
-            self.buckets.overlap = self.overlap
-            self.buckets.begin(parallel_state.get_data_parallel_group() if self._reduces_dp() else None)
+            if self.buckets is not None:
+                self.buckets.overlap = self.overlap
+                self.buckets.begin(parallel_state.get_data_parallel_group() if self._reduces_dp() else None)
             self._snapshot = _snapshot(self.params())
+            self._grad_bytes = 0
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_hooked_backward)
+        elif self.buckets is None and self.release_host_memory:  # no buckets: trim as often as they would
+            self._grad_bytes += grad.numel() * grad.element_size()
+            if self._grad_bytes > self.bucket_size_mb * 2**20:
+                self._grad_bytes = 0
+                release_free_host_memory()
         return grad
 
     def _end_of_hooked_backward(self) -> None:

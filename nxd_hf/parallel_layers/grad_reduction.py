@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from nxd_hf import parallel_state
+from nxd_hf import backend, parallel_state
 from nxd_hf.parallel_layers.grad_buckets import GradBuckets
 from nxd_hf.parallel_layers.grads import accumulated_grad, all_reduce_bucketed
 from nxd_hf.parallel_layers.sharding import has_partial_grad_over_tp
@@ -108,7 +108,7 @@ class GradReduction:
         self._hooked = [id(p) for p in params]
         for p in params:
             p.register_hook(self._on_grad)
-        if parallel_state.get_world_size() == 1:  # nothing is ever reduced: autograd's own tensors, no copy
+        if backend.world_size() == 1:  # nothing is ever reduced: autograd's own tensors, no copy
             return
         self.buckets = GradBuckets([p for p in params if _bucketable(p)], bucket_size_mb=self.bucket_size_mb,
                                    overlap=self.overlap)

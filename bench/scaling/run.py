@@ -100,6 +100,9 @@ def main(argv: list[str] | None = None) -> None:
                 done[key] = launch(point, args.timeout)
                 print(done[key].get("error") or f"{done[key]['step_seconds']:.2f} s/step", flush=True)
             rows.append(dict(done[key], sweep=sweep))
+    if set(args.only) != set(SWEEPS) and os.path.exists(args.out):  # keep the other sweeps' rows of the last run
+        with open(args.out) as f:
+            rows = [r for r in json.load(f)["rows"] if r["sweep"] not in args.only] + rows
     result = dict(**stamp(), base=BASE, rows=rows, wall_seconds=time.perf_counter() - start)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

@@ -7,7 +7,12 @@ cases, the gloo process group up — the same imports in every case."""
 
 import json
 import os
+import resource
 import time
+
+from bench.train_step.memtrace import MemTrace
+
+TRACE = MemTrace()  # started by ``worker``; the cases mark their phases on it
 
 MODEL = dict(hidden_size=768, num_attention_heads=12, num_key_value_heads=4, intermediate_size=2048,
              vocab_size=32000)  # the ~125M llama of bench/; the layer count is a flag
@@ -80,9 +85,17 @@ def step_timer():
             self._begin, self._begin_cpu, self._end = None, None, None
 
         def on_step_begin(self, args, state, control, **kwargs):
+            TRACE.mark("forward")
             self._begin, self._begin_cpu = time.perf_counter(), time.process_time()
 
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            TRACE.mark("optimizer")  # NxDOptimizer.step: DP reduction, clipping, the step
+
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            TRACE.mark("zero_grad")  # Trainer: scheduler, zero_grad, callbacks
+
         def on_step_end(self, args, state, control, **kwargs):
+            TRACE.mark("step_end")
             now = time.perf_counter()
             self.cpu_seconds.append(time.process_time() - self._begin_cpu)
             self.seconds.append(now - self._begin)
@@ -103,6 +116,7 @@ def trainer_args(cls, out_dir: str, steps: int, batch: int, **extra):
 def run_trainer(trainer, timer) -> dict:
     """``trainer.train()`` with the peak reset after setup (the model is already built)."""
     setup_peak = reset_peak()
+    trainer.model.register_forward_hook(lambda *_: TRACE.mark("backward"))  # loss computed
     output = trainer.train()
     return dict(seconds=timer.seconds, cpu_seconds=timer.cpu_seconds, intervals=timer.intervals,
                 mean_loss=output.training_loss, setup_peak_rss=setup_peak)
@@ -121,11 +135,17 @@ def run_bare_loop(model, rows, *, steps: int, batch: int, clip) -> dict:
     for step in range(steps):
         ids = rows[step * batch:(step + 1) * batch]
         start, start_cpu = time.perf_counter(), time.process_time()
+        TRACE.mark("forward")
         loss = model(input_ids=ids, labels=ids).loss
+        TRACE.mark("backward")
         loss.backward()
+        TRACE.mark("clip")
         clip(params)
+        TRACE.mark("optimizer")
         optimizer.step()
+        TRACE.mark("zero_grad")
         optimizer.zero_grad(set_to_none=True)
+        TRACE.mark("step_end")
         seconds.append(time.perf_counter() - start)
         cpu_seconds.append(time.process_time() - start_cpu)
         losses.append(loss.item())
@@ -133,11 +153,13 @@ def run_bare_loop(model, rows, *, steps: int, batch: int, clip) -> dict:
                 setup_peak_rss=setup_peak)
 
 
-def case_nxd_trainer(opts: dict, rows, out_dir: str) -> dict:
+def case_nxd_trainer(opts: dict, rows, out_dir: str, **layout) -> dict:
+    """NxDTrainer at tp=2 (or ``layout``: NxDTrainingArguments fields)."""
     import nxd_hf
 
     timer = step_timer()
-    args = trainer_args(nxd_hf.NxDTrainingArguments, out_dir, opts["steps"], opts["batch"], tensor_parallel_size=2)
+    args = trainer_args(nxd_hf.NxDTrainingArguments, out_dir, opts["steps"], opts["batch"],
+                        **(layout or dict(tensor_parallel_size=2)))
     trainer = nxd_hf.NxDTrainer(plain_model(opts["layers"], opts["seq"]), args, train_dataset=TokenDataset(rows),
                                 callbacks=[timer])
     return run_trainer(trainer, timer)
@@ -150,6 +172,39 @@ def case_nxd_loop(opts: dict, rows, out_dir: str) -> dict:
     model = nxd_hf.parallelize(plain_model(opts["layers"], opts["seq"]), tensor_parallel_size=2)
     return run_bare_loop(model, rows, steps=opts["steps"], batch=opts["batch"],
                          clip=lambda params: clip_grad_norm(params, MAX_NORM))
+
+
+def case_nxd_loop_tp1(opts: dict, rows, out_dir: str) -> dict:
+    import nxd_hf
+    from nxd_hf.parallel_layers.grads import clip_grad_norm
+
+    model = nxd_hf.parallelize(plain_model(opts["layers"], opts["seq"]), tensor_parallel_size=1)
+    return run_bare_loop(model, rows, steps=opts["steps"], batch=opts["batch"],
+                         clip=lambda params: clip_grad_norm(params, MAX_NORM))
+
+
+def case_overlap(opts: dict, rows, out_dir: str, tp: int) -> dict:
+    """The bare loop at tp x dp (dp = world / tp) on ``opts["overlap_layers"]`` layers, the
+    gradient reduction's overlap switched on and off every other step (interleaved in one run);
+    each rank takes its own rows."""
+    import torch.distributed as dist
+
+    import nxd_hf
+    from nxd_hf.parallel_layers.grads import clip_grad_norm
+
+    model = nxd_hf.parallelize(plain_model(opts["overlap_layers"], opts["seq"]), tensor_parallel_size=tp)
+    policy, dp_rank = model.nxd.grad_reduction, nxd_hf.parallel_state.get_data_parallel_rank()
+    switch = []
+
+    def clip(params):
+        switch.append(policy.overlap)
+        policy.overlap = not policy.overlap  # the next step runs the other way
+        clip_grad_norm(params, MAX_NORM)
+
+    own_rows = rows.roll(dp_rank * opts["batch"], dims=0)
+    result = run_bare_loop(model, own_rows, steps=opts["steps"], batch=opts["batch"], clip=clip)
+    dist.barrier()
+    return dict(result, overlap=switch, num_buckets=len(policy.buckets.buckets))
 
 
 def case_hf_tp(opts: dict, rows, out_dir: str) -> dict:
@@ -200,7 +255,10 @@ def case_single(opts: dict, rows, out_dir: str) -> dict:
                          clip=lambda params: torch.nn.utils.clip_grad_norm_(params, MAX_NORM))
 
 
-CASES = {"nxd_trainer": case_nxd_trainer, "nxd_loop": case_nxd_loop, "hf_tp": case_hf_tp, "single": case_single}
+CASES = {"nxd_trainer": case_nxd_trainer, "nxd_loop": case_nxd_loop, "hf_tp": case_hf_tp, "single": case_single,
+         "nxd_loop_tp1": case_nxd_loop_tp1, "nxd_zero1": lambda *a: case_nxd_trainer(*a, zero_1=True),  # tp=1 x dp=2
+         "overlap_dp2": lambda *a: case_overlap(*a, tp=1), "overlap_tp2dp2": lambda *a: case_overlap(*a, tp=2)}
+ONE_PROCESS = ("single", "nxd_loop_tp1")
 
 
 def worker(case: str, opts: dict, result_dir: str) -> None:
@@ -218,8 +276,8 @@ def worker(case: str, opts: dict, result_dir: str) -> None:
 
     warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()
-    distributed = case != "single"
-    torch.set_num_threads(1 if distributed else 2)
+    distributed = case not in ONE_PROCESS
+    torch.set_num_threads(int(os.environ.get("NXD_HF_BENCH_THREADS", 1 if distributed else 2)))
     if distributed:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if distributed else 0
@@ -229,10 +287,12 @@ def worker(case: str, opts: dict, result_dir: str) -> None:
         dist.barrier()
     bare = read_status()
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as out_dir:
+    with tempfile.TemporaryDirectory() as out_dir, TRACE:
         result = CASES[case](opts, rows, out_dir)
     end = read_status()
-    result.update(rank=rank, case=case, bare_rss=bare["VmRSS"], train_peak_rss=end["VmHWM"],
+    result.update(bare_anon=bare["RssAnon"], memtrace=TRACE.result())
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    result.update(rank=rank, case=case, bare_rss=bare["VmRSS"], rusage_cpu_seconds=usage.ru_utime + usage.ru_stime, train_peak_rss=end["VmHWM"],
                   end_rss=end["VmRSS"], end_anon=end["RssAnon"], end_file=end["RssFile"],
                   wall_seconds=time.perf_counter() - start, threads=torch.get_num_threads())
     with open(os.path.join(result_dir, f"rank{rank}.json"), "w") as f:

@@ -27,6 +27,19 @@ floor is (parameters + gradients + 2 AdamW moments) x 4 B / tp + bare. Every cas
 ``--repeats`` times, the cases taking turns; median and min-max over repeats. The JSON is
 rewritten after every launch.
 
+Added for issue 28: ``nxd_loop_tp1`` (the bare loop through ``parallelize`` at tp=1, one
+process, 2 threads), ``nxd_zero1`` (NxDTrainer tp=1 x dp=2 with ZeRO-1), and ``overlap_dp2`` /
+``overlap_tp2dp2`` (the bare loop on ``--overlap-layers`` layers with the gradient reduction's
+overlap switched on and off every other step in one run: the ratio of the medians, with the
+spread). Memory: every rank samples RssAnon every 1 ms through the steps (``memtrace``), phases
+marked (forward, backward, clip, optimizer, zero_grad); the table itemizes each phase's peak
+above the step's start, for the first step and the last, against the floor on RssAnon
+((params + grads + AdamW [/dp with ZeRO-1]) / tp + the bare process's RssAnon; ``memory_report``).
+Honest throughput (``judge``): the 1-min load average and steal time are sampled through the run;
+throughput ratios are printed only when the load never exceeded the cores the run uses and steal
+stayed under 5%, else they are withheld with the reason; tokens per CPU-second per rank (the rank's
+user + system seconds per step) are always recorded.
+
 Run from the repo root: ``python -m bench.train_step [--layers 12] [--steps 5] [--warmup 2]
 [--repeats 3] [--cases ...] [--out PATH]``; ``--report PATH`` prints an earlier run's table;
 a quick check: ``--layers 2 --steps 3 --warmup 1 --repeats 1 --out /tmp/train_step.json``.
@@ -45,9 +58,13 @@ from bench.common.rank_results import rank_results
 from bench.common import REPO, RESULTS
 from bench.common.stamp import stamp
 from bench.train_step.rank import CASES, worker
-from bench.train_step.report import format_table, summarize
+from bench.train_step.judge import LoadWatch, verdict
+from bench.train_step.report import CORES, format_table, summarize
 
-WORLD = {"nxd_trainer": 2, "nxd_loop": 2, "hf_tp": 2, "single": 1}
+WORLD = {"nxd_trainer": 2, "nxd_loop": 2, "hf_tp": 2, "single": 1, "nxd_loop_tp1": 1, "nxd_zero1": 2,
+         "overlap_dp2": 2, "overlap_tp2dp2": 4}
+DEFAULT_CASES = ["nxd_trainer", "nxd_loop", "hf_tp", "single", "nxd_loop_tp1", "nxd_zero1", "overlap_dp2",
+                 "overlap_tp2dp2"]
 
 
 def ensure_checkpoint(opts: dict) -> str:
@@ -78,7 +95,7 @@ def launch(case: str, opts: dict, timeout_s: float) -> dict:
         script = ["-m", "bench.train_step", "--worker", case, "--opts", json.dumps(opts), "--result-dir", result_dir]
         cmd = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
                                   if world > 1 else []) + script
-        env = dict(os.environ, OMP_NUM_THREADS=str(1 if world > 1 else 2), PYTHONPATH=str(REPO),
+        env = dict(os.environ, OMP_NUM_THREADS=str(1 if world > 1 else 2), NXD_HF_BENCH_THREADS=str(1 if world > 1 else 2), PYTHONPATH=str(REPO),
                    TRANSFORMERS_VERBOSITY="error", TOKENIZERS_PARALLELISM="false")
         start = time.perf_counter()
         try:
@@ -110,7 +127,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--cases", nargs="+", default=DEFAULT_CASES, choices=list(CASES))
+    parser.add_argument("--overlap-layers", type=int, default=2, help="layers of the overlap_* cases' model")
     parser.add_argument("--hf-tp-loop", action="store_true", help="train hf_tp with the bare loop, not Trainer")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
     parser.add_argument("--report", metavar="JSON", help="print the table of an earlier (or partial) run and exit")
@@ -126,22 +144,27 @@ def main(argv: list[str] | None = None) -> None:
 
     start, load_before = time.perf_counter(), os.getloadavg()[0]
     opts = dict(layers=args.layers, seq=args.seq, batch=args.batch, steps=args.warmup + args.steps,
-                warmup=args.warmup, hf_tp_loop=args.hf_tp_loop)
+                warmup=args.warmup, hf_tp_loop=args.hf_tp_loop, overlap_layers=args.overlap_layers)
     if "hf_tp" in args.cases:
         opts["checkpoint"] = ensure_checkpoint(opts)
     result = dict(**stamp(), config=dict(opts, timed_steps=args.steps, repeats=args.repeats),
-                  num_params=num_params(opts), cpus=os.cpu_count(), runs=[])
-    for repeat in range(args.repeats):
-        for case in args.cases:
-            print(f"repeat {repeat + 1}/{args.repeats} {case} ...", end=" ", flush=True)
-            run = launch(case, opts, args.timeout)
-            print(f"{run['launch_seconds']:.0f}s" + (f" FAILED: {run['error']}" if run["error"] else ""), flush=True)
-            result["runs"].append(dict(run, repeat=repeat))
-            result.update(summarize(result), wall_seconds=time.perf_counter() - start,
-                          load_average_1min=[load_before, os.getloadavg()[0]])  # other processes on the machine
-            os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-            with open(args.out, "w") as f:
-                json.dump(result, f, indent=1)
+                  num_params=num_params(opts), num_params_overlap=num_params(dict(opts, layers=args.overlap_layers)),
+                  cpus=os.cpu_count(), runs=[])
+    cores_used = max(CORES.get(case, 2) for case in args.cases)
+    with LoadWatch() as watch:
+        for repeat in range(args.repeats):
+            for case in args.cases:
+                print(f"repeat {repeat + 1}/{args.repeats} {case} ...", end=" ", flush=True)
+                with LoadWatch() as launch_watch:
+                    run = launch(case, opts, args.timeout)
+                print(f"{run['launch_seconds']:.0f}s" + (f" FAILED: {run['error']}" if run["error"] else ""), flush=True)
+                result["runs"].append(dict(run, repeat=repeat, load=launch_watch.result()))
+                result["load"] = verdict(watch.result(), cores_used, os.cpu_count())
+                result.update(summarize(result), wall_seconds=time.perf_counter() - start,
+                              load_average_1min=[load_before, os.getloadavg()[0]])  # other processes on the machine
+                os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+                with open(args.out, "w") as f:
+                    json.dump(result, f, indent=1)
     print()
     print(format_table(result))
     print(f"wrote {args.out} in {result['wall_seconds']:.0f}s (1-min load average {load_before:.1f} before, "

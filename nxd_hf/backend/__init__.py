@@ -55,3 +55,4 @@ from nxd_hf.backend.groups import (  # noqa: F401
     SELF, abort_groups, all_gather_object, arrival_barrier, barrier, destroy_group, global_rank, group_rank,
     group_size, init_process_group_from_env, new_group, p2p_group, post_first, rank, world_size,
 )
+from nxd_hf.backend.collectives import all_reduce_async  # noqa: F401,E402

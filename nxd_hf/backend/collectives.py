@@ -241,3 +241,20 @@ class CombineTokens(_AllToAllRows):
     ``apply(out_splits, in_splits, group, rows)``."""
 
     tags = ("ep_combine",)
+
+
+class _Done:
+    """The handle of a collective that had nothing to do (a group of one, an abstract tensor)."""
+
+    def wait(self) -> bool:
+        return True
+
+
+def all_reduce_async(tensor: torch.Tensor, group):
+    """Start an in-place sum of ``tensor`` over ``group``; returns a handle whose ``wait()``
+    blocks until it is done (gloo runs it on its own thread, nccl on its stream)."""
+    if group_size(group) == 1 or _is_abstract(tensor):
+        return _Done()
+    _record("all_reduce", tensor, group)
+    with _named_errors("all_reduce", group):
+        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)

@@ -10,7 +10,11 @@ After a backward (a pipeline step counts as one), this model's gradients get, in
    see only this rank's part of the data (norms under sequence parallelism, per-head norms).
    Only this backward's contribution is summed, so accumulation stays correct;
 3. the data-parallel mean, done by exactly one party:
-   - the end of the backward (bucketed all-reduce), the default;
+   - the backward itself, the default: on the HF path (``install_hooks``) gradients live in
+     flat buckets allocated once (``grad_buckets``), each all-reduced asynchronously as soon as
+     backward has produced all of its gradients (``overlap=False``: all at the end), waited
+     for at the end of the backward; parameters outside the buckets (fp32 ``main_grad``,
+     partial over TP, expert-parallel) and the pipeline path: a bucketed all-reduce at the end;
    - nobody, inside ``no_sync()`` (accumulation micro-steps: the first backward outside it
      averages the accumulated sum);
    - an optimizer that reduces in its ``step()`` and registered itself with
@@ -28,9 +32,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from nxd_hf import parallel_state
+from nxd_hf import backend, parallel_state
+from nxd_hf.parallel_layers.grad_buckets import GradBuckets
 from nxd_hf.parallel_layers.grads import accumulated_grad, all_reduce_bucketed, data_parallel_mean
 from nxd_hf.parallel_layers.sharding import has_partial_grad_over_tp, is_expert_parallel
+from nxd_hf.utils.host_memory import release_free_host_memory
 
 _LIVE: "weakref.WeakSet[GradReduction]" = weakref.WeakSet()
 
@@ -46,6 +52,14 @@ class GradReduction:
         self._extra: list[Callable[[], None]] = []
         self._hooked: list[int] = []
         self._snapshot: list | None = None
+        self.release_host_memory = True
+        """Return freed heap pages to the OS (``utils.host_memory``) at the start and end of each forward, at
+        the first gradient, before each gradient bucket is allocated and at the end of each backward."""
+        self.overlap = True
+        """Start each bucket's data-parallel all-reduce during backward (False: at its end)."""
+        self.buckets: GradBuckets | None = None
+        """The gradient buckets of the HF path (None on the pipeline path and in a world of one)."""
+        self._grad_bytes = 0
         _LIVE.add(self)
 
     def params(self) -> list[torch.Tensor]:
@@ -78,20 +92,49 @@ class GradReduction:
     def install_hooks(self, model: nn.Module) -> None:
         """Reduce at the end of every backward through ``model``'s forward."""
         model.register_forward_pre_hook(self._refresh_hooks)
+        model.register_forward_hook(self._after_forward)
+
+    def _after_forward(self, *_) -> None:
+        if self.release_host_memory and torch.is_grad_enabled():  # the forward's freed temporaries, before backward
+            release_free_host_memory()
 
     def _refresh_hooks(self, *_) -> None:
         """(Re-)attach gradient hooks when the parameters changed (e.g. replaced by loading)."""
+        if torch.is_grad_enabled() and self.buckets is not None:
+            self.buckets.release_unused()
+        if self.release_host_memory and torch.is_grad_enabled():  # freed gradients' pages, before activations
+            release_free_host_memory()
         params = self.params()
         if [id(p) for p in params] == self._hooked:
             return
         self._hooked = [id(p) for p in params]
         for p in params:
             p.register_hook(self._on_grad)
+        if backend.world_size() == 1:  # nothing is ever reduced: autograd's own tensors, no copy
+            return
+        self.buckets = GradBuckets([p for p in params if _bucketable(p)], bucket_size_mb=self.bucket_size_mb,
+                                   overlap=self.overlap)
+        for p in self.buckets.params():
+            self.buckets.hook(p)
+
+    def _reduces_dp(self) -> bool:
+        return not self.deferred and not self.dp_in_optimizer and parallel_state.get_data_parallel_size() > 1
 
     def _on_grad(self, grad):
         if self._snapshot is None:  # the first gradient of this backward
+            if self.release_host_memory:  # the forward's freed temporaries
+                release_free_host_memory()
+            if self.buckets is not None:
+                self.buckets.overlap = self.overlap
+                self.buckets.begin(parallel_state.get_data_parallel_group() if self._reduces_dp() else None)
             self._snapshot = _snapshot(self.params())
+            self._grad_bytes = 0
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_hooked_backward)
+        elif self.buckets is None and self.release_host_memory:  # no buckets: trim as often as they would
+            self._grad_bytes += grad.numel() * grad.element_size()
+            if self._grad_bytes > self.bucket_size_mb * 2**20:
+                self._grad_bytes = 0
+                release_free_host_memory()
         return grad
 
     def _end_of_hooked_backward(self) -> None:
@@ -107,15 +150,21 @@ class GradReduction:
         self._finish(snapshot)
 
     def _finish(self, snapshot: list) -> None:
+        if self.release_host_memory:  # the activations are freed now; their heap pages go back
+            release_free_host_memory()
         for reduce in self._extra:
             reduce()
         self._sum_partial(snapshot)
         for p in self.params():
             if is_expert_parallel(p) and accumulated_grad(p) is None:  # no token reached these experts
                 p.grad = torch.zeros_like(p)
-        if not self.deferred and not self.dp_in_optimizer and parallel_state.get_data_parallel_size() > 1:
-            params = [p for p in self.params() if accumulated_grad(p) is not None]
-            data_parallel_mean(params, [accumulated_grad(p) for p in params], bucket_size_mb=self.bucket_size_mb)
+        dp_size = parallel_state.get_data_parallel_size()
+        if self.buckets is not None:
+            self.buckets.finish(1.0 / dp_size)
+        if self._reduces_dp():  # the rest (partial over TP, fp32 main_grad, experts): the DP mean (experts: expert_data)
+            rest = [p for p in self.params() if (self.buckets is None or p not in self.buckets)
+                    and accumulated_grad(p) is not None]
+            data_parallel_mean(rest, [accumulated_grad(p) for p in rest], bucket_size_mb=self.bucket_size_mb)
 
     def _sum_partial(self, snapshot: list) -> None:
         if not snapshot:  # tp=1: nothing is partial
@@ -125,6 +174,13 @@ class GradReduction:
         all_reduce_bucketed(deltas, parallel_state.get_tensor_model_parallel_group(), bucket_size_mb=self.bucket_size_mb)
         for (grad, before), delta in zip(fresh, deltas):
             grad.detach().copy_(delta if before is None else before + delta)
+
+
+def _bucketable(param: torch.Tensor) -> bool:
+    """Gradients that go into the flat buckets: not fp32-accumulated, not summed over TP after
+    backward, not reduced over another group (expert parallel)."""
+    return (not hasattr(param, "main_grad") and not has_partial_grad_over_tp(param)
+            and not getattr(param, "expert_parallel", False))
 
 
 def _snapshot(params: list[torch.Tensor]) -> list:

@@ -25,19 +25,25 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         start = tp_rank * local_vocab
         columns = torch.arange(start, start + local_vocab, device=logits.device)
         real = columns < vocab_size  # padded vocab columns do not exist for the loss
-        z = logits.float().masked_fill(~real, float("-inf"))
+        num_real = max(0, min(local_vocab, vocab_size - start))  # the real columns are a prefix
+        z = logits.float()  # logits itself in fp32: never written (the caller's output holds it)
 
-        z_max = z.max(dim=-1).values
+        if num_real:
+            z_max = z[..., :num_real].max(dim=-1).values
+        else:
+            z_max = torch.full(z.shape[:-1], float("-inf"), dtype=z.dtype, device=z.device)
         backend.all_reduce(z_max, group, op="max")
-        shifted = z - z_max.unsqueeze(-1)  # [..., V/tp], -inf at padding
-        exp = shifted.exp()
+        shifted = z - z_max.unsqueeze(-1)  # [..., V/tp]; the one logits-sized buffer of the forward
+        shifted[..., num_real:] = float("-inf")
 
         ignored = labels == ignore_index
         local_label = labels - start
         owned = (local_label >= 0) & (local_label < local_vocab) & ~ignored
         safe_label = local_label.masked_fill(~owned, 0)
         target = shifted.gather(-1, safe_label.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0)
-        sums = torch.stack([exp.sum(-1), target, shifted.masked_fill(~real, 0.0).sum(-1)])
+        sum_shifted = shifted[..., :num_real].sum(-1)
+        exp = shifted.exp_()  # in place: shifted is not needed again
+        sums = torch.stack([exp.sum(-1), target, sum_shifted])
         backend.all_reduce(sums, group)
         sum_exp, target, sum_shifted = sums
 

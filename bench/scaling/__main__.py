@@ -1,0 +1,3 @@
+from bench.scaling.run import main
+
+main()

@@ -60,3 +60,24 @@ def train_with_auto_sizes(out_dir: str) -> dict:
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert losses and all(math.isfinite(x) for x in losses)
     return dict(tp=args.tensor_parallel_size, groups_tp=parallel_state.get_tensor_model_parallel_size())
+
+
+def recompute_comm_bytes(sequence_parallel: bool, seq: int = 16) -> dict:
+    """Payload bytes this rank hands to collectives in one training step of the tiny llama at the
+    current tp with every decoder layer recomputed, beside ``nxd_hf.plan``'s terms for it."""
+    from nxd_hf import backend
+    from nxd_hf.plan.api import plan
+
+    parallel_state.destroy_model_parallel()
+    _, model = hf_parity.build_pair("llama")
+    tp = 2
+    model = nxd_hf.parallelize(model, tensor_parallel_size=tp, sequence_parallel=sequence_parallel,
+                               activation_checkpoint_config="full", check_inputs=False)
+    ids, labels = hf_parity.batch(b=2, s=seq)
+    with backend.count_comm() as records:
+        model(input_ids=ids, labels=labels).loss.backward()
+    predicted = plan(tiny_config("llama"), world_size=tp, device_memory="1TB", seq_len=seq, micro_batch_size=2,
+                     global_batch_size=2, device="cpu",
+                     fixed=dict(tp=tp, pp=1, sequence_parallel=sequence_parallel, recompute=True, zero_1=False))
+    return dict(measured=sum(r.payload_bytes for r in records),
+                predicted=sum(t.payload_bytes for t in predicted.ranked[0].comm))

@@ -14,7 +14,7 @@ def _predicted(row: dict, key: str) -> str:
     if not isinstance(predicted, dict) or key not in predicted:
         return "n/a"
     value = predicted[key]
-    return f"{value / MiB:.0f}" if key != "step_seconds" else f"{value:.3f}"
+    return f"{value:.3f}" if key == "step_seconds" else f"{value / MiB:.2f}" if key == "comm_bytes" else f"{value / MiB:.0f}"
 
 
 def table(result: dict) -> list[str]:
@@ -25,8 +25,8 @@ def table(result: dict) -> list[str]:
             continue
         lines += ["", f"### {title}", "",
                   f"| {AXIS[sweep]} | ranks | step s (min-max) | predicted step s | peak RssAnon MiB/rank | predicted MiB "
-                  "| params MiB/rank | comm MiB/rank/step | collectives/step | load avg |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| params MiB/rank | comm MiB/rank/step | predicted comm MiB | collectives/step | load avg |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             x = r["point"][AXIS[sweep]]
             if r["error"]:
@@ -35,7 +35,8 @@ def table(result: dict) -> list[str]:
             lo, hi = r["step_seconds_min_max"]
             lines.append(f"| {x} | {r['world']} | {r['step_seconds']:.3f} ({lo:.3f}-{hi:.3f}) | "
                          f"{_predicted(r, 'step_seconds')} | {r['peak_anon'] / MiB:.0f} | {_predicted(r, 'peak_bytes')} | "
-                         f"{r['local_param_bytes'] / MiB:.1f} | {r['comm_bytes'] / MiB:.2f} | {r['num_collectives']} | "
+                         f"{r['local_param_bytes'] / MiB:.1f} | {r['comm_bytes'] / MiB:.2f} | {_predicted(r, 'comm_bytes')} | "
+                         f"{r['num_collectives']} | "
                          f"{r['load_before']:.1f} |")
     return lines
 
@@ -94,7 +95,10 @@ def write_doc(result: dict, path: str) -> None:
              "the counted collectives only;",
              "- the machine has 2 cores shared with other jobs: worlds of 4 ranks are oversubscribed and "
              "every time is what it was under the load average shown; bytes and parameter sizes are exact.",
-             "- predicted: " + ("the cost model of `nxd_hf.plan` (issue 26)." if has_prediction else
+             "- predicted: " + ("the cost model of `nxd_hf.plan` (issue 26; `cpu` preset) for the same layout: step "
+                                "seconds, the busiest rank's model state and activations (the bare process's ~300 "
+                                "MiB is not in it), and the collectives' payload bytes (pipeline sends excluded, as "
+                                "in the measured column: equal wherever they are counted)." if has_prediction else
                                 "n/a: `nxd_hf.plan` (issue 26, built in parallel) was not importable (or has no "
                                 "`estimate`) when this ran; `bench/scaling/run.py`'s `predict` fills the column "
                                 "once it is."),

@@ -61,20 +61,31 @@ def launch(point: dict, timeout_s: float) -> dict:
                 predicted=predict(point))
 
 
-def predict(point: dict):
-    """The plan-search cost model's step time / memory / bytes for ``point``, when ``nxd_hf.plan``
-    exists and offers ``estimate``; None otherwise (the column reads "n/a")."""
+def predict(point: dict) -> dict | None:
+    """``nxd_hf.plan``'s cost model (``cpu`` preset) for ``point``'s layout: step seconds, peak bytes
+    of the busiest rank (model state and activations; the bare process is not in it) and the
+    payload bytes one rank hands to collectives in a step."""
+    import transformers
+
+    from nxd_hf.plan.api import plan
+
+    config = transformers.LlamaConfig(
+        hidden_size=point["hidden"], intermediate_size=point["hidden"] * 8 // 3 // 64 * 64 or 64,
+        num_attention_heads=point["hidden"] // 64, num_key_value_heads=max(point["hidden"] // 128, 1),
+        num_hidden_layers=point["layers"], vocab_size=point["vocab"], max_position_embeddings=point["seq"])
+    fixed = dict(tp=point["tp"], pp=point["pp"], sequence_parallel=point["sp"], recompute=point["ac"], zero_1=False,
+                 num_microbatches=point["pp"])
     try:
-        from nxd_hf import plan
-    except ImportError:
-        return None
-    estimate = getattr(plan, "estimate", None)
-    if estimate is None:
-        return None
-    try:
-        return estimate(**point)
-    except (TypeError, ValueError) as error:
+        result = plan(config, world_size=point["tp"] * point["pp"], device_memory="1TB", seq_len=point["seq"],
+                      micro_batch_size=point["batch"] // point["pp"] if point["pp"] > 1 else point["batch"],
+                      global_batch_size=point["batch"], device="cpu", fixed=fixed)
+    except ValueError as error:
         return dict(error=str(error)[:200])
+    if not result.ranked:
+        return dict(error="; ".join(sorted({r.reason for r in result.rejected}))[:200])
+    best = result.ranked[0]
+    return dict(step_seconds=best.step_time, peak_bytes=best.peak_memory,
+                comm_bytes=sum(t.payload_bytes for t in best.comm if t.axis != "pp"))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -41,6 +41,18 @@ def _tp_activation_terms(shape: ModelShape, work: Workload, layout: Layout, laye
              payload_bytes=m * 2 * n * act, formula="m x 2L x b*s*h*4")
         _add(terms, phase="bwd", op="all_reduce", kind="activation", count=m * (2 * n - skip),
              payload_bytes=m * (2 * n - skip) * act, formula="m x 2L x b*s*h*4")
+    if layout.recompute:
+        # torch's non-reentrant checkpoint recomputes a layer's forward only up to its last saved
+        # tensor (the MLP's down projection input): every forward collective of the layer again
+        # but the MLP output's reduction
+        if layout.sequence_parallel:
+            _add(terms, phase="recompute", op="all_gather", kind="activation", count=m * 2 * n,
+                 payload_bytes=m * 2 * n * act // tp, formula="m x 2L x b*(s/tp)*h*4 (recomputed forward)")
+            _add(terms, phase="recompute", op="reduce_scatter", kind="activation", count=m * n,
+                 payload_bytes=m * n * act, formula="m x L x b*s*h*4 (recomputed attention output)")
+        else:
+            _add(terms, phase="recompute", op="all_reduce", kind="activation", count=m * n,
+                 payload_bytes=m * n * act, formula="m x L x b*s*h*4 (recomputed attention output)")
     if first:
         _add(terms, phase="embedding", op="all_reduce", kind="activation", count=m, payload_bytes=m * act,
              formula="m x b*s*h*4 (vocab-parallel lookup)")
@@ -52,7 +64,8 @@ def _tp_activation_terms(shape: ModelShape, work: Workload, layout: Layout, laye
     return terms
 
 
-def _tp_design_terms(shape: ModelShape, work: Workload, layout: Layout, layers: range, lora_sync: int) -> list[Term]:
+def _tp_design_terms(shape: ModelShape, work: Workload, layout: Layout, layers: range, lora_sync: int,
+                     replicated: int) -> list[Term]:
     """Weight-gradient syncs over TP: replicated K/V copies (each microbatch's backward), and
     one bucketed all-reduce per step of partial gradients (SP norms, LoRA's replicated factors)."""
     m, n, terms = layout.num_microbatches, len(layers), []
@@ -67,11 +80,11 @@ def _tp_design_terms(shape: ModelShape, work: Workload, layout: Layout, layers: 
                  payload_bytes=m * n * k * kv * work.lora_r * FP32_BYTES, formula="m x L x kv*r*4 per K/V adapter")
     partial = 0
     if layout.sequence_parallel and not work.lora:
-        partial += n * 2 * shape.hidden * FP32_BYTES
+        partial += replicated * FP32_BYTES
     partial += lora_sync
     if partial:
         _add(terms, phase="partial_grad_sync", op="all_reduce", kind="design", count=bucket_count(partial, BUCKET_BYTES),
-             payload_bytes=partial, formula="(SP norm weights 2h per layer + LoRA factors) x 4, bucketed")
+             payload_bytes=partial, formula="(SP: the layers' replicated params (norms, row biases) + LoRA factors) x 4, bucketed")
     return terms
 
 
@@ -94,7 +107,8 @@ def step_terms(shape: ModelShape, params: RankParams, work: Workload, layout: La
     if layout.tp > 1:
         terms += _tp_activation_terms(shape, work, layout, layers, 0 in layers, shape.num_layers - 1 in layers,
                                       first, last)
-        terms += _tp_design_terms(shape, work, layout, layers, _lora_tp_sync_bytes(shape, work, len(layers)))
+        terms += _tp_design_terms(shape, work, layout, layers, _lora_tp_sync_bytes(shape, work, len(layers)),
+                                  sum(params.replicated_by_layer.get(i, 0) for i in layers))
     trainable = params.stage(layers, first=first, last=last, lora=work.lora) * (4 if work.lora else work.param_bytes)
     if layout.dp > 1 and layout.zero_1:
         padded = padded_size(trainable // FP32_BYTES, layout.dp) * FP32_BYTES

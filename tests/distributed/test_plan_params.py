@@ -35,6 +35,14 @@ def test_lora_param_bytes_per_rank_equal_the_plan(ranks4, model_type, tp, pp):
         assert (rank["param_bytes"], rank["lora_bytes"]) == (expected, adapters), (model_type, tp, pp, rank)
 
 
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_recompute_comm_bytes_equal_the_plan(ranks2, sequence_parallel):
+    """Activation checkpointing re-runs each layer's forward collectives up to its last saved tensor
+    (torch's non-reentrant checkpoint stops early): the plan counts them as measured."""
+    for result in ranks2.run(plan_cases.recompute_comm_bytes, sequence_parallel):
+        assert result["measured"] == result["predicted"], result
+
+
 def test_trainer_resolves_auto_tensor_parallel_size(ranks2, tmp_path):
     results = ranks2.run(plan_cases.train_with_auto_sizes, str(tmp_path))
     assert all(r["tp"] == r["groups_tp"] for r in results)  # the chosen size is the one the model runs at

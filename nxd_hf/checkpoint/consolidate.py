@@ -106,7 +106,6 @@ def consolidate(checkpoint_dir: str, output_dir: str, tag: str | None = None, ma
     os.makedirs(output_dir, exist_ok=True)
     shards = _plan(entries, dtype, parse_size(max_shard_size))
     reader = Reader(directory, index)
-    per_expert = per_expert_writer(directory) or (lambda tensors: tensors)
     weight_map, total = {}, 0
     converters = per_expert_converters(_model_type(directory, checkpoint_dir))
     for k, names in enumerate(shards, start=1):

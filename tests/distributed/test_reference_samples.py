@@ -71,27 +71,26 @@ CANNOT_RUN = {
         ("torch-xla serialization", "accepted and ignored with a warning: nxd_hf writes safetensors"),
 }
 
-ITEMS_6_8 = "issue 25 items 6-8 (build_optimizer, merged/deduped state dicts, broadcast, ReuseType)"
 NNSCALER = {  # nnscaler-parallel-module.md, by the line its code block starts on:
-    # (what it shows, the case in nnscaler_sample_cases running it or None, ranks)
+    # (what it shows, the case in nnscaler_sample_cases running it or the test of another file that runs it, ranks)
     19: ("Example 1: parallelize(LLM, ...) of a whole module class with ComputeConfig",
          "sample_parallelize_module_class", 2),
     49: ("Example 2: parallelize of a submodule inside a plain module", "sample_parallelize_submodule", 2),
-    91: ("infer / train with build_optimizer", None, 2),
+    91: ("infer / train with build_optimizer", "test_nnscaler_state.py::test_reference_samples_on_parallel_modules", 2),
     116: ("Example 3: End2EndMLP with dict samples, pipelined", "sample_end2end_pipelined", 2),
-    154: ("infer_step / train_step with build_optimizer", None, 2),
-    177: ("BroadcastGenFilesStrategy values", None, 2),
-    222: ("broadcast_weights(parallel_module, plan_ngpus) with broadcast_strategy='no_weights'", None, 2),
+    154: ("infer_step / train_step with build_optimizer", "test_nnscaler_state.py::test_reference_samples_on_parallel_modules", 2),
+    177: ("BroadcastGenFilesStrategy values", "test_nnscaler_state.py::test_gen_savedir_reuse_and_broadcast", 2),
+    222: ("broadcast_weights(parallel_module, plan_ngpus) with broadcast_strategy='no_weights'", "test_nnscaler_state.py::test_reference_samples_on_parallel_modules", 2),
     243: ("parallelize(...) signature", "sample_parallelize_signature", 2),
-    319: ("build_optimizer(...) signature", None, 2),
-    368: ("register_reducer_pre_hook / post_hook", None, 2),
+    319: ("build_optimizer(...) signature", "test_nnscaler_state.py::test_reference_samples_on_parallel_modules", 2),
+    368: ("register_reducer_pre_hook / post_hook", "test_nnscaler_state.py::test_reference_samples_on_parallel_modules", 2),
     381: ("ParallelModule.__init__(init_params=True)", "sample_init_params", 2),
     391: ("ParallelModule.train_step(samples, is_dummy_batch, scale_fn)", "sample_train_step", 2),
     415: ("ParallelModule.infer_step(samples)", "sample_train_step", 2),
-    439: ("merge_state_dicts", None, 2),
-    459: ("load_merged_state_dicts", None, 2),
-    478: ("deduped_state_dict", None, 2),
-    487: ("load_deduped_state_dict", None, 2),
+    439: ("merge_state_dicts", "test_nnscaler_state.py::test_reference_samples_on_parallel_modules", 2),
+    459: ("load_merged_state_dicts", "test_nnscaler_state.py::test_reference_samples_on_parallel_modules", 2),
+    478: ("deduped_state_dict", "test_nnscaler_state.py::test_reference_samples_on_parallel_modules", 2),
+    487: ("load_deduped_state_dict", "test_nnscaler_state.py::test_reference_samples_on_parallel_modules", 2),
     505: ("dataset sampling per unit (DistributedSampler)", "sample_distributed_sampler", 4),
 }
 """nnScaler's parallelize/ComputeConfig/ParallelModule (issue 25 items 1-5) run here; the
@@ -114,16 +113,25 @@ def test_sample(world2, sample):
         assert results[sample] is None, f"rank {rank}:\n{results[sample]}"
 
 
-@pytest.mark.parametrize("line", sorted(line for line, (_, case, _) in NNSCALER.items() if case is None))
-def test_nnscaler_sample_not_provided_yet(line):
-    pytest.skip(f"nnscaler-parallel-module.md line {line} ({NNSCALER[line][0]}): {ITEMS_6_8}, not in this build")
+def _elsewhere(case: str) -> bool:
+    return "::" in case
 
 
-@pytest.mark.parametrize("line", sorted(line for line, (_, case, n) in NNSCALER.items() if case and n == 2))
+@pytest.mark.parametrize("line", sorted(line for line, (_, case, _) in NNSCALER.items() if _elsewhere(case)))
+def test_nnscaler_sample_run_by_another_test(line):
+    """The optimizer, state-dict and broadcast samples run on ParallelModules in test_nnscaler_state.py
+    (one world for all of them): the test named here must exist there."""
+    import importlib
+
+    file, test = NNSCALER[line][1].split("::")
+    assert callable(getattr(importlib.import_module(file.removesuffix(".py")), test, None)), NNSCALER[line]
+
+
+@pytest.mark.parametrize("line", sorted(line for line, (_, case, n) in NNSCALER.items() if not _elsewhere(case) and n == 2))
 def test_nnscaler_sample_world2(ranks2, tmp_path, line):
     ranks2.run(getattr(nnscaler_sample_cases, NNSCALER[line][1]), str(tmp_path))
 
 
-@pytest.mark.parametrize("line", sorted(line for line, (_, case, n) in NNSCALER.items() if case and n == 4))
+@pytest.mark.parametrize("line", sorted(line for line, (_, case, n) in NNSCALER.items() if not _elsewhere(case) and n == 4))
 def test_nnscaler_sample_world4(ranks4, tmp_path, line):
     ranks4.run(getattr(nnscaler_sample_cases, NNSCALER[line][1]), str(tmp_path))

@@ -63,7 +63,8 @@ def parallelize(
 ):
     """Shard a Hugging Face model (real or meta weights) in place and return it.
 
-    tensor_parallel_size: TP degree; heads are padded and K/V replicated as needed.
+    tensor_parallel_size: TP degree; heads are padded and K/V replicated as needed. "auto" (also for
+        pipeline_parallel_size): the best layout of ``nxd_hf.plan`` for this model and world (``_auto_sizes``).
     pipeline_parallel_size: PP degree (ranks beyond tp x pp are data-parallel replicas).
     sequence_parallel: split activations along the sequence between TP regions (decoders).
     pad_model: "auto"/True pad heads when tp does not divide them; False forbids it.
@@ -102,6 +103,10 @@ def parallelize(
     optimizer that reduces itself (``NeuronZero1Optimizer``) registered.
     """
     _check_model(model)
+    if "auto" in (tensor_parallel_size, pipeline_parallel_size):
+        tensor_parallel_size, pipeline_parallel_size = _auto_sizes(
+            model, tensor_parallel_size, pipeline_parallel_size, timeout, lora_config=lora_config,
+            sequence_parallel=sequence_parallel, recompute=activation_checkpoint_config is not None)
     register_with_peft()  # peft.get_peft_model on the result then knows the parallel layers
     if bucket_size_mb <= 0:
         raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
@@ -179,6 +184,25 @@ def _model_summary(model) -> dict:
     config = {k: v for k, v in config.items() if not k.startswith("_")}
     return {"model": type(model).__name__,
             "config": {k: zlib.crc32(json.dumps(v, sort_keys=True, default=str).encode()) for k, v in config.items()}}
+
+
+def _auto_sizes(model, tp, pp, timeout, *, lora_config, sequence_parallel: bool, recompute: bool) -> tuple[int, int]:
+    """``"auto"`` sizes: ``nxd_hf.plan``'s best layout for this model on the launched world, for
+    one sequence of ``max_position_embeddings`` tokens (at most 4096) per rank and step, with the
+    smallest memory any rank has (every rank then takes the same sizes); the sizes given as
+    integers, sequence parallelism and recomputation stay as asked. ``NxDTrainingArguments``'
+    "auto" prices the training arguments' batch instead."""
+    import types
+
+    from nxd_hf.plan.auto import device_memory_bytes, resolve_auto_sizes
+
+    backend.init_process_group_from_env(parallel_state.as_timeout(timeout))
+    memory = min(backend.all_gather_object(device_memory_bytes()))
+    args = types.SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp, sequence_parallel=sequence_parallel,
+                                 zero_1=False, nxd_activation_checkpointing=recompute, per_device_train_batch_size=1,
+                                 gradient_accumulation_steps=1)
+    resolve_auto_sizes(args, model, lora_config=lora_config, world_size=backend.world_size(), device_memory=memory)
+    return int(args.tensor_parallel_size), int(args.pipeline_parallel_size)
 
 
 def _check_same_arguments(model, timeout, **arguments) -> None:

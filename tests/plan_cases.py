@@ -81,3 +81,15 @@ def recompute_comm_bytes(sequence_parallel: bool, seq: int = 16) -> dict:
                      fixed=dict(tp=tp, pp=1, sequence_parallel=sequence_parallel, recompute=True, zero_1=False))
     return dict(measured=sum(r.payload_bytes for r in records),
                 predicted=sum(t.payload_bytes for t in predicted.ranked[0].comm))
+
+
+def parallelize_with_auto_sizes() -> dict:
+    """``nxd_hf.parallelize(tensor_parallel_size="auto")``: the plan's sizes, the same on every
+    rank, and the model equal to HF at them."""
+    parallel_state.destroy_model_parallel()
+    reference, model = hf_parity.build_pair("llama")
+    model = nxd_hf.parallelize(model, tensor_parallel_size="auto")
+    ids, labels = hf_parity.batch()
+    torch.testing.assert_close(model(input_ids=ids, labels=labels).loss, reference(input_ids=ids, labels=labels).loss,
+                               rtol=1e-4, atol=1e-5)
+    return dict(tp=parallel_state.get_tensor_model_parallel_size(), pp=parallel_state.get_pipeline_model_parallel_size())

@@ -43,6 +43,11 @@ def test_recompute_comm_bytes_equal_the_plan(ranks2, sequence_parallel):
         assert result["measured"] == result["predicted"], result
 
 
+def test_parallelize_takes_auto_sizes(ranks2):
+    sizes = ranks2.run(plan_cases.parallelize_with_auto_sizes)
+    assert sizes[0] == sizes[1] and 2 % (sizes[0]["tp"] * sizes[0]["pp"]) == 0, sizes
+
+
 def test_trainer_resolves_auto_tensor_parallel_size(ranks2, tmp_path):
     results = ranks2.run(plan_cases.train_with_auto_sizes, str(tmp_path))
     assert all(r["tp"] == r["groups_tp"] for r in results)  # the chosen size is the one the model runs at

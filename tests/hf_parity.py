@@ -43,6 +43,7 @@ TINY = {
         hidden_size=48, intermediate_size=64, num_attention_heads=6, num_key_value_heads=2, num_hidden_layers=2,
         vocab_size=VOCAB, partial_rotary_factor=0.5, tie_word_embeddings=False)),
 }
+DECODERS = tuple(TINY)  # the decoders above (other case modules add theirs to TINY for build_pair)
 
 # Encoders: model_type -> (config class, default task model class, config kwargs); parallelized
 # without SP, checked per task model by ``check_encoder_parity``.

@@ -3,6 +3,8 @@
 ratios kept), run on the requested layout against the unparallelized model: loss and every
 gradient. NxD has no such check."""
 
+import os
+
 import transformers
 
 from nxd_hf.parity.cases import CaseResult, run_case
@@ -26,7 +28,10 @@ def check_parity(config, *, tensor_parallel_size: int, pipeline_parallel_size: i
     world_size = tensor_parallel_size * pipeline_parallel_size * expert_parallel_size
     kwargs = dict(tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
                   sequence_parallel=sequence_parallel, expert_parallel_size=expert_parallel_size)
-    if dist.is_available() and dist.is_initialized():
+    # a world of one this process started for itself (not a torchrun launch) does not hold the ranks: spawn them
+    launched = dist.is_available() and dist.is_initialized() and (
+        dist.get_world_size() > 1 or "TORCHELASTIC_RUN_ID" in os.environ or world_size == 1)
+    if launched:
         if dist.get_world_size() != world_size:
             raise ValueError(f"check_parity needs world size tp x pp x ep = {world_size}, got {dist.get_world_size()}: "
                              f"launch it with torchrun --nproc-per-node {world_size}, or without torchrun")

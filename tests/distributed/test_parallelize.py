@@ -45,7 +45,7 @@ SP = pytest.mark.parametrize("sp", [False, True], ids=["no_sp", "sequence_parall
 
 @SP
 @TP
-@pytest.mark.parametrize("model_type", list(hf_parity.TINY))
+@pytest.mark.parametrize("model_type", hf_parity.DECODERS)
 def test_parallelized_decoder_matches_hf(ranks4, model_type, tp, sp):
     ranks4.run(hf_parity.check_parity, model_type, tp, sp)
 

@@ -130,6 +130,7 @@ def parallelize(
                     fused_loss=fused_loss)
         split_experts(model, patch)
         check = install_input_check(model, check_inputs)
+    _warn_replica_aux_loss(model, pipeline_parallel_size)
     model.nxd = NxDModelState(
         tp_size=tensor_parallel_size, pp_size=pipeline_parallel_size, dp_size=parallel_state.get_data_parallel_size(),
         hf_model=model, local_modules=[model], patch=patch, head_layout=layout, input_check=check,
@@ -184,6 +185,18 @@ def _model_summary(model) -> dict:
     config = {k: v for k, v in config.items() if not k.startswith("_")}
     return {"model": type(model).__name__,
             "config": {k: zlib.crc32(json.dumps(v, sort_keys=True, default=str).encode()) for k, v in config.items()}}
+
+
+def _warn_replica_aux_loss(model, pipeline_parallel_size: int) -> None:
+    """At pp=1 HF's forward computes the MoE load-balancing loss on each data-parallel replica's
+    batch (as under DDP), which is not the loss of the global batch one process would compute;
+    the pipeline computes the global one (``nxd_hf.pipeline.router_aux``)."""
+    from nxd_hf.moe.aux_loss import aux_loss_spec
+
+    if pipeline_parallel_size == 1 and parallel_state.get_data_parallel_size() > 1 and aux_loss_spec(model):
+        warnings.warn("output_router_logits=True with data parallelism at pipeline_parallel_size=1: the MoE "
+                      "load-balancing loss is computed on each data-parallel replica's batch (as under DDP), not on "
+                      "the global batch; pipeline_parallel_size > 1 computes it over the global batch", stacklevel=3)
 
 
 def _auto_sizes(model, tp, pp, timeout, *, lora_config, sequence_parallel: bool, recompute: bool) -> tuple[int, int]:

@@ -273,3 +273,19 @@ def trainer_matches_hf(model_type: str, out_dir: str, *, accumulate: int = 2, pp
         torch.testing.assert_close(param, ref_params[name].detach(), **TOL, msg=lambda m, n=name: f"{n}: {m}")
         assert param.requires_grad == ref_params[name].requires_grad, name
 
+
+
+def replica_aux_loss_warns() -> None:
+    """At pp=1 with dp=2, HF computes the aux loss per replica: parallelize says so (and not
+    without the aux loss)."""
+    import warnings
+
+    import pytest
+
+    parallel_state.destroy_model_parallel()
+    with pytest.warns(UserWarning, match="each data-parallel replica"):
+        nxd_hf.parallelize(build_pair("mixtral")[1])
+    parallel_state.destroy_model_parallel()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        nxd_hf.parallelize(build_pair("mixtral", aux=False)[1])

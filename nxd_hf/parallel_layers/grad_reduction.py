@@ -110,7 +110,7 @@ class GradReduction:
         self._hooked = [id(p) for p in params]
         for p in params:
             p.register_hook(self._on_grad)
-        if backend.world_size() == 1:  # nothing is ever reduced: autograd's own tensors, no copy
+        if parallel_state.get_data_parallel_size() == 1:  # no DP reduction: autograd's own tensors, no copy
             return
         self.buckets = GradBuckets([p for p in params if _bucketable(p)], bucket_size_mb=self.bucket_size_mb,
                                    overlap=self.overlap)

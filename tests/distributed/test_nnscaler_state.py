@@ -62,8 +62,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 @pytest.mark.usefixtures("no_rank_pool")
-@pytest.mark.skipif(not hasattr(nxd_hf.nnscaler, "parallelize"),
-                    reason="needs nxd_hf.nnscaler.parallelize (issue 25 items 1-5, another branch): runs after the merge")
 @pytest.mark.parametrize("args", [
     ["--example", "1", "--policy", "tp", "--plan_ngpus", "2", "--use_zero"],
     ["--example", "3", "--policy", "tp", "--plan_ngpus", "2"],
@@ -100,8 +98,6 @@ def test_gen_savedir_in_one_process(tmp_path):
         files.load_init_weights()
 
 
-@pytest.mark.skipif(not hasattr(nxd_hf.nnscaler, "parallelize"),
-                    reason="needs nxd_hf.nnscaler.parallelize (issue 25 items 1-5, another branch): runs after the merge")
 def test_reference_samples_on_parallel_modules(ranks2, tmp_path):
     """nnscaler-parallel-module.md's build_optimizer / reducer hooks / merge / load merged /
     deduped / load deduped / broadcast_weights samples on ParallelModules."""

@@ -52,9 +52,10 @@ class GradReduction:
         self._extra: list[Callable[[], None]] = []
         self._hooked: list[int] = []
         self._snapshot: list | None = None
-        self.release_host_memory = True
+        self.release_host_memory = backend.default_device().type == "cpu"
         """Return freed heap pages to the OS (``utils.host_memory``) at the start and end of each forward, at
-        the first gradient, before each gradient bucket is allocated and at the end of each backward."""
+        the first gradient, before each gradient bucket is allocated and at the end of each backward; only
+        where the model computes on the CPU (an accelerator's activations are not on the C heap)."""
         self.overlap = True
         """Start each bucket's data-parallel all-reduce during backward (False: at its end)."""
         self.buckets: GradBuckets | None = None

@@ -121,6 +121,7 @@ def main():
     if rank == 0:
         print(f"loss fell from {losses[0]:.4f} to {losses[-1]:.4f}")
         print("the original module loaded with the merged state dicts computes the parallel module's outputs")
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The process groups: starting the world, making and naming groups, their errors, and the
 small host-side agreement (barriers, objects, the store)."""
 
+import atexit
 import contextlib
 import datetime
 import os
@@ -26,6 +27,15 @@ def _init_world_of_one() -> None:
         name = "gloo"
     set_cuda_device_from_env()
     dist.init_process_group(name, store=dist.HashStore(), rank=0, world_size=1)
+    atexit.register(_destroy_world_at_exit)
+
+
+def _destroy_world_at_exit() -> None:
+    """The world nxd_hf started is torn down at exit when the script did not do it: a gloo
+    group left alive aborts the interpreter now and then ("terminate called without an active
+    exception") as its threads are destroyed after Python's."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def init_process_group_from_env(timeout: datetime.timedelta | None = None) -> None:
@@ -52,6 +62,7 @@ def init_process_group_from_env(timeout: datetime.timedelta | None = None) -> No
     else:
         set_cuda_device_from_env()
     dist.init_process_group(backend, timeout=timeout, **kwargs)
+    atexit.register(_destroy_world_at_exit)
 
 
 def world_size() -> int:

@@ -22,7 +22,9 @@ import torch
 from torch import nn
 
 from nxd_hf import backend, parallel_state
-from nxd_hf.parallel_layers.sharding import is_sharded, set_expert_parallel_attributes
+from nxd_hf.parallel_layers.sharding import (
+    copy_tensor_model_parallel_attributes, is_sharded, set_expert_parallel_attributes,
+)
 
 
 def num_experts_of(name: str, module: nn.Module) -> int:
@@ -39,10 +41,6 @@ def num_experts_of(name: str, module: nn.Module) -> int:
 
 def check_layout(tp: int, pp: int, ep: int) -> None:
     """ValueError for the layouts expert parallelism does not support yet (before any layer is swapped)."""
-    if ep > 1 and tp > 1:
-        raise ValueError(
-            f"expert_parallel_size={ep} with tensor_parallel_size={tp} is not supported yet (experts sharded over "
-            "both TP and EP): use tensor_parallel_size=1 with expert parallelism, or expert_parallel_size=1")
     if ep > 1 and pp > 1:
         raise ValueError(f"expert_parallel_size={ep} with pipeline_parallel_size={pp} is not supported yet: use "
                          "pipeline_parallel_size=1 with expert parallelism, or expert_parallel_size=1")
@@ -81,8 +79,9 @@ def apply_expert_parallel(experts: list[tuple[str, nn.Module]]) -> None:
         for pname, param in list(module.named_parameters(recurse=False)):
             if param.dim() == 0 or param.shape[0] != total:
                 continue
-            assert not is_sharded(param), "experts sharded over TP and EP are composed at merge"
+            assert not is_sharded(param) or param.partition_dim != 0, "TP shards the experts' rows, not dim 0"
             new = nn.Parameter(param.detach()[rank * local : (rank + 1) * local].clone(), requires_grad=param.requires_grad)
+            copy_tensor_model_parallel_attributes(new, param)  # TP rows (moe/tp_experts.py), partial-over-TP
             set_expert_parallel_attributes(new, shard_index=index, logical_size=total)
             setattr(module, pname, new)
         if isinstance(getattr(module, "num_experts", None), int):

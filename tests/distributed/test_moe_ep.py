@@ -53,9 +53,9 @@ def test_sweep_ep2_layout_passes(ranks2, model_type):
     assert status == "pass", message
 
 
-def test_sweep_tp2_ep2_layout_is_refused_until_composed(ranks4):
+def test_sweep_tp2_ep2_layout_passes(ranks4):
     status, message = ranks4.run(check_sweep_case, "mixtral", 2, 2)[0]
-    assert status == "refused" and "tensor_parallel_size=2 is not supported yet" in message, (status, message)
+    assert status == "pass", (status, message)
 
 
 def test_check_command_at_ep2(tmp_path, capsys):

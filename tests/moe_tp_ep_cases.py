@@ -1,0 +1,78 @@
+"""Tensor x expert parallelism (issue 24): the experts split over the expert-parallel group (EP
+dispatch outermost) and each expert's intermediate dim over TP (the TP region inside), on the tiny
+Mixtral, Qwen3-MoE, DeepSeek-V3 and gpt-oss models of ``moe_cases``, against the unparallelized HF
+model. Run by tests/distributed/test_moe_tp_ep.py at world 4 (tp=2 x ep=2, dp=2)."""
+
+import torch
+
+import nxd_hf
+from moe_cases import TOL, batch, build_pair
+from nxd_hf import parallel_state, parity
+from nxd_hf.parallel_layers.sharding import full_tensor
+
+# Adam divides each update by its gradient's magnitude (plus eps): summing the batch in
+# data-parallel parts rounds gradients differently from one process (tp=2 x dp=2 without EP, plain
+# DDP too), and for entries with tiny gradients the default eps turns that rounding into steps of up
+# to lr that the next steps' gradients and the logits show at ~1e-4. eps=1e-3 keeps the update a
+# smooth function of the gradient; every gradient is still compared at every step.
+ADAMW = dict(lr=1e-2, eps=1e-3)
+
+
+def _rank_batches(step: int, dp: int, same: bool) -> list[tuple[torch.Tensor, ...]]:
+    """Every data-parallel rank's (ids, mask, labels) of ``step``: different rows per rank, or the
+    same on every rank (``same``: the load-balancing loss, a product of batch means, is then the
+    global batch's on every replica whichever way the replicas compute it)."""
+    return [batch(seed=step + 1 if same else 10 * step + r + 1) for r in range(dp)]
+
+
+def _both_sharded(model) -> list[str]:
+    return [n for n, p in model.named_parameters()
+            if getattr(p, "expert_parallel", False) and getattr(p, "tensor_model_parallel", False)]
+
+
+def tp_ep_training_matches_hf(model_type: str, tp: int, ep: int, sp: bool, aux: bool, steps: int = 3) -> dict:
+    """``steps`` AdamW steps at tp x ep (dp = world / tp) equal HF's on the concatenated batches:
+    the data-parallel mean of the loss, the aux loss (``aux``: output_router_logits, every rank
+    the same batch), every gathered gradient, then the eval logits and parameters."""
+    parallel_state.destroy_model_parallel()
+    reference, model = build_pair(model_type, **({} if aux else {"output_router_logits": False}))
+    nxd_hf.parallelize(model, tensor_parallel_size=tp, expert_parallel_size=ep, sequence_parallel=sp)
+    assert parallel_state.get_expert_parallel_size() == ep and parallel_state.get_tensor_model_parallel_size() == tp
+    dp, dp_rank = parallel_state.get_data_parallel_size(), parallel_state.get_data_parallel_rank()
+    both = _both_sharded(model)
+    ref_params = dict(reference.named_parameters())
+    for name in both:
+        assert model.get_parameter(name).numel() * tp * ep == ref_params[name].numel(), name
+    ref_opt = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    aux_losses = []
+    for step in range(steps):
+        batches = _rank_batches(step, dp, same=aux)
+        ids, mask, labels = (torch.cat(parts) for parts in zip(*batches))
+        ref_out = reference(input_ids=ids, attention_mask=mask, labels=labels)
+        ids, mask, labels = batches[dp_rank]
+        out = model(input_ids=ids, attention_mask=mask, labels=labels)
+        label = f"{model_type} tp={tp} ep={ep} sp={sp} aux={aux} step {step}"
+        mean = out.loss.detach().clone()
+        torch.distributed.all_reduce(mean, group=parallel_state.get_data_parallel_group())
+        torch.testing.assert_close(mean / dp, ref_out.loss.detach(), **TOL, msg=lambda m: f"{label} loss: {m}")
+        if aux and getattr(ref_out, "aux_loss", None) is not None:
+            torch.testing.assert_close(out.aux_loss, ref_out.aux_loss, **TOL, msg=lambda m: f"{label} aux: {m}")
+            aux_losses.append(float(ref_out.aux_loss.detach()))
+        ref_out.loss.backward()
+        out.loss.backward()
+        for name, param in model.named_parameters():
+            grad = param.grad if param.grad is not None else torch.zeros_like(param)
+            torch.testing.assert_close(parity.gathered_grad(param, grad), ref_params[name].grad, **TOL,
+                                       msg=lambda m: f"{label} grad {name}: {m}")
+        ref_opt.step()
+        opt.step()
+        ref_opt.zero_grad()
+        opt.zero_grad()
+    reference.eval()
+    model.eval()
+    ids, mask, _ = batch(seed=9)
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits,
+                                   reference(input_ids=ids, attention_mask=mask).logits, **TOL)
+    return {"both_sharded": both, "aux_losses": aux_losses}

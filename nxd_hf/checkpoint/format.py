@@ -8,6 +8,7 @@ read). Reading a local shard reads only the rows it
 holds, in contiguous runs; padding rows become zeros.
 """
 
+import itertools
 import json
 import os
 import zlib
@@ -39,9 +40,36 @@ def parts_of(lt: LogicalTensor, value: torch.Tensor, name: str, file: str) -> li
     for local_start, local_stop, start in lt.runs:
         stop = start + local_stop - local_start
         key = f"{name}@{start}"
-        piece = disk.narrow(lt.dim, local_start, local_stop - local_start).contiguous()
-        out.append((key, piece, {"file": file, "key": key, "dim": lt.dim, "start": start, "stop": stop}))
+        piece = disk.narrow(lt.dim, local_start, local_stop - local_start)
+        record = {"file": file, "key": key, "dim": lt.dim, "start": start, "stop": stop}
+        if lt.inner_dim is None:
+            out.append((key, piece.contiguous(), record))
+            continue
+        for inner_local, inner_local_stop, inner_start in lt.inner_runs:  # a box: these rows x these inner rows
+            size = inner_local_stop - inner_local
+            box = {**record, "key": f"{key}.{inner_start}", "inner": [lt.inner_dim, inner_start, inner_start + size]}
+            out.append((box["key"], piece.narrow(lt.inner_dim, inner_local, size).contiguous(), box))
     return out
+
+
+def _ranges(part: dict, shape: list[int]) -> list[tuple[int, int]]:
+    """(start, stop) along every dim of the logical tensor that ``part`` holds."""
+    ranges = [(0, size) for size in shape]
+    for dim, start, stop in ([part["dim"], part["start"], part["stop"]], part.get("inner")):
+        if dim is not None:
+            ranges[dim] = (start, stop)
+    return ranges
+
+
+def _local_runs(rows: torch.Tensor, start: int, stop: int) -> list[tuple[int, int, int]]:
+    """(local start, local stop, logical start) of the local ``rows`` (-1: padding) in ``[start, stop)``."""
+    runs, local = [], 0
+    for first, last, is_padding in _runs(rows):  # logical [first, last), or last - first padding rows
+        lo, hi = max(first, start), min(last, stop)
+        if not is_padding and lo < hi:
+            runs.append((local + lo - first, local + hi - first, lo))
+        local += last - first
+    return runs
 
 
 _SAFETENSORS_DTYPES = {
@@ -141,6 +169,9 @@ class Reader:
         for part in entry["parts"]:
             if part["dim"] is None:
                 self._read_into(part, out)
+            elif "inner" in part:
+                piece = out[tuple(slice(a, b) for a, b in _ranges(part, entry["shape"]))]
+                piece.copy_(self._read_into(part, torch.empty(piece.shape, dtype=out.dtype)))
             elif part["dim"] == 0:
                 self._read_into(part, out[part["start"] : part["stop"]])
             else:
@@ -169,6 +200,8 @@ class Reader:
         if lt.dim is None or like.shape != lt.tensor.shape:
             full = self.full(section, name)
             return lt.from_disk(full) if like.shape == lt.tensor.shape else full
+        if lt.inner_dim is not None or any("inner" in p for p in parts):  # sharded along two dims
+            return self._box(parts, lt, like.dtype)
         if not all(p["dim"] == lt.dim for p in parts):  # saved unsharded or along another dim
             return lt.from_disk(shard_from_full(self.full(section, name), lt.dim, lt.rows))
         return lt.from_disk(self._rows(parts, lt, like.dtype))
@@ -189,3 +222,20 @@ class Reader:
                     index[lt.dim] = slice(a - part["start"], b - part["start"])
                     pieces.append(self._get(part)[tuple(index)].to(dtype))
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=lt.dim)
+
+    def _box(self, parts: list[dict], lt: LogicalTensor, dtype: torch.dtype) -> torch.Tensor:
+        """The local rows along ``lt.dim`` (and ``lt.inner_dim``) from parts of any layout (whole, along
+        one dim, boxes along two): only the rows held here are read; padding rows stay zeros."""
+        needed = {lt.dim: lt.rows} if lt.inner_dim is None else {lt.dim: lt.rows, lt.inner_dim: lt.inner_rows}
+        shape = [len(needed[d]) if d in needed else size for d, size in enumerate(lt.shape)]
+        out = torch.zeros(shape, dtype=dtype)
+        for part in parts:
+            ranges = _ranges(part, list(lt.shape))
+            per_dim = [_local_runs(needed[d], a, b) if d in needed else [(a, b, a)] for d, (a, b) in enumerate(ranges)]
+            if not all(per_dim):
+                continue
+            stored = self._get(part)
+            for box in itertools.product(*per_dim):
+                source = tuple(slice(s - a, s - a + stop - start) for (start, stop, s), (a, _) in zip(box, ranges))
+                out[tuple(slice(start, stop) for start, stop, _ in box)] = stored[source].to(dtype)
+        return out

@@ -96,13 +96,19 @@ class SafetensorsCheckpoint:
         self.report.bytes_read += tensor.numel() * tensor.element_size()
         return tensor
 
-    def read_rows(self, key: str, dim: int, rows: torch.Tensor) -> torch.Tensor:
-        """Rows ``rows`` (-1: zeros) of tensor ``key`` along ``dim``, reading contiguous runs."""
+    def read_rows(self, key: str, dim: int, rows: torch.Tensor, within: tuple[int, int, int] | None = None
+                  ) -> torch.Tensor:
+        """Rows ``rows`` (-1: zeros) of tensor ``key`` along ``dim``, reading contiguous runs;
+        ``within`` (dim, start, stop): only that range along another dim (this rank's experts)."""
         view = self._slice(key)
-        shape = view.get_shape()
+        shape = list(view.get_shape())
+        if within is not None:
+            shape[within[0]] = within[2] - within[1]
         pieces, dtype = [], None
         for start, stop, is_padding in _runs(rows):
             index = [slice(None)] * len(shape)
+            if within is not None:
+                index[within[0]] = slice(within[1], within[2])
             if is_padding:
                 piece_shape = list(shape)
                 piece_shape[dim] = stop - start
@@ -242,6 +248,10 @@ def load_hf_safetensors(modules: nn.Module | list[nn.Module], path: str, *,
         key = keys[name]
         if name in fused:
             local = read_fused(checkpoint, fused[name], param)
+        elif is_expert_parallel(param) and is_sharded(param):  # stored fused: this rank's experts, its TP rows
+            experts = param.expert_shard_index
+            local = checkpoint.read_rows(key, param.partition_dim, param.shard_index,
+                                         within=(0, int(experts[0]), int(experts[-1]) + 1))
         elif is_expert_parallel(param):  # stored fused (e.g. an older consolidation): this rank's experts
             local = checkpoint.read_rows(key, 0, param.expert_shard_index)
         elif is_sharded(param):

@@ -11,6 +11,9 @@ weight tied across pipeline stages by its first holder (the others carry
 An expert-parallel tensor (``sharding.is_expert_parallel``: a fused experts tensor split over the
 expert-parallel group) is sharded along its expert dim 0 with ``rows`` its experts; each rank
 writes its own experts, the replicas holding the same experts (the expert-data group) take turns.
+When TP also shards it (each expert's intermediate rows, ``moe/tp_experts.py``), that is a second
+sharded dim, ``inner_dim`` with ``inner_rows``: a part is then a box, this rank's experts x the TP
+rows it owns (``inner_runs``, as for any TP-sharded tensor).
 
 It is read from the sharding metadata every parallel layer carries
 (``nxd_hf.parallel_layers.sharding``). ``checkpoint/`` never imports the packages above it: what
@@ -48,6 +51,9 @@ class LogicalTensor:
     writes_whole: bool  # this rank writes the whole (replicated) tensor and scalar state
     model_name: str  # the parameter's name in the model
     section: str = "model"  # the index section: "model" (what consolidate writes) or "adapter"
+    inner_dim: int | None = None  # a second sharded dim (TP rows of experts split along dim 0 over EP)
+    inner_rows: torch.Tensor | None = None  # logical row of each local row along inner_dim, -1: padding
+    inner_runs: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)  # inner rows this rank writes
 
     def to_disk(self, local: torch.Tensor) -> torch.Tensor:
         """``local`` (laid out as ``tensor``) in on-disk orientation."""
@@ -172,23 +178,33 @@ def logical_tensors(model: nn.Module, *, named=None) -> list[LogicalTensor]:
     for i, (name, tensor) in enumerate(named_local_tensors(model) if named is None else named):
         if is_expert_parallel(tensor):
             writes_here = i % edp_size == edp_rank and getattr(tensor, "count_in_grad_norm", True)
-            out.append(describe_experts(disk_name(name), name, tensor, writes_here and tp_rank == 0))
+            out.append(describe_experts(disk_name(name), name, tensor, tp_rank, writes_here))
             continue
         writes_here = i % dp_size == dp_rank and getattr(tensor, "count_in_grad_norm", True)
         out.append(describe(disk_name(name), name, tensor, tp_rank, writes_here))
     return out
 
 
-def describe_experts(name: str, model_name: str, tensor: torch.Tensor, writes_here: bool) -> LogicalTensor:
-    """An expert-parallel tensor's ``LogicalTensor``: sharded along the expert dim 0 (module docstring)."""
-    assert not is_sharded(tensor), "experts sharded over both TP and EP: composed at merge"
+def describe_experts(name: str, model_name: str, tensor: torch.Tensor, tp_rank: int,
+                     writes_here: bool) -> LogicalTensor:
+    """An expert-parallel tensor's ``LogicalTensor``: sharded along the expert dim 0, and along its
+    TP dim too when TP shards it (module docstring; collective over TP then)."""
     rows = tensor.expert_shard_index
-    shape = (tensor.expert_logical_size, *tensor.shape[1:])
-    runs = [(0, len(rows), int(rows[0]))] if writes_here else []
+    shape = [tensor.expert_logical_size, *tensor.shape[1:]]
     assert rows.tolist() == list(range(int(rows[0]), int(rows[0]) + len(rows))), "experts are held in one block"
-    return LogicalTensor(name=name, tensor=tensor, shape=shape, dim=0, rows=rows, transposed=False, runs=runs,
-                         writes_whole=writes_here and parallel_state.get_expert_parallel_rank() == 0,
-                         model_name=model_name)
+    inner = {}
+    writes_rows = writes_here and tp_rank == 0  # TP-replicated (a bias added once): TP rank 0 writes it
+    if is_sharded(tensor):
+        assert tensor.partition_dim != 0 and not getattr(tensor, "hf_transposed", False), "TP shards the expert rows"
+        shape[tensor.partition_dim] = tensor.logical_size
+        inner_runs = _owned_runs(tensor.shard_index, tp_rank)  # collective over TP: every rank joins
+        inner = dict(inner_dim=tensor.partition_dim, inner_rows=tensor.shard_index,
+                     inner_runs=inner_runs if writes_here else [])
+        writes_rows = writes_here and bool(inner_runs)
+    runs = [(0, len(rows), int(rows[0]))] if writes_rows else []
+    return LogicalTensor(name=name, tensor=tensor, shape=tuple(shape), dim=0, rows=rows, transposed=False, runs=runs,
+                         writes_whole=writes_here and tp_rank == 0 and parallel_state.get_expert_parallel_rank() == 0,
+                         model_name=model_name, **inner)
 
 
 def describe(name: str, model_name: str, tensor: torch.Tensor, tp_rank: int, writes_here: bool) -> LogicalTensor:

@@ -88,10 +88,21 @@ def _check_coverage(name: str, entry: dict) -> None:
     if len(parts) == 1 and parts[0]["dim"] is None:
         return
     assert all(p["dim"] is not None for p in parts), f"{name}: written whole and in parts"
-    spans = sorted((p["start"], p["stop"]) for p in parts)
-    size = entry["shape"][parts[0]["dim"]]
+    if not any("inner" in p for p in parts):
+        _check_spans(name, [(p["start"], p["stop"]) for p in parts], entry["shape"][parts[0]["dim"]])
+        return
+    assert all("inner" in p for p in parts), f"{name}: written in boxes and in rows"
+    boxes = {}  # boxes along two dims: (start, stop) -> the inner spans written of these rows
+    for p in parts:
+        boxes.setdefault((p["start"], p["stop"]), []).append(tuple(p["inner"][1:]))
+    _check_spans(name, list(boxes), entry["shape"][parts[0]["dim"]])
+    for (start, stop), inner in boxes.items():
+        _check_spans(f"{name} rows {start}..{stop}", inner, entry["shape"][parts[0]["inner"][0]])
+
+
+def _check_spans(name: str, spans: list[tuple[int, int]], size: int) -> None:
     expected = 0
-    for start, stop in spans:
+    for start, stop in sorted(spans):
         assert start == expected, f"{name}: rows {expected}..{start} missing or written twice"
         expected = stop
     assert expected == size, f"{name}: rows {expected}..{size} missing"

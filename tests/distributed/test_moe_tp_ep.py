@@ -5,6 +5,7 @@ against the unparallelized HF model (tests/moe_tp_ep_cases.py)."""
 import pytest
 
 from moe_tp_ep_cases import tp_ep_training_matches_hf
+from moe_tp_ep_ckpt_cases import checkpoint_reshards_from_tp2_ep2, pretrained_round_trip_at_tp2_ep2
 
 MODEL_TYPES = ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss"]
 
@@ -18,3 +19,24 @@ def test_tp2_ep2_matches_hf(ranks4, model_type, sp, aux):
     assert result["both_sharded"], "the experts must be sharded over both TP and EP"
     if aux and model_type != "deepseek_v3":  # DeepSeek-V3 has no aux loss (bias-corrected routing)
         assert len(result["aux_losses"]) == 3
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_checkpoint_at_tp2_ep2_reshards(ranks4, tmp_path, model_type):
+    """save_checkpoint at tp2 x ep2 (experts stored as boxes: 2 expert blocks x the TP rows),
+    load_checkpoint at tp1 x dp4, tp1 x ep2, tp2 x dp2 and tp2 x ep2: model and AdamW state equal
+    exactly, one more step equals the uninterrupted run."""
+    boxes = ranks4.run(checkpoint_reshards_from_tp2_ep2, model_type, str(tmp_path / "ckpt"),
+                       [(1, 1), (1, 2), (2, 1), (2, 2)])[0]
+    assert sorted({experts for experts, _ in boxes}) == [(0, 2), (2, 4)], boxes
+    assert all(len(inner) == 3 for _, inner in boxes) and len(boxes) >= 4, boxes
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_from_pretrained_save_pretrained_consolidate_at_tp2_ep2(ranks4, tmp_path, model_type):
+    """from_pretrained at tp2 x ep2 reads exactly this rank's bytes (its experts' TP rows of
+    transformers' per-expert tensors, gpt-oss's fused ones); save_pretrained and consolidate
+    write transformers' names and load in plain transformers with the same logits."""
+    for result in ranks4.run(pretrained_round_trip_at_tp2_ep2, model_type, str(tmp_path)):
+        assert result["bytes_read"] == result["local_bytes"], result
+        assert result["local_bytes"] < result["whole_bytes"] / 2, result

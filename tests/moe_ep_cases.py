@@ -245,9 +245,10 @@ def _dataset(n=24, s=8, seed=3):
     return rows
 
 
-def check_trainer_matches(model_type: str, out_dir: str, ep: int, accumulate: int = 1) -> None:
-    """NxDTrainer at ``ep`` (DP = world) logs the losses and grad norms of transformers.Trainer on
-    the single-process model (AdamW, weight decay, clipping, warmup) and ends with its parameters."""
+def check_trainer_matches(model_type: str, out_dir: str, ep: int, accumulate: int = 1, tp: int = 1) -> None:
+    """NxDTrainer at ``ep`` (and ``tp``; DP = world / tp) logs the losses and grad norms of
+    transformers.Trainer on the single-process model (AdamW, weight decay, clipping, warmup) and
+    ends with its parameters."""
     import transformers
 
     import nxd_hf
@@ -259,16 +260,16 @@ def check_trainer_matches(model_type: str, out_dir: str, ep: int, accumulate: in
     common = dict(max_steps=4, learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[], seed=7,
                   max_grad_norm=0.5, disable_tqdm=True, weight_decay=0.1, warmup_steps=1,
                   gradient_accumulation_steps=accumulate)
-    dp = torch.distributed.get_world_size()
+    dp = torch.distributed.get_world_size() // tp
     data = _dataset()
     ref = transformers.Trainer(reference, transformers.TrainingArguments(
         output_dir=f"{out_dir}/ref", per_device_train_batch_size=2 * dp, **common), train_dataset=data)
     ref.train()
     args = nxd_hf.NxDTrainingArguments(output_dir=f"{out_dir}/nxd", per_device_train_batch_size=2,
-                                       expert_parallel_size=ep, **common)
+                                       expert_parallel_size=ep, tensor_parallel_size=tp, **common)
     ours = nxd_hf.NxDTrainer(model, args, train_dataset=data)
     ours.train()
-    assert parallel_state.get_expert_parallel_size() == ep
+    assert parallel_state.get_expert_parallel_size() == ep and parallel_state.get_tensor_model_parallel_size() == tp
     for key in ("loss", "grad_norm"):
         got = [h[key] for h in ours.state.log_history if key in h]
         want = [h[key] for h in ref.state.log_history if key in h]

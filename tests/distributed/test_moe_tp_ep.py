@@ -4,6 +4,7 @@ against the unparallelized HF model (tests/moe_tp_ep_cases.py)."""
 
 import pytest
 
+from moe_ep_cases import check_trainer_matches
 from moe_tp_ep_cases import tp_ep_training_matches_hf
 from moe_tp_ep_ckpt_cases import checkpoint_reshards_from_tp2_ep2, pretrained_round_trip_at_tp2_ep2
 
@@ -40,3 +41,10 @@ def test_from_pretrained_save_pretrained_consolidate_at_tp2_ep2(ranks4, tmp_path
     for result in ranks4.run(pretrained_round_trip_at_tp2_ep2, model_type, str(tmp_path)):
         assert result["bytes_read"] == result["local_bytes"], result
         assert result["local_bytes"] < result["whole_bytes"] / 2, result
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_nxd_trainer_at_tp2_ep2_matches_trainer(ranks4, tmp_path, accumulate):
+    """NxDTrainer at tp2 x ep2 (dp 2): the logged losses and grad norms of transformers.Trainer
+    (AdamW, weight decay, clipping, warmup, gradient accumulation) and its final parameters."""
+    ranks4.run(check_trainer_matches, "mixtral", str(tmp_path), 2, accumulate, 2)

@@ -76,3 +76,32 @@ def tp_ep_training_matches_hf(model_type: str, tp: int, ep: int, sp: bool, aux: 
         torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits,
                                    reference(input_ids=ids, attention_mask=mask).logits, **TOL)
     return {"both_sharded": both, "aux_losses": aux_losses}
+
+
+def lora_at_tp_ep_matches_peft(model_type: str, tp: int, ep: int) -> None:
+    """LoRA through plain peft at tp x ep: with the experts in ``target_parameters`` a ValueError on
+    every rank (peft sizes that adapter from the local slice); on attention and the dense/shared
+    MLPs (the frozen experts still dispatch every token) five AdamW steps equal plain peft."""
+    import copy
+
+    import peft
+    import pytest
+
+    import lora_cases
+    from moe_pp_cases import build_pair as lora_pair, moe_lora_config
+
+    parallel_state.destroy_model_parallel()
+    model = nxd_hf.parallelize(lora_pair(model_type, aux=False)[1], tensor_parallel_size=tp, expert_parallel_size=ep)
+    with pytest.raises(ValueError, match="target_parameters"):
+        peft.get_peft_model(model, moe_lora_config(model_type))
+    parallel_state.destroy_model_parallel()
+    reference, model = lora_pair(model_type, aux=False)
+    model = nxd_hf.parallelize(model, tensor_parallel_size=tp, expert_parallel_size=ep)
+    assert _both_sharded(model)
+    config = moe_lora_config(model_type, experts=False)
+    torch.manual_seed(7)
+    ref_peft = peft.get_peft_model(reference, copy.deepcopy(config))
+    torch.manual_seed(7)
+    par_peft = peft.get_peft_model(model, copy.deepcopy(config))
+    lora_cases.train_and_compare(ref_peft, par_peft, f"{model_type} lora tp={tp} ep={ep}",
+                                 dp=parallel_state.get_data_parallel_size())

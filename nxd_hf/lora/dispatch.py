@@ -37,7 +37,7 @@ from transformers import PreTrainedModel
 
 from nxd_hf.lora import io
 from nxd_hf.lora.layers import LORA_LAYERS, LoraPartialGradLinear
-from nxd_hf.parallel_layers.sharding import has_partial_grad_over_tp
+from nxd_hf.parallel_layers.sharding import has_partial_grad_over_tp, is_expert_parallel, is_sharded
 
 
 def dispatch_parallel(target, adapter_name: str, config, **kwargs):
@@ -45,12 +45,26 @@ def dispatch_parallel(target, adapter_name: str, config, **kwargs):
     base = target.get_base_layer() if isinstance(target, BaseTunerLayer) else target
     lora_cls = next((cls for base_cls, cls in LORA_LAYERS.items() if isinstance(base, base_cls)), None)
     if kwargs.get("parameter_name") is not None:
+        _refuse_sharded_parameter(base, kwargs["parameter_name"])
         return None
     if lora_cls is None:
         return partial_grad_lora(target, base, adapter_name, config, **kwargs)
     # what peft sets (with a warning) for HF's Conv1D vs nn.Linear; it is saved in adapter_config.json
     config.fan_in_fan_out = bool(getattr(base.weight, "hf_transposed", False))
     return lora_cls(target, adapter_name, config=config, **kwargs)
+
+
+def _refuse_sharded_parameter(base: nn.Module, name: str) -> None:
+    """peft's ``target_parameters`` adapter (``lora.ParamWrapper``) is sized from the local tensor: on
+    experts split over TP or EP it would be a different, unsynchronized adapter on every rank."""
+    param = getattr(base, name, None)
+    if param is not None and (is_sharded(param) or is_expert_parallel(param)):
+        raise ValueError(
+            f"LoRA on the parameter {name!r} of {type(base).__name__} (peft's target_parameters) is not supported "
+            "when it is split over tensor or expert parallelism (the mixture-of-experts experts at "
+            "tensor_parallel_size > 1 or expert_parallel_size > 1): peft would size the adapter from this rank's "
+            "slice. Leave the experts out of target_parameters (LoRA on attention and dense/shared MLPs works at "
+            "any size), or use tensor_parallel_size=1 and expert_parallel_size=1")
 
 
 def partial_grad_lora(target, base, adapter_name: str, config, **kwargs):

@@ -5,7 +5,7 @@ against the unparallelized HF model (tests/moe_tp_ep_cases.py)."""
 import pytest
 
 from moe_ep_cases import check_trainer_matches
-from moe_tp_ep_cases import tp_ep_training_matches_hf
+from moe_tp_ep_cases import lora_at_tp_ep_matches_peft, tp_ep_training_matches_hf
 from moe_tp_ep_ckpt_cases import checkpoint_reshards_from_tp2_ep2, pretrained_round_trip_at_tp2_ep2
 
 MODEL_TYPES = ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss"]
@@ -48,3 +48,10 @@ def test_nxd_trainer_at_tp2_ep2_matches_trainer(ranks4, tmp_path, accumulate):
     """NxDTrainer at tp2 x ep2 (dp 2): the logged losses and grad norms of transformers.Trainer
     (AdamW, weight decay, clipping, warmup, gradient accumulation) and its final parameters."""
     ranks4.run(check_trainer_matches, "mixtral", str(tmp_path), 2, accumulate, 2)
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe"])
+def test_lora_at_tp2_ep2(ranks4, model_type):
+    """peft on the experts (target_parameters) is a ValueError at tp2 x ep2; LoRA on attention and
+    the shared expert / dense MLP (qwen2_moe) equals plain peft over five AdamW steps."""
+    ranks4.run(lora_at_tp_ep_matches_peft, model_type, 2, 2)

@@ -105,3 +105,21 @@ def lora_at_tp_ep_matches_peft(model_type: str, tp: int, ep: int) -> None:
     par_peft = peft.get_peft_model(model, copy.deepcopy(config))
     lora_cases.train_and_compare(ref_peft, par_peft, f"{model_type} lora tp={tp} ep={ep}",
                                  dp=parallel_state.get_data_parallel_size())
+
+
+def tp_ep_refusals() -> None:
+    """What tp x ep cannot split is a ValueError naming the fix, on every rank (world 4)."""
+    import pytest
+
+    cases = [
+        (dict(num_local_experts=6), dict(expert_parallel_size=4), "must divide the data-parallel size"),
+        (dict(num_local_experts=3), dict(expert_parallel_size=2), "3 experts, not divisible by expert_parallel_size=2"),
+        (dict(intermediate_size=33), dict(expert_parallel_size=2), r"intermediate size \(33\) must be divisible by the "
+                                                                   r"tensor parallel size \(2\)"),
+    ]
+    for overrides, sizes, message in cases:
+        parallel_state.destroy_model_parallel()
+        _, model = build_pair("mixtral", output_router_logits=False, **overrides)
+        with pytest.raises(ValueError, match=message):
+            nxd_hf.parallelize(model, tensor_parallel_size=2, **sizes)
+    parallel_state.destroy_model_parallel()

@@ -5,7 +5,7 @@ against the unparallelized HF model (tests/moe_tp_ep_cases.py)."""
 import pytest
 
 from moe_ep_cases import check_trainer_matches
-from moe_tp_ep_cases import lora_at_tp_ep_matches_peft, tp_ep_training_matches_hf
+from moe_tp_ep_cases import lora_at_tp_ep_matches_peft, tp_ep_refusals, tp_ep_training_matches_hf
 from moe_tp_ep_ckpt_cases import checkpoint_reshards_from_tp2_ep2, pretrained_round_trip_at_tp2_ep2
 
 MODEL_TYPES = ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss"]
@@ -55,3 +55,8 @@ def test_lora_at_tp2_ep2(ranks4, model_type):
     """peft on the experts (target_parameters) is a ValueError at tp2 x ep2; LoRA on attention and
     the shared expert / dense MLP (qwen2_moe) equals plain peft over five AdamW steps."""
     ranks4.run(lora_at_tp_ep_matches_peft, model_type, 2, 2)
+
+
+def test_tp2_ep2_refusals(ranks4):
+    """Experts not divisible by ep, an intermediate size not divisible by tp, ep not dividing dp."""
+    ranks4.run(tp_ep_refusals)

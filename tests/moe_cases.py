@@ -84,20 +84,28 @@ def moe_training_matches_hf(model_type: str, tp: int, sp: bool, steps: int = 3) 
         if getattr(ref_out, "aux_loss", None) is not None:
             torch.testing.assert_close(out.aux_loss, ref_out.aux_loss, **TOL, msg=lambda m: f"{label} aux: {m}")
             aux_losses.append(float(ref_out.aux_loss))
-        ref_out.loss.backward()
-        out.loss.backward()
-        _check_grads(model, reference, label)
-        ref_opt.step()
-        opt.step()
-        ref_opt.zero_grad()
-        opt.zero_grad()
+        backward_and_step(model, reference, ref_out.loss, out.loss, ref_opt, opt, label)
+    eval_logits_match(model, reference)
+    return {"sharded": sharded, "aux_losses": aux_losses}
+
+
+def backward_and_step(model, reference, ref_loss, loss, ref_opt, opt, label: str) -> None:
+    """Both backwards, every gathered gradient equal, both optimizer steps."""
+    ref_loss.backward()
+    loss.backward()
+    _check_grads(model, reference, label)
+    for optimizer in (ref_opt, opt):
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def eval_logits_match(model, reference) -> None:
     reference.eval()
     model.eval()
     ids, mask, _ = batch(seed=9)
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits,
                                    reference(input_ids=ids, attention_mask=mask).logits, **TOL)
-    return {"sharded": sharded, "aux_losses": aux_losses}
 
 
 def _logits(model, ids) -> torch.Tensor:
@@ -120,6 +128,24 @@ def _stored_names(directory: str) -> set[str]:
         return set(f.keys())
 
 
+def saved_as_transformers(model, tmp: str, ids, expected) -> None:
+    """``save_pretrained`` (to ``tmp``/ours) and ``save_checkpoint`` (``tmp``/ckpt) + ``consolidate``
+    (``tmp``/merged) write the names transformers wrote in ``tmp``/hf, and plain transformers loads
+    both with the ``expected`` logits on ``ids``."""
+    import os
+
+    hf_dir, ours, ckpt, merged = (os.path.join(tmp, d) for d in ("hf", "ours", "ckpt", "merged"))
+    nxd_hf.save_pretrained(model, ours)
+    nxd_hf.save_checkpoint(ckpt, tag="t", model=model)
+    if torch.distributed.get_rank() == 0:
+        nxd_hf.consolidate(ckpt, merged)
+    torch.distributed.barrier()
+    for directory in (ours, merged):
+        assert _stored_names(directory) == _stored_names(hf_dir), directory  # what transformers writes
+        plain = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+        torch.testing.assert_close(_logits(plain, ids), expected, **TOL)
+
+
 def moe_checkpoints_round_trip(model_type: str, tmp: str, tp: int = 2) -> list[str]:
     """At ``tp``: ``from_pretrained`` of what transformers' ``save_pretrained`` wrote (per-expert
     names for most MoE types) reads the local slices; ``save_pretrained``, and ``save_checkpoint``
@@ -132,7 +158,7 @@ def moe_checkpoints_round_trip(model_type: str, tmp: str, tp: int = 2) -> list[s
     reference, _ = build_pair(model_type)
     ids = batch()[0]
     expected = _logits(reference, ids)
-    hf_dir, ours, ckpt, merged = (os.path.join(tmp, d) for d in ("hf", "ours", "ckpt", "merged"))
+    hf_dir, ckpt = os.path.join(tmp, "hf"), os.path.join(tmp, "ckpt")
     if rank == 0:
         reference.save_pretrained(hf_dir)
     torch.distributed.barrier()
@@ -141,15 +167,7 @@ def moe_checkpoints_round_trip(model_type: str, tmp: str, tp: int = 2) -> list[s
     assert any(getattr(p, "tensor_model_parallel", False) for n, p in model.named_parameters() if "experts" in n)
     torch.testing.assert_close(_logits(model, ids), expected, **TOL)
     done.append("from_pretrained")
-    nxd_hf.save_pretrained(model, ours)
-    nxd_hf.save_checkpoint(ckpt, tag="t", model=model)
-    if rank == 0:
-        nxd_hf.consolidate(ckpt, merged)
-    torch.distributed.barrier()
-    for directory in (ours, merged):
-        assert _stored_names(directory) == _stored_names(hf_dir), directory  # what transformers writes
-        plain = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
-        torch.testing.assert_close(_logits(plain, ids), expected, **TOL)
+    saved_as_transformers(model, tmp, ids, expected)
     done.append("save_pretrained+consolidate")
     parallel_state.destroy_model_parallel()
     _, fresh = build_pair(model_type)

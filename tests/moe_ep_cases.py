@@ -170,17 +170,21 @@ def check_checkpoint_reshard(model_type: str, path: str, save_ep: int, load_ep: 
     model, opt = build(load_ep)
     dp, dp_rank = parallel_state.get_data_parallel_size(), parallel_state.get_data_parallel_rank()
     nxd_hf.load_checkpoint(path, tag="step2", model=model, optimizer=opt)
-    loaded = nxd_hf.full_state_dict(model), full_optimizer_state(model, opt)
-    for a, b in zip(saved, loaded):
-        assert set(a) == set(b), set(a) ^ set(b)
-        for name in a:
-            torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+    assert_same_states(saved, (nxd_hf.full_state_dict(model), full_optimizer_state(model, opt)))
     resumed = _train_steps(model, opt, 2, 1, dp, dp_rank)
     assert len(first) == 2
     torch.testing.assert_close(torch.tensor(resumed), torch.tensor(uninterrupted), **TOL)
     final = nxd_hf.full_state_dict(model)
     for name in after:
         torch.testing.assert_close(final[name], after[name], **TOL, msg=lambda m: f"{name}: {m}")
+
+
+def assert_same_states(saved: tuple[dict, ...], loaded: tuple[dict, ...], what: str = "") -> None:
+    """Gathered (model, optimizer) states equal exactly, under the same names."""
+    for a, b in zip(saved, loaded):
+        assert set(a) == set(b), set(a) ^ set(b)
+        for name in a:
+            torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=lambda m: f"{what} {name}: {m}")
 
 
 def check_from_pretrained_and_save(model_type: str, path: str, ep: int) -> None:

@@ -6,9 +6,8 @@ model. Run by tests/distributed/test_moe_tp_ep.py at world 4 (tp=2 x ep=2, dp=2)
 import torch
 
 import nxd_hf
-from moe_cases import TOL, batch, build_pair
-from nxd_hf import parallel_state, parity
-from nxd_hf.parallel_layers.sharding import full_tensor
+from moe_cases import TOL, backward_and_step, batch, build_pair, eval_logits_match
+from nxd_hf import parallel_state
 
 # Adam divides each update by its gradient's magnitude (plus eps): summing the batch in
 # data-parallel parts rounds gradients differently from one process (tp=2 x dp=2 without EP, plain
@@ -40,9 +39,8 @@ def tp_ep_training_matches_hf(model_type: str, tp: int, ep: int, sp: bool, aux: 
     assert parallel_state.get_expert_parallel_size() == ep and parallel_state.get_tensor_model_parallel_size() == tp
     dp, dp_rank = parallel_state.get_data_parallel_size(), parallel_state.get_data_parallel_rank()
     both = _both_sharded(model)
-    ref_params = dict(reference.named_parameters())
     for name in both:
-        assert model.get_parameter(name).numel() * tp * ep == ref_params[name].numel(), name
+        assert model.get_parameter(name).numel() * tp * ep == reference.get_parameter(name).numel(), name
     ref_opt = torch.optim.AdamW(reference.parameters(), **ADAMW)
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     aux_losses = []
@@ -59,22 +57,8 @@ def tp_ep_training_matches_hf(model_type: str, tp: int, ep: int, sp: bool, aux: 
         if aux and getattr(ref_out, "aux_loss", None) is not None:
             torch.testing.assert_close(out.aux_loss, ref_out.aux_loss, **TOL, msg=lambda m: f"{label} aux: {m}")
             aux_losses.append(float(ref_out.aux_loss.detach()))
-        ref_out.loss.backward()
-        out.loss.backward()
-        for name, param in model.named_parameters():
-            grad = param.grad if param.grad is not None else torch.zeros_like(param)
-            torch.testing.assert_close(parity.gathered_grad(param, grad), ref_params[name].grad, **TOL,
-                                       msg=lambda m: f"{label} grad {name}: {m}")
-        ref_opt.step()
-        opt.step()
-        ref_opt.zero_grad()
-        opt.zero_grad()
-    reference.eval()
-    model.eval()
-    ids, mask, _ = batch(seed=9)
-    with torch.no_grad():
-        torch.testing.assert_close(model(input_ids=ids, attention_mask=mask).logits,
-                                   reference(input_ids=ids, attention_mask=mask).logits, **TOL)
+        backward_and_step(model, reference, ref_out.loss, out.loss, ref_opt, opt, label)
+    eval_logits_match(model, reference)
     return {"both_sharded": both, "aux_losses": aux_losses}
 
 

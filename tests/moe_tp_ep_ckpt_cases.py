@@ -7,10 +7,10 @@ import json
 import os
 
 import torch
-import transformers
 
 import nxd_hf
-from moe_cases import TOL, VOCAB, _logits, _stored_names, build_pair
+from moe_cases import TOL, VOCAB, _logits, build_pair, saved_as_transformers
+from moe_ep_cases import assert_same_states
 from moe_tp_ep_cases import ADAMW
 from nxd_hf import parallel_state
 from nxd_hf.checkpoint import full_optimizer_state
@@ -66,11 +66,7 @@ def checkpoint_reshards_from_tp2_ep2(model_type: str, path: str, load_layouts: l
     for tp, ep in load_layouts:
         model, opt = _build(model_type, tp, ep)
         nxd_hf.load_checkpoint(path, tag="step2", model=model, optimizer=opt)
-        loaded = nxd_hf.full_state_dict(model), full_optimizer_state(model, opt)
-        for a, b in zip(saved, loaded):
-            assert set(a) == set(b), set(a) ^ set(b)
-            for name in a:
-                torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=lambda m: f"tp{tp} ep{ep} {name}: {m}")
+        assert_same_states(saved, (nxd_hf.full_state_dict(model), full_optimizer_state(model, opt)), f"tp{tp} ep{ep}")
         resumed = _steps(model, opt, range(2, 3))
         torch.testing.assert_close(torch.tensor(resumed), torch.tensor(uninterrupted), **TOL)
         final = nxd_hf.full_state_dict(model)
@@ -91,12 +87,11 @@ def pretrained_round_trip_at_tp2_ep2(model_type: str, tmp: str) -> dict:
     """transformers' save_pretrained -> nxd_hf.from_pretrained at tp2 x ep2: same logits, each rank
     reads exactly its own bytes (its experts' TP rows); save_pretrained and save_checkpoint +
     consolidate write transformers' names, which plain transformers loads with the same logits."""
-    rank = torch.distributed.get_rank()
     reference, _ = build_pair(model_type)
     ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(4))
     expected = _logits(reference, ids)
-    hf_dir, ours, ckpt, merged = (os.path.join(tmp, d) for d in ("hf", "ours", "ckpt", "merged"))
-    if rank == 0:
+    hf_dir = os.path.join(tmp, "hf")
+    if torch.distributed.get_rank() == 0:
         reference.save_pretrained(hf_dir)
     torch.distributed.barrier()
     parallel_state.destroy_model_parallel()
@@ -109,14 +104,6 @@ def pretrained_round_trip_at_tp2_ep2(model_type: str, tmp: str) -> dict:
         b.numel() * b.element_size() for m in model.modules() for n, b in m._buffers.items()
         if b is not None and n not in m._non_persistent_buffers_set)
     read = model.nxd.load_report.bytes_read
-    nxd_hf.save_pretrained(model, ours)
-    nxd_hf.save_checkpoint(ckpt, tag="t", model=model)
-    if rank == 0:
-        nxd_hf.consolidate(ckpt, merged)
-    torch.distributed.barrier()
-    for directory in (ours, merged):
-        assert _stored_names(directory) == _stored_names(hf_dir), directory  # what transformers writes
-        plain = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
-        torch.testing.assert_close(_logits(plain, ids), expected, **TOL)
+    saved_as_transformers(model, tmp, ids, expected)
     whole = sum(p.numel() * p.element_size() for p in reference.parameters())
     return {"bytes_read": read, "local_bytes": local, "whole_bytes": whole}

@@ -14,6 +14,12 @@ this rank's tokens as in HF; the experts' ``forward`` becomes:
    weight), so each architecture's expert math (biases, clamped activations, ...) is kept;
 4. send the outputs back (``backend.CombineTokens``) and sum each token's k rows, in expert order
    as HF does. Dropless, as HF: no capacity, no dropped tokens.
+
+Under TP as well, the experts were first sharded over TP (``moe/tp_experts.py``): their tensors keep
+those attributes and lose only experts here, and the TP region's hooks on the module wrap this
+forward, so the region is entered before the dispatch (the TP ranks of a replica dispatch the same
+rows over the expert groups of their TP position) and the row-parallel sum over TP runs once,
+after the combine (docs/moe.md, "Tensor x expert parallelism").
 """
 
 import inspect

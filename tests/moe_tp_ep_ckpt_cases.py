@@ -53,11 +53,13 @@ def _boxes(directory: str) -> list:
     return sorted(((p["start"], p["stop"]), tuple(p.get("inner") or ())) for p in entry["parts"])
 
 
-def checkpoint_reshards_from_tp2_ep2(model_type: str, path: str, load_layouts: list[tuple[int, int]]) -> list:
-    """2 AdamW steps at tp2 x ep2, save_checkpoint, a 3rd step (uninterrupted); then for each
-    (tp, ep) of ``load_layouts`` a fresh model loads it: weights and optimizer state gathered equal
-    exactly, and one more step equals the uninterrupted one. Returns the saved parts of one tensor."""
-    model, opt = _build(model_type, 2, 2)
+def checkpoint_reshards(model_type: str, path: str, save_layout: tuple[int, int],
+                        load_layouts: list[tuple[int, int]]) -> list:
+    """2 AdamW steps at ``save_layout`` (tp, ep), save_checkpoint, a 3rd step (uninterrupted); then
+    for each (tp, ep) of ``load_layouts`` a fresh model loads it: weights and optimizer state
+    gathered equal exactly, and one more step equals the uninterrupted one. Returns the saved parts
+    of one experts tensor."""
+    model, opt = _build(model_type, *save_layout)
     _steps(model, opt, range(2))
     nxd_hf.save_checkpoint(path, tag="step2", model=model, optimizer=opt)
     saved = nxd_hf.full_state_dict(model), full_optimizer_state(model, opt)

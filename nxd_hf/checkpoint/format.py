@@ -55,7 +55,7 @@ def parts_of(lt: LogicalTensor, value: torch.Tensor, name: str, file: str) -> li
 def _ranges(part: dict, shape: list[int]) -> list[tuple[int, int]]:
     """(start, stop) along every dim of the logical tensor that ``part`` holds."""
     ranges = [(0, size) for size in shape]
-    for dim, start, stop in ([part["dim"], part["start"], part["stop"]], part.get("inner")):
+    for dim, start, stop in ([part["dim"], part["start"], part["stop"]], part.get("inner") or [None, 0, 0]):
         if dim is not None:
             ranges[dim] = (start, stop)
     return ranges

@@ -6,7 +6,7 @@ import pytest
 
 from moe_ep_cases import check_trainer_matches
 from moe_tp_ep_cases import lora_at_tp_ep_matches_peft, tp_ep_refusals, tp_ep_training_matches_hf
-from moe_tp_ep_ckpt_cases import checkpoint_reshards_from_tp2_ep2, pretrained_round_trip_at_tp2_ep2
+from moe_tp_ep_ckpt_cases import checkpoint_reshards, pretrained_round_trip_at_tp2_ep2
 
 MODEL_TYPES = ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss"]
 
@@ -27,10 +27,18 @@ def test_checkpoint_at_tp2_ep2_reshards(ranks4, tmp_path, model_type):
     """save_checkpoint at tp2 x ep2 (experts stored as boxes: 2 expert blocks x the TP rows),
     load_checkpoint at tp1 x dp4, tp1 x ep2, tp2 x dp2 and tp2 x ep2: model and AdamW state equal
     exactly, one more step equals the uninterrupted run."""
-    boxes = ranks4.run(checkpoint_reshards_from_tp2_ep2, model_type, str(tmp_path / "ckpt"),
+    boxes = ranks4.run(checkpoint_reshards, model_type, str(tmp_path / "ckpt"), (2, 2),
                        [(1, 1), (1, 2), (2, 1), (2, 2)])[0]
     assert sorted({experts for experts, _ in boxes}) == [(0, 2), (2, 4)], boxes
     assert all(len(inner) == 3 for _, inner in boxes) and len(boxes) >= 4, boxes
+
+
+@pytest.mark.parametrize("save_layout", [(1, 2), (2, 1)], ids=["from_tp1_ep2", "from_tp2_dp2"])
+def test_checkpoint_loads_at_tp2_ep2(ranks4, tmp_path, save_layout):
+    """A checkpoint of experts split along one dim (over EP, or over TP) loads at tp2 x ep2 (boxes read
+    from rows): model and AdamW state equal exactly, one more step equals the uninterrupted run."""
+    boxes = ranks4.run(checkpoint_reshards, "qwen3_moe", str(tmp_path / "ckpt"), save_layout, [(2, 2)])[0]
+    assert all(not inner for _, inner in boxes), boxes
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)

@@ -178,17 +178,18 @@ def logical_tensors(model: nn.Module, *, named=None) -> list[LogicalTensor]:
     for i, (name, tensor) in enumerate(named_local_tensors(model) if named is None else named):
         if is_expert_parallel(tensor):
             writes_here = i % edp_size == edp_rank and getattr(tensor, "count_in_grad_norm", True)
-            out.append(describe_experts(disk_name(name), name, tensor, tp_rank, writes_here))
+            out.append(describe_experts(disk_name(name), name, tensor, writes_here))
             continue
         writes_here = i % dp_size == dp_rank and getattr(tensor, "count_in_grad_norm", True)
         out.append(describe(disk_name(name), name, tensor, tp_rank, writes_here))
     return out
 
 
-def describe_experts(name: str, model_name: str, tensor: torch.Tensor, tp_rank: int,
-                     writes_here: bool) -> LogicalTensor:
+def describe_experts(name: str, model_name: str, tensor: torch.Tensor, writes_here: bool) -> LogicalTensor:
     """An expert-parallel tensor's ``LogicalTensor``: sharded along the expert dim 0, and along its
-    TP dim too when TP shards it (module docstring; collective over TP then)."""
+    TP dim too when TP shards it (module docstring; collective over TP then). ``writes_here``: this
+    expert-data replica's turn; within it each TP rank writes the rows it owns."""
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
     rows = tensor.expert_shard_index
     shape = [tensor.expert_logical_size, *tensor.shape[1:]]
     assert rows.tolist() == list(range(int(rows[0]), int(rows[0]) + len(rows))), "experts are held in one block"

@@ -68,3 +68,16 @@ def test_lora_at_tp2_ep2(ranks4, model_type):
 def test_tp2_ep2_refusals(ranks4):
     """Experts not divisible by ep, an intermediate size not divisible by tp, ep not dividing dp."""
     ranks4.run(tp_ep_refusals)
+
+
+def test_check_command_at_tp2_ep2(no_rank_pool, tmp_path, capsys):
+    """``nxd-hf check --tp 2 --ep 2`` on a Qwen3-MoE config (world 4: the shrunk model keeps 16 experts, top-4)."""
+    import transformers
+
+    from nxd_hf.cli import main
+
+    transformers.Qwen3MoeConfig(hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_experts=16,
+                                num_experts_per_tok=4, num_attention_heads=4, num_key_value_heads=2,
+                                num_hidden_layers=4, vocab_size=500).save_pretrained(tmp_path)
+    assert main(["check", str(tmp_path), "--tp", "2", "--ep", "2"]) == 0
+    assert "(tp=2 pp=1 ep=2): pass" in capsys.readouterr().out

@@ -115,6 +115,16 @@ def read_fused(checkpoint, sources: ExpertSources, param: torch.Tensor) -> torch
     return torch.stack(stacked)
 
 
+def read_stored_fused(checkpoint, key: str, param: torch.Tensor) -> torch.Tensor:
+    """This rank's experts of an expert-parallel ``param`` stored fused under ``key`` (gpt-oss, an
+    older consolidation), only its TP rows of each when TP shards them too."""
+    experts = param.expert_shard_index
+    if not is_sharded(param):
+        return checkpoint.read_rows(key, 0, experts)
+    return checkpoint.read_rows(key, param.partition_dim, param.shard_index,
+                                within=(0, int(experts[0]), int(experts[-1]) + 1))
+
+
 def per_expert_converters(model_type: str | None) -> list:
     """(converter, concat dim) of ``model_type``'s experts merges, as transformers registers them."""
     if not model_type:

@@ -19,7 +19,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from nxd_hf.checkpoint.fused_experts import fused_parameters, read_fused
+from nxd_hf.checkpoint.fused_experts import fused_parameters, read_fused, read_stored_fused
 from nxd_hf.parallel_layers.sharding import is_expert_parallel, is_sharded
 from nxd_hf.utils import owners_of
 
@@ -248,12 +248,8 @@ def load_hf_safetensors(modules: nn.Module | list[nn.Module], path: str, *,
         key = keys[name]
         if name in fused:
             local = read_fused(checkpoint, fused[name], param)
-        elif is_expert_parallel(param) and is_sharded(param):  # stored fused: this rank's experts, its TP rows
-            experts = param.expert_shard_index
-            local = checkpoint.read_rows(key, param.partition_dim, param.shard_index,
-                                         within=(0, int(experts[0]), int(experts[-1]) + 1))
-        elif is_expert_parallel(param):  # stored fused (e.g. an older consolidation): this rank's experts
-            local = checkpoint.read_rows(key, 0, param.expert_shard_index)
+        elif is_expert_parallel(param):  # stored fused (gpt-oss, an older consolidation)
+            local = read_stored_fused(checkpoint, key, param)
         elif is_sharded(param):
             transposed = getattr(param, "hf_transposed", False)
             dim = 1 - param.partition_dim if transposed else param.partition_dim

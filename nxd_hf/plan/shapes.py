@@ -124,8 +124,6 @@ def experts_supported(tp: int, pp: int, ep: int, zero_1: bool, num_experts: int)
         return str(error).split(":")[0]
     if ep > 1 and num_experts % ep:
         return f"{num_experts} experts do not divide over ep={ep}"
-    if ep > 1 and zero_1:
-        return "ZeRO-1 with expert parallelism is not supported yet"
     return None
 
 

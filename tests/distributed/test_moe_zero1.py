@@ -4,6 +4,7 @@ single-process HF with AdamW and clipping (tests/moe_zero1_cases.py)."""
 
 import pytest
 
+from moe_ep_cases import check_checkpoint_reshard, check_trainer_matches
 from moe_zero1_cases import check_zero1_ep_training
 
 
@@ -19,3 +20,21 @@ def test_zero1_ep2_dp4_matches_hf(ranks4, model_type):
 
 def test_zero1_ep2_through_the_config_api(ranks2):
     ranks2.run(check_zero1_ep_training, "qwen3_moe", 2, True)
+
+
+RESHARDS = [((2, True), (1, True)), ((2, True), (1, False)), ((1, False), (2, True)), ((1, True), (2, True))]
+
+
+@pytest.mark.parametrize("save,load", RESHARDS, ids=lambda layout: f"ep{layout[0]}{'_zero1' if layout[1] else ''}")
+def test_zero1_checkpoint_reshards_across_ep_world2(ranks2, tmp_path, save, load):
+    ranks2.run(check_checkpoint_reshard, "mixtral", str(tmp_path / "ckpt"), save[0], load[0], save[1], load[1])
+
+
+@pytest.mark.parametrize("save,load", RESHARDS[:3], ids=lambda layout: f"ep{layout[0]}{'_zero1' if layout[1] else ''}")
+def test_zero1_checkpoint_reshards_ep2_dp4_world4(ranks4, tmp_path, save, load):
+    ranks4.run(check_checkpoint_reshard, "qwen3_moe", str(tmp_path / "ckpt"), save[0], load[0], save[1], load[1])
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_nxd_trainer_zero1_at_ep2_matches_trainer(ranks2, tmp_path, accumulate):
+    ranks2.run(check_trainer_matches, "mixtral", str(tmp_path), 2, accumulate, True)

@@ -1,0 +1,61 @@
+"""The load-balancing (aux) loss of the global batch at pipeline_parallel_size=1 with data (and
+expert) parallelism (issue 24, ``nxd_hf.moe.replica_aux``), against the single-process HF model
+with ``output_router_logits=True`` and a padded attention mask. Run by tests/distributed/test_moe_aux.py."""
+
+import torch
+
+from moe_pp_cases import AUX_COEF, TOL, build_pair, moe_batch
+
+STEPS = 3
+
+
+def _global_batch(step: int, dp: int):
+    """(ids, mask, labels) of ``2 x dp`` rows: row 1 left-padded (so replica 0 has fewer tokens)."""
+    return moe_batch(seed=40 + step, b=2 * dp)
+
+
+def check_global_aux_loss(model_type: str, ep: int = 1, accumulate: int = 1) -> None:
+    """Over ``STEPS`` SGD steps at pp=1, dp = world, ``ep``: the DP mean of the loss, every rank's
+    ``aux_loss``, every gathered gradient (routers included) and the parameters equal the
+    single-process HF model's on the global batch. ``accumulate``: micro-steps per step, each
+    adding the aux loss of its global micro-batch (as transformers.Trainer on one process)."""
+    import nxd_hf
+    from nxd_hf import backend, parallel_state
+    from nxd_hf.parallel_layers.loss_functions import loss_normalizer
+    from nxd_hf.parallel_layers.sharding import full_tensor
+    from nxd_hf.parity import gathered_grad
+
+    parallel_state.destroy_model_parallel()
+    reference, model = build_pair(model_type)
+    nxd_hf.parallelize(model, expert_parallel_size=ep)
+    dp, dp_rank = parallel_state.get_data_parallel_size(), parallel_state.get_data_parallel_rank()
+    assert model.config.output_router_logits and model.router_aux_loss_coef == AUX_COEF
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_params = dict(reference.named_parameters())
+    routers = [n for n in ref_params if n.endswith("mlp.gate.weight")]
+    assert routers, list(ref_params)
+    for step in range(STEPS):
+        batches = [_global_batch(accumulate * step + micro, dp) for micro in range(accumulate)]
+        tokens = sum((labels[:, 1:] != -100).sum() for _, _, labels in batches)
+        for ids, mask, labels in batches:
+            ref_out = reference(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=tokens)
+            ref_out.loss.backward()
+            local = [t.chunk(dp)[dp_rank] for t in (ids, mask, labels)]
+            out = model(input_ids=local[0], attention_mask=local[1], labels=local[2],
+                        num_items_in_batch=loss_normalizer(local[2], tokens))
+            out.loss.backward()
+            mean = out.loss.detach() / dp
+            backend.all_reduce(mean, parallel_state.get_data_parallel_group())
+            torch.testing.assert_close(mean, ref_out.loss.detach(), **TOL, msg=lambda m: f"step {step} loss: {m}")
+            torch.testing.assert_close(out.aux_loss.detach(), ref_out.aux_loss.detach(), **TOL,
+                                       msg=lambda m: f"step {step} aux loss: {m}")
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(gathered_grad(param), ref_params[name].grad, **TOL,
+                                       msg=lambda m: f"step {step} grad {name}: {m}")
+        ref_opt.step()
+        opt.step()
+        ref_opt.zero_grad()
+        opt.zero_grad()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(full_tensor(param), ref_params[name].detach(), **TOL, msg=lambda m: f"{name}: {m}")

@@ -50,12 +50,10 @@ def check_global_aux_loss(model_type: str, ep: int = 1, accumulate: int = 1) -> 
             torch.testing.assert_close(mean, ref_out.loss.detach(), **TOL, msg=lambda m: f"step {step} loss: {m}")
             torch.testing.assert_close(out.aux_loss.detach(), ref_out.aux_loss.detach(), **TOL,
                                        msg=lambda m: f"step {step} aux loss: {m}")
-        for name, param in model.named_parameters():
-            torch.testing.assert_close(gathered_grad(param), ref_params[name].grad, **TOL,
-                                       msg=lambda m: f"step {step} grad {name}: {m}")
-        ref_opt.step()
-        opt.step()
-        ref_opt.zero_grad()
-        opt.zero_grad()
-    for name, param in model.named_parameters():
-        torch.testing.assert_close(full_tensor(param), ref_params[name].detach(), **TOL, msg=lambda m: f"{name}: {m}")
+        grads = {name: gathered_grad(param) for name, param in model.named_parameters()}
+        torch.testing.assert_close(grads, {name: ref_params[name].grad for name in grads}, **TOL)
+        for optimizer in (ref_opt, opt):
+            optimizer.step()
+            optimizer.zero_grad()
+    final = {name: full_tensor(param) for name, param in model.named_parameters()}
+    torch.testing.assert_close(final, {name: ref_params[name].detach() for name in final}, **TOL)

@@ -8,14 +8,10 @@ from moe_ep_cases import check_checkpoint_reshard, check_trainer_matches
 from moe_zero1_cases import check_zero1_ep_training
 
 
+@pytest.mark.parametrize("world", [2, 4], ids=["world2", "dp4"])  # dp4: the experts' state split over 2 ranks
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
-def test_zero1_ep2_world2_matches_hf(ranks2, model_type):
-    ranks2.run(check_zero1_ep_training, model_type, 2)
-
-
-@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
-def test_zero1_ep2_dp4_matches_hf(ranks4, model_type):
-    ranks4.run(check_zero1_ep_training, model_type, 2)
+def test_zero1_ep2_matches_hf(request, model_type, world):
+    request.getfixturevalue(f"ranks{world}").run(check_zero1_ep_training, model_type, 2)
 
 
 def test_zero1_ep2_through_the_config_api(ranks2):

@@ -146,10 +146,11 @@ def _check_expert_parts(directory: str, ep: int) -> None:
 
 
 def check_checkpoint_reshard(model_type: str, path: str, save_ep: int, load_ep: int, save_zero1: bool = False,
-                             load_zero1: bool = False) -> None:
+                             load_zero1: bool = False, optimizer_files: bool = False) -> None:
     """Train 2 AdamW steps at ``save_ep`` (DP = world), save_checkpoint, rebuild at ``load_ep``,
     load_checkpoint, one more step: equal to 3 uninterrupted steps; the gathered model and
-    optimizer state equal at every point. ``*_zero1``: NeuronZero1Optimizer instead of AdamW."""
+    optimizer state equal at every point. ``*_zero1``: NeuronZero1Optimizer instead of AdamW;
+    ``optimizer_files``: its ``save/load_sharded_state_dict`` (parameters included) instead."""
     import nxd_hf
     from nxd_hf import parallel_state
     from nxd_hf.checkpoint import full_optimizer_state
@@ -166,14 +167,20 @@ def check_checkpoint_reshard(model_type: str, path: str, save_ep: int, load_ep: 
     model, opt = build(save_ep)
     dp, dp_rank = parallel_state.get_data_parallel_size(), parallel_state.get_data_parallel_rank()
     first = _train_steps(model, opt, 0, 2, dp, dp_rank)
-    nxd_hf.save_checkpoint(path, tag="step2", model=model, optimizer=opt)
-    _check_expert_parts(f"{path}/step2", save_ep)
+    if optimizer_files:
+        opt.save_sharded_state_dict(path)
+    else:
+        nxd_hf.save_checkpoint(path, tag="step2", model=model, optimizer=opt)
+        _check_expert_parts(f"{path}/step2", save_ep)
     saved = nxd_hf.full_state_dict(model), full_optimizer_state(model, opt)
     uninterrupted = _train_steps(model, opt, 2, 1, dp, dp_rank)
     after = nxd_hf.full_state_dict(model)
     model, opt = build(load_ep, load_zero1)
     dp, dp_rank = parallel_state.get_data_parallel_size(), parallel_state.get_data_parallel_rank()
-    nxd_hf.load_checkpoint(path, tag="step2", model=model, optimizer=opt)
+    if optimizer_files:
+        opt.load_sharded_state_dict(path)
+    else:
+        nxd_hf.load_checkpoint(path, tag="step2", model=model, optimizer=opt)
     loaded = nxd_hf.full_state_dict(model), full_optimizer_state(model, opt)
     for a, b in zip(saved, loaded):
         assert set(a) == set(b), set(a) ^ set(b)

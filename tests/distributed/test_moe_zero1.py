@@ -34,3 +34,9 @@ def test_zero1_checkpoint_reshards_ep2_dp4_world4(ranks4, tmp_path, save, load):
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_nxd_trainer_zero1_at_ep2_matches_trainer(ranks2, tmp_path, accumulate):
     ranks2.run(check_trainer_matches, "mixtral", str(tmp_path), 2, accumulate, True)
+
+
+@pytest.mark.parametrize("save_ep,load_ep", [(2, 1), (1, 2)])
+def test_zero1_sharded_state_files_reshard_across_ep_dp4(ranks4, tmp_path, save_ep, load_ep):
+    """NxD's optimizer-only save_sharded_state_dict / load_sharded_state_dict with expert parameters."""
+    ranks4.run(check_checkpoint_reshard, "mixtral", str(tmp_path / "ckpt"), save_ep, load_ep, True, True, True)

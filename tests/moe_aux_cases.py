@@ -57,3 +57,44 @@ def check_global_aux_loss(model_type: str, ep: int = 1, accumulate: int = 1) -> 
             optimizer.zero_grad()
     final = {name: full_tensor(param) for name, param in model.named_parameters()}
     torch.testing.assert_close(final, {name: ref_params[name].detach() for name in final}, **TOL)
+
+
+def check_hook_scope() -> None:
+    """Evaluation forwards run no collective (rank 0 alone evaluates); a model whose aux loss is not
+    HF's load_balancing_loss_func keeps its own, with a warning, on every rank."""
+    import pytest
+    import transformers
+
+    import nxd_hf
+    from nxd_hf import backend, parallel_state
+
+    parallel_state.destroy_model_parallel()
+    reference, model = build_pair("mixtral")
+    nxd_hf.parallelize(model)
+    ids, mask, labels = moe_batch(seed=5)
+    if backend.rank() == 0:
+        model.eval()
+        with backend.count_comm() as records, torch.no_grad():
+            got = model(input_ids=ids, attention_mask=mask, labels=labels).aux_loss
+        assert not records, records
+        with torch.no_grad():
+            want = reference(input_ids=ids, attention_mask=mask, labels=labels).aux_loss
+        torch.testing.assert_close(got, want, **TOL)
+    torch.distributed.barrier()
+
+    class OtherAux(transformers.MixtralForCausalLM):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.aux_loss = out.aux_loss * (1 + backend.rank())  # another formula on rank 1 only
+            return out
+
+    parallel_state.destroy_model_parallel()
+    other = OtherAux(reference.config)
+    other.load_state_dict(reference.state_dict())
+    nxd_hf.parallelize(other)
+    rows = [t.chunk(2)[backend.rank()] for t in (ids, mask, labels)]
+    with pytest.warns(UserWarning, match="not HF's load_balancing_loss_func"):
+        out = other(input_ids=rows[0], attention_mask=rows[1], labels=rows[2])
+    with torch.no_grad():
+        local = reference(input_ids=rows[0], attention_mask=rows[1], labels=rows[2]).aux_loss
+    torch.testing.assert_close(out.aux_loss, local * (1 + backend.rank()), **TOL)

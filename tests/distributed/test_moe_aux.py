@@ -5,7 +5,7 @@ HF model (tests/moe_aux_cases.py) and NxDTrainer against transformers.Trainer.""
 import pytest
 
 import moe_pp_cases
-from moe_aux_cases import check_global_aux_loss
+from moe_aux_cases import check_global_aux_loss, check_hook_scope
 from moe_ep_cases import check_trainer_matches
 
 
@@ -39,3 +39,7 @@ def test_nxd_trainer_ep2_zero1_with_aux_matches_trainer(ranks2, tmp_path):
 
 def test_nxd_trainer_dp4_with_aux_matches_trainer(ranks4, tmp_path):
     ranks4.run(moe_pp_cases.trainer_matches_hf, "qwen3_moe", str(tmp_path), pp=1)
+
+
+def test_global_aux_loss_only_in_training_and_for_hf_formula(ranks2):
+    ranks2.run(check_hook_scope)

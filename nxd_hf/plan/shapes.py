@@ -118,7 +118,8 @@ def model_shape(config, model: nn.Module | None = None) -> ModelShape:
 
 def experts_supported(tp: int, pp: int, ep: int, zero_1: bool, num_experts: int) -> str | None:
     """Why nxd_hf refuses fused experts at this layout, or None: the refusals of
-    ``nxd_hf.moe.ep_dispatch`` (and ZeRO-1's) as the search's rejection reasons."""
+    ``nxd_hf.moe.ep_dispatch`` as the search's rejection reasons (``zero_1`` refuses nothing since
+    ZeRO-1 shards expert parameters over expert_data)."""
     from nxd_hf.moe.ep_dispatch import check_layout
 
     try:

@@ -14,11 +14,12 @@ def _global_batch(step: int, dp: int):
     return moe_batch(seed=40 + step, b=2 * dp)
 
 
-def check_global_aux_loss(model_type: str, ep: int = 1, accumulate: int = 1) -> None:
+def check_global_aux_loss(model_type: str, ep: int = 1, accumulate: int = 1, tp: int = 1) -> None:
     """Over ``STEPS`` SGD steps at pp=1, dp = world, ``ep``: the DP mean of the loss, every rank's
     ``aux_loss``, every gathered gradient (routers included) and the parameters equal the
     single-process HF model's on the global batch. ``accumulate``: micro-steps per step, each
-    adding the aux loss of its global micro-batch (as transformers.Trainer on one process)."""
+    adding the aux loss of its global micro-batch (as transformers.Trainer on one process); ``tp``:
+    experts and attention sharded over TP too (dp = world / tp)."""
     import nxd_hf
     from nxd_hf import backend, parallel_state
     from nxd_hf.parallel_layers.loss_functions import loss_normalizer
@@ -27,7 +28,7 @@ def check_global_aux_loss(model_type: str, ep: int = 1, accumulate: int = 1) -> 
 
     parallel_state.destroy_model_parallel()
     reference, model = build_pair(model_type)
-    nxd_hf.parallelize(model, expert_parallel_size=ep)
+    nxd_hf.parallelize(model, tensor_parallel_size=tp, expert_parallel_size=ep)
     dp, dp_rank = parallel_state.get_data_parallel_size(), parallel_state.get_data_parallel_rank()
     assert model.config.output_router_logits and model.router_aux_loss_coef == AUX_COEF
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)

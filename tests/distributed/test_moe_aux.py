@@ -43,3 +43,7 @@ def test_nxd_trainer_dp4_with_aux_matches_trainer(ranks4, tmp_path):
 
 def test_global_aux_loss_only_in_training_and_for_hf_formula(ranks2):
     ranks2.run(check_hook_scope)
+
+
+def test_global_aux_loss_tp2_dp2(ranks4):
+    ranks4.run(check_global_aux_loss, "mixtral", 1, 1, 2)

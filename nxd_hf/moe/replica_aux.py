@@ -74,7 +74,8 @@ class _GlobalAuxLoss:
         weights = aux.gradient_weights(stats, self.num_experts, coef=1.0)
         surrogate = torch.stack([aux.surrogate_loss(layer, weights, mask).to(local.device) for layer in logits]).sum()
         dp = parallel_state.get_data_parallel_size()
-        term = aux.aux_loss(stats, self.num_experts).to(local.dtype) + dp * (surrogate - surrogate.detach()).to(local.dtype)
+        gradient_only = dp * (surrogate - surrogate.detach())
+        term = aux.aux_loss(stats, self.num_experts).to(local.dtype) + gradient_only.to(local.dtype)
         if output.loss is not None:
             output.loss = output.loss + module.router_aux_loss_coef * (term - local).to(output.loss.device)
         output.aux_loss = term

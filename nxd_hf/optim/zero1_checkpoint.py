@@ -25,8 +25,9 @@ def _params(optimizer) -> TensorSet:
         for j, param in enumerate(p for p in group["params"] if p.requires_grad):
             name = f"group{g}.param{j}"
             if is_expert_parallel(param):  # this rank's experts, written by one rank of its expert-data group
-                edp_size, edp_rank = parallel_state.get_expert_data_parallel_size(), parallel_state.get_expert_data_parallel_rank()
-                out.append(describe_experts(name, name, param, i % edp_size == edp_rank and tp_rank == 0))
+                edp_rank = parallel_state.get_expert_data_parallel_rank()
+                writes = i % parallel_state.get_expert_data_parallel_size() == edp_rank and tp_rank == 0
+                out.append(describe_experts(name, name, param, writes))
             else:
                 out.append(describe(name, name, param, tp_rank, i % dp_size == dp_rank))
             i += 1

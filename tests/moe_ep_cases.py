@@ -268,7 +268,8 @@ def check_trainer_matches(model_type: str, out_dir: str, ep: int, accumulate: in
     from nxd_hf.parallel_layers.sharding import full_tensor
 
     parallel_state.destroy_model_parallel()
-    reference, model = build_pair(model_type, output_router_logits=aux_loss)
+    aux = dict(output_router_logits=True, router_aux_loss_coef=0.5) if aux_loss else {}  # large: errors show
+    reference, model = build_pair(model_type, **aux)
     common = dict(max_steps=4, learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[], seed=7,
                   max_grad_norm=0.5, disable_tqdm=True, weight_decay=0.1, warmup_steps=1,
                   gradient_accumulation_steps=accumulate)

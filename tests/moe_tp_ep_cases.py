@@ -17,11 +17,9 @@ from nxd_hf import parallel_state
 ADAMW = dict(lr=1e-2, eps=1e-3)
 
 
-def _rank_batches(step: int, dp: int, same: bool) -> list[tuple[torch.Tensor, ...]]:
-    """Every data-parallel rank's (ids, mask, labels) of ``step``: different rows per rank, or the
-    same on every rank (``same``: the load-balancing loss, a product of batch means, is then the
-    global batch's on every replica whichever way the replicas compute it)."""
-    return [batch(seed=step + 1 if same else 10 * step + r + 1) for r in range(dp)]
+def _rank_batches(step: int, dp: int) -> list[tuple[torch.Tensor, ...]]:
+    """Every data-parallel rank's (ids, mask, labels) of ``step``: different rows per rank."""
+    return [batch(seed=10 * step + r + 1) for r in range(dp)]
 
 
 def _both_sharded(model) -> list[str]:
@@ -31,8 +29,8 @@ def _both_sharded(model) -> list[str]:
 
 def tp_ep_training_matches_hf(model_type: str, tp: int, ep: int, sp: bool, aux: bool, steps: int = 3) -> dict:
     """``steps`` AdamW steps at tp x ep (dp = world / tp) equal HF's on the concatenated batches:
-    the data-parallel mean of the loss, the aux loss (``aux``: output_router_logits, every rank
-    the same batch), every gathered gradient, then the eval logits and parameters."""
+    the data-parallel mean of the loss, the aux loss of the global batch (``aux``:
+    output_router_logits), every gathered gradient, then the eval logits."""
     parallel_state.destroy_model_parallel()
     reference, model = build_pair(model_type, **({} if aux else {"output_router_logits": False}))
     nxd_hf.parallelize(model, tensor_parallel_size=tp, expert_parallel_size=ep, sequence_parallel=sp)
@@ -45,7 +43,7 @@ def tp_ep_training_matches_hf(model_type: str, tp: int, ep: int, sp: bool, aux: 
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     aux_losses = []
     for step in range(steps):
-        batches = _rank_batches(step, dp, same=aux)
+        batches = _rank_batches(step, dp)
         ids, mask, labels = (torch.cat(parts) for parts in zip(*batches))
         ref_out = reference(input_ids=ids, attention_mask=mask, labels=labels)
         ids, mask, labels = batches[dp_rank]

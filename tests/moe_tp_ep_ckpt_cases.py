@@ -38,10 +38,14 @@ def _steps(model, optimizer, steps: range) -> list[float]:
     return losses
 
 
-def _build(model_type: str, tp: int, ep: int):
+def _build(model_type: str, tp: int, ep: int, zero_1: bool):
+    from nxd_hf.optim import NeuronZero1Optimizer
+
     parallel_state.destroy_model_parallel()
     _, model = build_pair(model_type, output_router_logits=False)
     nxd_hf.parallelize(model, tensor_parallel_size=tp, expert_parallel_size=ep)
+    if zero_1:
+        return model, NeuronZero1Optimizer(model.parameters(), torch.optim.AdamW, grad_clipping=False, **ADAMW)
     return model, torch.optim.AdamW(model.parameters(), **ADAMW)
 
 
@@ -54,27 +58,33 @@ def _boxes(directory: str) -> list:
 
 
 def checkpoint_reshards(model_type: str, path: str, save_layout: tuple[int, int],
-                        load_layouts: list[tuple[int, int]]) -> list:
+                        load_layouts: list[tuple[int, int]], zero_1: bool = False) -> list:
     """2 AdamW steps at ``save_layout`` (tp, ep), save_checkpoint, a 3rd step (uninterrupted); then
     for each (tp, ep) of ``load_layouts`` a fresh model loads it: weights and optimizer state
     gathered equal exactly, and one more step equals the uninterrupted one. Returns the saved parts
-    of one experts tensor."""
-    model, opt = _build(model_type, *save_layout)
+    of one experts tensor. ``zero_1``: NeuronZero1Optimizer and its save/load_sharded_state_dict."""
+    model, opt = _build(model_type, *save_layout, zero_1)
     _steps(model, opt, range(2))
-    nxd_hf.save_checkpoint(path, tag="step2", model=model, optimizer=opt)
+    if zero_1:
+        opt.save_sharded_state_dict(path)
+    else:
+        nxd_hf.save_checkpoint(path, tag="step2", model=model, optimizer=opt)
     saved = nxd_hf.full_state_dict(model), full_optimizer_state(model, opt)
     uninterrupted = _steps(model, opt, range(2, 3))
     after = nxd_hf.full_state_dict(model)
     for tp, ep in load_layouts:
-        model, opt = _build(model_type, tp, ep)
-        nxd_hf.load_checkpoint(path, tag="step2", model=model, optimizer=opt)
+        model, opt = _build(model_type, tp, ep, zero_1)
+        if zero_1:
+            opt.load_sharded_state_dict(path)
+        else:
+            nxd_hf.load_checkpoint(path, tag="step2", model=model, optimizer=opt)
         assert_same_states(saved, (nxd_hf.full_state_dict(model), full_optimizer_state(model, opt)), f"tp{tp} ep{ep}")
         resumed = _steps(model, opt, range(2, 3))
         torch.testing.assert_close(torch.tensor(resumed), torch.tensor(uninterrupted), **TOL)
         final = nxd_hf.full_state_dict(model)
         for name in after:
             torch.testing.assert_close(final[name], after[name], **TOL, msg=lambda m: f"tp{tp} ep{ep} {name}: {m}")
-    return _boxes(f"{path}/step2")
+    return [] if zero_1 else _boxes(f"{path}/step2")
 
 
 def _real_bytes(param: torch.Tensor) -> int:

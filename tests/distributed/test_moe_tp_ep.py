@@ -12,10 +12,10 @@ MODEL_TYPES = ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss"]
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
-@pytest.mark.parametrize("sp,aux", [(False, False), (True, True)], ids=["distinct_batches", "sp_aux_loss"])
+@pytest.mark.parametrize("sp,aux", [(False, False), (True, True)], ids=["plain", "sp_aux_loss"])
 def test_tp2_ep2_matches_hf(ranks4, model_type, sp, aux):
-    """Loss, aux loss (output_router_logits; the same batch on both replicas), every gathered
-    gradient over 3 AdamW steps, eval logits; SP with the aux loss, distinct batches per replica without."""
+    """Loss, the global aux loss (output_router_logits), every gathered gradient over 3 AdamW steps,
+    eval logits, each replica on its own rows; with SP and the aux loss, and without either."""
     result = ranks4.run(tp_ep_training_matches_hf, model_type, 2, 2, sp, aux)[0]
     assert result["both_sharded"], "the experts must be sharded over both TP and EP"
     if aux and model_type != "deepseek_v3":  # DeepSeek-V3 has no aux loss (bias-corrected routing)
@@ -55,7 +55,7 @@ def test_from_pretrained_save_pretrained_consolidate_at_tp2_ep2(ranks4, tmp_path
 def test_nxd_trainer_at_tp2_ep2_matches_trainer(ranks4, tmp_path, accumulate):
     """NxDTrainer at tp2 x ep2 (dp 2): the logged losses and grad norms of transformers.Trainer
     (AdamW, weight decay, clipping, warmup, gradient accumulation) and its final parameters."""
-    ranks4.run(check_trainer_matches, "mixtral", str(tmp_path), 2, accumulate, 2)
+    ranks4.run(check_trainer_matches, "mixtral", str(tmp_path), 2, accumulate, False, False, 2)
 
 
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe"])
@@ -81,3 +81,15 @@ def test_check_command_at_tp2_ep2(no_rank_pool, tmp_path, capsys):
                                 num_hidden_layers=4, vocab_size=500).save_pretrained(tmp_path)
     assert main(["check", str(tmp_path), "--tp", "2", "--ep", "2"]) == 0
     assert "(tp=2 pp=1 ep=2): pass" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("zero_1", [False, True], ids=["adamw", "zero1"])
+def test_nxd_trainer_at_tp2_ep2_with_aux_loss_matches_trainer(ranks4, tmp_path, zero_1):
+    """The same with the global load-balancing loss in the loss, with and without ZeRO-1."""
+    ranks4.run(check_trainer_matches, "mixtral", str(tmp_path), 2, 2, zero_1, True, 2)
+
+
+def test_zero1_sharded_state_at_tp2_ep2_reshards(ranks4, tmp_path):
+    """ZeRO-1 at tp2 x ep2 (experts' state sharded over expert_data): save_sharded_state_dict loads at
+    tp1 x dp4 and tp2 x ep2 with ZeRO-1, the state equal exactly, the next step equal."""
+    ranks4.run(checkpoint_reshards, "mixtral", str(tmp_path / "zero1"), (2, 2), [(1, 1), (2, 2)], True)

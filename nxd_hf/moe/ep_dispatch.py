@@ -43,9 +43,6 @@ def check_layout(tp: int, pp: int, ep: int) -> None:
         raise ValueError(
             f"expert_parallel_size={ep} with tensor_parallel_size={tp} is not supported yet (experts sharded over "
             "both TP and EP): use tensor_parallel_size=1 with expert parallelism, or expert_parallel_size=1")
-    if ep > 1 and pp > 1:
-        raise ValueError(f"expert_parallel_size={ep} with pipeline_parallel_size={pp} is not supported yet: use "
-                         "pipeline_parallel_size=1 with expert parallelism, or expert_parallel_size=1")
 
 
 def check_expert_parallel(experts: list[tuple[str, nn.Module]], ep: int) -> None:

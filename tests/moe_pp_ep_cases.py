@@ -137,3 +137,181 @@ def pipeline_ep_matches_hf(model_type: str, *, num_microbatches: int = 2, accumu
     ids_r, mask_r, labels_r = replica_rows(ids, mask, labels)
     torch.testing.assert_close(model.run_eval(input_ids=ids_r, attention_mask=mask_r, labels=labels_r), want, **TOL)
     return {"exchanges": exchanges, "aux": aux}
+
+
+# -- checkpoints: pp2 x ep2 <-> pp1 x ep1 (the other ranks data parallel)
+def _uniform_batch(step: int, b: int = 8, s: int = 8):
+    """No padding and no ignored label: every data-parallel rank has as many tokens, so the mean of
+    the replicas' losses (pp=1) is the token mean of the pipeline (pp=2)."""
+    g = torch.Generator().manual_seed(500 + step)
+    ids = torch.randint(0, VOCAB, (b, s), generator=g).to(backend.default_device())
+    return ids, torch.ones_like(ids), ids.clone()
+
+
+def _build_layout(model_type: str, pp: int, ep: int):
+    parallel_state.destroy_model_parallel()
+    _, model = build_pair(model_type, aux=False)  # at pp=1 HF's aux loss would be each replica's
+    if pp > 1:
+        model = parallelize_pp_ep(model, pp=pp, ep=ep, num_microbatches=2)
+    else:
+        nxd_hf.parallelize(model, expert_parallel_size=ep)
+    return model, torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+
+
+def _layout_steps(model, optimizer, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        ids, mask, labels = replica_rows(*_uniform_batch(step))
+        if hasattr(model, "run_train"):
+            loss = model.run_train(input_ids=ids, attention_mask=mask, labels=labels)
+        else:
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            loss.backward()
+            loss = loss.detach().clone()
+            torch.distributed.all_reduce(loss, group=parallel_state.get_data_parallel_group())
+            loss = loss / parallel_state.get_data_parallel_size()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    return losses
+
+
+def _reference_losses(model_type: str, steps: int) -> tuple[list[float], dict]:
+    reference, _ = build_pair(model_type, aux=False)
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.1)
+    losses = []
+    for step in range(steps):
+        ids, mask, labels = _uniform_batch(step)
+        loss = reference(input_ids=ids, attention_mask=mask, labels=labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    return losses, reference
+
+
+def checkpoint_reshards(model_type: str, path: str, *, save: tuple[int, int], load: tuple[int, int]) -> None:
+    """Two AdamW steps at ``save`` = (pp, ep), save_checkpoint (experts stored as ``ep`` parts),
+    rebuild at ``load``, load_checkpoint: the gathered model and optimizer state are the saved
+    ones exactly; one more step equals the uninterrupted run's third step, and both the HF model's."""
+    from nxd_hf.checkpoint import full_optimizer_state
+    from nxd_hf.checkpoint.logical import DiskNames
+
+    ref_losses, reference = _reference_losses(model_type, 3)
+    model, optimizer = _build_layout(model_type, *save)
+    losses = _layout_steps(model, optimizer, range(2))
+    nxd_hf.save_checkpoint(path, tag="step2", model=model, optimizer=optimizer)
+    saved = nxd_hf.full_state_dict(model), full_optimizer_state(model, optimizer)
+    uninterrupted = _layout_steps(model, optimizer, range(2, 3))
+    after = nxd_hf.full_state_dict(model)
+    model, optimizer = _build_layout(model_type, *load)
+    nxd_hf.load_checkpoint(path, tag="step2", model=model, optimizer=optimizer)
+    loaded = nxd_hf.full_state_dict(model), full_optimizer_state(model, optimizer)
+    for a, b in zip(saved, loaded):
+        assert set(a) == set(b) and a, set(a) ^ set(b)
+        for name in a:
+            torch.testing.assert_close(b[name], a[name], rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+    resumed = _layout_steps(model, optimizer, range(2, 3))
+    torch.testing.assert_close(torch.tensor(losses + resumed), torch.tensor(ref_losses), **TOL)
+    torch.testing.assert_close(torch.tensor(resumed), torch.tensor(uninterrupted), **TOL)
+    final = nxd_hf.full_state_dict(model)
+    disk_name = DiskNames(reference)
+    ref = {disk_name(n): t.detach() for n, t in reference.state_dict().items()}
+    assert set(final) == set(after) == set(ref)
+    for name in after:
+        torch.testing.assert_close(final[name], after[name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(final[name], ref[name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+# -- from_pretrained / save_pretrained at pp2 x ep2
+def from_pretrained_reads_local_experts(model_type: str, path: str) -> None:
+    """transformers' save_pretrained (per-expert names) -> nxd_hf.from_pretrained at pp2 x ep2:
+    each rank reads only its stage's weights and of those only its experts; the logits equal HF's;
+    nxd_hf.save_pretrained writes what transformers writes, which plain transformers loads with
+    the same logits."""
+    import os
+
+    import safetensors.torch
+
+    parallel_state.destroy_model_parallel()
+    reference, _ = build_pair(model_type, aux=False)
+    reference.eval()
+    source, out = os.path.join(path, "hf"), os.path.join(path, "nxd")
+    if backend.rank() == 0:
+        reference.save_pretrained(source)
+    backend.barrier()
+    model = nxd_hf.from_pretrained(source, pipeline_parallel_size=2, expert_parallel_size=2, num_microbatches=2,
+                                   broadcast_and_average_loss=True)
+    local = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert model.nxd.load_report.bytes_read == local, (model.nxd.load_report.bytes_read, local)
+    stage = sum(p.numel() * p.element_size() for n, p in reference.named_parameters()
+                if n in dict(model.named_parameters()))
+    experts = expert_params(model)
+    assert experts and all(p.shape[0] * 2 == p.expert_logical_size for p in experts.values())
+    assert local < stage  # the other half of this stage's experts is not read
+    ids, mask, labels = padded_batch(seed=7)
+    with torch.no_grad():
+        expected = reference(input_ids=ids, attention_mask=mask, labels=labels)
+    ids_r, mask_r, labels_r = replica_rows(ids, mask, labels)
+    loss, logits = model.run_eval(input_ids=ids_r, attention_mask=mask_r, labels=labels_r, return_logits=True)
+    torch.testing.assert_close(loss, expected.loss, **TOL)
+    torch.testing.assert_close(logits, replica_rows(expected.logits)[0], **TOL)
+    nxd_hf.save_pretrained(model, out)
+    if backend.rank() == 0:
+        def keys(directory):
+            return {k for f in os.listdir(directory) if f.endswith(".safetensors")
+                    for k in safetensors.torch.load_file(os.path.join(directory, f))}
+        assert keys(out) == keys(source), sorted(keys(out) ^ keys(source))[:4]
+        reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(reloaded(input_ids=ids, attention_mask=mask).logits, expected.logits, **TOL)
+    backend.barrier()
+
+
+# -- NxDTrainer at pp2 x ep2 with the aux loss against transformers.Trainer
+def trainer_matches_hf(model_type: str, out_dir: str, *, accumulate: int = 2) -> None:
+    """NxDTrainer at pp=2 x ep=2 (dp=2, 2 microbatches, gradient accumulation, AdamW, clipping,
+    warmup) logs the losses (HF's aux loss in them) and grad norms of transformers.Trainer on the
+    whole model and ends with its weights."""
+    from moe_pp_cases import TRAINER_COMMON, trainer_dataset
+
+    parallel_state.destroy_model_parallel()
+    reference, model = build_pair(model_type)
+    data = trainer_dataset()
+    dp = backend.world_size() // 2
+    ref = transformers.Trainer(reference, transformers.TrainingArguments(
+        output_dir=f"{out_dir}/ref", per_device_train_batch_size=4 * dp, gradient_accumulation_steps=accumulate,
+        **TRAINER_COMMON), train_dataset=data)
+    ref.train()
+    args = nxd_hf.NxDTrainingArguments(output_dir=f"{out_dir}/nxd", per_device_train_batch_size=4,
+                                       gradient_accumulation_steps=accumulate, pipeline_parallel_size=2,
+                                       num_microbatches=2, expert_parallel_size=2, **TRAINER_COMMON)
+    ours = nxd_hf.NxDTrainer(model, args, train_dataset=data)
+    ours.train()
+    assert parallel_state.get_expert_parallel_size() == 2 and expert_params(ours.nxd_model)
+    assert ours.nxd_model.router_aux is not None
+    for key in ("loss", "grad_norm"):
+        got = [h[key] for h in ours.state.log_history if key in h]
+        want = [h[key] for h in ref.state.log_history if key in h]
+        assert len(got) == len(want) == TRAINER_COMMON["max_steps"], (key, got, want)
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), **TOL, msg=lambda m, k=key: f"{k}: {m}")
+    ref_params = dict(ref.model.named_parameters())
+    for name, param in ours.nxd_model.named_parameters():
+        torch.testing.assert_close(full_tensor(param), ref_params[name].detach(), **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+# -- bad input
+def refusals() -> None:
+    """Layouts pp x ep cannot run are one ValueError naming the fix, on every rank."""
+    import pytest
+
+    cases = [
+        (dict(num_local_experts=6), dict(expert_parallel_size=4), "must divide the data-parallel size"),
+        (dict(num_local_experts=3), dict(expert_parallel_size=2), "3 experts, not divisible by expert_parallel_size=2"),
+    ]
+    for overrides, kwargs, message in cases:
+        parallel_state.destroy_model_parallel()
+        _, model = build_pair("mixtral", **overrides)
+        with pytest.raises(ValueError, match=message):
+            nxd_hf.parallelize(model, pipeline_parallel_size=2, num_microbatches=2, **kwargs)
+    parallel_state.destroy_model_parallel()

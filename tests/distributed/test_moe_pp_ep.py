@@ -11,3 +11,21 @@ def test_pp2_ep2_matches_hf(ranks4, model_type):
     result = ranks4.run(cases.pipeline_ep_matches_hf, model_type)[0]
     assert result["exchanges"] > 0
     assert (len(result["aux"]) > 0) == (model_type != "deepseek_v3")
+
+
+@pytest.mark.parametrize("save,load", [((2, 2), (1, 1)), ((1, 1), (2, 2))], ids=["pp2ep2_to_pp1ep1", "pp1ep1_to_pp2ep2"])
+def test_checkpoint_reshards_pp2_ep2(ranks4, tmp_path, save, load):
+    ranks4.run(cases.checkpoint_reshards, "qwen3_moe", str(tmp_path / "ckpt"), save=save, load=load)
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_from_pretrained_at_pp2_ep2_reads_local_experts(ranks4, tmp_path, model_type):
+    ranks4.run(cases.from_pretrained_reads_local_experts, model_type, str(tmp_path))
+
+
+def test_nxd_trainer_pp2_ep2_matches_trainer(ranks4, tmp_path):
+    ranks4.run(cases.trainer_matches_hf, "mixtral", str(tmp_path))
+
+
+def test_refusals_pp2(ranks4):
+    ranks4.run(cases.refusals)

@@ -6,11 +6,32 @@ import pytest
 import moe_pp_ep_cases as cases
 
 
+def _run_parity(ranks4, model_type, **kwargs):
+    results = ranks4.run(cases.pipeline_ep_matches_hf, model_type, **kwargs)
+    assert all(r["exchanges"] > 0 for r in results), [r["exchanges"] for r in results]  # every stage has experts
+    assert (len(results[0]["aux"]) > 0) == (model_type != "deepseek_v3")
+
+
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "deepseek_v3"])
 def test_pp2_ep2_matches_hf(ranks4, model_type):
-    result = ranks4.run(cases.pipeline_ep_matches_hf, model_type)[0]
-    assert result["exchanges"] > 0
-    assert (len(result["aux"]) > 0) == (model_type != "deepseek_v3")
+    _run_parity(ranks4, model_type)
+
+
+@pytest.mark.parametrize("schedule,vpp,microbatches", [("gpipe", 1, 4), ("interleaved_1f1b", 2, 2), ("zbv", 2, 2),
+                                                          ("interleaved_zero_bubble", 2, 2)])
+def test_pp2_ep2_schedules(ranks4, schedule, vpp, microbatches):
+    _run_parity(ranks4, "mixtral", schedule=schedule, virtual_pipeline_size=vpp, num_microbatches=microbatches,
+                accumulate=1, steps=2)
+
+
+def test_pp2_ep2_activation_checkpointing(ranks4):
+    _run_parity(ranks4, "qwen3_moe", activation_checkpoint_config="full", accumulate=1, steps=2)
+
+
+def test_pp2_ep2_stage_without_experts(ranks4):
+    """Layers 0-1 dense (stage 0 holds no experts and makes no exchange), layers 2-3 routed."""
+    results = ranks4.run(cases.pipeline_ep_matches_hf, "qwen3_moe", mlp_only_layers=[0, 1], accumulate=1, steps=2)
+    assert [r["exchanges"] > 0 for r in results] == [False, False, True, True], results
 
 
 @pytest.mark.parametrize("save,load", [((2, 2), (1, 1)), ((1, 1), (2, 2))], ids=["pp2ep2_to_pp1ep1", "pp1ep1_to_pp2ep2"])

@@ -291,7 +291,6 @@ def check_refusals() -> None:
     cases = [
         (dict(expert_parallel_size=2 * world), "must divide the data-parallel size"),
         (dict(expert_parallel_size=2, tensor_parallel_size=2), "tensor_parallel_size=2 is not supported yet"),
-        (dict(expert_parallel_size=2, pipeline_parallel_size=2), "pipeline_parallel_size=2 is not supported yet"),
         (dict(expert_parallel_size=0), "expert_parallel_size must be an int"),
     ]
     for kwargs, message in cases:

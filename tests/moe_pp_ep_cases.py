@@ -49,6 +49,7 @@ def parallelize_pp_ep(model, *, pp: int = 2, ep: int = 2, **pipeline_kwargs):
     pipeline_kwargs.setdefault("broadcast_and_average_loss", True)
     model = nxd_hf.parallelize(model, pipeline_parallel_size=pp, expert_parallel_size=ep, **pipeline_kwargs)
     assert parallel_state.get_expert_parallel_size() == ep
+    assert parallel_state.get_expert_data_parallel_size() == parallel_state.get_data_parallel_size() // ep
     experts = expert_params(model)
     rank = parallel_state.get_expert_parallel_rank()
     for name, param in experts.items():

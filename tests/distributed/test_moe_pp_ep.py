@@ -50,3 +50,10 @@ def test_nxd_trainer_pp2_ep2_matches_trainer(ranks4, tmp_path):
 
 def test_refusals_pp2(ranks4):
     ranks4.run(cases.refusals)
+
+
+def test_pp2_ep2_dp4_expert_data_reduction(ranks8):
+    """World 8: pp=2 x dp=4 with two expert blocks per stage, so the experts' gradients are averaged
+    over an expert_data group of 2 (the ranks holding the same experts)."""
+    results = ranks8.run(cases.pipeline_ep_matches_hf, "qwen3_moe", accumulate=1, steps=2)
+    assert all(r["exchanges"] > 0 for r in results)

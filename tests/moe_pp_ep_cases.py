@@ -315,3 +315,12 @@ def refusals() -> None:
         with pytest.raises(ValueError, match=message):
             nxd_hf.parallelize(model, pipeline_parallel_size=2, num_microbatches=2, **kwargs)
     parallel_state.destroy_model_parallel()
+
+
+def sweep_case(model_type: str) -> tuple[str, str]:
+    """``check_parity``'s case (``nxd_hf.parity.run_case``) at pp=2 x ep=2 on the sweep's tiny config."""
+    from bench.architectures.run import tiny_config
+    from nxd_hf.parity.cases import run_case
+
+    case = run_case(tiny_config(model_type), tensor_parallel_size=1, pipeline_parallel_size=2, expert_parallel_size=2)
+    return case.status, case.message

@@ -57,3 +57,9 @@ def test_pp2_ep2_dp4_expert_data_reduction(ranks8):
     over an expert_data group of 2 (the ranks holding the same experts)."""
     results = ranks8.run(cases.pipeline_ep_matches_hf, "qwen3_moe", accumulate=1, steps=2)
     assert all(r["exchanges"] > 0 for r in results)
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_check_parity_case_at_pp2_ep2(ranks4, model_type):
+    status, message = ranks4.run(cases.sweep_case, model_type)[0]
+    assert status == "pass", message

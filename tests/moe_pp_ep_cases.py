@@ -9,7 +9,7 @@ import torch
 import transformers
 
 import nxd_hf
-from moe_pp_cases import TINY_MOE, WITH_AUX, VOCAB, build_pair
+from moe_pp_cases import WITH_AUX, VOCAB, build_pair, moe_batch, replica_rows
 from nxd_hf import backend, parallel_state
 from nxd_hf.parity import gathered_grad
 from nxd_hf.parallel_layers.sharding import full_tensor
@@ -20,24 +20,13 @@ EP_TAGS = ("ep_counts", "ep_dispatch", "ep_dispatch_weights", "ep_combine")
 
 
 def padded_batch(seed: int, b: int = 8, s: int = 8):
-    """(ids, attention mask, labels): every other row left-padded by 1-3 tokens (masked out of the
-    aux loss, labels ignored), a few more labels ignored."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, VOCAB, (b, s), generator=g)
-    mask = torch.ones(b, s, dtype=torch.long)
-    for row in range(1, b, 2):
+    """(ids, attention mask, labels): ``moe_batch``'s (row 1 left-padded by 3), and every other row
+    after it left-padded by 1-3 tokens too (masked out of the aux loss, labels ignored)."""
+    ids, mask, labels = moe_batch(seed=seed, b=b, s=s)
+    for row in range(3, b, 2):
         mask[row, : 1 + row % 3] = 0
-    labels = ids.clone()
     labels[mask == 0] = -100
-    labels[0, -2:] = -100
-    device = backend.default_device()
-    return ids.to(device), mask.to(device), labels.to(device)
-
-
-def replica_rows(*tensors):
-    """This data-parallel replica's rows of each tensor (consecutive blocks)."""
-    dp, rank = parallel_state.get_data_parallel_size(), parallel_state.get_data_parallel_rank()
-    return [t.chunk(dp)[rank] for t in tensors]
+    return ids, mask, labels
 
 
 def expert_params(model) -> dict:

@@ -313,3 +313,27 @@ def sweep_case(model_type: str) -> tuple[str, str]:
 
     case = run_case(tiny_config(model_type), tensor_parallel_size=1, pipeline_parallel_size=2, expert_parallel_size=2)
     return case.status, case.message
+
+
+def failing_expert_rank(failing_rank: int) -> tuple[str, float]:
+    """A step in which one rank's experts raise (its expert-group peer then waits in an all-to-all):
+    (the error every rank gets, seconds until it came)."""
+    import time
+
+    parallel_state.destroy_model_parallel()
+    _, model = build_pair("mixtral", aux=False)
+    model = parallelize_pp_ep(model, num_microbatches=2)
+    ids, mask, labels = replica_rows(*padded_batch(seed=1))
+    model.run_train(input_ids=ids, attention_mask=mask, labels=labels)  # a good step first
+
+    def hook(module, args, output):
+        raise RuntimeError(f"experts failed on purpose on rank {failing_rank}")
+
+    if backend.rank() == failing_rank:
+        next(m for n, m in model.local_named_modules() if n.endswith("mlp.experts")).register_forward_hook(hook)
+    start = time.monotonic()
+    try:
+        model.run_train(input_ids=ids, attention_mask=mask, labels=labels)
+    except ValueError as error:
+        return str(error), time.monotonic() - start
+    raise AssertionError(f"rank {backend.rank()}: the step did not fail")

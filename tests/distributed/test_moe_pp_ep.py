@@ -63,3 +63,18 @@ def test_pp2_ep2_dp4_expert_data_reduction(ranks8):
 def test_check_parity_case_at_pp2_ep2(ranks4, model_type):
     status, message = ranks4.run(cases.sweep_case, model_type)[0]
     assert status == "pass", message
+
+
+@pytest.mark.parametrize("failing_rank", [1, 2])  # the first stage's second expert rank; the last stage's first
+def test_one_expert_rank_failing_fails_every_rank(no_rank_pool, failing_rank):
+    """Its expert-group peer, blocked in an all-to-all, and the other stage get the same ValueError
+    at once (the groups are aborted, so fresh processes)."""
+    from nxd_hf.testing import run_distributed
+
+    results = run_distributed(cases.failing_expert_rank, 4, failing_rank, timeout_s=120)
+    messages = {message for message, _ in results}
+    assert len(messages) == 1, messages
+    message = messages.pop()
+    assert message.startswith(f"run_train failed on rank {failing_rank} "), message
+    assert f"experts failed on purpose on rank {failing_rank}" in message, message
+    assert max(elapsed for _, elapsed in results) < 10, results

@@ -304,6 +304,12 @@ def refusals() -> None:
         with pytest.raises(ValueError, match=message):
             nxd_hf.parallelize(model, pipeline_parallel_size=2, num_microbatches=2, **kwargs)
     parallel_state.destroy_model_parallel()
+    _, model = build_pair("mixtral")
+    other = 4 if backend.rank() == 3 else 2  # rank 3's expert peer (rank 2) would pair its all-to-alls wrongly
+    with pytest.raises(ValueError, match=r"different schedules on different ranks \(num_microbatches: rank 0: 2, "
+                                         r"rank 1: 2, rank 2: 2, rank 3: 4\)"):
+        nxd_hf.parallelize(model, pipeline_parallel_size=2, expert_parallel_size=2, num_microbatches=other)
+    parallel_state.destroy_model_parallel()
 
 
 def sweep_case(model_type: str) -> tuple[str, str]:

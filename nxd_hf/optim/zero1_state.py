@@ -16,7 +16,7 @@ from nxd_hf.checkpoint.optim_state import MASTER, ParamStates, set_torch_state
 
 class Zero1StateMixin:
     """State methods of ``NeuronZero1Optimizer`` (needs its ``masters``, ``optimizer``,
-    ``flat_groups``, ``param_groups``, ``dp_size``, ``dp_rank`` and ``sharding_group``)."""
+    ``flat_groups``, ``param_groups``, ``dp_size``, ``dp_rank`` and ``group_of(flat_group)``)."""
 
     shards_state_over_dp = True
 
@@ -85,11 +85,12 @@ class Zero1StateMixin:
         out = {}
         for index, (fg, master) in enumerate(zip(self.flat_groups, self.masters)):
             flat, scalars = self._slice_state(index)
-            keys = sorted(backend.all_gather_object(sorted(flat), self.sharding_group), key=len)[-1]
+            group = self.group_of(fg)
+            keys = sorted(backend.all_gather_object(sorted(flat), group), key=len)[-1]
             sources = {key: flat.get(key) for key in keys}
             if fg.dtype != torch.float32:
                 sources[MASTER] = master.detach()
-            scalar_keys = sorted(backend.all_gather_object(sorted(scalars), self.sharding_group), key=len)[-1]
+            scalar_keys = sorted(backend.all_gather_object(sorted(scalars), group), key=len)[-1]
             lo, hi = fg.shard_start, fg.shard_start + fg.shard_numel
             for param, offset in zip(fg.params, fg.offsets):
                 state = {}
@@ -98,9 +99,9 @@ class Zero1StateMixin:
                     a, b = max(lo, offset), min(hi, offset + param.numel())
                     if a < b and source is not None:
                         full[a - offset : b - offset] = source[a - lo : b - lo]
-                    backend.all_reduce(full, self.sharding_group)
+                    backend.all_reduce(full, group)
                     state[key] = full.view(param.shape)
-                state.update({key: _agreed_scalar(scalars.get(key), self.sharding_group) for key in scalar_keys})
+                state.update({key: _agreed_scalar(scalars.get(key), group) for key in scalar_keys})
                 out[id(param)] = (param, state)
         return out
 

@@ -258,10 +258,10 @@ def from_pretrained_reads_local_experts(model_type: str, path: str) -> None:
 
 
 # -- NxDTrainer at pp2 x ep2 with the aux loss against transformers.Trainer
-def trainer_matches_hf(model_type: str, out_dir: str, *, accumulate: int = 2) -> None:
+def trainer_matches_hf(model_type: str, out_dir: str, *, accumulate: int = 2, zero_1: bool = False) -> None:
     """NxDTrainer at pp=2 x ep=2 (dp=2, 2 microbatches, gradient accumulation, AdamW, clipping,
     warmup) logs the losses (HF's aux loss in them) and grad norms of transformers.Trainer on the
-    whole model and ends with its weights."""
+    whole model and ends with its weights. ``zero_1``: with ZeRO-1 (expert states over expert_data)."""
     from moe_pp_cases import TRAINER_COMMON, trainer_dataset
 
     parallel_state.destroy_model_parallel()
@@ -274,7 +274,7 @@ def trainer_matches_hf(model_type: str, out_dir: str, *, accumulate: int = 2) ->
     ref.train()
     args = nxd_hf.NxDTrainingArguments(output_dir=f"{out_dir}/nxd", per_device_train_batch_size=4,
                                        gradient_accumulation_steps=accumulate, pipeline_parallel_size=2,
-                                       num_microbatches=2, expert_parallel_size=2, **TRAINER_COMMON)
+                                       num_microbatches=2, expert_parallel_size=2, zero_1=zero_1, **TRAINER_COMMON)
     ours = nxd_hf.NxDTrainer(model, args, train_dataset=data)
     ours.train()
     assert parallel_state.get_expert_parallel_size() == 2 and expert_params(ours.nxd_model)

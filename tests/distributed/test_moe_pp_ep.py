@@ -44,8 +44,9 @@ def test_from_pretrained_at_pp2_ep2_reads_local_experts(ranks4, tmp_path, model_
     ranks4.run(cases.from_pretrained_reads_local_experts, model_type, str(tmp_path))
 
 
-def test_nxd_trainer_pp2_ep2_matches_trainer(ranks4, tmp_path):
-    ranks4.run(cases.trainer_matches_hf, "mixtral", str(tmp_path))
+@pytest.mark.parametrize("zero_1", [False, True], ids=["adamw", "zero1"])
+def test_nxd_trainer_pp2_ep2_matches_trainer(ranks4, tmp_path, zero_1):
+    ranks4.run(cases.trainer_matches_hf, "mixtral", str(tmp_path), zero_1=zero_1)
 
 
 def test_refusals_pp2(ranks4):

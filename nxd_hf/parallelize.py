@@ -46,7 +46,7 @@ from nxd_hf.parallel_layers.heads import HeadLayout, head_layout
 from nxd_hf.guards.input_check import install_input_check
 from nxd_hf.guards.fail_together import fail_together
 from nxd_hf.lora import register_with_peft
-from nxd_hf.moe.ep_dispatch import apply_expert_parallel, check_layout as check_expert_layout
+from nxd_hf.moe.ep_dispatch import apply_expert_parallel
 from nxd_hf.moe.replica_aux import install_global_aux_loss
 from nxd_hf.tp.apply import apply_tensor_parallel, match_plan
 from nxd_hf.tp.layouts import config_head_dim
@@ -124,7 +124,6 @@ def parallelize(
         if fused_loss and pipeline_parallel_size > 1:
             raise ValueError("fused_loss=True is not supported with pipeline_parallel_size > 1 (the last stage computes "
                              "the loss from its logits): use fused_loss=False")
-        check_expert_layout(tensor_parallel_size, pipeline_parallel_size, expert_parallel_size)
         patch = resolve_patch(model, sequence_parallel=sequence_parallel, pipeline_parallel_size=pipeline_parallel_size)
         layout = attention_layout(model, patch, pad_model=pad_model, kv_size_multiplier=kv_size_multiplier)
         swap_layers(model, patch, layout, sequence_parallel=sequence_parallel, gather_logits=gather_logits,

@@ -84,7 +84,8 @@ def compare_grads(model, reference) -> int:
 
 
 def pipeline_matches_hf(model_type: str, *, pp: int = 2, num_microbatches: int = 2, schedule: str = "1f1b",
-                        aux: bool = True, b: int = 4, activation_checkpoint_config=None) -> None:
+                        aux: bool = True, b: int = 4, activation_checkpoint_config=None,
+                        virtual_pipeline_size: int = 1) -> None:
     """One step at pp (dp = world / pp): loss and every local gradient equal HF's on the whole batch."""
     parallel_state.destroy_model_parallel()
     reference, model = build_pair(model_type, aux=aux)
@@ -95,7 +96,8 @@ def pipeline_matches_hf(model_type: str, *, pp: int = 2, num_microbatches: int =
         assert out.aux_loss is not None and out.aux_loss.item() > 0
     model = nxd_hf.parallelize(model, pipeline_parallel_size=pp, num_microbatches=num_microbatches,
                                schedule=schedule, broadcast_and_average_loss=True,
-                               activation_checkpoint_config=activation_checkpoint_config)
+                               activation_checkpoint_config=activation_checkpoint_config,
+                               virtual_pipeline_size=virtual_pipeline_size)
     assert model.router_aux is not None if aux and model_type in WITH_AUX else model.router_aux is None
     ids_r, mask_r, labels_r = replica_rows(ids, mask, labels)
     loss = model.run_train(input_ids=ids_r, attention_mask=mask_r, labels=labels_r)

@@ -45,16 +45,8 @@ def num_experts_of(name: str, module: nn.Module) -> int:
     return sizes.pop()
 
 
-def check_layout(tp: int, pp: int, ep: int) -> None:
-    """ValueError for the layouts expert parallelism does not support yet (before any layer is swapped)."""
-    if ep > 1 and pp > 1:
-        raise ValueError(f"expert_parallel_size={ep} with pipeline_parallel_size={pp} is not supported yet: use "
-                         "pipeline_parallel_size=1 with expert parallelism, or expert_parallel_size=1")
-
-
 def check_expert_parallel(experts: list[tuple[str, nn.Module]], ep: int) -> None:
     """ValueError, the same on every rank, when these experts cannot be split over ``ep`` ranks."""
-    check_layout(parallel_state.get_tensor_model_parallel_size(), parallel_state.get_pipeline_model_parallel_size(), ep)
     if not experts:
         raise ValueError(f"expert_parallel_size={ep} but the model has no mixture-of-experts layer (HF fused experts, "
                          "tensor-parallel style 'moe_tp_experts'): use expert_parallel_size=1")

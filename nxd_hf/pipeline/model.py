@@ -29,7 +29,7 @@ from nxd_hf.model_setup.materialize import refuse_deferred_init
 from nxd_hf.model_state import NxDModelState, state_of
 from nxd_hf.moe.aux_loss import aux_loss_spec
 from nxd_hf.pipeline.router_aux import RouterAuxLoss
-from nxd_hf.pipeline.runtime import SCHEDULES, build_schedule, check_schedule
+from nxd_hf.pipeline.runtime import SCHEDULES, build_schedule, check_same_schedule, check_schedule
 from nxd_hf.pipeline.recompute import allow_unmasked_attention, metadata_substitutes, recomputable_nodes
 from nxd_hf.pipeline.stages import boundaries, fake_propagate, flat_boundary_values, split_stages, value_kinds
 from nxd_hf.pipeline.trace import make_tracer, trace_hf
@@ -144,6 +144,8 @@ class NxDPPModel(nn.Module):
             self.local_stage_ids = partition.local_stages(self.num_stages, self.pp_size, self.pp_rank, placement)
             self.stages = nn.ModuleDict({str(s): all_stages[s] for s in self.local_stage_ids})
             self.nxd.wrapper, self.nxd.local_modules = "pipeline", list(self.stages.values())
+        check_same_schedule(schedule=self.schedule_name, num_microbatches=num_microbatches,
+                            virtual_pipeline_size=virtual_pipeline_size, pipeline_cuts=list(cuts))
         self.tied = tie_across_stages(all_stages, self.stage_to_rank, self.local_stage_ids)
         self.nxd.grad_reduction = set_up_local_modules(
             self.local_modules(), setup, layer_types=self.layer_types, tie=self.tied.sync_initial_values)

@@ -79,9 +79,14 @@ class RouterAuxLoss:
         side = torch.stack([aux.surrogate_loss(logits, self.weights, mask) for logits, mask in self.pending]).sum()
         self.pending = []
         if isinstance(output, torch.Tensor):
-            return aux.attach_loss(output, side.to(output.dtype))
-        first = aux.attach_loss(output[0], side.to(output[0].dtype))
-        return type(output)((first, *output[1:]))
+            return _attached(output, side)
+        return type(output)((_attached(output[0], side), *output[1:]))
+
+
+def _attached(hidden: torch.Tensor, side: torch.Tensor) -> torch.Tensor:
+    """``hidden`` carrying ``side`` into its backward, as a tensor of its own: the zero-bubble
+    schedules' input-gradient step detaches a stage's outputs in place, which a view cannot be."""
+    return aux.attach_loss(hidden, side.to(hidden.dtype)).clone()
 
 
 def microbatch_masks(inputs: dict, num_microbatches: int) -> list[torch.Tensor | None]:

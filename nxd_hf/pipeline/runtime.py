@@ -22,6 +22,8 @@ from torch.distributed.pipelining import schedules as S
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 from torch.utils._pytree import tree_map
 
+from nxd_hf import backend
+
 SCHEDULES = {
     "1f1b": (S.Schedule1F1B, "looped", False),
     "gpipe": (S.ScheduleGPipe, "looped", False),
@@ -56,6 +58,18 @@ def check_schedule(name: str, pp_size: int, virtual_pipeline_size: int, num_micr
             f"schedule {name!r} needs num_microbatches ({num_microbatches}) to be a multiple of the pipeline "
             f"parallel size ({pp_size}); e.g. num_microbatches={pp_size * max(1, num_microbatches // pp_size)}"
         )
+
+
+def check_same_schedule(**settings) -> None:
+    """ValueError on every rank when the ranks were given different schedule ``settings``
+    (collective over the world): a rank stepping other microbatches than its peers would pair its
+    sends, and its experts' all-to-alls (``nxd_hf.moe.ep_dispatch``), with the wrong ones, or hang."""
+    everyone = backend.all_gather_object(settings)
+    differ = [f"{key}: " + ", ".join(f"rank {r}: {s[key]!r}" for r, s in enumerate(everyone))
+              for key in settings if any(s[key] != settings[key] for s in everyone)]
+    if differ:
+        raise ValueError("the pipeline was set up with different schedules on different ranks (" + "; ".join(differ)
+                         + "): every rank must pass the same num_microbatches, schedule, virtual_pipeline_size and pipeline_cuts")
 
 
 class Stage(PipelineStage):

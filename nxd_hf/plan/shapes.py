@@ -117,15 +117,8 @@ def model_shape(config, model: nn.Module | None = None) -> ModelShape:
 
 
 def experts_supported(tp: int, pp: int, ep: int, zero_1: bool, num_experts: int) -> str | None:
-    """Why nxd_hf refuses fused experts at this layout, or None: the refusals of
-    ``nxd_hf.moe.ep_dispatch`` as the search's rejection reasons (``zero_1`` refuses nothing since
-    ZeRO-1 shards expert parameters over expert_data)."""
-    from nxd_hf.moe.ep_dispatch import check_layout
-
-    try:
-        check_layout(tp, pp, ep)
-    except ValueError as error:
-        return str(error).split(":")[0]
+    """Why nxd_hf refuses fused experts at this layout, or None (experts compose with every tp, pp
+    and ZeRO-1; ``nxd_hf.moe.ep_dispatch`` refuses only experts that do not divide over ep)."""
     if ep > 1 and num_experts % ep:
         return f"{num_experts} experts do not divide over ep={ep}"
     return None

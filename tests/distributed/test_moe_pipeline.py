@@ -30,6 +30,13 @@ def test_pp2_aux_loss_under_activation_checkpointing(ranks2):
     ranks2.run(moe_pp_cases.pipeline_matches_hf, "mixtral", activation_checkpoint_config="full")
 
 
+@pytest.mark.parametrize("schedule", ["zbv", "interleaved_zero_bubble"])
+def test_pp2_aux_loss_zero_bubble(ranks2, schedule):
+    """The split backward's input step detaches stage outputs in place: the aux loss's hook must not
+    leave a view there."""
+    ranks2.run(moe_pp_cases.pipeline_matches_hf, "mixtral", schedule=schedule, virtual_pipeline_size=2)
+
+
 def test_pp2_gradient_accumulation(ranks2):
     ranks2.run(moe_pp_cases.accumulation_matches_hf, "olmoe")
 

@@ -9,8 +9,9 @@ MiB = 2**20
 # case -> (tp, dp, ZeRO-1, processes x threads); tp/dp/ZeRO-1 set the floor
 LAYOUT = {"nxd_trainer": (2, 1, False), "nxd_loop": (2, 1, False), "hf_tp": (2, 1, False), "single": (1, 1, False),
           "nxd_loop_tp1": (1, 1, False), "nxd_zero1": (1, 2, True), "overlap_dp2": (1, 2, False),
-          "overlap_tp2dp2": (2, 2, False)}
-CORES = {"overlap_tp2dp2": 4}  # the others: 2 ranks x 1 thread or 1 process x 2 threads
+          "overlap_tp2dp2": (2, 2, False), "overlap_zero1_dp2": (1, 2, True), "overlap_zero1_tp2dp2": (2, 2, True),
+          "deepspeed_autotp": (2, 1, False)}
+CORES = {"overlap_tp2dp2": 4, "overlap_zero1_tp2dp2": 4}  # the others: 2 ranks x 1 thread or 1 process x 2 threads
 AIMS = dict(trainer_over_loop=0.97, trainer_over_hf_tp_throughput=1.0, trainer_over_hf_tp_rss=1.0)
 
 
@@ -128,7 +129,9 @@ def _fmt(spread: dict | None, scale: float = 1.0, digits: int = 0) -> str:
 
 NAMES = {"nxd_trainer": "NxDTrainer tp=2", "nxd_loop": "nxd_hf bare loop tp=2", "single": "1 process, 2 threads",
          "nxd_loop_tp1": "nxd_hf bare loop tp=1 (1 process, 2 threads)", "nxd_zero1": "NxDTrainer tp=1 dp=2 ZeRO-1",
-         "overlap_dp2": "overlap switch, bare loop dp=2", "overlap_tp2dp2": "overlap switch, bare loop tp=2 x dp=2"}
+         "overlap_dp2": "overlap switch, bare loop dp=2", "overlap_tp2dp2": "overlap switch, bare loop tp=2 x dp=2",
+         "overlap_zero1_dp2": "overlap switch, ZeRO-1 dp=2", "overlap_zero1_tp2dp2": "overlap switch, ZeRO-1 tp=2 x dp=2",
+         "deepspeed_autotp": "DeepSpeed AutoTP tp=2"}
 
 
 def format_table(result: dict) -> str:

@@ -82,7 +82,8 @@ class NeuronZero1Optimizer(Zero1StateMixin, torch.optim.Optimizer):
         ``main_grad``: gradients are reduced in the dtype it returns).
     overlap_reduce_scatter: start each bucket's reduce-scatter during backward (HF path of a model
         from ``nxd_hf.parallelize``, outside ``no_sync()``); False: all in ``step()``. Gradients
-        changed between backward and ``step()`` (other than by another backward) need False.
+        changed between backward and ``step()`` (other than by another backward) need False. The
+        attribute of that name may be switched between steps when it was True at construction.
     defaults: ``optimizer_class``'s options (lr, weight_decay, ...).
 
     ``param_groups`` are this object's (lr schedulers work on it); their options are copied to

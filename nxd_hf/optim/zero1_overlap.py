@@ -67,7 +67,7 @@ class OverlappedReduceScatter:
         """The first gradient of a backward: what an earlier backward started no longer counts."""
         self._drain()
         self._in_backward, self._next, self.started_in_backward = True, 0, 0
-        self.active = (self.optimizer.dp_size > 1 and bool(self.policies)
+        self.active = (self.optimizer.overlap_reduce_scatter and self.optimizer.dp_size > 1 and bool(self.policies)
                        and all(p.in_hooked_backward() and not p.deferred for p in self.policies))
         self._pending = [set(members) for members in self._members]
         torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)

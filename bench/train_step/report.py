@@ -99,7 +99,7 @@ def summarize(result: dict) -> dict:
         summary[case] = row
     quiet = result.get("load", {}).get("quiet", False)
     ratios = _ratios(summary)  # memory ratios need no quiet machine; throughput ratios do
-    timed = {k: v for k, v in ratios.items() if "throughput" in k or k == "trainer_over_loop"}
+    timed = {k: v for k, v in ratios.items() if k.endswith("throughput") or k == "trainer_over_loop"}
     return dict(summary=summary, errors=errors, ratios={k: v for k, v in ratios.items() if quiet or k not in timed},
                 ratios_withheld=None if quiet else timed)
 
@@ -117,6 +117,13 @@ def _ratios(summary: dict) -> dict:
         out["trainer_over_hf_tp_throughput"] = dict(value=value, aim=">= 1.0", met=value >= 1.0)
         value = med("nxd_trainer", "peak_rss") / med("hf_tp", "peak_rss")
         out["trainer_over_hf_tp_rss"] = dict(value=value, aim="<= 1.0", met=value <= 1.0)
+    for peer in ("deepspeed_autotp", "hf_tp", "single"):  # the bare loops side by side (issue 28 item 3)
+        if med("nxd_loop", "tokens_per_s") and med(peer, "tokens_per_s"):
+            value = med("nxd_loop", "tokens_per_s") / med(peer, "tokens_per_s")
+            out[f"loop_over_{peer}_throughput"] = dict(value=value, aim="report", met=True)
+        if med("nxd_loop", "tokens_per_cpu_s") and med(peer, "tokens_per_cpu_s"):  # needs no quiet machine
+            value = med("nxd_loop", "tokens_per_cpu_s") / med(peer, "tokens_per_cpu_s")
+            out[f"loop_over_{peer}_tokens_per_cpu_s"] = dict(value=value, aim="report", met=True)
     return out
 
 
@@ -155,7 +162,10 @@ def format_table(result: dict) -> str:
     if hf_tp_row.get("trainer_refused"):
         lines.append(f"transformers TP trained by the bare loop: {hf_tp_row['trainer_refused']}")
     for name, ratio in result["ratios"].items():
-        lines.append(f"{name}: {ratio['value']:.3f} (aim {ratio['aim']}: {'met' if ratio['met'] else 'NOT met'})")
+        verdict = "" if ratio["aim"] == "report" else f" (aim {ratio['aim']}: {'met' if ratio['met'] else 'NOT met'})"
+        lines.append(f"{name}: {ratio['value']:.3f}{verdict}")
+    for case, reason in result.get("skipped", {}).items():
+        lines.append(f"{case} skipped: {reason}")
     load = result.get("load")
     if load and not load["quiet"]:
         lines.append("throughput ratios WITHHELD: " + "; ".join(load["reasons"]) + " -- compare tokens/CPU-s instead")

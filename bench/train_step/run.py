@@ -159,6 +159,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--deepspeed-path", help="a folder holding deepspeed (pip install --target; not a dependency) "
                         "for the deepspeed_autotp case; default: wherever python finds it")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
+    parser.add_argument("--append", action="store_true", help="add this run's launches to those of --out (same "
+                        "options; each invocation stays short on a shared machine)")
     parser.add_argument("--report", metavar="JSON", help="print the table of an earlier (or partial) run and exit")
     parser.add_argument("--worker", choices=list(CASES), help=argparse.SUPPRESS)
     parser.add_argument("--opts", help=argparse.SUPPRESS)
@@ -184,6 +186,13 @@ def main(argv: list[str] | None = None) -> None:
     result = dict(**stamp(), config=dict(opts, timed_steps=args.steps, repeats=args.repeats),
                   num_params=num_params(opts), num_params_overlap=num_params(dict(opts, layers=args.overlap_layers)),
                   cpus=os.cpu_count(), runs=[], skipped=skipped)
+    if args.append and os.path.exists(args.out):
+        with open(args.out) as f:
+            earlier = json.load(f)
+        if earlier["config"] != result["config"]:
+            raise ValueError(f"--append: {args.out} was measured with other options {earlier['config']}")
+        result["runs"], result["skipped"] = earlier["runs"], {**earlier.get("skipped", {}), **skipped}
+        result["earlier_load"] = [*earlier.get("earlier_load", []), earlier["load"]]
     cores_used = max(CORES.get(case, 2) for case in args.cases)
     with LoadWatch() as watch:
         for repeat in range(args.repeats):
@@ -194,6 +203,10 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{run['launch_seconds']:.0f}s" + (f" FAILED: {run['error']}" if run["error"] else ""), flush=True)
                 result["runs"].append(dict(run, repeat=repeat, load=launch_watch.result()))
                 result["load"] = verdict(watch.result(), cores_used, os.cpu_count())
+                for earlier_load in result.get("earlier_load", []):  # quiet only if every invocation was
+                    if not earlier_load["quiet"]:
+                        result["load"] = dict(result["load"], quiet=False,
+                                              reasons=[*result["load"]["reasons"], *earlier_load["reasons"]])
                 result.update(summarize(result), wall_seconds=time.perf_counter() - start,
                               load_average_1min=[load_before, os.getloadavg()[0]])  # other processes on the machine
                 os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

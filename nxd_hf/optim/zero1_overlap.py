@@ -12,7 +12,9 @@ Only inside a backward the model's gradient-reduction policy sees through its ho
 path; not the pipeline's, whose tied-weight sums come after its backwards) and outside
 ``no_sync()``; any later backward drops what an earlier one started, so accumulation without
 ``no_sync`` is still exact (the last backward's reduce-scatter counts). At most ``IN_FLIGHT``
-staging buffers are held; starting another waits for the oldest.
+staging buffers are in use, the first the optimizer's own (its step's all-gather uses it after
+all are done), so the overlap holds one bucket more than the reduce-scatter in ``step()``;
+starting another waits for the oldest.
 """
 
 import torch
@@ -21,7 +23,7 @@ from nxd_hf import backend
 from nxd_hf.optim.flat import FlatGroup
 from nxd_hf.parallel_layers.sharding import has_partial_grad_over_tp, is_expert_parallel
 
-IN_FLIGHT = 3
+IN_FLIGHT = 2
 """Buckets whose reduce-scatter may run at once (each holds a staging buffer of one bucket)."""
 
 
@@ -94,11 +96,13 @@ class OverlappedReduceScatter:
         self._next += 1
 
     def _buffer(self, fg: FlatGroup, dtype: torch.dtype) -> torch.Tensor:
-        numel = max(g.dp_size * g.bucket_numel for g in self.optimizer.flat_groups)
         for i, buffer in enumerate(self._free):
             if buffer.dtype == dtype and buffer.device == fg.device:
                 return self._free.pop(i)
-        return torch.empty(numel, dtype=dtype, device=fg.device)
+        shared = self.optimizer._staging(dtype, fg.device)
+        if all(staging.data_ptr() != shared.data_ptr() for _, staging, _, _ in self._running):
+            return shared
+        return torch.empty_like(shared)
 
     def _wait_oldest(self) -> None:
         handle, staging, out, target = self._running.pop(0)

@@ -145,7 +145,9 @@ def format_table(result: dict) -> str:
     hf_tp_row = result["summary"].get("hf_tp", {})
     hf_tp = f"transformers TP tp=2, {hf_tp_row.get('trained_by') or 'transformers.Trainer'}"
     names = NAMES | {"hf_tp": hf_tp}
-    lines = [f"{result['num_params']:,} params; median (min-max) over repeats; RSS in MiB per rank (worst rank); "
+    only_overlap = all(case.startswith("overlap") for case in result["summary"])
+    params = result.get("num_params_overlap", result["num_params"]) if only_overlap else result["num_params"]
+    lines = [f"{params:,} params; median (min-max) over repeats; RSS in MiB per rank (worst rank); "
              "peak: VmHWM of the whole run; train peak: after the model is built; "
              "floor: 16 B/param / tp + bare; mean loss: over all steps of a launch",
              "| case | tokens/s | tokens/s incl. data+logging | tokens/CPU-s | peak RSS | peak - bare | train peak | "

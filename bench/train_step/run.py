@@ -204,9 +204,9 @@ def main(argv: list[str] | None = None) -> None:
                 result["runs"].append(dict(run, repeat=repeat, load=launch_watch.result()))
                 result["load"] = verdict(watch.result(), cores_used, os.cpu_count())
                 for earlier_load in result.get("earlier_load", []):  # quiet only if every invocation was
-                    if not earlier_load["quiet"]:
-                        result["load"] = dict(result["load"], quiet=False,
-                                              reasons=[*result["load"]["reasons"], *earlier_load["reasons"]])
+                    reasons = list(dict.fromkeys([*result["load"]["reasons"], *earlier_load["reasons"]]))
+                    result["load"] = dict(result["load"], quiet=result["load"]["quiet"] and earlier_load["quiet"],
+                                          reasons=reasons)
                 result.update(summarize(result), wall_seconds=time.perf_counter() - start,
                               load_average_1min=[load_before, os.getloadavg()[0]])  # other processes on the machine
                 os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

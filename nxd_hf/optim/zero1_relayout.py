@@ -57,7 +57,7 @@ def _flat_state(chunk_states: list[dict]) -> tuple[dict, dict]:
         if isinstance(value, torch.Tensor) and value.dim() > 0:
             flat[key] = torch.cat([s[key].reshape(-1) for s in chunk_states])
         else:
-            scalars[key] = value if isinstance(value, torch.Tensor) else torch.tensor(value)
+            scalars[key] = value if isinstance(value, torch.Tensor) else torch.tensor(value, device="cpu")  # step
     return flat, scalars
 
 

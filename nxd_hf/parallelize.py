@@ -47,6 +47,7 @@ from nxd_hf.guards.input_check import install_input_check
 from nxd_hf.guards.fail_together import fail_together
 from nxd_hf.lora import register_with_peft
 from nxd_hf.moe.ep_dispatch import apply_expert_parallel, check_layout as check_expert_layout
+from nxd_hf.moe.replica_aux import install_global_aux_loss
 from nxd_hf.tp.apply import apply_tensor_parallel, match_plan
 from nxd_hf.tp.layouts import config_head_dim
 from nxd_hf.tp.outputs import install_output_contract
@@ -130,7 +131,8 @@ def parallelize(
                     fused_loss=fused_loss)
         split_experts(model, patch)
         check = install_input_check(model, check_inputs)
-    _warn_replica_aux_loss(model, pipeline_parallel_size)
+    if pipeline_parallel_size == 1:  # the pipeline computes the global aux loss itself (pipeline.router_aux)
+        install_global_aux_loss(model)
     model.nxd = NxDModelState(
         tp_size=tensor_parallel_size, pp_size=pipeline_parallel_size, dp_size=parallel_state.get_data_parallel_size(),
         hf_model=model, local_modules=[model], patch=patch, head_layout=layout, input_check=check,
@@ -185,18 +187,6 @@ def _model_summary(model) -> dict:
     config = {k: v for k, v in config.items() if not k.startswith("_")}
     return {"model": type(model).__name__,
             "config": {k: zlib.crc32(json.dumps(v, sort_keys=True, default=str).encode()) for k, v in config.items()}}
-
-
-def _warn_replica_aux_loss(model, pipeline_parallel_size: int) -> None:
-    """At pp=1 HF's forward computes the MoE load-balancing loss on each data-parallel replica's
-    batch (as under DDP), which is not the loss of the global batch one process would compute;
-    the pipeline computes the global one (``nxd_hf.pipeline.router_aux``)."""
-    from nxd_hf.moe.aux_loss import aux_loss_spec
-
-    if pipeline_parallel_size == 1 and parallel_state.get_data_parallel_size() > 1 and aux_loss_spec(model):
-        warnings.warn("output_router_logits=True with data parallelism at pipeline_parallel_size=1: the MoE "
-                      "load-balancing loss is computed on each data-parallel replica's batch (as under DDP), not on "
-                      "the global batch; pipeline_parallel_size > 1 computes it over the global batch", stacklevel=3)
 
 
 def _auto_sizes(model, tp, pp, timeout, *, lora_config, sequence_parallel: bool, recompute: bool) -> tuple[int, int]:

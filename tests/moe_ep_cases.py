@@ -145,31 +145,42 @@ def _check_expert_parts(directory: str, ep: int) -> None:
     assert parts == expected, parts
 
 
-def check_checkpoint_reshard(model_type: str, path: str, save_ep: int, load_ep: int) -> None:
+def check_checkpoint_reshard(model_type: str, path: str, save_ep: int, load_ep: int, save_zero1: bool = False,
+                             load_zero1: bool = False, optimizer_files: bool = False) -> None:
     """Train 2 AdamW steps at ``save_ep`` (DP = world), save_checkpoint, rebuild at ``load_ep``,
     load_checkpoint, one more step: equal to 3 uninterrupted steps; the gathered model and
-    optimizer state equal at every point."""
+    optimizer state equal at every point. ``*_zero1``: NeuronZero1Optimizer instead of AdamW;
+    ``optimizer_files``: its ``save/load_sharded_state_dict`` (parameters included) instead."""
     import nxd_hf
     from nxd_hf import parallel_state
     from nxd_hf.checkpoint import full_optimizer_state
+    from nxd_hf.optim import NeuronZero1Optimizer
 
-    def build(ep):
+    def build(ep, zero1=save_zero1):
         parallel_state.destroy_model_parallel()
         _, model = build_pair(model_type)
         nxd_hf.parallelize(model, expert_parallel_size=ep)
+        if zero1:
+            return model, NeuronZero1Optimizer(model.parameters(), torch.optim.AdamW, grad_clipping=False, lr=1e-2)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
     model, opt = build(save_ep)
     dp, dp_rank = parallel_state.get_data_parallel_size(), parallel_state.get_data_parallel_rank()
     first = _train_steps(model, opt, 0, 2, dp, dp_rank)
-    nxd_hf.save_checkpoint(path, tag="step2", model=model, optimizer=opt)
-    _check_expert_parts(f"{path}/step2", save_ep)
+    if optimizer_files:
+        opt.save_sharded_state_dict(path)
+    else:
+        nxd_hf.save_checkpoint(path, tag="step2", model=model, optimizer=opt)
+        _check_expert_parts(f"{path}/step2", save_ep)
     saved = nxd_hf.full_state_dict(model), full_optimizer_state(model, opt)
     uninterrupted = _train_steps(model, opt, 2, 1, dp, dp_rank)
     after = nxd_hf.full_state_dict(model)
-    model, opt = build(load_ep)
+    model, opt = build(load_ep, load_zero1)
     dp, dp_rank = parallel_state.get_data_parallel_size(), parallel_state.get_data_parallel_rank()
-    nxd_hf.load_checkpoint(path, tag="step2", model=model, optimizer=opt)
+    if optimizer_files:
+        opt.load_sharded_state_dict(path)
+    else:
+        nxd_hf.load_checkpoint(path, tag="step2", model=model, optimizer=opt)
     loaded = nxd_hf.full_state_dict(model), full_optimizer_state(model, opt)
     for a, b in zip(saved, loaded):
         assert set(a) == set(b), set(a) ^ set(b)
@@ -245,9 +256,11 @@ def _dataset(n=24, s=8, seed=3):
     return rows
 
 
-def check_trainer_matches(model_type: str, out_dir: str, ep: int, accumulate: int = 1) -> None:
+def check_trainer_matches(model_type: str, out_dir: str, ep: int, accumulate: int = 1, zero_1: bool = False,
+                          aux_loss: bool = False) -> None:
     """NxDTrainer at ``ep`` (DP = world) logs the losses and grad norms of transformers.Trainer on
-    the single-process model (AdamW, weight decay, clipping, warmup) and ends with its parameters."""
+    the single-process model (AdamW, weight decay, clipping, warmup) and ends with its parameters.
+    ``zero_1``: NxDTrainer with ZeRO-1; ``aux_loss``: both models add the load-balancing loss."""
     import transformers
 
     import nxd_hf
@@ -255,7 +268,8 @@ def check_trainer_matches(model_type: str, out_dir: str, ep: int, accumulate: in
     from nxd_hf.parallel_layers.sharding import full_tensor
 
     parallel_state.destroy_model_parallel()
-    reference, model = build_pair(model_type)
+    aux = dict(output_router_logits=True, router_aux_loss_coef=0.5) if aux_loss else {}  # large: errors show
+    reference, model = build_pair(model_type, **aux)
     common = dict(max_steps=4, learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[], seed=7,
                   max_grad_norm=0.5, disable_tqdm=True, weight_decay=0.1, warmup_steps=1,
                   gradient_accumulation_steps=accumulate)
@@ -265,10 +279,12 @@ def check_trainer_matches(model_type: str, out_dir: str, ep: int, accumulate: in
         output_dir=f"{out_dir}/ref", per_device_train_batch_size=2 * dp, **common), train_dataset=data)
     ref.train()
     args = nxd_hf.NxDTrainingArguments(output_dir=f"{out_dir}/nxd", per_device_train_batch_size=2,
-                                       expert_parallel_size=ep, **common)
+                                       expert_parallel_size=ep, zero_1=zero_1, **common)
     ours = nxd_hf.NxDTrainer(model, args, train_dataset=data)
     ours.train()
     assert parallel_state.get_expert_parallel_size() == ep
+    from nxd_hf.optim import NeuronZero1Optimizer
+    assert isinstance(getattr(ours.optimizer, "optimizer", ours.optimizer), NeuronZero1Optimizer) == zero_1
     for key in ("loss", "grad_norm"):
         got = [h[key] for h in ours.state.log_history if key in h]
         want = [h[key] for h in ref.state.log_history if key in h]
@@ -314,10 +330,9 @@ def check_refusals() -> None:
     parallel_state.destroy_model_parallel()
     _, model = build_pair("mixtral")
     nxd_hf.parallelize(model, expert_parallel_size=2)
-    with pytest.raises(ValueError, match="does not shard expert-parallel parameters"):
-        NeuronZero1Optimizer(model.parameters(), torch.optim.AdamW, lr=1e-3)
-    with pytest.raises(ValueError, match="zero_one_enabled=True with expert_parallel_size > 1"):
-        nxd_hf.neuronx_distributed_config(expert_parallel_size=2, optimizer_config={"zero_one_enabled": True})
+    with pytest.raises(ValueError, match="leave sharding_groups=None"):
+        NeuronZero1Optimizer(model.parameters(), torch.optim.AdamW, lr=1e-3,
+                             sharding_groups=parallel_state.get_expert_data_parallel_group())
     parallel_state.destroy_model_parallel()
 
 

@@ -242,12 +242,12 @@ def trainer_dataset(n=32, s=8, seed=3):
 
 def trainer_matches_hf(model_type: str, out_dir: str, *, accumulate: int = 2, pp: int = 2, lora: bool = False) -> None:
     """NxDTrainer at pp (M=2, gradient accumulation; the rest of the world data parallel) logs the
-    losses and grad norms of transformers.Trainer on the whole model, with HF's aux loss in them
-    at pp > 1, and ends with its weights. ``lora``: ``peft_config`` (the experts included) on both."""
+    losses and grad norms of transformers.Trainer on the whole model, with HF's aux loss in them,
+    and ends with its weights. ``lora``: ``peft_config`` (the experts included) on both."""
     import peft
 
     parallel_state.destroy_model_parallel()
-    reference, model = build_pair(model_type, aux=pp > 1)  # at pp=1 the aux loss is each replica's (HF's forward)
+    reference, model = build_pair(model_type)  # the aux loss of the global batch at pp=1 too (moe.replica_aux)
     if lora:
         torch.manual_seed(11)  # the same adapter initialization on both sides
         reference = peft.get_peft_model(reference, moe_lora_config(model_type))
@@ -272,20 +272,3 @@ def trainer_matches_hf(model_type: str, out_dir: str, *, accumulate: int = 2, pp
     for name, param in ours.nxd_model.named_parameters():
         torch.testing.assert_close(param, ref_params[name].detach(), **TOL, msg=lambda m, n=name: f"{n}: {m}")
         assert param.requires_grad == ref_params[name].requires_grad, name
-
-
-
-def replica_aux_loss_warns() -> None:
-    """At pp=1 with dp=2, HF computes the aux loss per replica: parallelize says so (and not
-    without the aux loss)."""
-    import warnings
-
-    import pytest
-
-    parallel_state.destroy_model_parallel()
-    with pytest.warns(UserWarning, match="each data-parallel replica"):
-        nxd_hf.parallelize(build_pair("mixtral")[1])
-    parallel_state.destroy_model_parallel()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", UserWarning)
-        nxd_hf.parallelize(build_pair("mixtral", aux=False)[1])

@@ -81,22 +81,13 @@ class FlatGroup:
     def bucket_params(self, c0: int, c1: int) -> list[int]:
         """Indices of the parameters with elements in bucket ``(c0, c1)`` on any rank."""
         if self.interleaved:
-            lo, hi = self.bucket_range(c0, c1)
-            return [i for i in range(len(self.params)) if self.offsets[i] < hi and lo < self.offsets[i] + self.params[i].numel()]
-        return sorted({i for r in range(self.dp_size) for i in self._indices(self.row_start(r, c0, c1), self.row_start(r, c0, c1) + c1 - c0)})
+            return self._indices(*self.bucket_range(c0, c1))
+        rows = [self.row_start(r, c0, c1) for r in range(self.dp_size)]
+        return sorted({i for lo in rows for i in self._indices(lo, lo + c1 - c0)})
 
     def _indices(self, lo: int, hi: int) -> list[int]:
-        return [i for i in range(len(self.params)) if self.offsets[i] < hi and lo < self.offsets[i] + self.params[i].numel()]
-
-    def _overlapping(self, lo: int, hi: int):
-        """(param, param-local start, param-local end, start in [lo, hi)) for params meeting [lo, hi)."""
-        i = max(bisect.bisect_right(self.offsets, lo) - 1, 0)
-        while i < len(self.params) and self.offsets[i] < hi:
-            p, off = self.params[i], self.offsets[i]
-            a, b = max(lo, off) - off, min(hi, off + p.numel()) - off
-            if a < b:
-                yield p, a, b, off + a - lo
-            i += 1
+        """Indices of the parameters meeting the flat range ``[lo, hi)``."""
+        return [i for i, (p, off) in enumerate(zip(self.params, self.offsets)) if off < hi and lo < off + p.numel()]
 
     def read(self, lo: int, hi: int, out: torch.Tensor, source: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
         """``out[:] = flat[lo:hi]`` where the flat buffer holds ``source(param)``; holes

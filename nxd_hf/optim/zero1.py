@@ -4,7 +4,8 @@ Each DP rank keeps an fp32 master copy and the optimizer state of only its 1/dp 
 flat parameters (``nxd_hf.optim.flat``). One ``step()``:
 
 1. reduce-scatter the gradients over the sharding (DP) group, bucketed, and divide by dp (in
-   one pass with the clipping): each rank gets the DP-mean gradient of its slice. By default each
+   one pass with the clipping): each rank gets the DP-mean gradient of its slice; expert-parallel
+   parameters are sharded over the expert-data group instead (``zero1_experts``). By default each
    bucket's reduce-scatter starts during backward, once its gradients are complete
    (``optim.zero1_overlap``); ``step()`` then only waits for it;
 2. if ``max_norm`` is set, clip on the norm of the whole model's gradient: slice norms summed
@@ -25,13 +26,13 @@ import torch
 
 from nxd_hf import backend, parallel_state
 from nxd_hf.model_state import state_of
-from nxd_hf.optim.flat import FlatGroup, build_flat_groups
+from nxd_hf.optim.flat import FlatGroup
 from nxd_hf.optim.groups import resolve_group
+from nxd_hf.optim.zero1_experts import Zero1ExpertsMixin
 from nxd_hf.optim.zero1_overlap import OverlappedReduceScatter
 from nxd_hf.optim.zero1_state import Zero1StateMixin
 from nxd_hf.parallel_layers.grad_reduction import grad_reductions_of
 from nxd_hf.parallel_layers.grads import accumulated_grad, install_fp32_grad_accumulation
-from nxd_hf.parallel_layers.sharding import is_expert_parallel
 
 ELEMENTWISE_OPTIMIZERS = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
@@ -56,7 +57,7 @@ def _check_elementwise(optimizer_class, elementwise: bool) -> None:
     )
 
 
-class NeuronZero1Optimizer(Zero1StateMixin, torch.optim.Optimizer):
+class NeuronZero1Optimizer(Zero1ExpertsMixin, Zero1StateMixin, torch.optim.Optimizer):
     """``optimizer_class`` with its state sharded over data parallelism.
 
     params: parameters or param groups, as for any torch optimizer (frozen params are ignored).
@@ -113,12 +114,6 @@ class NeuronZero1Optimizer(Zero1StateMixin, torch.optim.Optimizer):
             raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
         self._layout_done = False
         super().__init__(params, defaults)
-        if any(is_expert_parallel(p) for group in self.param_groups for p in group["params"]):
-            raise ValueError(
-                "NeuronZero1Optimizer does not shard expert-parallel parameters (expert_parallel_size > 1) yet: their "
-                "gradients are reduced over the expert-data group, not the data-parallel group ZeRO-1 shards over. "
-                "Use a plain torch optimizer (NxDTrainingArguments zero_1=False / the config API's "
-                "zero_one_enabled=False), or expert_parallel_size=1")
         self.max_norm, self.norm_type, self.pin_layout = max_norm, float(norm_type), pin_layout
         self.optimizer_dtype = optimizer_dtype or torch.float32
         self.save_master_weights, self.higher_cc_precision = save_master_weights, higher_cc_precision
@@ -127,6 +122,7 @@ class NeuronZero1Optimizer(Zero1StateMixin, torch.optim.Optimizer):
             grad_source = grad_source or accumulated_grad
         self.grad_source = grad_source or (lambda p: p.grad)
         self.sharding_group = resolve_group(sharding_groups, "data")
+        self.expert_sharding_group = self._expert_sharding_group()
         self.grad_norm_group = resolve_group(grad_norm_groups, "model")
         self._init_args = (optimizer_class, bucket_size_mb, model, defaults)
         self.overlap_reduce_scatter = overlap_reduce_scatter
@@ -144,9 +140,7 @@ class NeuronZero1Optimizer(Zero1StateMixin, torch.optim.Optimizer):
                 "shard: this rank keeps the whole optimizer state (no memory saving). Use it with DP > 1",
                 stacklevel=2,
             )
-        self.flat_groups: list[FlatGroup] = build_flat_groups(
-            self.param_groups, dp_size=self.dp_size, dp_rank=self.dp_rank, bucket_size_mb=bucket_size_mb,
-            interleaved=self.interleaved_layout)
+        self.flat_groups: list[FlatGroup] = self._build_flat_groups(bucket_size_mb, interleaved=self.interleaved_layout)
         if not self.flat_groups:
             raise ValueError("NeuronZero1Optimizer got no trainable parameters (all have requires_grad=False)")
         self._layout_done = True
@@ -269,7 +263,7 @@ class NeuronZero1Optimizer(Zero1StateMixin, torch.optim.Optimizer):
                 start = fg.row_start(j, c0, c1)
                 fg.read(start, start + width, staging[j * width : (j + 1) * width], lambda p: source[id(p)])
             out = master.grad[c0:c1] if dtype == master.dtype else torch.empty(width, dtype=dtype, device=fg.device)
-            backend.reduce_scatter_into(out, staging[: fg.dp_size * width], self.sharding_group)
+            backend.reduce_scatter_into(out, staging[: fg.dp_size * width], self.group_of(fg))
             if out.dtype != master.dtype:
                 master.grad[c0:c1].copy_(out)
 
@@ -277,7 +271,7 @@ class NeuronZero1Optimizer(Zero1StateMixin, torch.optim.Optimizer):
         staging = self._staging(fg.dtype, fg.device)
         for c0, c1 in fg.buckets():
             width = c1 - c0
-            backend.all_gather_into(staging[: fg.dp_size * width], master[c0:c1].to(fg.dtype), self.sharding_group)
+            backend.all_gather_into(staging[: fg.dp_size * width], master[c0:c1].to(fg.dtype), self.group_of(fg))
             for j in range(fg.dp_size):
                 start = fg.row_start(j, c0, c1)
                 fg.write_params(start, start + width, staging[j * width : (j + 1) * width])

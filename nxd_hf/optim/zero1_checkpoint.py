@@ -8,8 +8,9 @@ ZeRO-1's masters.
 
 from nxd_hf import parallel_state
 from nxd_hf.checkpoint.load import load_checkpoint
-from nxd_hf.checkpoint.logical import TensorSet, describe
+from nxd_hf.checkpoint.logical import TensorSet, describe, describe_experts
 from nxd_hf.checkpoint.save import save_checkpoint
+from nxd_hf.parallel_layers.sharding import is_expert_parallel
 
 TAG = "zero1"
 
@@ -23,7 +24,12 @@ def _params(optimizer) -> TensorSet:
     for g, group in enumerate(optimizer.param_groups):
         for j, param in enumerate(p for p in group["params"] if p.requires_grad):
             name = f"group{g}.param{j}"
-            out.append(describe(name, name, param, tp_rank, i % dp_size == dp_rank))
+            if is_expert_parallel(param):  # this rank's experts, written by one rank of its expert-data group
+                edp_rank = parallel_state.get_expert_data_parallel_rank()
+                writes = i % parallel_state.get_expert_data_parallel_size() == edp_rank and tp_rank == 0
+                out.append(describe_experts(name, name, param, writes))
+            else:
+                out.append(describe(name, name, param, tp_rank, i % dp_size == dp_rank))
             i += 1
     return TensorSet(out)
 

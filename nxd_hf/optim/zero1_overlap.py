@@ -91,7 +91,7 @@ class OverlappedReduceScatter:
         fg.read(lo, hi, staging, self.optimizer.grad_source)
         out = master.grad[c0:c1] if dtype == master.dtype else torch.empty(width, dtype=dtype, device=fg.device)
         with backend.comm_tag("zero1"):
-            handle = backend.reduce_scatter_async(out, staging, self.optimizer.sharding_group)
+            handle = backend.reduce_scatter_async(out, staging, self.optimizer.group_of(fg))
         self._running.append((handle, staging, out, master.grad[c0:c1]))
         self._next += 1
 

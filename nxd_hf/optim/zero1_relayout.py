@@ -8,7 +8,7 @@ import torch
 
 from nxd_hf import backend
 from nxd_hf.checkpoint.optim_state import MASTER
-from nxd_hf.optim.flat import FlatGroup, build_flat_groups
+from nxd_hf.optim.flat import FlatGroup
 
 
 def is_contiguous_layout(saved_layout: dict) -> bool:
@@ -18,8 +18,7 @@ def is_contiguous_layout(saved_layout: dict) -> bool:
 
 def load_contiguous_state_dict(optimizer, state_dict: dict) -> None:
     """``optimizer.load_state_dict(state_dict)`` for a ``state_dict`` in the contiguous layout."""
-    old = build_flat_groups(optimizer.param_groups, dp_size=optimizer.dp_size, dp_rank=optimizer.dp_rank,
-                            bucket_size_mb=1, interleaved=False)
+    old = optimizer._build_flat_groups(1, interleaved=False)
     saved, expected = state_dict["layout"], _contiguous_layout(optimizer, old)
     if saved != expected:
         diff = [k for k in expected if saved.get(k) != expected[k]]
@@ -32,9 +31,10 @@ def load_contiguous_state_dict(optimizer, state_dict: dict) -> None:
         chunk_states = [inner["state"].get(i, {}) for i in inner["param_groups"][index]["params"]]
         flat, scalars = _flat_state(chunk_states)
         flat[MASTER] = master
-        keys = sorted(backend.all_gather_object(sorted(flat), optimizer.sharding_group), key=len)[-1]
+        group = optimizer.group_of(fg)
+        keys = sorted(backend.all_gather_object(sorted(flat), group), key=len)[-1]
         for i, param in enumerate(fg.params):
-            state = {key: _gathered(fg, i, flat.get(key), optimizer.sharding_group) for key in keys}
+            state = {key: _gathered(fg, i, flat.get(key), group) for key in keys}
             states[id(param)] = {**state, **scalars}
     optimizer.load_param_states(states)
     for group, options in zip(optimizer.param_groups, state_dict["param_groups"]):

@@ -18,7 +18,7 @@ from nxd_hf.optim.zero1_relayout import is_contiguous_layout, load_contiguous_st
 
 class Zero1StateMixin:
     """State methods of ``NeuronZero1Optimizer`` (needs its ``masters``, ``optimizer``,
-    ``flat_groups``, ``param_groups``, ``dp_size``, ``dp_rank`` and ``sharding_group``)."""
+    ``flat_groups``, ``param_groups``, ``dp_size``, ``dp_rank`` and ``group_of(flat_group)``)."""
 
     shards_state_over_dp = True
 
@@ -90,20 +90,21 @@ class Zero1StateMixin:
         out = {}
         for index, (fg, master) in enumerate(zip(self.flat_groups, self.masters)):
             flat, scalars = self._slice_state(index)
-            keys = sorted(backend.all_gather_object(sorted(flat), self.sharding_group), key=len)[-1]
+            group = self.group_of(fg)
+            keys = sorted(backend.all_gather_object(sorted(flat), group), key=len)[-1]
             sources = {key: flat.get(key) for key in keys}
             if fg.dtype != torch.float32:
                 sources[MASTER] = master.detach()
-            scalar_keys = sorted(backend.all_gather_object(sorted(scalars), self.sharding_group), key=len)[-1]
+            scalar_keys = sorted(backend.all_gather_object(sorted(scalars), group), key=len)[-1]
             for i, param in enumerate(fg.params):
                 state = {}
                 for key, source in sources.items():
                     full = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
                     for a, b, at in (fg.param_pieces(i) if source is not None else ()):
                         full[a:b] = source[at : at + b - a]
-                    backend.all_reduce(full, self.sharding_group)
+                    backend.all_reduce(full, group)
                     state[key] = full.view(param.shape)
-                state.update({key: _agreed_scalar(scalars.get(key), self.sharding_group) for key in scalar_keys})
+                state.update({key: _agreed_scalar(scalars.get(key), group) for key in scalar_keys})
                 out[id(param)] = (param, state)
         return out
 

@@ -108,12 +108,17 @@ def rank_memory(shape: ModelShape, params: RankParams, work: Workload, layout: L
     trainable = n_lora if work.lora else n_params
     grad_bytes = trainable * (4 if work.lora else work.param_bytes)
     dp_shard = layout.dp if layout.zero_1 else 1
-    state = 2 * 4 * trainable / dp_shard  # AdamW's two moments (fp32)
+    if layout.zero_1 and not work.lora:  # ZeRO-1 shards the local experts over expert_data (dp / ep ranks)
+        n_experts = sum(params.experts_by_layer.get(i, 0) for i in layers)
+        trainable_sharded = trainable + n_experts * (layout.ep - 1)
+    else:
+        trainable_sharded = trainable
+    state = 2 * 4 * trainable_sharded / dp_shard  # AdamW's two moments (fp32)
     if work.param_bytes < 4 and not work.lora and not layout.zero_1:
         state += 4 * trainable  # fp32 master weights of low-precision parameters
     buffers = 0.0
     if layout.zero_1:
-        state += 2 * 4 * trainable / dp_shard  # the fp32 master slice and its gradient
+        state += 2 * 4 * trainable_sharded / dp_shard  # the fp32 master slice and its gradient
         buffers = min(BUCKET_BYTES, grad_bytes)  # the collective staging buffer (dp x a bucket's columns)
     elif layout.dp > 1:  # flat buckets of the gradient all-reduce; the next is built while the last is held
         buffers = min(2 * BUCKET_BYTES, grad_bytes)

@@ -61,6 +61,9 @@ class RankParams:
     replicated_by_layer: dict = dataclasses.field(default_factory=dict)
     """Elements of the replicated parameters of each decoder layer (norms, row-parallel biases) but a
     MoE block's: under sequence parallelism they see one chunk, so their gradients are partial over TP."""
+    experts_by_layer: dict = dataclasses.field(default_factory=dict)
+    """Elements of each decoder layer's local experts (in ``by_place`` too): ZeRO-1 shards them over
+    the expert-data group (dp / ep ranks), not the data group."""
 
     def stage(self, layers: range, *, first: bool, last: bool, lora: bool = False) -> int:
         table = self.lora_by_place if lora else self.by_place
@@ -115,7 +118,8 @@ def model_shape(config, model: nn.Module | None = None) -> ModelShape:
 
 def experts_supported(tp: int, pp: int, ep: int, zero_1: bool, num_experts: int) -> str | None:
     """Why nxd_hf refuses fused experts at this layout, or None: the refusals of
-    ``nxd_hf.moe.ep_dispatch`` (and ZeRO-1's) as the search's rejection reasons."""
+    ``nxd_hf.moe.ep_dispatch`` as the search's rejection reasons (``zero_1`` refuses nothing since
+    ZeRO-1 shards expert parameters over expert_data)."""
     from nxd_hf.moe.ep_dispatch import check_layout
 
     try:
@@ -124,8 +128,6 @@ def experts_supported(tp: int, pp: int, ep: int, zero_1: bool, num_experts: int)
         return str(error).split(":")[0]
     if ep > 1 and num_experts % ep:
         return f"{num_experts} experts do not divide over ep={ep}"
-    if ep > 1 and zero_1:
-        return "ZeRO-1 with expert parallelism is not supported yet"
     return None
 
 
@@ -185,7 +187,7 @@ def rank_params(config, model: nn.Module, *, tp: int, ep: int = 1, lora_config=N
             raise ValueError(f"tensor_parallel_size={tp} exceeds the {num_heads} attention heads")
         kv = (getattr(text, patch.num_kv_heads_attr, None) if patch.num_kv_heads_attr else None) or num_heads
         layout = head_layout(num_heads, kv, config_head_dim(text, num_heads), 0, tp)
-    local, swapped, row_biases, moe_blocks = {}, {}, set(), []
+    local, swapped, row_biases, moe_blocks, expert_ids = {}, {}, set(), [], set()
     for name, module, style in match_plan(patch, model):
         if isinstance(style, (tp_plan.Column, tp_plan.Row, tp_plan.Embedding, tp_plan.LMHead)):
             for pname, numel in _linear_local(module, style, layout, tp).items():
@@ -197,19 +199,23 @@ def rank_params(config, model: nn.Module, *, tp: int, ep: int = 1, lora_config=N
             moe_blocks.append(name.rpartition(".")[0] + ".")
             for pname, param in module.named_parameters(recurse=False):
                 local[id(param)] = _expert_local(param, pname, text.hidden_size, tp, ep)
-    by_place, replicated, seen = {}, {}, set()
+                expert_ids.add(id(param))
+    by_place, replicated, experts, seen = {}, {}, {}, set()
     for name, param in model.named_parameters(remove_duplicate=False):
         if id(param) in seen:
             continue
         seen.add(id(param))
         place = _place(name, layers_prefix)
         by_place[place] = by_place.get(place, 0) + local.get(id(param), param.numel())
+        if id(param) in expert_ids:
+            experts[place] = experts.get(place, 0) + local[id(param)]
         if (isinstance(place, int) and (id(param) not in local or id(param) in row_biases)
                 and not any(name.startswith(block) for block in moe_blocks)):
             replicated[place] = replicated.get(place, 0) + param.numel()
     tied = _tied_embedding(model, local)
     lora = _lora_params(model, swapped, layout, tp, lora_config, layers_prefix) if lora_config else {}
-    return RankParams(by_place=by_place, lora_by_place=lora, tied_embedding=tied, replicated_by_layer=replicated)
+    return RankParams(by_place=by_place, lora_by_place=lora, tied_embedding=tied, replicated_by_layer=replicated,
+                      experts_by_layer=experts)
 
 
 def _tied_embedding(model: nn.Module, local: dict) -> int:

@@ -61,6 +61,10 @@ def _rank_main(fn, rank, world_size, port, results, args, kwargs, process_group_
         value = fn(*args, **kwargs)
         from nxd_hf import parallel_state
 
+        # a rank that returns and exits while a peer still completes a group's gloo handshake with it
+        # fails that peer ("Connection closed by peer"); a rank that failed has the parent kill the others
+        if dist.is_initialized():
+            dist.barrier()
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
         results.put((rank, "ok", value))

@@ -165,10 +165,6 @@ def neuronx_distributed_config(
     if config.pipeline_config and pipeline_parallel_size == 1:
         raise ValueError("pipeline_config is given but pipeline_parallel_size is 1: set pipeline_parallel_size > 1")
     parallel_state.check_expert_parallel_size(expert_parallel_size)
-    if expert_parallel_size > 1 and config.optimizer_config.zero_one_enabled:
-        raise ValueError("optimizer_config zero_one_enabled=True with expert_parallel_size > 1 is not supported yet "
-                         "(ZeRO-1 does not shard expert-parallel parameters): use zero_one_enabled=False or "
-                         "expert_parallel_size=1")
     parallel_state.initialize_model_parallel(tensor_parallel_size, pipeline_parallel_size, timeout=timeout,
                                              expert_parallel_size=expert_parallel_size)
     return config

@@ -111,7 +111,3 @@ def test_aux_loss_spec_reads_the_model():
     assert spec.router_cls.__name__ == "MixtralTopKRouter"
     assert aux_loss.aux_loss_spec(moe_pp_cases.build_pair("mixtral", aux=False)[0]) is None
     assert aux_loss.aux_loss_spec(moe_pp_cases.build_pair("deepseek_v3")[0]) is None  # HF adds none
-
-
-def test_replica_aux_loss_at_pp1_warns(ranks2):
-    ranks2.run(moe_pp_cases.replica_aux_loss_warns)

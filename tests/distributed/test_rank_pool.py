@@ -50,7 +50,7 @@ def layout_state():
 
 @pytest.fixture
 def pool():
-    with RankPool(2, timeout_s=5) as pool:
+    with RankPool(2, timeout_s=15) as pool:  # 5 s timed out on trivial cases under a load of 15 on 2 cores
         yield pool
 
 
@@ -66,7 +66,7 @@ def test_results_per_rank_from_ranks_that_stay_alive(pool):
 
 @pytest.mark.parametrize("case,message", [
     (fails_on_rank1, "rank 1 failed:(.|\n)*ValueError: boom on rank 1"),
-    (hangs_on_rank0, r"timed out after 5s waiting for ranks \[0"),
+    (hangs_on_rank0, r"timed out after 15s waiting for ranks \[0"),
     (dies_on_rank1, "rank 1 died with exit code 3"),
 ])
 def test_a_failing_hanging_or_dying_rank_is_reported_and_the_pool_restarts(pool, case, message):
@@ -74,7 +74,7 @@ def test_a_failing_hanging_or_dying_rank_is_reported_and_the_pool_restarts(pool,
     start = time.monotonic()
     with pytest.raises(DistributedTestError, match=message):
         pool.run(case)
-    assert time.monotonic() - start < 30
+    assert time.monotonic() - start < 45
     after = _pids(pool)
     assert not set(after) & set(before)
 

@@ -248,3 +248,17 @@ def test_expert_parallel_layouts_are_priced_with_their_all_to_all(tmp_path):
     plain = next(p for p in result.ranked if p.layout == Layout(tp=1, pp=1, dp=8, num_microbatches=1))
     sharded = next(p for p in result.ranked if p.layout == Layout(tp=1, pp=1, dp=8, ep=8, num_microbatches=1))
     assert sharded.memory["parameters"] < plain.memory["parameters"] / 4  # experts are most of Mixtral
+
+
+def test_zero1_with_expert_parallelism_shards_experts_over_expert_data(tmp_path):
+    """ZeRO-1 at ep shards a rank's experts / ep over dp / ep ranks: the same state per rank as at ep=1."""
+    path = _write(tmp_path, "mixtral", MIXTRAL)
+    result = nxd_hf.plan(path, world_size=8, device_memory="10TB", seq_len=1024, dtype="bfloat16")
+
+    def state(**fields) -> float:
+        layout = Layout(tp=1, pp=1, dp=8, num_microbatches=1, **fields)
+        return next(p.memory["optimizer_state"] for p in result.ranked if p.layout == layout)
+
+    assert state(ep=2, zero_1=True) == pytest.approx(state(zero_1=True))
+    assert state(ep=8, zero_1=True) == pytest.approx(state(zero_1=True))
+    assert state(ep=2, zero_1=True) < state(ep=2) / 2

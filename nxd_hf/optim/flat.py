@@ -89,6 +89,16 @@ class FlatGroup:
         """Indices of the parameters meeting the flat range ``[lo, hi)``."""
         return [i for i, (p, off) in enumerate(zip(self.params, self.offsets)) if off < hi and lo < off + p.numel()]
 
+    def _overlapping(self, lo: int, hi: int):
+        """(param, param-local start, param-local end, start in [lo, hi)) for params meeting [lo, hi)."""
+        i = max(bisect.bisect_right(self.offsets, lo) - 1, 0)
+        while i < len(self.params) and self.offsets[i] < hi:
+            p, off = self.params[i], self.offsets[i]
+            a, b = max(lo, off) - off, min(hi, off + p.numel()) - off
+            if a < b:
+                yield p, a, b, off + a - lo
+            i += 1
+
     def read(self, lo: int, hi: int, out: torch.Tensor, source: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
         """``out[:] = flat[lo:hi]`` where the flat buffer holds ``source(param)``; holes
         (padding, a ``None`` source) read as zeros."""

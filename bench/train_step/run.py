@@ -181,6 +181,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"skipping deepspeed_autotp: {reason}")
         skipped["deepspeed_autotp"] = reason
         args.cases = [c for c in args.cases if c != "deepspeed_autotp"]
+        if not args.cases:
+            return None
     if "hf_tp" in args.cases:
         opts["checkpoint"] = ensure_checkpoint(opts)
     result = dict(**stamp(), config=dict(opts, timed_steps=args.steps, repeats=args.repeats),

@@ -122,14 +122,14 @@ def run_trainer(trainer, timer) -> dict:
                 mean_loss=output.training_loss, setup_peak_rss=setup_peak)
 
 
-def run_bare_loop(model, rows, *, steps: int, batch: int, clip) -> dict:
-    """AdamW, forward, backward, ``clip(params)``, step, zero_grad; the peak reset before the
-    optimizer is built."""
+def run_bare_loop(model, rows, *, steps: int, batch: int, clip, make_optimizer=None) -> dict:
+    """AdamW (or ``make_optimizer(params)``), forward, backward, ``clip(params)``, step, zero_grad;
+    the peak reset before the optimizer is built."""
     import torch
 
     setup_peak = reset_peak()
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
+    optimizer = (make_optimizer or (lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=0.0)))(params)
     model.train()
     seconds, cpu_seconds, losses = [], [], []
     for step in range(steps):
@@ -207,6 +207,33 @@ def case_overlap(opts: dict, rows, out_dir: str, tp: int) -> dict:
     return dict(result, overlap=switch, num_buckets=len(policy.buckets.buckets))
 
 
+def case_overlap_zero1(opts: dict, rows, out_dir: str, tp: int) -> dict:
+    """``case_overlap`` with ZeRO-1 (``NeuronZero1Optimizer``, AdamW, clipping in its step): its
+    reduce-scatter started per bucket during backward, or all in ``step()``, every other step."""
+    import torch
+    import torch.distributed as dist
+
+    import nxd_hf
+    from nxd_hf.optim import NeuronZero1Optimizer
+
+    model = nxd_hf.parallelize(plain_model(opts["overlap_layers"], opts["seq"]), tensor_parallel_size=tp)
+    dp_rank, switch, made = nxd_hf.parallel_state.get_data_parallel_rank(), [], []
+
+    def make_optimizer(params):
+        made.append(NeuronZero1Optimizer(params, torch.optim.AdamW, lr=LR, weight_decay=0.0, max_norm=MAX_NORM))
+        return made[0]
+
+    def clip(params):  # ZeRO-1 clips in step(); only the switch here, for the step after this one
+        switch.append(made[0].overlap_reduce_scatter)
+        made[0].overlap_reduce_scatter = not made[0].overlap_reduce_scatter
+
+    own_rows = rows.roll(dp_rank * opts["batch"], dims=0)
+    result = run_bare_loop(model, own_rows, steps=opts["steps"], batch=opts["batch"], clip=clip,
+                           make_optimizer=make_optimizer)
+    dist.barrier()
+    return dict(result, overlap=switch, num_buckets=sum(len(fg.buckets()) for fg in made[0].flat_groups))
+
+
 def case_hf_tp(opts: dict, rows, out_dir: str) -> dict:
     """transformers' own TP (``DistributedConfig(tp_size=2)``, which only ``from_pretrained``
     takes), trained by ``transformers.Trainer`` where it can be built (``use_cpu=True``, as on a
@@ -248,6 +275,43 @@ def clip_mixed_mesh(params) -> None:
         clip_grads_with_norm_(group, MAX_NORM, total)
 
 
+def case_deepspeed_autotp(opts: dict, rows, out_dir: str) -> dict:
+    """DeepSpeed's AutoTP training (``tensor_parallel.autotp_size=2`` in the config; ZeRO stage 0,
+    AdamW as torch's, clipping at 1.0) on the same model and rows, DS_ACCELERATOR=cpu, gloo; the
+    engine's forward, ``backward`` and ``step``. DeepSpeed is not a dependency: ``run.py`` puts
+    ``--deepspeed-path`` on the path of this case only and skips it when deepspeed does not import."""
+    import deepspeed
+
+    config = {"train_micro_batch_size_per_gpu": opts["batch"], "gradient_accumulation_steps": 1,
+              "gradient_clipping": MAX_NORM, "zero_optimization": {"stage": 0},
+              "tensor_parallel": {"autotp_size": 2},
+              "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0, "torch_adam": True}},
+              "steps_per_print": 10**9, "wall_clock_breakdown": False}
+    model = plain_model(opts["layers"], opts["seq"])
+    setup_peak = reset_peak()
+    full_numel = sum(p.numel() for p in model.parameters())
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    engine.train()
+    local_numel = sum(p.numel() for p in engine.module.parameters())  # AutoTP shards in initialize
+    seconds, cpu_seconds, losses = [], [], []
+    for step in range(opts["steps"]):
+        ids = rows[step * opts["batch"]:(step + 1) * opts["batch"]]
+        start, start_cpu = time.perf_counter(), time.process_time()
+        TRACE.mark("forward")
+        loss = engine(input_ids=ids, labels=ids).loss
+        TRACE.mark("backward")
+        engine.backward(loss)
+        TRACE.mark("optimizer")
+        engine.step()
+        TRACE.mark("step_end")
+        seconds.append(time.perf_counter() - start)
+        cpu_seconds.append(time.process_time() - start_cpu)
+        losses.append(loss.item())
+    return dict(seconds=seconds, cpu_seconds=cpu_seconds, intervals=[], mean_loss=sum(losses) / len(losses),
+                setup_peak_rss=setup_peak, trained_by=f"deepspeed {deepspeed.__version__} engine",
+                local_param_fraction=local_numel / full_numel)
+
+
 def case_single(opts: dict, rows, out_dir: str) -> dict:
     import torch
 
@@ -257,7 +321,9 @@ def case_single(opts: dict, rows, out_dir: str) -> dict:
 
 CASES = {"nxd_trainer": case_nxd_trainer, "nxd_loop": case_nxd_loop, "hf_tp": case_hf_tp, "single": case_single,
          "nxd_loop_tp1": case_nxd_loop_tp1, "nxd_zero1": lambda *a: case_nxd_trainer(*a, zero_1=True),  # tp=1 x dp=2
-         "overlap_dp2": lambda *a: case_overlap(*a, tp=1), "overlap_tp2dp2": lambda *a: case_overlap(*a, tp=2)}
+         "overlap_dp2": lambda *a: case_overlap(*a, tp=1), "overlap_tp2dp2": lambda *a: case_overlap(*a, tp=2),
+         "overlap_zero1_dp2": lambda *a: case_overlap_zero1(*a, tp=1),
+         "overlap_zero1_tp2dp2": lambda *a: case_overlap_zero1(*a, tp=2), "deepspeed_autotp": case_deepspeed_autotp}
 ONE_PROCESS = ("single", "nxd_loop_tp1")
 
 

@@ -9,8 +9,9 @@ MiB = 2**20
 # case -> (tp, dp, ZeRO-1, processes x threads); tp/dp/ZeRO-1 set the floor
 LAYOUT = {"nxd_trainer": (2, 1, False), "nxd_loop": (2, 1, False), "hf_tp": (2, 1, False), "single": (1, 1, False),
           "nxd_loop_tp1": (1, 1, False), "nxd_zero1": (1, 2, True), "overlap_dp2": (1, 2, False),
-          "overlap_tp2dp2": (2, 2, False)}
-CORES = {"overlap_tp2dp2": 4}  # the others: 2 ranks x 1 thread or 1 process x 2 threads
+          "overlap_tp2dp2": (2, 2, False), "overlap_zero1_dp2": (1, 2, True), "overlap_zero1_tp2dp2": (2, 2, True),
+          "deepspeed_autotp": (2, 1, False)}
+CORES = {"overlap_tp2dp2": 4, "overlap_zero1_tp2dp2": 4}  # the others: 2 ranks x 1 thread or 1 process x 2 threads
 AIMS = dict(trainer_over_loop=0.97, trainer_over_hf_tp_throughput=1.0, trainer_over_hf_tp_rss=1.0)
 
 
@@ -98,7 +99,7 @@ def summarize(result: dict) -> dict:
         summary[case] = row
     quiet = result.get("load", {}).get("quiet", False)
     ratios = _ratios(summary)  # memory ratios need no quiet machine; throughput ratios do
-    timed = {k: v for k, v in ratios.items() if "throughput" in k or k == "trainer_over_loop"}
+    timed = {k: v for k, v in ratios.items() if k.endswith("throughput") or k == "trainer_over_loop"}
     return dict(summary=summary, errors=errors, ratios={k: v for k, v in ratios.items() if quiet or k not in timed},
                 ratios_withheld=None if quiet else timed)
 
@@ -116,6 +117,13 @@ def _ratios(summary: dict) -> dict:
         out["trainer_over_hf_tp_throughput"] = dict(value=value, aim=">= 1.0", met=value >= 1.0)
         value = med("nxd_trainer", "peak_rss") / med("hf_tp", "peak_rss")
         out["trainer_over_hf_tp_rss"] = dict(value=value, aim="<= 1.0", met=value <= 1.0)
+    for peer in ("deepspeed_autotp", "hf_tp", "single"):  # the bare loops side by side (issue 28 item 3)
+        if med("nxd_loop", "tokens_per_s") and med(peer, "tokens_per_s"):
+            value = med("nxd_loop", "tokens_per_s") / med(peer, "tokens_per_s")
+            out[f"loop_over_{peer}_throughput"] = dict(value=value, aim="report", met=True)
+        if med("nxd_loop", "tokens_per_cpu_s") and med(peer, "tokens_per_cpu_s"):  # needs no quiet machine
+            value = med("nxd_loop", "tokens_per_cpu_s") / med(peer, "tokens_per_cpu_s")
+            out[f"loop_over_{peer}_tokens_per_cpu_s"] = dict(value=value, aim="report", met=True)
     return out
 
 
@@ -128,14 +136,18 @@ def _fmt(spread: dict | None, scale: float = 1.0, digits: int = 0) -> str:
 
 NAMES = {"nxd_trainer": "NxDTrainer tp=2", "nxd_loop": "nxd_hf bare loop tp=2", "single": "1 process, 2 threads",
          "nxd_loop_tp1": "nxd_hf bare loop tp=1 (1 process, 2 threads)", "nxd_zero1": "NxDTrainer tp=1 dp=2 ZeRO-1",
-         "overlap_dp2": "overlap switch, bare loop dp=2", "overlap_tp2dp2": "overlap switch, bare loop tp=2 x dp=2"}
+         "overlap_dp2": "overlap switch, bare loop dp=2", "overlap_tp2dp2": "overlap switch, bare loop tp=2 x dp=2",
+         "overlap_zero1_dp2": "overlap switch, ZeRO-1 dp=2", "overlap_zero1_tp2dp2": "overlap switch, ZeRO-1 tp=2 x dp=2",
+         "deepspeed_autotp": "DeepSpeed AutoTP tp=2"}
 
 
 def format_table(result: dict) -> str:
     hf_tp_row = result["summary"].get("hf_tp", {})
     hf_tp = f"transformers TP tp=2, {hf_tp_row.get('trained_by') or 'transformers.Trainer'}"
     names = NAMES | {"hf_tp": hf_tp}
-    lines = [f"{result['num_params']:,} params; median (min-max) over repeats; RSS in MiB per rank (worst rank); "
+    only_overlap = all(case.startswith("overlap") for case in result["summary"])
+    params = result.get("num_params_overlap", result["num_params"]) if only_overlap else result["num_params"]
+    lines = [f"{params:,} params; median (min-max) over repeats; RSS in MiB per rank (worst rank); "
              "peak: VmHWM of the whole run; train peak: after the model is built; "
              "floor: 16 B/param / tp + bare; mean loss: over all steps of a launch",
              "| case | tokens/s | tokens/s incl. data+logging | tokens/CPU-s | peak RSS | peak - bare | train peak | "
@@ -152,7 +164,10 @@ def format_table(result: dict) -> str:
     if hf_tp_row.get("trainer_refused"):
         lines.append(f"transformers TP trained by the bare loop: {hf_tp_row['trainer_refused']}")
     for name, ratio in result["ratios"].items():
-        lines.append(f"{name}: {ratio['value']:.3f} (aim {ratio['aim']}: {'met' if ratio['met'] else 'NOT met'})")
+        verdict = "" if ratio["aim"] == "report" else f" (aim {ratio['aim']}: {'met' if ratio['met'] else 'NOT met'})"
+        lines.append(f"{name}: {ratio['value']:.3f}{verdict}")
+    for case, reason in result.get("skipped", {}).items():
+        lines.append(f"{case} skipped: {reason}")
     load = result.get("load")
     if load and not load["quiet"]:
         lines.append("throughput ratios WITHHELD: " + "; ".join(load["reasons"]) + " -- compare tokens/CPU-s instead")

@@ -40,6 +40,12 @@ throughput ratios are printed only when the load never exceeded the cores the ru
 stayed under 5%, else they are withheld with the reason; tokens per CPU-second per rank (the rank's
 user + system seconds per step) are always recorded.
 
+Added for issue 28 later: ``overlap_zero1_dp2`` / ``overlap_zero1_tp2dp2`` (the same switch for
+ZeRO-1's reduce-scatter started during backward or in ``step()``), and ``deepspeed_autotp``
+(DeepSpeed's AutoTP training at tp=2, a peer of ``nxd_loop``, ``hf_tp`` and ``single``;
+DeepSpeed is not a dependency: pass ``--deepspeed-path`` (a ``pip install --no-deps --target``
+folder) or have it importable; the case is skipped with the reason printed when it does not import).
+
 Run from the repo root: ``python -m bench.train_step [--layers 12] [--steps 5] [--warmup 2]
 [--repeats 3] [--cases ...] [--out PATH]``; ``--report PATH`` prints an earlier run's table;
 a quick check: ``--layers 2 --steps 3 --warmup 1 --repeats 1 --out /tmp/train_step.json``.
@@ -62,7 +68,8 @@ from bench.train_step.judge import LoadWatch, verdict
 from bench.train_step.report import CORES, format_table, summarize
 
 WORLD = {"nxd_trainer": 2, "nxd_loop": 2, "hf_tp": 2, "single": 1, "nxd_loop_tp1": 1, "nxd_zero1": 2,
-         "overlap_dp2": 2, "overlap_tp2dp2": 4}
+         "overlap_dp2": 2, "overlap_tp2dp2": 4, "overlap_zero1_dp2": 2, "overlap_zero1_tp2dp2": 4,
+         "deepspeed_autotp": 2}
 DEFAULT_CASES = ["nxd_trainer", "nxd_loop", "hf_tp", "single", "nxd_loop_tp1", "nxd_zero1", "overlap_dp2",
                  "overlap_tp2dp2"]
 
@@ -97,6 +104,7 @@ def launch(case: str, opts: dict, timeout_s: float) -> dict:
                                   if world > 1 else []) + script
         env = dict(os.environ, OMP_NUM_THREADS=str(1 if world > 1 else 2), NXD_HF_BENCH_THREADS=str(1 if world > 1 else 2), PYTHONPATH=str(REPO),
                    TRANSFORMERS_VERBOSITY="error", TOKENIZERS_PARALLELISM="false")
+        env.update(_case_env(case, opts))
         start = time.perf_counter()
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s, cwd=REPO)
@@ -110,6 +118,24 @@ def launch(case: str, opts: dict, timeout_s: float) -> dict:
         error = "missing rank results"
     return dict(case=case, world=world, launch_seconds=time.perf_counter() - start, error=error,
                 stderr_tail=stderr_tail, ranks=ranks if len(ranks) == world else [])
+
+
+def _case_env(case: str, opts: dict) -> dict:
+    """DeepSpeed (not a dependency) from ``--deepspeed-path`` on the CPU accelerator, for its case only."""
+    if case != "deepspeed_autotp":
+        return {}
+    path = os.pathsep.join(p for p in (opts.get("deepspeed_path"), str(REPO)) if p)
+    extensions = os.path.join(tempfile.gettempdir(), "nxd_hf_bench_torch_extensions")  # its shm op, built once
+    return dict(DS_ACCELERATOR="cpu", PYTHONPATH=path, TORCH_EXTENSIONS_DIR=extensions)
+
+
+def deepspeed_missing(opts: dict) -> str | None:
+    """Why ``deepspeed_autotp`` cannot run here (deepspeed does not import), or None."""
+    env = dict(os.environ, DS_ACCELERATOR="cpu",
+               PYTHONPATH=os.pathsep.join(p for p in (opts.get("deepspeed_path"), str(REPO)) if p))
+    proc = subprocess.run([sys.executable, "-c", "import deepspeed"], env=env, capture_output=True, text=True,
+                          cwd=REPO, timeout=300)
+    return None if proc.returncode == 0 else f"deepspeed does not import: {_last_error(proc.stderr)}"
 
 
 def _last_error(stderr: str) -> str:
@@ -130,7 +156,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cases", nargs="+", default=DEFAULT_CASES, choices=list(CASES))
     parser.add_argument("--overlap-layers", type=int, default=2, help="layers of the overlap_* cases' model")
     parser.add_argument("--hf-tp-loop", action="store_true", help="train hf_tp with the bare loop, not Trainer")
+    parser.add_argument("--deepspeed-path", help="a folder holding deepspeed (pip install --target; not a dependency) "
+                        "for the deepspeed_autotp case; default: wherever python finds it")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per launch")
+    parser.add_argument("--append", action="store_true", help="add this run's launches to those of --out (same "
+                        "options; each invocation stays short on a shared machine)")
     parser.add_argument("--report", metavar="JSON", help="print the table of an earlier (or partial) run and exit")
     parser.add_argument("--worker", choices=list(CASES), help=argparse.SUPPRESS)
     parser.add_argument("--opts", help=argparse.SUPPRESS)
@@ -144,12 +174,27 @@ def main(argv: list[str] | None = None) -> None:
 
     start, load_before = time.perf_counter(), os.getloadavg()[0]
     opts = dict(layers=args.layers, seq=args.seq, batch=args.batch, steps=args.warmup + args.steps,
-                warmup=args.warmup, hf_tp_loop=args.hf_tp_loop, overlap_layers=args.overlap_layers)
+                warmup=args.warmup, hf_tp_loop=args.hf_tp_loop, overlap_layers=args.overlap_layers,
+                deepspeed_path=args.deepspeed_path)
+    skipped = {}
+    if "deepspeed_autotp" in args.cases and (reason := deepspeed_missing(opts)):
+        print(f"skipping deepspeed_autotp: {reason}")
+        skipped["deepspeed_autotp"] = reason
+        args.cases = [c for c in args.cases if c != "deepspeed_autotp"]
+        if not args.cases:
+            return None
     if "hf_tp" in args.cases:
         opts["checkpoint"] = ensure_checkpoint(opts)
     result = dict(**stamp(), config=dict(opts, timed_steps=args.steps, repeats=args.repeats),
                   num_params=num_params(opts), num_params_overlap=num_params(dict(opts, layers=args.overlap_layers)),
-                  cpus=os.cpu_count(), runs=[])
+                  cpus=os.cpu_count(), runs=[], skipped=skipped)
+    if args.append and os.path.exists(args.out):
+        with open(args.out) as f:
+            earlier = json.load(f)
+        if earlier["config"] != result["config"]:
+            raise ValueError(f"--append: {args.out} was measured with other options {earlier['config']}")
+        result["runs"], result["skipped"] = earlier["runs"], {**earlier.get("skipped", {}), **skipped}
+        result["earlier_load"] = [*earlier.get("earlier_load", []), earlier["load"]]
     cores_used = max(CORES.get(case, 2) for case in args.cases)
     with LoadWatch() as watch:
         for repeat in range(args.repeats):
@@ -160,6 +205,10 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"{run['launch_seconds']:.0f}s" + (f" FAILED: {run['error']}" if run["error"] else ""), flush=True)
                 result["runs"].append(dict(run, repeat=repeat, load=launch_watch.result()))
                 result["load"] = verdict(watch.result(), cores_used, os.cpu_count())
+                for earlier_load in result.get("earlier_load", []):  # quiet only if every invocation was
+                    reasons = list(dict.fromkeys([*result["load"]["reasons"], *earlier_load["reasons"]]))
+                    result["load"] = dict(result["load"], quiet=result["load"]["quiet"] and earlier_load["quiet"],
+                                          reasons=reasons)
                 result.update(summarize(result), wall_seconds=time.perf_counter() - start,
                               load_average_1min=[load_before, os.getloadavg()[0]])  # other processes on the machine
                 os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -56,3 +56,4 @@ from nxd_hf.backend.groups import (  # noqa: F401
     group_size, init_process_group_from_env, new_group, p2p_group, post_first, rank, world_size,
 )
 from nxd_hf.backend.collectives import all_reduce_async  # noqa: F401,E402
+from nxd_hf.backend.collectives import reduce_scatter_async  # noqa: F401,E402

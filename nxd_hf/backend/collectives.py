@@ -258,3 +258,37 @@ def all_reduce_async(tensor: torch.Tensor, group):
     _record("all_reduce", tensor, group)
     with _named_errors("all_reduce", group):
         return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+
+class _ReduceScatterWork:
+    """The handle of ``reduce_scatter_async``: ``wait()`` waits for its works and, on gloo, copies
+    this rank's reduced chunk into ``out``."""
+
+    def __init__(self, works: list, out: torch.Tensor | None = None, chunk: torch.Tensor | None = None):
+        self.works, self.out, self.chunk = works, out, chunk
+
+    def wait(self) -> bool:
+        for work in self.works:
+            work.wait()
+        if self.out is not None:
+            self.out.copy_(self.chunk)
+        self.works, self.out = [], None
+        return True
+
+
+def reduce_scatter_async(out: torch.Tensor, tensor: torch.Tensor, group):
+    """Start ``reduce_scatter_into(out, tensor, group)``; returns a handle whose ``wait()`` blocks
+    until ``out`` holds the result (``tensor`` must stay untouched until then)."""
+    size = group_size(group)
+    if size == 1 or _is_abstract(tensor):
+        out.copy_(tensor)
+        return _Done()
+    assert tensor.numel() == out.numel() * size, (tensor.shape, out.shape)
+    _record("reduce_scatter", tensor, group)
+    with _named_errors("reduce_scatter", group):
+        if "gloo" not in dist.get_backend(group):
+            return _ReduceScatterWork([_reduce_scatter_flat(out, tensor, group=group, async_op=True)])
+        chunks = tensor.view(size, -1)
+        works = [dist.reduce(chunks[j], dst=dist.get_global_rank(group, j), group=group, async_op=True)
+                 for j in range(size)]
+        return _ReduceScatterWork(works, out, chunks[group_rank(group)])

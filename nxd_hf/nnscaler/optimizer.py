@@ -148,7 +148,8 @@ class ZeroParallelOptimizer(ParallelOptimizer, NeuronZero1Optimizer):
     """``optimizer_fn``'s optimizer on ZeRO-1's master slices (its ``parameters for optimizer``)."""
 
     def __init__(self, module, params, optimizer_fn, names, non_parallel, **kwargs):
-        NeuronZero1Optimizer.__init__(self, params, optimizer_fn, grad_clipping=False, **kwargs)
+        NeuronZero1Optimizer.__init__(self, params, optimizer_fn, grad_clipping=False, overlap_reduce_scatter=False,
+                                      **kwargs)  # nnScaler's reducers run the reduce-scatter
         self._init_nnscaler(module, names, non_parallel)
         self.reducers = [Reducer([p for fg in self.flat_groups for p in fg.params], self.sharding_group,
                                  grad_of=self.grad_source, reduce=self._reduce_scatter)]
@@ -203,7 +204,7 @@ class ZeroParallelOptimizer(ParallelOptimizer, NeuronZero1Optimizer):
 
     def _layout_extra(self) -> dict:
         flat = [{"names": [self._names[id(p)] for p in fg.params], "offsets": list(fg.offsets),
-                 "shapes": [list(p.shape) for p in fg.params], "shard_start": fg.shard_start,
+                 "shapes": [list(p.shape) for p in fg.params], "pieces": fg.pieces(),
                  "shard_numel": fg.shard_numel} for fg in self.flat_groups]
         return {"kind": "zero1", "flat_groups": flat}
 

@@ -233,12 +233,13 @@ def _zero_states(osds: list[dict]) -> dict[str, dict]:
             states = [inner["state"].get(c) for c in inner["param_groups"][k]["params"]]
             if not states or states[0] is None:
                 continue
-            lo = mine["shard_start"]
+            pieces = mine.get("pieces") or [(mine["shard_start"], mine["shard_start"] + mine["shard_numel"], 0)]
             for key, value in states[0].items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
                     piece = torch.cat([s[key].reshape(-1) for s in states])
                     buffer = flat.setdefault(key, piece.new_zeros(len(osds) * mine["shard_numel"]))
-                    buffer[lo : lo + len(piece)] = piece
+                    for lo, hi, at in pieces:  # the flat ranges this rank holds, at their place in its slice
+                        buffer[lo:hi] = piece[at : at + hi - lo]
                 else:
                     scalars.setdefault(key, value)
         for name, offset, shape in zip(fg["names"], fg["offsets"], fg["shapes"]):

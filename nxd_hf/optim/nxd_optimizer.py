@@ -1,6 +1,7 @@
 """``NxDOptimizer``: the optimizer of the config API without ZeRO-1 (``initialize_parallel_optimizer``):
-``step()`` does the data-parallel gradient reduction, gradient clipping on the global norm, and
-the step, on fp32 master weights for bf16/fp16 parameters."""
+``step()`` does the data-parallel gradient reduction (unless ``reduce_in_backward``: the model's
+backward does it, overlapped), gradient clipping on the global norm, and the step, on fp32 master
+weights for bf16/fp16 parameters."""
 
 import torch
 
@@ -21,7 +22,7 @@ class NxDOptimizer(torch.optim.Optimizer):
     shards_state_over_dp = False
 
     def __init__(self, params, optimizer_class, *, max_grad_norm: float | None, use_master_weights: bool,
-                 bucket_size_mb: float = 25, **defaults):
+                 bucket_size_mb: float = 25, reduce_in_backward: bool = False, **defaults):
         groups = list(params)
         if groups and not isinstance(groups[0], dict):
             groups = [{"params": groups}]
@@ -30,7 +31,10 @@ class NxDOptimizer(torch.optim.Optimizer):
         inner_groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": m.masters}
                         for g, m in zip(groups, self.masters)]
         self.optimizer = optimizer_class(inner_groups, **defaults)
-        for policy in grad_reductions_of(p for g in groups for p in g["params"]):
+        self.reduce_in_backward = reduce_in_backward
+        """The model's backward averages the gradients over DP (overlapped, per bucket; micro-steps of an
+        accumulation inside ``model.no_sync()``), not ``step()``."""
+        for policy in ([] if reduce_in_backward else grad_reductions_of(p for g in groups for p in g["params"])):
             policy.reduce_in_optimizer()  # step() does the data-parallel reduction
         self.max_grad_norm, self.bucket_size_mb = max_grad_norm, bucket_size_mb
         self.grad_norm: torch.Tensor | None = None
@@ -56,8 +60,9 @@ class NxDOptimizer(torch.optim.Optimizer):
         masters = [m for group in self.masters for m in group.masters]
         for group in self.masters:
             group.load_grads()
-        with_grads = [m for m in masters if m.grad is not None]
-        data_parallel_mean(with_grads, [m.grad for m in with_grads], bucket_size_mb=self.bucket_size_mb)
+        if not self.reduce_in_backward:
+            with_grads = [m for m in masters if m.grad is not None]
+            data_parallel_mean(with_grads, [m.grad for m in with_grads], bucket_size_mb=self.bucket_size_mb)
         if self.max_grad_norm is not None:
             self.grad_norm = clip_grad_norm(masters, self.max_grad_norm)
         loss = self.optimizer.step(closure)

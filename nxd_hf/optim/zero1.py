@@ -5,7 +5,9 @@ flat parameters (``nxd_hf.optim.flat``). One ``step()``:
 
 1. reduce-scatter the gradients over the sharding (DP) group, bucketed, and divide by dp (in
    one pass with the clipping): each rank gets the DP-mean gradient of its slice; expert-parallel
-   parameters are sharded over the expert-data group instead (``zero1_experts``);
+   parameters are sharded over the expert-data group instead (``zero1_experts``). By default each
+   bucket's reduce-scatter starts during backward, once its gradients are complete
+   (``optim.zero1_overlap``); ``step()`` then only waits for it;
 2. if ``max_norm`` is set, clip on the norm of the whole model's gradient: slice norms summed
    over DP, then over the grad-norm (TP x PP) group, counting TP-replicated parameters once
    (on TP rank 0) and replicated K/V rows once, as ``parallel_layers.grads.get_grad_norm``;
@@ -27,6 +29,7 @@ from nxd_hf.model_state import state_of
 from nxd_hf.optim.flat import FlatGroup
 from nxd_hf.optim.groups import resolve_group
 from nxd_hf.optim.zero1_experts import Zero1ExpertsMixin
+from nxd_hf.optim.zero1_overlap import OverlappedReduceScatter
 from nxd_hf.optim.zero1_state import Zero1StateMixin
 from nxd_hf.parallel_layers.grad_reduction import grad_reductions_of
 from nxd_hf.parallel_layers.grads import accumulated_grad, install_fp32_grad_accumulation
@@ -78,6 +81,10 @@ class NeuronZero1Optimizer(Zero1ExpertsMixin, Zero1StateMixin, torch.optim.Optim
         from the parameters anyway; NxD's argument).
     grad_source: ``param -> accumulated gradient or None``; default ``param.grad`` (e.g. an fp32
         ``main_grad``: gradients are reduced in the dtype it returns).
+    overlap_reduce_scatter: start each bucket's reduce-scatter during backward (HF path of a model
+        from ``nxd_hf.parallelize``, outside ``no_sync()``); False: all in ``step()``. Gradients
+        changed between backward and ``step()`` (other than by another backward) need False. The
+        attribute of that name may be switched between steps when it was True at construction.
     defaults: ``optimizer_class``'s options (lr, weight_decay, ...).
 
     ``param_groups`` are this object's (lr schedulers work on it); their options are copied to
@@ -85,12 +92,16 @@ class NeuronZero1Optimizer(Zero1ExpertsMixin, Zero1StateMixin, torch.optim.Optim
     A parameter without a gradient is stepped with a zero gradient (torch's optimizers skip it).
     """
 
+    interleaved_layout = True
+    """The flat layout (``optim.flat``): interleaved, in backward order (False: the contiguous one
+    before issue 28, without the overlapped reduce-scatter; kept to test loading its state_dicts)."""
+
     def __init__(self, params, optimizer_class, optimizer_dtype: torch.dtype | None = None, grad_clipping: bool = True,
                  max_norm: float | None = None, pin_layout=True, sharding_groups=None, grad_norm_groups=None,
                  lazy_init: bool = False, bucket_cap_mb_all_gather: float = 0, bucket_cap_mb_reduce_scatter: float = 0,
                  use_grad_acc_hook: bool = False, save_master_weights: bool = False, higher_cc_precision: bool = False,
                  *, norm_type: float = 2.0, bucket_size_mb: float = 25, elementwise: bool = False, model=None,
-                 grad_source=None, **defaults):
+                 grad_source=None, overlap_reduce_scatter: bool = True, **defaults):
         _check_elementwise(optimizer_class, elementwise)
         if not grad_clipping and max_norm is not None:
             warnings.warn(f"NeuronZero1Optimizer: max_norm={max_norm} is ignored with grad_clipping=False", stacklevel=2)
@@ -114,6 +125,7 @@ class NeuronZero1Optimizer(Zero1ExpertsMixin, Zero1StateMixin, torch.optim.Optim
         self.expert_sharding_group = self._expert_sharding_group()
         self.grad_norm_group = resolve_group(grad_norm_groups, "model")
         self._init_args = (optimizer_class, bucket_size_mb, model, defaults)
+        self.overlap_reduce_scatter = overlap_reduce_scatter
         self.inited = False
         if not lazy_init:
             self.init_zero()
@@ -128,7 +140,7 @@ class NeuronZero1Optimizer(Zero1ExpertsMixin, Zero1StateMixin, torch.optim.Optim
                 "shard: this rank keeps the whole optimizer state (no memory saving). Use it with DP > 1",
                 stacklevel=2,
             )
-        self.flat_groups: list[FlatGroup] = self._build_flat_groups(bucket_size_mb)
+        self.flat_groups: list[FlatGroup] = self._build_flat_groups(bucket_size_mb, interleaved=self.interleaved_layout)
         if not self.flat_groups:
             raise ValueError("NeuronZero1Optimizer got no trainable parameters (all have requires_grad=False)")
         self._layout_done = True
@@ -143,11 +155,18 @@ class NeuronZero1Optimizer(Zero1ExpertsMixin, Zero1StateMixin, torch.optim.Optim
         self._norm_segments = [fg.norm_segments(parallel_state.get_tensor_model_parallel_rank()) for fg in self.flat_groups]
         self.grad_norm: torch.Tensor | None = None
         self._staging_buffers: dict[tuple, torch.Tensor] = {}
-        for policy in grad_reductions_of(p for fg in self.flat_groups for p in fg.params):
+        policies = grad_reductions_of(p for fg in self.flat_groups for p in fg.params)
+        for policy in policies:
             policy.reduce_in_optimizer()
         if model is not None:
             self.attach(model)
+        self._overlap = self._new_overlap(policies)
         self.inited = True
+
+    def _new_overlap(self, policies: list) -> OverlappedReduceScatter | None:
+        if not self.overlap_reduce_scatter or self.dp_size == 1 or not self.interleaved_layout:
+            return None
+        return OverlappedReduceScatter(self, policies)
 
     def add_param_group(self, param_group: dict) -> None:
         if self._layout_done:
@@ -178,11 +197,10 @@ class NeuronZero1Optimizer(Zero1ExpertsMixin, Zero1StateMixin, torch.optim.Optim
     def _new_master(self, fg: FlatGroup) -> torch.Tensor:
         master = torch.empty(fg.shard_numel, dtype=self.optimizer_dtype, device=fg.device)
         master.grad = torch.zeros_like(master)  # filled by the reduce-scatter
-        if fg.dtype == master.dtype:
-            fg.read(fg.shard_start, fg.shard_start + fg.shard_numel, master, lambda p: p)
-        else:
-            staging = torch.empty(fg.shard_numel, dtype=fg.dtype, device=fg.device)
-            fg.read(fg.shard_start, fg.shard_start + fg.shard_numel, staging, lambda p: p)
+        staging = master if fg.dtype == master.dtype else torch.empty(fg.shard_numel, dtype=fg.dtype, device=fg.device)
+        for lo, hi, at in fg.pieces():
+            fg.read(lo, hi, staging[at : at + hi - lo], lambda p: p)
+        if staging is not master:
             master.copy_(staging)
         return master
 
@@ -198,8 +216,9 @@ class NeuronZero1Optimizer(Zero1ExpertsMixin, Zero1StateMixin, torch.optim.Optim
         for fg, inner in zip(self.flat_groups, self.optimizer.param_groups):  # lr schedulers edit ours
             inner.update(self._options(fg.group_index))
         with backend.comm_tag("zero1"):
-            for fg, master in zip(self.flat_groups, self.masters):
-                self._reduce_scatter_grads(fg, master)  # DP sums
+            if self._overlap is None or not self._overlap.take():  # else started in backward: done now
+                for fg, master in zip(self.flat_groups, self.masters):
+                    self._reduce_scatter_grads(fg, master)  # DP sums
             if self.max_norm is not None:
                 self.grad_norm = self._clip_grad_norm(scale=1.0 / self.dp_size)  # one pass: mean and clip
             elif self.dp_size > 1:
@@ -225,18 +244,23 @@ class NeuronZero1Optimizer(Zero1ExpertsMixin, Zero1StateMixin, torch.optim.Optim
             self._staging_buffers[(dtype, device)] = torch.empty(numel, dtype=dtype, device=device)
         return self._staging_buffers[(dtype, device)]
 
-    def _reduce_scatter_grads(self, fg: FlatGroup, master: torch.Tensor) -> None:
-        grads = [self.grad_source(p) for p in fg.params]
-        dtype = next((g.dtype for g in grads if g is not None), fg.dtype)
+    def reduce_dtype(self, fg: FlatGroup) -> torch.dtype:
+        """The dtype ``fg``'s gradients are reduce-scattered in."""
+        dtype = next((g.dtype for g in map(self.grad_source, fg.params) if g is not None), fg.dtype)
         master_dtype = self.masters[0].dtype
         if self.higher_cc_precision and dtype.itemsize < master_dtype.itemsize:
             dtype = master_dtype
+        return dtype
+
+    def _reduce_scatter_grads(self, fg: FlatGroup, master: torch.Tensor) -> None:
+        grads = [self.grad_source(p) for p in fg.params]
+        dtype = self.reduce_dtype(fg)
         source = dict(zip(map(id, fg.params), grads))
         staging = self._staging(dtype, fg.device)
         for c0, c1 in fg.buckets():
             width = c1 - c0
-            for j in range(fg.dp_size):  # row j of the [dp, shard] view: rank j's columns c0:c1
-                start = j * fg.shard_numel + c0
+            for j in range(fg.dp_size):  # rank j's columns c0:c1
+                start = fg.row_start(j, c0, c1)
                 fg.read(start, start + width, staging[j * width : (j + 1) * width], lambda p: source[id(p)])
             out = master.grad[c0:c1] if dtype == master.dtype else torch.empty(width, dtype=dtype, device=fg.device)
             backend.reduce_scatter_into(out, staging[: fg.dp_size * width], self.group_of(fg))
@@ -249,7 +273,7 @@ class NeuronZero1Optimizer(Zero1ExpertsMixin, Zero1StateMixin, torch.optim.Optim
             width = c1 - c0
             backend.all_gather_into(staging[: fg.dp_size * width], master[c0:c1].to(fg.dtype), self.group_of(fg))
             for j in range(fg.dp_size):
-                start = j * fg.shard_numel + c0
+                start = fg.row_start(j, c0, c1)
                 fg.write_params(start, start + width, staging[j * width : (j + 1) * width])
 
     def _clip_grad_norm(self, *, scale: float) -> torch.Tensor:

@@ -31,17 +31,19 @@ class Zero1ExpertsMixin:
                 "the rest over the data-parallel group: leave sharding_groups=None (the data-parallel group)")
         return parallel_state.get_expert_data_parallel_group()
 
-    def _build_flat_groups(self, bucket_size_mb: float) -> list[FlatGroup]:
+    def _build_flat_groups(self, bucket_size_mb: float, interleaved: bool = True) -> list[FlatGroup]:
         """The dense params' flat groups over the sharding group, then the expert params' over
-        expert_data (one param group's params split by ``is_expert_parallel``)."""
+        expert_data (one param group's params split by ``is_expert_parallel``); ``interleaved``: the
+        layout (``optim.flat``)."""
         def only(expert: bool) -> list[dict]:
             return [{**g, "params": [p for p in g["params"] if is_expert_parallel(p) == expert]}
                     for g in self.param_groups]
-        flat = build_flat_groups(only(False), dp_size=self.dp_size, dp_rank=self.dp_rank, bucket_size_mb=bucket_size_mb)
+        flat = build_flat_groups(only(False), dp_size=self.dp_size, dp_rank=self.dp_rank, bucket_size_mb=bucket_size_mb,
+                                 interleaved=interleaved)
         if self.expert_sharding_group is not None:
             group = self.expert_sharding_group
             flat += build_flat_groups(only(True), dp_size=backend.group_size(group), dp_rank=backend.group_rank(group),
-                                      bucket_size_mb=bucket_size_mb)
+                                      bucket_size_mb=bucket_size_mb, interleaved=interleaved)
         return flat
 
     def group_of(self, fg: FlatGroup):

@@ -4,14 +4,16 @@ bytes, and the checkpoint's optimizer-state protocol (``nxd_hf.checkpoint.optim_
 parameter's state decoded from the flat slices into the parameter's local layout, and back.
 
 Flat layout (``nxd_hf.optim.flat``): each ``FlatGroup``'s parameters lie end to end; this rank
-holds the elements ``[shard_start, shard_start + shard_numel)`` of its master (``masters[i]``)
-and of the inner optimizer's state, whose params are chunks of that master slice.
+holds the pieces ``fg.pieces()`` of it in its master (``masters[i]``) and in the inner
+optimizer's state, whose params are chunks of that master slice. A ``state_dict`` saved in the
+layout before issue 28 (contiguous, parameters in order) is converted on load (``zero1_relayout``).
 """
 
 import torch
 
 from nxd_hf import backend
 from nxd_hf.checkpoint.optim_state import MASTER, ParamStates, set_torch_state
+from nxd_hf.optim.zero1_relayout import is_contiguous_layout, load_contiguous_state_dict
 
 
 class Zero1StateMixin:
@@ -39,6 +41,7 @@ class Zero1StateMixin:
             "groups": [{"group_index": fg.group_index, "dtype": str(fg.dtype), "numel": fg.numel,
                         "shard_numel": fg.shard_numel, "shapes": [list(p.shape) for p in fg.params]}
                        for fg in self.flat_groups],
+            "interleaved": [fg.interleaved for fg in self.flat_groups],
         }
 
     def state_dict(self) -> dict:
@@ -53,6 +56,8 @@ class Zero1StateMixin:
 
     def load_state_dict(self, state_dict: dict) -> None:
         saved, here = state_dict["layout"], self.layout()
+        if is_contiguous_layout(saved) and any(here["interleaved"]):
+            return load_contiguous_state_dict(self, state_dict)
         if saved != here:
             diff = [k for k in here if saved.get(k) != here[k]]
             raise ValueError(
@@ -91,14 +96,12 @@ class Zero1StateMixin:
             if fg.dtype != torch.float32:
                 sources[MASTER] = master.detach()
             scalar_keys = sorted(backend.all_gather_object(sorted(scalars), group), key=len)[-1]
-            lo, hi = fg.shard_start, fg.shard_start + fg.shard_numel
-            for param, offset in zip(fg.params, fg.offsets):
+            for i, param in enumerate(fg.params):
                 state = {}
                 for key, source in sources.items():
                     full = torch.zeros(param.numel(), dtype=torch.float32, device=param.device)
-                    a, b = max(lo, offset), min(hi, offset + param.numel())
-                    if a < b and source is not None:
-                        full[a - offset : b - offset] = source[a - lo : b - lo]
+                    for a, b, at in (fg.param_pieces(i) if source is not None else ()):
+                        full[a:b] = source[at : at + b - a]
                     backend.all_reduce(full, group)
                     state[key] = full.view(param.shape)
                 state.update({key: _agreed_scalar(scalars.get(key), group) for key in scalar_keys})
@@ -124,15 +127,13 @@ class Zero1StateMixin:
         the parameter) into the master slices and the inner optimizer."""
         keyed = []
         for index, (fg, master) in enumerate(zip(self.flat_groups, self.masters)):
-            lo, hi = fg.shard_start, fg.shard_start + fg.shard_numel
             flat, scalars = {}, {}
             with torch.no_grad():
-                for param, offset in zip(fg.params, fg.offsets):
-                    a, b = max(lo, offset), min(hi, offset + param.numel())
-                    state = states.get(id(param), {})
-                    if a < b:
-                        src = state.get(MASTER, param).reshape(-1)
-                        master[a - lo : b - lo] = src[a - offset : b - offset].float()
+                for i, param in enumerate(fg.params):
+                    pieces, state = fg.param_pieces(i), states.get(id(param), {})
+                    src = state.get(MASTER, param).reshape(-1)
+                    for a, b, at in pieces:
+                        master[at : at + b - a] = src[a:b].float()
                     for key, value in state.items():
                         if key == MASTER:
                             continue
@@ -141,8 +142,8 @@ class Zero1StateMixin:
                             continue
                         buffer = flat.setdefault(key, torch.zeros(fg.shard_numel, dtype=torch.float32,
                                                                   device=master.device))
-                        if a < b:
-                            buffer[a - lo : b - lo] = value.reshape(-1)[a - offset : b - offset]
+                        for a, b, at in pieces:
+                            buffer[at : at + b - a] = value.reshape(-1)[a:b]
             chunks = self.optimizer.param_groups[index]["params"]
             pieces = {key: buffer.split([c.numel() for c in chunks]) for key, buffer in flat.items()}
             keyed += [(c, {**{k: p[i].clone() for k, p in pieces.items()}, **{k: v.clone() for k, v in scalars.items()}})

@@ -138,6 +138,11 @@ class GradReduction:
                 release_free_host_memory()
         return grad
 
+    def in_hooked_backward(self) -> bool:
+        """Whether a backward seen by this policy's gradient hooks (the HF path) is running now:
+        its reductions end it (an optimizer's own overlapped reduction may start inside it)."""
+        return self._snapshot is not None
+
     def _end_of_hooked_backward(self) -> None:
         snapshot, self._snapshot = self._snapshot, None
         self._finish(snapshot)

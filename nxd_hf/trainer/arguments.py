@@ -72,6 +72,9 @@ class NxDTrainingArguments(TrainingArguments):
     expert_parallel_size: int = dataclasses.field(
         default=1, metadata={"help": "Ranks each mixture-of-experts layer's experts are split over, carved from the "
                                      "data-parallel ranks (docs/moe.md)."})
+    overlap_grad_reduce: bool = dataclasses.field(
+        default=True, metadata={"help": "Reduce gradients over DP during backward, overlapped (ZeRO-1's reduce-scatter "
+                                        "too), on the last micro-step of an accumulation only."})
 
     def __post_init__(self):
         self.use_cpu = _check_use_cpu(self.use_cpu)
@@ -165,7 +168,8 @@ class NxDTrainingArguments(TrainingArguments):
             pipeline_config=pipeline_config, sequence_parallel=self.sequence_parallel, pad_model=pad,
             kv_size_multiplier=kv,
             optimizer_config={"zero_one_enabled": self.zero_1, "grad_clipping": self.max_grad_norm > 0,
-                              "max_grad_norm": self.max_grad_norm if self.max_grad_norm > 0 else 1.0},
+                              "max_grad_norm": self.max_grad_norm if self.max_grad_norm > 0 else 1.0,
+                              "overlap_grad_reduce": self.overlap_grad_reduce},
             activation_checkpoint_config="full" if self.nxd_activation_checkpointing else None,
             mixed_precision_config={"use_master_weights": True, "use_fp32_grad_acc": self.bf16_master_weights},
             lora_config=lora_config, expert_parallel_size=self.expert_parallel_size,

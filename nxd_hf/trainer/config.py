@@ -23,6 +23,10 @@ class OptimizerConfig:
     """Clip the global gradient norm in ``optimizer.step()``."""
     max_grad_norm: float = 1.0
     """The norm to clip to."""
+    overlap_grad_reduce: bool = False
+    """Reduce gradients over DP during backward, per bucket, overlapped with it (ZeRO-1's reduce-scatter too),
+    not in ``optimizer.step()``; accumulation micro-steps must then run inside ``model.no_sync()`` (NxDTrainer
+    does; not in NxD)."""
 
 
 @dataclasses.dataclass(kw_only=True)

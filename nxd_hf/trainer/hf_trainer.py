@@ -179,6 +179,11 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
         return contextlib.nullcontext()
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        # the data-parallel reduction (overlapped with backward) only on an accumulation's last micro-step
+        with contextlib.nullcontext() if self.accelerator.sync_gradients else model.no_sync():
+            return self._training_step(model, inputs, num_items_in_batch)
+
+    def _training_step(self, model, inputs, num_items_in_batch=None):
         model.train()
         inputs = self._prepare_inputs(inputs)
         row_weight = inputs.pop(_ROW_WEIGHT)

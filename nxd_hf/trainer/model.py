@@ -62,6 +62,10 @@ class NxDModel(nn.Module):
             if getattr(param, "main_grad", None) is not None:
                 param.main_grad = None if set_to_none else param.main_grad.zero_()
 
+    def no_sync(self):
+        """Skip the data-parallel gradient reduction for backwards inside the block (accumulation), as DDP's."""
+        return self.nxd.grad_reduction.no_sync()
+
     def local_module(self):
         if not self.pipelined:
             return self.module

@@ -19,6 +19,8 @@ def initialize_parallel_optimizer(nxd_config: NxDConfig, optimizer_class, parame
             warnings.warn("mixed_precision_config use_master_weights=False is ignored with zero_one_enabled: "
                           "ZeRO-1 always steps fp32 master copies of low-precision parameters", stacklevel=2)
         return NeuronZero1Optimizer(parameters, optimizer_class, grad_clipping=opt_config.grad_clipping, max_norm=max_norm,
-                                    grad_source=accumulated_grad, **defaults)
+                                    grad_source=accumulated_grad,
+                                    overlap_reduce_scatter=opt_config.overlap_grad_reduce, **defaults)
     return NxDOptimizer(parameters, optimizer_class, max_grad_norm=max_norm,
-                        use_master_weights=precision.use_master_weights, **defaults)
+                        use_master_weights=precision.use_master_weights,
+                        reduce_in_backward=opt_config.overlap_grad_reduce, **defaults)

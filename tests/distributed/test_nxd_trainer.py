@@ -47,7 +47,7 @@ def _lora():
     return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0)
 
 
-def _run_case(out_dir, *, batch, accumulate=1, lora=False, **layout):
+def _run_case(out_dir, *, batch, accumulate=1, lora=False, trainer_cls=nxd_hf.NxDTrainer, **layout):
     """(reference trainer, NxDTrainer) after STEPS steps on the same weights and data."""
     parallel_state.destroy_model_parallel()
     reference, model = hf_parity.build_pair("llama")
@@ -64,7 +64,7 @@ def _run_case(out_dir, *, batch, accumulate=1, lora=False, **layout):
     args = nxd_hf.NxDTrainingArguments(output_dir=f"{out_dir}/nxd", per_device_train_batch_size=batch,
                                        gradient_accumulation_steps=accumulate, **COMMON, **layout)
     torch.manual_seed(11)
-    ours = nxd_hf.NxDTrainer(model, args, train_dataset=data, eval_dataset=data[:6], compute_metrics=_metrics,
+    ours = trainer_cls(model, args, train_dataset=data, eval_dataset=data[:6], compute_metrics=_metrics,
                              peft_config=_lora() if lora else None)
     ours.train()
     return ref, ours
@@ -196,6 +196,40 @@ def check_matches_trainer(layout: str) -> None:
 @pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2_zero1_accumulate2", "tp2_lora"])
 def test_nxd_trainer_matches_trainer(ranks2, layout):
     ranks2.run(check_matches_trainer, layout)
+
+
+class _CountingTrainer(nxd_hf.NxDTrainer):
+    """Records, per micro-step, whether it ends an accumulation and the bytes of gradients it sent over DP."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        dp_ranks = tuple(torch.distributed.get_process_group_ranks(parallel_state.get_data_parallel_group()))
+        with backend.count_comm() as records:
+            loss = super().training_step(model, inputs, num_items_in_batch)
+        grad_bytes = sum(r.payload_bytes for r in records if r.ranks == dp_ranks and r.payload_bytes > 8)
+        self.micro_steps = [*getattr(self, "micro_steps", []), (self.accelerator.sync_gradients, grad_bytes)]
+        return loss
+
+
+def check_overlap_on_off(zero1: bool) -> None:
+    """dp=2, accumulation 2: with overlap_grad_reduce the gradients (ZeRO-1: reduce-scatter) cross DP in the
+    last micro-step's backward only, and training equals transformers.Trainer and the run without overlap."""
+    runs = {}
+    with tempfile.TemporaryDirectory() as out_dir:
+        for overlap in (True, False):
+            ref, ours = _run_case(out_dir, batch=2, accumulate=2, zero_1=zero1, overlap_grad_reduce=overlap,
+                                  trainer_cls=_CountingTrainer)
+            _check_training(ref, ours, f"dp2 accumulate2 zero1={zero1} overlap={overlap}")
+            assert [sync for sync, _ in ours.micro_steps] == [False, True] * STEPS
+            sent = [grad_bytes > 0 for sync, grad_bytes in ours.micro_steps]
+            assert sent == ([False, True] * STEPS if overlap else [False] * 2 * STEPS), ours.micro_steps
+            runs[overlap] = {n: full_tensor(p) for n, p in ours.nxd_model.named_parameters()}
+    for name, value in runs[True].items():
+        torch.testing.assert_close(value, runs[False][name], **TOL, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("zero1", [False, True])
+def test_overlap_on_off_dp2_accumulate2(ranks2, zero1):
+    ranks2.run(check_overlap_on_off, zero1)
 
 
 def test_arguments_refuse_what_nxd_hf_cannot_honour():

@@ -177,10 +177,20 @@ def post_first(key: str, value: str) -> str:
     return store.compare_set(key, "", value).decode(errors="replace")
 
 
+_groups_aborted = False
+
+
+def groups_aborted() -> bool:
+    """Whether this rank aborted its process groups (``abort_groups``)."""
+    return _groups_aborted
+
+
 def abort_groups() -> None:
     """Abort every process group of this rank (the default one included): a peer waiting on
     this rank in a send, receive or collective gets an error at once instead of waiting for
     the timeout. Nothing can communicate afterwards."""
+    global _groups_aborted
+    _groups_aborted = True
     groups = list(dist.distributed_c10d._world.pg_map)
     for group in groups:
         try:

@@ -11,6 +11,7 @@ failure on any rank raises ``DistributedTestError`` carrying that rank's traceba
 does not finish within ``timeout_s`` is killed and reported, never left hanging.
 """
 
+import contextlib
 import datetime
 import multiprocessing as mp
 import os
@@ -36,7 +37,7 @@ def _get_context():
     return _context
 
 
-def _setup_rank(rank: int, world_size: int, port: int, process_group_backend: str = "gloo") -> None:
+def _setup_rank(rank: int, world_size: int, port: int, process_group_backend: str = "gloo") -> dist.TCPStore:
     """This process becomes rank ``rank`` (``process_group_backend``: gloo, or ``cuda:gloo`` in the
     GPU lane), joined through the parent's TCPStore."""
     os.environ.update(
@@ -53,18 +54,31 @@ def _setup_rank(rank: int, world_size: int, port: int, process_group_backend: st
     store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=datetime.timedelta(seconds=60))
     dist.init_process_group(process_group_backend, store=store, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=120))
+    return store
+
+
+def _wait_for_peers_to_return(store: dist.TCPStore, world_size: int) -> None:
+    """A rank that returns and exits while a peer still completes a group's gloo handshake with it
+    fails that peer ("Connection closed by peer"). Waited on the store, not on a collective, and
+    not after ``backend.abort_groups``: a peer blocked on an aborted rank is freed by its exit. A
+    rank that failed has the parent kill the others."""
+    from nxd_hf import backend
+
+    if store.add("returned", 1) == world_size:
+        store.set("all_returned", "1")
+    if backend.groups_aborted():
+        return
+    with contextlib.suppress(RuntimeError):  # a peer that never returns is reported by the parent
+        store.wait(["all_returned"], datetime.timedelta(seconds=60))
 
 
 def _rank_main(fn, rank, world_size, port, results, args, kwargs, process_group_backend="gloo"):
     try:
-        _setup_rank(rank, world_size, port, process_group_backend)
+        store = _setup_rank(rank, world_size, port, process_group_backend)
         value = fn(*args, **kwargs)
         from nxd_hf import parallel_state
 
-        # a rank that returns and exits while a peer still completes a group's gloo handshake with it
-        # fails that peer ("Connection closed by peer"); a rank that failed has the parent kill the others
-        if dist.is_initialized():
-            dist.barrier()
+        _wait_for_peers_to_return(store, world_size)
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
         results.put((rank, "ok", value))

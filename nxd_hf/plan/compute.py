@@ -1,6 +1,7 @@
 """Step time: FLOPs per rank over the device's rate, each communication term over its link,
-and the pipeline bubble. Nothing overlaps (nxd_hf reduces gradients after backward), so the
-terms add; the ranking, not the absolute time, is what the bench checks on a CPU."""
+and the pipeline bubble. The terms add: an upper bound where the data-parallel all-reduce or
+ZeRO-1's reduce-scatter overlaps backward (measured no faster on 2 CPU cores, docs/benchmarks.md);
+the ranking, not the absolute time, is what the bench checks on a CPU."""
 
 from nxd_hf.plan.cluster import Cluster
 from nxd_hf.plan.comm import Term, ring_send_bytes

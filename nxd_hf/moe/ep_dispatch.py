@@ -34,15 +34,22 @@ from nxd_hf.parallel_layers.sharding import (
 
 
 def num_experts_of(name: str, module: nn.Module) -> int:
-    """The number of experts of a fused experts module (its ``num_experts``, else dim 0 of its 3-D tensors)."""
-    count = getattr(module, "num_experts", None)
-    if isinstance(count, int):
-        return count
+    """The number of (weighted) experts of a fused experts module: its ``num_experts`` (LongCat's
+    ``num_routed_experts``), else dim 0 of its 3-D tensors."""
+    for attr in ("num_experts", "num_routed_experts"):
+        if isinstance(getattr(module, attr, None), int):
+            return getattr(module, attr)
     sizes = {p.shape[0] for p in module.parameters(recurse=False) if p.dim() == 3}
     if len(sizes) != 1:
         raise ValueError(f"{name!r} ({type(module).__name__}): cannot tell its number of experts (no num_experts and "
                          "no 3-D expert tensors): expert parallelism needs HF's fused experts")
     return sizes.pop()
+
+
+def identity_experts_of(module: nn.Module) -> int:
+    """LongCat's zero-computation experts (ids past the weighted ones: the token passes through,
+    scaled by its weight); its ``gate_up_proj`` also holds an unused slot for each of them."""
+    return int(getattr(module, "zero_expert_num", 0) or 0)
 
 
 def check_expert_parallel(experts: list[tuple[str, nn.Module]], ep: int) -> None:
@@ -71,27 +78,38 @@ def apply_expert_parallel(experts: list[tuple[str, nn.Module]]) -> None:
     check_expert_parallel(experts, ep)
     rank, group = parallel_state.get_expert_parallel_rank(), parallel_state.get_expert_parallel_group()
     for _, module in experts:
-        total = num_experts_of("", module)
+        total, identity = num_experts_of("", module), identity_experts_of(module)
         local = total // ep
-        index = torch.arange(rank * local, (rank + 1) * local, device="cpu")  # metadata, as shard_index
         for pname, param in list(module.named_parameters(recurse=False)):
-            if param.dim() == 0 or param.shape[0] != total:
+            if param.dim() == 0 or param.shape[0] not in (total, total + identity):
                 continue
             assert not is_sharded(param) or param.partition_dim != 0, "TP shards the experts' rows, not dim 0"
-            new = nn.Parameter(param.detach()[rank * local : (rank + 1) * local].clone(), requires_grad=param.requires_grad)
+            # the identity experts' unused slots (LongCat's gate_up_proj) stay with the last rank's block
+            stop = param.shape[0] if rank == ep - 1 else (rank + 1) * local
+            new = nn.Parameter(param.detach()[rank * local : stop].clone(), requires_grad=param.requires_grad)
             copy_tensor_model_parallel_attributes(new, param)  # TP rows (moe/tp_experts.py), partial-over-TP
-            set_expert_parallel_attributes(new, shard_index=index, logical_size=total)
+            index = torch.arange(rank * local, stop, device="cpu")  # metadata, as shard_index
+            set_expert_parallel_attributes(new, shard_index=index, logical_size=param.shape[0])
             setattr(module, pname, new)
-        if isinstance(getattr(module, "num_experts", None), int):
-            module.num_experts = local  # HF's forward one-hot encodes local ids
-        module.forward = ExpertParallelForward(module.forward, num_local=local, ep=ep, group=group)
+        for attr in ("num_experts", "num_routed_experts"):
+            if isinstance(getattr(module, attr, None), int):
+                setattr(module, attr, local)  # HF's forward one-hot encodes local ids
+        if hasattr(module, "zero_expert_num"):  # LongCat: local ids past ``local`` are identity experts, plus a pad
+            module.total_experts = local + identity + 1
+        module.forward = ExpertParallelForward(module.forward, num_local=local, ep=ep, group=group,
+                                               identity=identity, pad_top_k=hasattr(module, "zero_expert_num"))
 
 
 class ExpertParallelForward:
-    """The experts' ``forward`` under expert parallelism (steps 1-4 of the module docstring)."""
+    """The experts' ``forward`` under expert parallelism (steps 1-4 of the module docstring).
+    ``identity``: the number of identity experts (ids from ``num_local * ep`` on), which need no
+    weights: their rows stay on this rank and run through HF's forward with the received ones.
+    ``pad_top_k``: HF's forward cannot take a top-k of 1 (LongCat's squeezes the k dim away), so
+    each row gets a second choice of weight 0, the identity expert past the real ones (adds 0)."""
 
-    def __init__(self, local_forward, *, num_local: int, ep: int, group):
+    def __init__(self, local_forward, *, num_local: int, ep: int, group, identity: int = 0, pad_top_k: bool = False):
         self.local_forward, self.num_local, self.ep, self.group = local_forward, num_local, ep, group
+        self.identity, self.pad_top_k = identity, pad_top_k
 
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *args,
                  **kwargs) -> torch.Tensor:
@@ -99,21 +117,36 @@ class ExpertParallelForward:
         hidden = hidden_states.reshape(-1, shape[-1])
         k = top_k_index.shape[-1]
         experts = top_k_index.reshape(-1)
+        weighted = self.num_local * self.ep
         order = torch.argsort(experts, stable=True)  # assignments by expert: by owner, then local expert
+        dispatched = int((experts < weighted).sum())  # identity experts sort last and stay here
+        order, kept = order[:dispatched], order[dispatched:]
         token_of = order // k
+        flat_weights = top_k_weights.reshape(-1).unsqueeze(1)
         device = backend.collective_device(self.group)
-        per_expert = torch.bincount(experts, minlength=self.num_local * self.ep).to(device)
+        per_expert = torch.bincount(experts[order], minlength=weighted).to(device)
         with backend.comm_tag("ep_counts"):
             received = backend.exchange_counts(per_expert, self.group).view(self.ep, self.num_local)  # [source, expert]
         send_splits = per_expert.view(self.ep, self.num_local).sum(1).tolist()
         recv_splits = received.sum(1).tolist()
         rows, weights = backend.DispatchTokens.apply(recv_splits, send_splits, self.group, hidden[token_of],
-                                                     top_k_weights.reshape(-1)[order].unsqueeze(1))
+                                                     flat_weights[order])
         local_ids = torch.arange(self.num_local, device=received.device).repeat(self.ep).repeat_interleave(
             received.reshape(-1)).to(rows.device)
-        out = self.local_forward(rows, local_ids.unsqueeze(1), weights, *args, **kwargs)
+        if self.identity:  # local ids past num_local: HF's identity branch
+            local_ids = torch.cat([local_ids, experts[kept].to(rows.device) - weighted + self.num_local])
+            rows = torch.cat([rows, hidden[kept // k].to(rows.device, rows.dtype)])
+            weights = torch.cat([weights, flat_weights[kept].to(weights.device, weights.dtype)])
+        local_ids = local_ids.unsqueeze(1)
+        if self.pad_top_k:
+            local_ids = torch.cat([local_ids, torch.full_like(local_ids, self.num_local + self.identity)], 1)
+            weights = torch.cat([weights, torch.zeros_like(weights)], 1)
+        out = self.local_forward(rows, local_ids, weights, *args, **kwargs)
         if rows.requires_grad and not out.requires_grad:  # no rows here: the backward's all-to-alls still run
             out = out + rows.sum() * 0
-        back = backend.CombineTokens.apply(send_splits, recv_splits, self.group, out)
+        received_rows = int(received.sum())
+        back = backend.CombineTokens.apply(send_splits, recv_splits, self.group, out[:received_rows])
         combined = torch.zeros_like(hidden).index_add_(0, token_of, back.to(hidden.dtype))
+        if self.identity:
+            combined = combined.index_add_(0, kept // k, out[received_rows:].to(hidden.dtype))
         return combined.reshape(shape)

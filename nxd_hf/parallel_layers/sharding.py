@@ -212,7 +212,17 @@ def is_expert_parallel(param: torch.Tensor) -> bool:
 
 def gather_experts(param: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
     """All experts of ``tensor`` (laid out as the expert-parallel ``param``, TP already gathered),
-    concatenated along dim 0 over the expert-parallel group (each rank holds a consecutive block)."""
+    concatenated along dim 0 over the expert-parallel group (each rank holds a consecutive block;
+    the last one may hold more: LongCat's identity-expert slots, ``moe/ep_dispatch.py``)."""
     group = parallel_state.get_expert_parallel_group()
     device = backend.collective_device(group)
-    return backend.all_gather(tensor.detach().to(device), 0, group).to(tensor.device)
+    ep = parallel_state.get_expert_parallel_size()
+    size, local, rank = param.expert_logical_size, len(param.expert_shard_index), parallel_state.get_expert_parallel_rank()
+    block = local if rank == 0 else int(param.expert_shard_index[0]) // rank  # rank r's block starts at r * block
+    if block * ep == size:
+        return backend.all_gather(tensor.detach().to(device), 0, group).to(tensor.device)
+    last = size - block * (ep - 1)  # blocks of ``block`` rows, the last ``last``: pad to it, gather, trim
+    padded = tensor.detach().to(device).new_zeros((last, *tensor.shape[1:]))
+    padded[:local] = tensor.detach().to(device)
+    parts = backend.all_gather(padded, 0, group).split(last)
+    return torch.cat([part[: block if r < ep - 1 else last] for r, part in enumerate(parts)]).to(tensor.device)

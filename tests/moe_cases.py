@@ -33,6 +33,12 @@ MOE_TINY = {
         _ATTENTION, head_dim=8, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
         layer_types=["sliding_attention", "full_attention"], sliding_window=4, output_router_logits=True,
         router_aux_loss_coef=0.3)),
+    # 4 routed experts and 2 identity ("zero") experts, top-2 (tests/moe_longcat_ep_cases.py); no aux loss in HF
+    "longcat_flash": (transformers.LongcatFlashConfig, transformers.LongcatFlashForCausalLM, dict(
+        hidden_size=32, num_layers=1, num_attention_heads=4, num_key_value_heads=4, vocab_size=VOCAB,
+        ffn_hidden_size=32, expert_ffn_hidden_size=16, n_routed_experts=4, zero_expert_num=2, moe_topk=2,
+        q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, head_dim=8, v_head_dim=8,
+        routed_scaling_factor=2.0, tie_word_embeddings=False)),
 }
 
 

@@ -1,38 +1,35 @@
 """Expert parallelism for LongCat-Flash (routed experts split over EP, identity experts on the
-token's own rank; issue 24), at ep=2 and tp2 x ep2, exact against HF (tests/moe_longcat_ep_cases.py)."""
+token's own rank, gate_up_proj's identity-expert slots in the last rank's block; issue 24), at
+ep=2 and tp2 x ep2, exact against HF (tests/moe_longcat_ep_cases.py)."""
 
 import pytest
 
-from moe_longcat_ep_cases import checkpoint_reshards, pretrained_round_trip, training_matches_hf
+from moe_longcat_ep_cases import training_matches_hf
+from moe_tp_ep_ckpt_cases import checkpoint_reshards, pretrained_round_trip_at_tp2_ep2
 
 
-def _check(results: list[dict], tp: int) -> None:
-    assert all(r["identity_hits"] > 0 for r in results), "some tokens must reach an identity expert"
-    for r in results:
-        inner = 16 * 2 // tp  # gate_up rows of each expert: 2 x expert_ffn_hidden_size, split over TP
-        experts = 2 + (2 if r["ep_rank"] == 1 else 0)  # 2 routed each; the last rank keeps the 2 identity slots
-        assert r["shapes"]["gate_up_proj"] == (experts, inner, 32), r
-        assert r["shapes"]["down_proj"] == (2, 32, 16 // tp), r
+@pytest.mark.parametrize("tp,ranks", [(1, "ranks2"), (2, "ranks4")], ids=["ep2", "tp2_ep2"])
+def test_longcat_ep_matches_hf(request, tp, ranks):
+    """Loss, every gathered gradient over 3 AdamW steps, eval logits; some tokens reach identity experts."""
+    hits = request.getfixturevalue(ranks).run(training_matches_hf, tp, 2)
+    assert all(h > 0 for h in hits), hits
 
 
-def test_longcat_ep2_matches_hf(ranks2):
-    """Loss, every gathered gradient over 3 AdamW steps, eval logits at ep=2 (world 2)."""
-    _check(ranks2.run(training_matches_hf, 1, 2), tp=1)
-
-
-def test_longcat_tp2_ep2_matches_hf(ranks4):
-    _check(ranks4.run(training_matches_hf, 2, 2), tp=2)
-
-
+# gate_up_proj holds 4 routed + 2 identity slots: ep rank 0 stores experts [0, 2), rank 1 [2, 6)
 def test_longcat_checkpoint_ep2_reloads_at_ep1(ranks2, tmp_path):
-    """save_checkpoint at ep=2 (the last rank's block holds the identity slots), load at ep=1 (dp 2) and ep=2."""
-    ranks2.run(checkpoint_reshards, str(tmp_path / "ckpt"), (1, 2), [(1, 1), (1, 2)])
+    """save_checkpoint at ep=2, load at ep=1 (dp 2) and ep=2: states equal, the next step too."""
+    boxes = ranks2.run(checkpoint_reshards, "longcat_flash", str(tmp_path / "ckpt"), (1, 2), [(1, 1), (1, 2)])[0]
+    assert sorted({experts for experts, _ in boxes}) == [(0, 2), (2, 6)], boxes
 
 
 def test_longcat_checkpoint_tp2_ep2_reshards(ranks4, tmp_path):
-    ranks4.run(checkpoint_reshards, str(tmp_path / "ckpt"), (2, 2), [(1, 1), (1, 2), (2, 1)])
+    boxes = ranks4.run(checkpoint_reshards, "longcat_flash", str(tmp_path / "ckpt"), (2, 2),
+                       [(1, 1), (1, 2), (2, 1), (2, 2)])[0]
+    assert sorted({experts for experts, _ in boxes}) == [(0, 2), (2, 6)], boxes
 
 
-@pytest.mark.parametrize("tp,ep,ranks", [(1, 2, "ranks2"), (2, 2, "ranks4")], ids=["ep2", "tp2_ep2"])
-def test_longcat_from_pretrained_and_consolidate(request, tmp_path, tp, ep, ranks):
-    request.getfixturevalue(ranks).run(pretrained_round_trip, str(tmp_path), tp, ep)
+def test_longcat_from_pretrained_save_pretrained_consolidate_at_tp2_ep2(ranks4, tmp_path):
+    """from_pretrained reads only this rank's bytes of transformers' per-expert tensors; save_pretrained
+    and consolidate load in plain transformers with the same logits."""
+    for result in ranks4.run(pretrained_round_trip_at_tp2_ep2, "longcat_flash", str(tmp_path)):
+        assert result["bytes_read"] == result["local_bytes"], result

@@ -33,3 +33,9 @@ def test_longcat_from_pretrained_save_pretrained_consolidate_at_tp2_ep2(ranks4, 
     and consolidate load in plain transformers with the same logits."""
     for result in ranks4.run(pretrained_round_trip_at_tp2_ep2, "longcat_flash", str(tmp_path)):
         assert result["bytes_read"] == result["local_bytes"], result
+
+
+def test_longcat_zero1_at_ep2_dp4_reshards(ranks4, tmp_path):
+    """ZeRO-1 at ep=2, dp=4 (expert params, uneven blocks, sharded over expert_data): its sharded state
+    saved at ep=2 loads at ep=1 and ep=2, the next step equal to the uninterrupted run."""
+    ranks4.run(checkpoint_reshards, "longcat_flash", str(tmp_path / "ckpt"), (1, 2), [(1, 1), (1, 2)], True)

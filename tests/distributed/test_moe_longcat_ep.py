@@ -15,6 +15,13 @@ def test_longcat_ep_matches_hf(request, tp, ranks):
     assert all(h > 0 for h in hits), hits
 
 
+def test_longcat_ep2_starved_rank_keeps_identity_rows(ranks2):
+    """Every weighted choice goes to ep rank 0's experts: rank 1 receives no row, still runs its own
+    identity rows and joins every backward exchange; exact against HF routed the same way."""
+    hits = ranks2.run(training_matches_hf, 1, 2, True)
+    assert all(h > 0 for h in hits), hits
+
+
 # gate_up_proj holds 4 routed + 2 identity slots: ep rank 0 stores experts [0, 2), rank 1 [2, 6)
 def test_longcat_checkpoint_ep2_reloads_at_ep1(ranks2, tmp_path):
     """save_checkpoint at ep=2, load at ep=1 (dp 2) and ep=2: states equal, the next step too."""

@@ -15,6 +15,10 @@ this rank's tokens as in HF; the experts' ``forward`` becomes:
 4. send the outputs back (``backend.CombineTokens``) and sum each token's k rows, in expert order
    as HF does. Dropless, as HF: no capacity, no dropped tokens.
 
+Identity experts (LongCat-Flash's ``zero_expert_num``, ids past the weighted experts) need no
+weights: their assignments stay on the token's rank and run through HF's forward with the received
+rows; ``gate_up_proj``'s unused slots for them stay in the last rank's block (docs/moe.md).
+
 Under TP as well, the experts were first sharded over TP (``moe/tp_experts.py``): their tensors keep
 those attributes and lose only experts here, and the TP region's hooks on the module wrap this
 forward, so the region is entered before the dispatch (the TP ranks of a replica dispatch the same

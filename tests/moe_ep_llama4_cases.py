@@ -138,3 +138,28 @@ def checkpoint_ep2_to_ep1(path: str) -> None:
     with torch.no_grad():
         expected = reference(input_ids=ids).logits
     saved_as_transformers(model, path, ids, expected)
+
+
+def from_pretrained_reads_local_experts(path: str, tp: int, ep: int) -> None:
+    """transformers' save_pretrained (Llama 4 keeps its experts fused) -> nxd_hf.from_pretrained at
+    tp x ep: the logits equal HF's, and splitting the experts over EP reads exactly the bytes it
+    saves (at tp=1 a rank reads exactly what it holds)."""
+    parallel_state.destroy_model_parallel()
+    reference, _ = build_pair()
+    reference.eval()
+    if torch.distributed.get_rank() == 0:
+        reference.save_pretrained(path)
+    torch.distributed.barrier()
+    ids = batch(seed=7)[0]
+    read, held = {}, {}
+    for size in (1, ep):
+        parallel_state.destroy_model_parallel()
+        model = nxd_hf.from_pretrained(path, tensor_parallel_size=tp, expert_parallel_size=size, dtype=torch.float32)
+        assert len(expert_params(model)) == (4 if size > 1 else 0)
+        with torch.no_grad():
+            torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits, **TOL)
+        read[size] = model.nxd.load_report.bytes_read
+        held[size] = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert held[ep] < held[1] and read[1] - read[ep] == held[1] - held[ep], (read, held)
+    if tp == 1:
+        assert read[ep] == held[ep], (read, held)

@@ -1,7 +1,9 @@
 """Expert parallelism for Llama 4's dense experts (every token through every expert): exact against
 the unparallelized HF model (tests/moe_ep_llama4_cases.py)."""
 
-from moe_ep_llama4_cases import checkpoint_ep2_to_ep1, training_matches_hf, uneven_batches_match_hf
+from moe_ep_llama4_cases import (
+    checkpoint_ep2_to_ep1, from_pretrained_reads_local_experts, training_matches_hf, uneven_batches_match_hf,
+)
 
 
 def test_llama4_ep2_world2_matches_hf(ranks2):
@@ -24,3 +26,11 @@ def test_llama4_ep2_uneven_batches_match_hf(ranks2):
 
 def test_llama4_checkpoint_ep2_to_ep1_and_transformers(ranks2, tmp_path):
     ranks2.run(checkpoint_ep2_to_ep1, str(tmp_path / "ckpt"))
+
+
+def test_llama4_from_pretrained_ep2_reads_local_experts(ranks2, tmp_path):
+    ranks2.run(from_pretrained_reads_local_experts, str(tmp_path / "hf"), 1, 2)
+
+
+def test_llama4_from_pretrained_tp2_ep2_reads_local_experts(ranks4, tmp_path):
+    ranks4.run(from_pretrained_reads_local_experts, str(tmp_path / "hf"), 2, 2)

@@ -163,3 +163,39 @@ def from_pretrained_reads_local_experts(path: str, tp: int, ep: int) -> None:
     assert held[ep] < held[1] and read[1] - read[ep] == held[1] - held[ep], (read, held)
     if tp == 1:
         assert read[ep] == held[ep], (read, held)
+
+
+def zero1_matches_hf(ep: int) -> None:
+    """ZeRO-1 (AdamW, clipping acting every step) at ``ep`` (dp = world): the experts' state sharded
+    over expert_data; losses, grad norms and parameters over 3 steps equal HF + AdamW + clipping."""
+    from moe_zero1_cases import LR, MAX_NORM, _backward, param_groups
+    from nxd_hf.optim import NeuronZero1Optimizer
+    from nxd_hf.parallel_layers.sharding import full_tensor, is_expert_parallel
+
+    parallel_state.destroy_model_parallel()
+    reference, model = build_pair()
+    nxd_hf.parallelize(model, expert_parallel_size=ep)
+    optimizer = NeuronZero1Optimizer(param_groups(model), torch.optim.AdamW, lr=LR, max_norm=MAX_NORM)
+    dp, dp_rank = parallel_state.get_data_parallel_size(), parallel_state.get_data_parallel_rank()
+    edp = parallel_state.get_expert_data_parallel_size()
+    assert any(is_expert_parallel(fg.params[0]) and fg.dp_size == edp for fg in optimizer.flat_groups)
+    ref_opt = torch.optim.AdamW(param_groups(reference), lr=LR)
+    ref_params = dict(reference.named_parameters())
+    for step in range(3):
+        batches = _rank_batches(step, dp)
+        ids, mask, labels = (torch.cat(parts) for parts in zip(*batches))
+        ref_loss = reference(input_ids=ids, attention_mask=mask, labels=labels).loss
+        ref_loss.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ids, mask, labels = batches[dp_rank]
+        loss = _backward(model(input_ids=ids, attention_mask=mask, labels=labels).loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
+        assert ref_norm > MAX_NORM
+        torch.testing.assert_close(optimizer.grad_norm, ref_norm, **TOL, msg=lambda m: f"step {step} norm: {m}")
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(full_tensor(param), ref_params[name].detach(), **TOL,
+                                       msg=lambda m: f"step {step} {name}: {m}")

@@ -3,6 +3,7 @@ the unparallelized HF model (tests/moe_ep_llama4_cases.py)."""
 
 from moe_ep_llama4_cases import (
     checkpoint_ep2_to_ep1, from_pretrained_reads_local_experts, training_matches_hf, uneven_batches_match_hf,
+    zero1_matches_hf,
 )
 
 
@@ -34,3 +35,11 @@ def test_llama4_from_pretrained_ep2_reads_local_experts(ranks2, tmp_path):
 
 def test_llama4_from_pretrained_tp2_ep2_reads_local_experts(ranks4, tmp_path):
     ranks4.run(from_pretrained_reads_local_experts, str(tmp_path / "hf"), 2, 2)
+
+
+def test_llama4_zero1_ep2_world2_matches_hf(ranks2):
+    ranks2.run(zero1_matches_hf, 2)
+
+
+def test_llama4_zero1_ep2_dp4_matches_hf(ranks4):
+    ranks4.run(zero1_matches_hf, 2)

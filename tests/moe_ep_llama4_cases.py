@@ -199,3 +199,37 @@ def zero1_matches_hf(ep: int) -> None:
         for name, param in model.named_parameters():
             torch.testing.assert_close(full_tensor(param), ref_params[name].detach(), **TOL,
                                        msg=lambda m: f"step {step} {name}: {m}")
+
+
+def pipeline_ep_matches_hf(steps: int = 2) -> int:
+    """pp=2 x ep=2 (world 4, dp=2), 2 microbatches, left-padded rows: every run_train loss, every
+    gathered gradient and the parameters after ``steps`` AdamW steps equal HF's on the whole batch.
+    Returns how many expert-group exchanges ran (they pair up across the group)."""
+    from moe_pp_ep_cases import _check_exchanges_pair_up, _compare_grads, padded_batch, parallelize_pp_ep
+    from moe_pp_cases import replica_rows
+    from nxd_hf.parallel_layers.sharding import full_tensor
+
+    parallel_state.destroy_model_parallel()
+    reference, model = build_pair(num_hidden_layers=4, no_rope_layers=[1, 0, 1, 0],
+                                  layer_types=["chunked_attention", "full_attention"] * 2)
+    model = parallelize_pp_ep(model, num_microbatches=2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+    exchanges = 0
+    for step in range(steps):
+        ids, mask, labels = padded_batch(seed=100 * step)
+        want = reference(input_ids=ids, attention_mask=mask, labels=labels).loss
+        want.backward()
+        with backend.count_comm() as records:
+            ids_r, mask_r, labels_r = replica_rows(ids, mask, labels)
+            loss = model.run_train(input_ids=ids_r, attention_mask=mask_r, labels=labels_r)
+        exchanges += _check_exchanges_pair_up(records)
+        torch.testing.assert_close(loss, want.detach(), **TOL, msg=lambda m: f"step {step} loss: {m}")
+        _compare_grads(model, reference, f"llama4_text pp2 ep2 step {step}")
+        for optimizer in (ref_opt, opt):
+            optimizer.step()
+            optimizer.zero_grad()
+    ref_params = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(full_tensor(param), ref_params[name].detach(), **TOL, msg=lambda m: f"{name}: {m}")
+    return exchanges

@@ -3,7 +3,7 @@ the unparallelized HF model (tests/moe_ep_llama4_cases.py)."""
 
 from moe_ep_llama4_cases import (
     checkpoint_ep2_to_ep1, from_pretrained_reads_local_experts, training_matches_hf, uneven_batches_match_hf,
-    zero1_matches_hf,
+    pipeline_ep_matches_hf, zero1_matches_hf,
 )
 
 
@@ -43,3 +43,7 @@ def test_llama4_zero1_ep2_world2_matches_hf(ranks2):
 
 def test_llama4_zero1_ep2_dp4_matches_hf(ranks4):
     ranks4.run(zero1_matches_hf, 2)
+
+
+def test_llama4_pp2_ep2_world4_matches_hf(ranks4):
+    assert ranks4.run(pipeline_ep_matches_hf)[0] > 0

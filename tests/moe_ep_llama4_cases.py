@@ -168,9 +168,9 @@ def from_pretrained_reads_local_experts(path: str, tp: int, ep: int) -> None:
 def zero1_matches_hf(ep: int) -> None:
     """ZeRO-1 (AdamW, clipping acting every step) at ``ep`` (dp = world): the experts' state sharded
     over expert_data; losses, grad norms and parameters over 3 steps equal HF + AdamW + clipping."""
-    from moe_zero1_cases import LR, MAX_NORM, _backward, param_groups
+    from moe_zero1_cases import LR, MAX_NORM, _backward, assert_step_matches, param_groups
     from nxd_hf.optim import NeuronZero1Optimizer
-    from nxd_hf.parallel_layers.sharding import full_tensor, is_expert_parallel
+    from nxd_hf.parallel_layers.sharding import is_expert_parallel
 
     parallel_state.destroy_model_parallel()
     reference, model = build_pair()
@@ -193,12 +193,7 @@ def zero1_matches_hf(ep: int) -> None:
         loss = _backward(model(input_ids=ids, attention_mask=mask, labels=labels).loss)
         optimizer.step()
         optimizer.zero_grad()
-        torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
-        assert ref_norm > MAX_NORM
-        torch.testing.assert_close(optimizer.grad_norm, ref_norm, **TOL, msg=lambda m: f"step {step} norm: {m}")
-        for name, param in model.named_parameters():
-            torch.testing.assert_close(full_tensor(param), ref_params[name].detach(), **TOL,
-                                       msg=lambda m: f"step {step} {name}: {m}")
+        assert_step_matches(model, optimizer, ref_params, loss, ref_loss, ref_norm, step)
 
 
 def pipeline_ep_matches_hf(steps: int = 2) -> int:

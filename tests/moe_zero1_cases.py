@@ -45,12 +45,25 @@ def _backward(loss: torch.Tensor) -> torch.Tensor:
     return mean
 
 
+def assert_step_matches(model, optimizer, ref_params: dict, loss, ref_loss, ref_norm, step: int) -> None:
+    """After a ZeRO-1 step: the DP-mean loss, the clipped grad norm (clipping acted) and every
+    gathered parameter equal the reference's."""
+    from nxd_hf.parallel_layers.sharding import full_tensor
+
+    torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
+    assert ref_norm > MAX_NORM
+    torch.testing.assert_close(optimizer.grad_norm, ref_norm, **TOL, msg=lambda m: f"step {step} norm: {m}")
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(full_tensor(param), ref_params[name].detach(), **TOL,
+                                   msg=lambda m: f"step {step} {name}: {m}")
+
+
 def check_zero1_ep_training(model_type: str, ep: int, config_api: bool = False) -> None:
     """Losses, clipped grad norms and parameters over ``STEPS`` AdamW steps with ZeRO-1 at ``ep``
     (DP = world) equal single-process HF + AdamW + clip_grad_norm_ on the concatenated batches; the
     expert parameters' state is sharded over expert_data, the rest over data."""
     from nxd_hf import backend, parallel_state
-    from nxd_hf.parallel_layers.sharding import full_tensor, is_expert_parallel
+    from nxd_hf.parallel_layers.sharding import is_expert_parallel
 
     parallel_state.destroy_model_parallel()
     reference, model = build_pair(model_type)
@@ -80,9 +93,4 @@ def check_zero1_ep_training(model_type: str, ep: int, config_api: bool = False) 
         optimizer.zero_grad()
         groups = {r.group_size for r in records if r.op == "reduce_scatter"}
         assert groups == ({dp, edp} if edp > 1 else {dp}), groups
-        torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
-        assert ref_norm > MAX_NORM
-        torch.testing.assert_close(optimizer.grad_norm, ref_norm, **TOL, msg=lambda m: f"step {step} norm: {m}")
-        for name, param in model.named_parameters():
-            torch.testing.assert_close(full_tensor(param), ref_params[name].detach(), **TOL,
-                                       msg=lambda m: f"step {step} {name}: {m}")
+        assert_step_matches(model, optimizer, ref_params, loss, ref_loss, ref_norm, step)

@@ -236,6 +236,13 @@ class DispatchTokens(_AllToAllRows):
     tags = ("ep_dispatch", "ep_dispatch_weights")
 
 
+class DispatchRows(_AllToAllRows):
+    """Rows alone (no routing weights) to the ranks holding their experts: the dense experts'
+    dispatch (Llama 4: every token through every expert): ``apply(out_splits, in_splits, group, rows)``."""
+
+    tags = ("ep_dispatch",)
+
+
 class CombineTokens(_AllToAllRows):
     """Expert outputs back to the ranks the tokens came from (expert parallelism's combine):
     ``apply(out_splits, in_splits, group, rows)``."""

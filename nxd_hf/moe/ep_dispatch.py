@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from nxd_hf import backend, parallel_state
+from nxd_hf.moe.ep_dense import DENSE_EXPERTS, DenseExpertParallelForward
 from nxd_hf.parallel_layers.sharding import (
     copy_tensor_model_parallel_attributes, is_sharded, set_expert_parallel_attributes,
 )
@@ -66,11 +67,14 @@ def check_expert_parallel(experts: list[tuple[str, nn.Module]], ep: int) -> None
         if count % ep:
             raise ValueError(f"{name!r} has {count} experts, not divisible by expert_parallel_size={ep}: use an "
                              "expert_parallel_size dividing the number of experts")
+        if type(module).__name__ in DENSE_EXPERTS:
+            continue
         params = list(inspect.signature(type(module).forward).parameters)
         if len(params) < 4:  # self, hidden_states, top_k_index, top_k_weights
             raise ValueError(f"{name!r} ({type(module).__name__}) is not called with (hidden_states, top_k_index, "
-                             "top_k_weights) as HF's fused experts are: expert parallelism cannot dispatch its tokens; "
-                             "use expert_parallel_size=1")
+                             "top_k_weights) as HF's fused experts are, nor is it a known dense experts module (every "
+                             "token through every expert, moe/ep_dense.py): expert parallelism cannot dispatch its "
+                             "tokens; use expert_parallel_size=1")
 
 
 def apply_expert_parallel(experts: list[tuple[str, nn.Module]]) -> None:
@@ -98,6 +102,9 @@ def apply_expert_parallel(experts: list[tuple[str, nn.Module]]) -> None:
         for attr in ("num_experts", "num_routed_experts"):
             if isinstance(getattr(module, attr, None), int):
                 setattr(module, attr, local)  # HF's forward one-hot encodes local ids
+        if type(module).__name__ in DENSE_EXPERTS:
+            module.forward = DenseExpertParallelForward(module.forward, num_local=local, ep=ep, group=group)
+            continue
         if hasattr(module, "zero_expert_num"):  # LongCat: local ids past ``local`` are identity experts, plus a pad
             module.total_experts = local + identity + 1
         module.forward = ExpertParallelForward(module.forward, num_local=local, ep=ep, group=group,

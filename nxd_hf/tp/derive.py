@@ -146,6 +146,14 @@ def check_shardable(config) -> None:
 
 
 def _check_config(model_type: str, hf_plan: dict[str, str], config) -> None:
+    per_layer = getattr(config, "num_attention_heads_per_layer", None)
+    if per_layer and any(n != config.num_attention_heads for n in per_layer):
+        raise ValueError(
+            f"{model_type!r}: config.num_attention_heads_per_layer {list(per_layer)} differs from "
+            f"config.num_attention_heads={config.num_attention_heads}, which nxd_hf's head layout reads for every "
+            "layer (Laguna): give every layer config.num_attention_heads heads, or register a hand-written patch "
+            "with nxd_hf.register_patch"
+        )
     names_norms = any(_base_style(s) == "replicated_with_grad_allreduce" for s in hf_plan.values())
     for flag in QK_NORM_FLAGS:
         if getattr(config, flag, False) and not names_norms and model_type not in WEIGHTLESS_QK_NORMS:

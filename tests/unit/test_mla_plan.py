@@ -58,3 +58,14 @@ def test_head_blocks_pad_heads_that_tp_does_not_divide():
     assert torch.equal(layouts[0].head_blocks(6), torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="not a whole number of blocks"):
         layouts[0].head_blocks(7)
+
+
+def test_per_layer_head_counts_other_than_the_configs_are_refused_at_every_tp():
+    """Laguna's num_attention_heads_per_layer: the head layout reads config.num_attention_heads for every
+    layer, so the model crashed in its gate even at tp=1 before; now a ValueError names the field."""
+    config = transformers.AutoConfig.for_model("laguna", num_attention_heads=12, num_attention_heads_per_layer=[48, 48],
+                                               num_hidden_layers=2)
+    with pytest.raises(ValueError, match="num_attention_heads_per_layer"):
+        derive.patch_from_hf_plan("laguna", config.base_model_tp_plan, config=config)
+    config.num_attention_heads_per_layer = [12, 12]
+    derive.patch_from_hf_plan("laguna", config.base_model_tp_plan, config=config)

@@ -141,19 +141,11 @@ def all_gather_into(out: torch.Tensor, tensor: torch.Tensor, group) -> torch.Ten
 def reduce_scatter_into(out: torch.Tensor, tensor: torch.Tensor, group) -> torch.Tensor:
     """Sum the 1-D ``tensor`` over ``group`` and write this rank's 1/size chunk into the 1-D
     ``out``; a copy over a group of one. ``tensor`` is scratch: it may be overwritten. On gloo:
-    one reduce per chunk, to the rank that owns it."""
-    size = group_size(group)
-    if size == 1:
-        return out.copy_(tensor)
-    assert tensor.numel() == out.numel() * size, (tensor.shape, out.shape)
-    _record("reduce_scatter", tensor, group)
-    with _named_errors("reduce_scatter", group):
-        if "gloo" not in dist.get_backend(group):  # cuda:gloo too
-            _reduce_scatter_flat(out, tensor, group=group)
-            return out
-        chunks = tensor.view(size, -1)
-        _per_rank_chunk(chunks, group, lambda chunk, rank: dist.reduce(chunk, dst=rank, group=group, async_op=True))
-    return out.copy_(chunks[group_rank(group)])
+    one reduce per chunk, to the rank that owns it (``reduce_scatter_async``, waited)."""
+    handle = reduce_scatter_async(out, tensor, group)
+    with _named_errors("reduce_scatter", group):  # a peer's failure surfaces in the wait
+        handle.wait()
+    return out
 
 
 def _per_rank_chunk(chunks: torch.Tensor, group, start) -> None:

@@ -89,3 +89,25 @@ def check_one_bucket_of_everything() -> None:
     model.zero_grad(set_to_none=True)  # the buffer goes at the next forward, the gradients are None
     model(input_ids=hf_parity.batch()[0])
     assert model.nxd.grad_reduction.buckets.buckets[0].flat is None
+
+
+def check_heap_trimmed_before_the_head() -> None:
+    """On CPU the freed heap is returned before the LM head in a training forward (the step's
+    peak is the logits and the loss on top of the layers' freed temporaries); not in eval."""
+    import nxd_hf.parallel_layers.grad_reduction as grad_reduction
+
+    model = _model(25, sp=False, tie=False)
+    events, trim = [], grad_reduction.release_free_host_memory
+    model.model.layers[-1].register_forward_hook(lambda *_: events.append("last layer"))
+    model.lm_head.register_forward_hook(lambda *_: events.append("head"))
+    grad_reduction.release_free_host_memory = lambda: events.append("trim") or trim()
+    try:
+        ids, labels = hf_parity.batch(seed=1, b=2, s=8)
+        model(input_ids=ids, labels=labels).loss.backward()
+        assert events[events.index("last layer"):events.index("head") + 1] == ["last layer", "trim", "head"], events
+        events.clear()
+        with torch.no_grad():
+            model(input_ids=ids, labels=labels)
+        assert events == ["last layer", "head"], events
+    finally:
+        grad_reduction.release_free_host_memory = trim

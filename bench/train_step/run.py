@@ -35,10 +35,13 @@ spread). Memory: every rank samples RssAnon every 1 ms through the steps (``memt
 marked (forward, backward, clip, optimizer, zero_grad); the table itemizes each phase's peak
 above the step's start, for the first step and the last, against the floor on RssAnon
 ((params + grads + AdamW [/dp with ZeRO-1]) / tp + the bare process's RssAnon; ``memory_report``).
-Honest throughput (``judge``): the 1-min load average and steal time are sampled through the run;
-throughput ratios are printed only when the load never exceeded the cores the run uses and steal
-stayed under 5%, else they are withheld with the reason; tokens per CPU-second per rank (the rank's
-user + system seconds per step) are always recorded.
+Honest throughput (``judge``): through the run, the CPU time other processes took (the machine's
+busy time from /proc/stat minus this run's own processes) and the steal time are measured, and the
+1-min load average sampled beside; throughput ratios are printed only when other processes used at
+most 5% of the cores the run uses and steal stayed under 5%, else they are withheld with the reason
+(the load average alone cannot judge it: it counts the run's own sampler threads and launcher, and
+a 2-rank run alone on 2 cores reads 2.0-2.5); tokens per CPU-second per rank (the rank's user +
+system seconds per step) are always recorded.
 
 Added for issue 28 later: ``overlap_zero1_dp2`` / ``overlap_zero1_tp2dp2`` (the same switch for
 ZeRO-1's reduce-scatter started during backward or in ``step()``), and ``deepspeed_autotp``

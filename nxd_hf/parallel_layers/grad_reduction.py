@@ -53,9 +53,10 @@ class GradReduction:
         self._hooked: list[int] = []
         self._snapshot: list | None = None
         self.release_host_memory = backend.default_device().type == "cpu"
-        """Return freed heap pages to the OS (``utils.host_memory``) at the start and end of each forward, at
-        the first gradient, before each gradient bucket is allocated and at the end of each backward; only
-        where the model computes on the CPU (an accelerator's activations are not on the C heap)."""
+        """Return freed heap pages to the OS (``utils.host_memory``) at the start and end of each forward and
+        before its output head, at the first gradient, before each gradient bucket is allocated and at the end
+        of each backward; only where the model computes on the CPU (an accelerator's activations are not on the
+        C heap)."""
         self.overlap = True
         """Start each bucket's data-parallel all-reduce during backward (False: at its end)."""
         self.buckets: GradBuckets | None = None
@@ -94,6 +95,9 @@ class GradReduction:
         """Reduce at the end of every backward through ``model``'s forward."""
         model.register_forward_pre_hook(self._refresh_hooks)
         model.register_forward_hook(self._after_forward)
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if isinstance(head, nn.Module):  # the layers' freed temporaries, before the logits and the loss: the peak
+            head.register_forward_pre_hook(self._after_forward)
 
     def _after_forward(self, *_) -> None:
         if self.release_host_memory and torch.is_grad_enabled():  # the forward's freed temporaries, before backward

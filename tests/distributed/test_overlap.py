@@ -22,3 +22,7 @@ def test_one_bucket_dp2(ranks2):
 def test_overlap_bitwise_tp2_dp2(ranks4, sp, tie, accumulate):
     ranks4.run(overlap_cases.check_overlap_matches_reduction_after_backward, sp, tie, accumulate,
                model_parallel=(2, 1))
+
+
+def test_heap_trimmed_before_the_head(ranks2):
+    ranks2.run(overlap_cases.check_heap_trimmed_before_the_head, model_parallel=(2, 1))

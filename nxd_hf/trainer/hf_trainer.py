@@ -221,9 +221,10 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
         inputs = _pipeline_inputs(model, self._prepare_inputs(inputs))
         rows = inputs["labels"].shape[0]
+        padded = _pad_rows(inputs, model.module.num_microbatches)
         with torch.no_grad(), self.compute_loss_context_manager():
-            result = model.run_eval(**_pad_rows(inputs, model.module.num_microbatches),
-                                    return_logits=not prediction_loss_only)
+            result = model.run_eval(**padded, return_logits=not prediction_loss_only,
+                                    padded_rows=padded["labels"].shape[0] - rows)
         if prediction_loss_only:
             return result.detach(), None, None
         loss, logits = result
@@ -315,7 +316,8 @@ def _pipeline_inputs(model: NxDModel, inputs: dict) -> dict:
 
 def _pad_rows(inputs: dict, multiple: int) -> dict:
     """Repeat the last row until the batch splits into ``multiple`` microbatches; the added rows'
-    labels are ignored, so a token-weighted loss is unchanged."""
+    labels are ignored, so a token-weighted loss is unchanged (``run_eval(padded_rows=...)`` leaves
+    them out of the load-balancing loss as well)."""
     rows = inputs["labels"].shape[0]
     extra = -rows % multiple
     if not extra:

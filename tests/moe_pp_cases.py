@@ -281,6 +281,7 @@ def trainer_eval_matches_hf(model_type: str, out_dir: str) -> None:
     and 1 left-padded rows, each padded to a multiple of 2 microbatches; the added rows count in
     neither the token loss nor HF's aux loss. ``model_type`` "llama": the dense model of hf_parity."""
     import hf_parity
+    import pytest
 
     parallel_state.destroy_model_parallel()
     reference, model = hf_parity.build_pair("llama") if model_type == "llama" else build_pair(model_type)
@@ -290,6 +291,10 @@ def trainer_eval_matches_hf(model_type: str, out_dir: str) -> None:
                                 eval_dataset=data).evaluate()
     args = nxd_hf.NxDTrainingArguments(output_dir=f"{out_dir}/nxd", pipeline_parallel_size=2, num_microbatches=2,
                                        **common)
-    got = nxd_hf.NxDTrainer(model, args, eval_dataset=data).evaluate()
+    ours = nxd_hf.NxDTrainer(model, args, eval_dataset=data)
+    got = ours.evaluate()
+    ids, mask, labels = moe_batch()
+    with pytest.raises(ValueError, match="padded_rows=1 rows must have labels -100"):  # every rank, no hang
+        ours.nxd_model.run_eval(input_ids=ids, attention_mask=mask, labels=labels, padded_rows=1)
     # exact for the MoE models here; the padded rows counted in the aux loss were off by 8e-5 (mixtral), 3e-4 (qwen3)
     torch.testing.assert_close(torch.tensor(got["eval_loss"]), torch.tensor(want["eval_loss"]), rtol=1e-5, atol=0)

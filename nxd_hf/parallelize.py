@@ -24,34 +24,28 @@ a directly constructed ``NxDPPModel`` all run these steps, in this order:
  8. activation checkpointing;
  9. the gradient-reduction policy (``nxd_hf.parallel_layers.grad_reduction``);
 10. move to the device.
-Steps 5-10 run on this rank's modules (``nxd_hf.model_setup.local``): on the whole model at
-pp=1, inside ``NxDPPModel`` on its local stages otherwise. What the steps decide is recorded in
+Steps 0-3b are functions of ``nxd_hf.setup_steps``. Steps 5-10 run on this rank's modules
+(``nxd_hf.model_setup.local``): on the whole model at pp=1, inside ``NxDPPModel`` on its local
+stages otherwise. What the steps decide is recorded in
 one ``NxDModelState``, ``model.nxd`` (``nxd_hf.model_state``), created after step 3.
 """
 
 import functools
 import json
 import types
-import warnings
 import zlib
 
 from nxd_hf import backend, parallel_state
-from nxd_hf.architectures import get_patch
 from nxd_hf.checkpoint.consolidate import save_pretrained
 from nxd_hf.model_setup import LocalSetup, set_up_local_modules
 from nxd_hf.model_setup.activation_checkpoint import decoder_layer_types
 from nxd_hf.model_setup.materialize import refuse_deferred_init
 from nxd_hf.model_state import NxDModelState, state_of
-from nxd_hf.parallel_layers.heads import HeadLayout, head_layout
 from nxd_hf.guards.input_check import install_input_check
 from nxd_hf.guards.fail_together import fail_together
 from nxd_hf.lora import register_with_peft
-from nxd_hf.moe.ep_dispatch import apply_expert_parallel
 from nxd_hf.moe.replica_aux import install_global_aux_loss
-from nxd_hf.tp.apply import apply_tensor_parallel, match_plan
-from nxd_hf.tp.layouts import config_head_dim
-from nxd_hf.tp.outputs import install_output_contract
-from nxd_hf.tp.plan import Experts, ModelPatch
+from nxd_hf.setup_steps import attention_layout, init_parallel_state, resolve_patch, split_experts, swap_layers
 
 
 def parallelize(
@@ -117,7 +111,7 @@ def parallelize(
                           check_inputs=check_inputs, lora_config=type(lora_config).__name__, fused_loss=fused_loss,
                           activation_checkpoint_config=repr(activation_checkpoint_config),
                           pipeline_options=sorted(pipeline_kwargs), expert_parallel_size=expert_parallel_size)
-    _init_parallel_state(tensor_parallel_size, pipeline_parallel_size, timeout, expert_parallel_size)
+    init_parallel_state(tensor_parallel_size, pipeline_parallel_size, timeout, expert_parallel_size)
     with fail_together("nxd_hf.parallelize"):  # no collective inside: a rank failing alone fails every rank
         if pipeline_kwargs and pipeline_parallel_size == 1:
             raise ValueError(f"{sorted(pipeline_kwargs)} are pipeline options: they need pipeline_parallel_size > 1")
@@ -226,95 +220,3 @@ def _check_same_arguments(model, timeout, **arguments) -> None:
     if differ:
         raise ValueError("nxd_hf.parallelize was called with different arguments on different ranks: "
                          + "; ".join(differ) + ". Every rank must call it with the same arguments and the same model")
-
-
-def _init_parallel_state(tensor_parallel_size: int, pipeline_parallel_size: int, timeout,
-                         expert_parallel_size: int = 1) -> None:
-    """Step 0."""
-    parallel_state.check_sizes(tensor_parallel_size, pipeline_parallel_size)
-    parallel_state.check_expert_parallel_size(expert_parallel_size)
-    if parallel_state.model_parallel_is_initialized():
-        if timeout is not None:
-            warnings.warn("timeout is ignored: parallel_state is already initialized; pass timeout to "
-                          "parallel_state.initialize_model_parallel (or neuronx_distributed_config)", stacklevel=3)
-        have = (parallel_state.get_tensor_model_parallel_size(), parallel_state.get_pipeline_model_parallel_size())
-        if have != (tensor_parallel_size, pipeline_parallel_size):
-            raise ValueError(
-                f"parallel_state is initialized with tp={have[0]}, pp={have[1]} but parallelize was asked for "
-                f"tp={tensor_parallel_size}, pp={pipeline_parallel_size}"
-            )
-        if parallel_state.get_expert_parallel_size() != expert_parallel_size:
-            raise ValueError(
-                f"parallel_state is initialized with expert_parallel_size={parallel_state.get_expert_parallel_size()} "
-                f"but parallelize was asked for expert_parallel_size={expert_parallel_size}: pass the same to both")
-        return
-    parallel_state.initialize_model_parallel(tensor_parallel_size, pipeline_parallel_size, timeout=timeout,
-                                             expert_parallel_size=expert_parallel_size)
-
-
-def resolve_patch(model, *, sequence_parallel: bool, pipeline_parallel_size: int = 1) -> ModelPatch:
-    """Step 1."""
-    patch = get_patch(model.config)
-    if pipeline_parallel_size > 1 and patch.pipeline_refusal:
-        raise ValueError(
-            f"pipeline_parallel_size={pipeline_parallel_size} is not supported for model_type {patch.model_type!r}: "
-            f"{patch.pipeline_refusal}. Use pipeline_parallel_size=1 (tensor and data parallelism work)"
-        )
-    if sequence_parallel and not patch.sequence_parallel:
-        raise ValueError(
-            f"sequence_parallel=True is not supported for model_type {patch.model_type!r}: "
-            "its plan gathers activations, leaves attention replicated, runs several decoder-layer stacks (HRM), "
-            "or it is an encoder. "
-            "Use sequence_parallel=False"
-        )
-    return patch
-
-
-def attention_layout(model, patch: ModelPatch, *, pad_model, kv_size_multiplier) -> HeadLayout | None:
-    """Step 2: this rank's head layout (None for a model without attention heads in its config)."""
-    config = model.config
-    num_heads = getattr(config, patch.num_heads_attr, None)
-    if num_heads is None:
-        return None
-    num_kv_heads = getattr(config, patch.num_kv_heads_attr, None) if patch.num_kv_heads_attr else None
-    num_kv_heads = num_kv_heads or num_heads
-    head_dim = config_head_dim(config, num_heads)
-    tp_size = parallel_state.get_tensor_model_parallel_size()
-    if tp_size > num_heads:
-        raise ValueError(
-            f"tensor_parallel_size={tp_size} exceeds the {num_heads} attention heads: some ranks would hold only "
-            f"padding heads. Use tensor_parallel_size <= {num_heads}"
-        )
-    if pad_model not in ("auto", True, False):
-        raise ValueError(f"pad_model must be 'auto', True or False, got {pad_model!r}")
-    return head_layout(num_heads, num_kv_heads, head_dim, parallel_state.get_tensor_model_parallel_rank(), tp_size,
-                       pad_model=pad_model, kv_size_multiplier=kv_size_multiplier)
-
-
-def swap_layers(model, patch: ModelPatch, layout: HeadLayout | None, *, sequence_parallel: bool,
-                gather_logits: bool, fused_loss: bool = False) -> None:
-    """Step 3."""
-    apply_tensor_parallel(model, patch, layout, sequence_parallel=sequence_parallel)
-    if patch.lm_head and _has(model, patch.lm_head):
-        install_output_contract(model, vocab_size=model.config.vocab_size, gather_logits=gather_logits,
-                                sequence_parallel=sequence_parallel, head=model.get_submodule(patch.lm_head),
-                                fused_loss=fused_loss)
-    elif fused_loss:
-        raise ValueError(f"fused_loss=True needs a causal-LM head ({type(model).__name__} has none): "
-                         "parallelize with fused_loss=False")
-
-
-def split_experts(model, patch: ModelPatch) -> None:
-    """Step 3b: the fused experts split over the expert-parallel group (``nxd_hf.moe.ep_dispatch``)."""
-    if parallel_state.get_expert_parallel_size() == 1:
-        return
-    experts = [(name, module) for name, module, style in match_plan(patch, model) if isinstance(style, Experts)]
-    apply_expert_parallel(experts)
-
-
-def _has(model, name: str) -> bool:
-    try:
-        model.get_submodule(name)
-    except AttributeError:
-        return False
-    return True

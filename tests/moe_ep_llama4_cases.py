@@ -142,8 +142,9 @@ def checkpoint_ep2_to_ep1(path: str) -> None:
 
 def from_pretrained_reads_local_experts(path: str, tp: int, ep: int) -> None:
     """transformers' save_pretrained (Llama 4 keeps its experts fused) -> nxd_hf.from_pretrained at
-    tp x ep: the logits equal HF's, and splitting the experts over EP reads exactly the bytes it
-    saves (at tp=1 a rank reads exactly what it holds)."""
+    tp x ep: the logits equal HF's, splitting the experts over EP reads exactly the bytes it saves,
+    and a rank reads exactly what it holds but its vocabulary padding (at tp=2 the vocabulary of 101
+    is padded to 102: the last TP rank's embedding and LM head hold a row of zeros in no file)."""
     parallel_state.destroy_model_parallel()
     reference, _ = build_pair()
     reference.eval()
@@ -151,18 +152,24 @@ def from_pretrained_reads_local_experts(path: str, tp: int, ep: int) -> None:
         reference.save_pretrained(path)
     torch.distributed.barrier()
     ids = batch(seed=7)[0]
-    read, held = {}, {}
+    read, held, padding = {}, {}, {}
     for size in (1, ep):
         parallel_state.destroy_model_parallel()
         model = nxd_hf.from_pretrained(path, tensor_parallel_size=tp, expert_parallel_size=size, dtype=torch.float32)
         assert len(expert_params(model)) == (4 if size > 1 else 0)
         with torch.no_grad():
             torch.testing.assert_close(model(input_ids=ids).logits, reference(input_ids=ids).logits, **TOL)
-        read[size] = model.nxd.load_report.bytes_read
+        read[size], padding[size] = model.nxd.load_report.bytes_read, model.nxd.load_report.bytes_padding
         held[size] = sum(p.numel() * p.element_size() for p in model.parameters())
+        padded_rows = {n: p for n, p in model.named_parameters() if (getattr(p, "shard_index", None) is not None
+                                                                     and bool((p.shard_index < 0).any()))}
+        for name, param in padded_rows.items():  # held, not read: zeros
+            assert not param.index_select(param.partition_dim, (param.shard_index < 0).nonzero().flatten()).any(), name
+        assert padding[size] == sum(int((p.shard_index < 0).sum()) * p.numel() // p.shape[p.partition_dim]
+                                    * p.element_size() for p in padded_rows.values()), (size, padding, sorted(padded_rows))
     assert held[ep] < held[1] and read[1] - read[ep] == held[1] - held[ep], (read, held)
-    if tp == 1:
-        assert read[ep] == held[ep], (read, held)
+    assert read[ep] + padding[ep] == held[ep], (read, padding, held)
+    assert (padding[ep] > 0) == (tp == 2 and parallel_state.get_tensor_model_parallel_rank() == 1), padding
 
 
 def zero1_matches_hf(ep: int) -> None:

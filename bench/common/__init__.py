@@ -1,5 +1,6 @@
 """What the benchmarks share: the repository root, where results go, when and on what a
-benchmark ran (``stamp``) and reading back the file each rank wrote (``rank_results``)."""
+benchmark ran (``stamp``), reading back the file each rank wrote (``rank_results``) and the
+plain-text tables they print (``table``)."""
 
 import pathlib
 

@@ -19,6 +19,7 @@ import os
 
 from bench.common import RESULTS
 from bench.common.stamp import stamp
+from bench.common.table import Column, table
 from bench.moe.measure import MoEConfig, measure_rank
 from nxd_hf.testing import run_distributed
 
@@ -50,23 +51,26 @@ def _case(config: MoEConfig, world: int, ep: int, ranks: list[dict]) -> dict:
                 leaving_share=leaving / minimum, expected_leaving_share_uniform=(ep - 1) / ep, memory=memory)
 
 
+_ITEMS = [Column(title="all-to-all item", width=22, left=True), Column(title="bytes", width=10, spec=","),
+          Column(title="minimum", width=10, spec=","), Column(title="ratio", width=6, spec=".3f")]
+_MEMORY = [Column(title="rank", width=5, left=True), Column(title="params B", width=10, spec=","),
+           Column(title="expected", width=10, spec=",.0f"), Column(title="ratio", width=6, spec=".3f"),
+           Column(title="AdamW B", width=10, spec=","), Column(title="expected", width=10, spec=",.0f"),
+           Column(title="ratio", width=6, spec=".3f"), Column(title="unsharded params B", width=19, spec=",")]
+
+
 def format_case(case: dict) -> str:
-    lines = [f"dp={case['dp']} ep={case['ep']} tp=1: {case['assignments']} assignments (tokens x top-k, all ranks)",
-             f"{'all-to-all item':<22} {'bytes':>10} {'minimum':>10} {'ratio':>6}"]
-    for t in case["token_terms"]:
-        lines.append(f"{t['item']:<22} {t['bytes']:>10,} {t['minimum']:>10,} {t['ratio']:>6.3f}")
-    for tag, value in case["overhead_bytes"].items():
-        lines.append(f"{tag:<22} {value:>10,} {'(overhead)':>10}")
-    lines.append(f"{'total':<22} {case['total_bytes']:>10,} {case['total_minimum']:>10,} {case['total_ratio']:>6.3f}")
-    lines.append(f"rows leaving their rank: {case['leaving_share']:.1%} of the minimum per direction "
-                 f"(uniform routing: {case['expected_leaving_share_uniform']:.0%})")
-    lines.append(f"{'rank':<5} {'params B':>10} {'expected':>10} {'ratio':>6} {'AdamW B':>10} {'expected':>10} "
-                 f"{'ratio':>6} {'unsharded params B':>19}")
-    for m in case["memory"]:
-        lines.append(f"{m['rank']:<5} {m['param_bytes']:>10,} {m['expected_param_bytes']:>10,.0f} {m['param_ratio']:>6.3f} "
-                     f"{m['optimizer_bytes']:>10,} {m['expected_optimizer_bytes']:>10,.0f} {m['optimizer_ratio']:>6.3f} "
-                     f"{m['unsharded_param_bytes']:>19,}")
-    return "\n".join(lines)
+    items = [(t["item"], t["bytes"], t["minimum"], t["ratio"]) for t in case["token_terms"]]
+    items += [(tag, value, "(overhead)") for tag, value in case["overhead_bytes"].items()]
+    items.append(("total", case["total_bytes"], case["total_minimum"], case["total_ratio"]))
+    memory = [(m["rank"], m["param_bytes"], m["expected_param_bytes"], m["param_ratio"], m["optimizer_bytes"],
+               m["expected_optimizer_bytes"], m["optimizer_ratio"], m["unsharded_param_bytes"]) for m in case["memory"]]
+    return "\n".join([
+        f"dp={case['dp']} ep={case['ep']} tp=1: {case['assignments']} assignments (tokens x top-k, all ranks)",
+        *table(_ITEMS, items),
+        f"rows leaving their rank: {case['leaving_share']:.1%} of the minimum per direction "
+        f"(uniform routing: {case['expected_leaving_share_uniform']:.0%})",
+        *table(_MEMORY, memory)])
 
 
 def main(argv: list[str] | None = None) -> None:

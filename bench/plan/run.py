@@ -22,6 +22,7 @@ import time
 
 from bench.common import RESULTS
 from bench.common.stamp import stamp
+from bench.common.table import Column, table
 from bench.plan.compare import compare_case, spearman
 from bench.plan.models import GRID
 
@@ -57,18 +58,19 @@ def measure(all_cases: list[dict]) -> list[list[dict]]:
     return results
 
 
+_COLUMNS = [Column(title="model", width=10, left=True), Column(title="layout", width=34, left=True),
+            Column(title="rank", width=4), Column(title="pred MiB", width=9, spec=".1f"),
+            Column(title="meas MiB", width=9, spec=".1f"), Column(title="ratio", width=6, spec=".3f"),
+            Column(title="param B ok", width=10), Column(title="comm B ok", width=9),
+            Column(title="pred s", width=8, spec=".4f"), Column(title="meas s", width=7, spec=".2f"),
+            Column(title="cpu s", width=6, spec=".2f")]
+
+
 def format_rows(rows: list[dict]) -> str:
-    head = (f"{'model':<10} {'layout':<34} {'rank':>4} {'pred MiB':>9} {'meas MiB':>9} {'ratio':>6} "
-            f"{'param B ok':>10} {'comm B ok':>9} {'pred s':>8} {'meas s':>7} {'cpu s':>6}")
-    lines = [head, "-" * len(head)]
-    for row in rows:
-        for r in row["ranks"]:
-            lines.append(f"{row['model']:<10} {row['layout']:<34} {r['rank']:>4} {r['predicted_peak'] / 2**20:>9.1f} "
-                         f"{r['measured_peak'] / 2**20:>9.1f} {r['memory_ratio']:>6.3f} "
-                         f"{str(r['param_bytes_equal']):>10} {str(r['comm_equal']):>9} "
-                         f"{row['predicted_step_s']:>8.4f} {row['measured_step_s']:>7.2f} "
-                         f"{row['measured_step_cpu_s']:>6.2f}")
-    return "\n".join(lines)
+    lines = [(row["model"], row["layout"], r["rank"], r["predicted_peak"] / 2**20, r["measured_peak"] / 2**20,
+              r["memory_ratio"], str(r["param_bytes_equal"]), str(r["comm_equal"]), row["predicted_step_s"],
+              row["measured_step_s"], row["measured_step_cpu_s"]) for row in rows for r in row["ranks"]]
+    return "\n".join(table(_COLUMNS, lines, rule=True))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -33,6 +33,9 @@ class LoadReport:
     """Bytes of tensor data this rank read from the files."""
     keys_read: int = 0
     """Checkpoint tensors this rank opened."""
+    bytes_padding: int = 0
+    """Bytes of padding rows (past a tensor's stored size, e.g. a vocabulary padded to a multiple
+    of tp) this rank filled with zeros instead of reading: held, but in no file."""
 
 
 def check_checkpoint_dir(path) -> None:
@@ -123,6 +126,8 @@ class SafetensorsCheckpoint:
         if len(pieces) == 1 and pieces[0][0] == "data":
             return pieces[0][1]  # one run: keep the (copy-on-write) view of the mapped file
         dtype = dtype or torch.float32
+        self.report.bytes_padding += sum(
+            torch.Size(p).numel() for kind, p in pieces if kind == "zeros") * dtype.itemsize
         return torch.cat([p if kind == "data" else torch.zeros(p, dtype=dtype) for kind, p in pieces], dim=dim)
 
 

@@ -186,13 +186,15 @@ class NxDPPModel(nn.Module):
         attention mask and positions from them."""
         return self._runner.run(named_inputs(self.input_names, args, inputs), train=True)
 
-    def run_eval(self, *args, return_logits: bool = False, **inputs):
+    def run_eval(self, *args, return_logits: bool = False, padded_rows: int = 0, **inputs):
         """Forward only; returns the loss (labels given) like ``run_train``. With
         ``return_logits=True`` (not in NxD), ``(loss, logits)``: the full logits ``[b, s, vocab]``,
-        gathered over TP, unpadded, fp32, on every rank."""
+        gathered over TP, unpadded, fp32, on every rank.
+        ``padded_rows`` (not in NxD): the batch's last rows were added only to fill the microbatches
+        (labels -100): HF's load-balancing loss leaves their tokens out too."""
         with torch.no_grad():
             return self._runner.run(named_inputs(self.input_names, args, inputs), train=False,
-                                    return_logits=return_logits)
+                                    return_logits=return_logits, padded_rows=padded_rows)
 
     @property
     def local_module(self):

@@ -89,9 +89,14 @@ def _attached(hidden: torch.Tensor, side: torch.Tensor) -> torch.Tensor:
     return aux.attach_loss(hidden, side.to(hidden.dtype)).clone()
 
 
-def microbatch_masks(inputs: dict, num_microbatches: int) -> list[torch.Tensor | None]:
-    """The 2-D attention mask of each microbatch as HF's aux loss reads it (None: no mask)."""
+def microbatch_masks(inputs: dict, num_microbatches: int, padded_rows: int = 0) -> list[torch.Tensor | None]:
+    """The 2-D attention mask of each microbatch as HF's aux loss reads it (None: no mask).
+    ``padded_rows``: the batch's last rows only fill the microbatches; their tokens count for nothing."""
     mask = inputs.get("attention_mask")
+    if padded_rows:
+        ids = inputs["input_ids"]
+        mask = mask.clone() if mask is not None and mask.dim() == 2 else torch.ones(ids.shape[:2], device=ids.device)
+        mask[-padded_rows:] = 0
     if mask is None or mask.dim() != 2:
         return [None] * num_microbatches
     return list(mask.tensor_split(num_microbatches))

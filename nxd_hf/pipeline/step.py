@@ -31,6 +31,16 @@ def _select_loss(output, spec):
     return next(value for value, is_loss in zip(output, spec) if is_loss)
 
 
+def _check_padded_rows(padded_rows: int, labels, rows: int) -> None:
+    if not padded_rows:
+        return
+    if not 0 < padded_rows < rows:
+        raise ValueError(f"padded_rows={padded_rows} with a batch of {rows} rows: give 0 <= padded_rows < {rows}")
+    if labels is None or bool((labels[-padded_rows:] != -100).any()):
+        raise ValueError(f"the last padded_rows={padded_rows} rows must have labels -100 (ignored by the loss): "
+                         "set their labels to -100, or pass padded_rows=0")
+
+
 class StepRunner:
     """Runs ``run_train``/``run_eval`` for an ``NxDPPModel``; schedules cached per input shape."""
 
@@ -66,7 +76,7 @@ class StepRunner:
             raise ValueError(f"a batch of {batch} does not split into num_microbatches={self.model.num_microbatches}; "
                              f"use a batch that is a multiple of it, or num_microbatches in {fits}")
 
-    def run(self, inputs: dict, *, train: bool, return_logits: bool = False):
+    def run(self, inputs: dict, *, train: bool, return_logits: bool = False, padded_rows: int = 0):
         inputs = dict(inputs)
         step_count = inputs.pop("num_items_in_batch", None)
         check_step_inputs(self.model.nxd.input_check, inputs)  # before any check one rank alone could fail
@@ -75,6 +85,7 @@ class StepRunner:
         labels = inputs.get("labels")
         if labels is None and model.is_hf:
             raise ValueError("run_train/run_eval need labels to compute the loss")
+        _check_padded_rows(padded_rows, labels, inputs[model.input_names[0]].shape[0])
         if not model.is_hf:  # the loss is in the traced graph; the schedule still wants a target
             labels = torch.zeros(inputs[model.input_names[0]].shape[0], device=backend.default_device())
         if model.is_hf and "attention_mask" in model.input_names and "attention_mask" not in inputs:
@@ -91,7 +102,7 @@ class StepRunner:
         router_aux, aux_value = model.router_aux, None
         try:  # no agreement per microbatch: a failure aborts the groups, which its peers notice at once
             if router_aux is not None:
-                aux_value = self._router_aux_pass(schedule, inputs, step_args, step_kwargs, last, train)
+                aux_value = self._router_aux_pass(schedule, inputs, step_args, step_kwargs, last, train, padded_rows)
             if train:
                 with model.nxd.grad_reduction.one_backward():
                     schedule.step(*step_args, return_outputs=False, **step_kwargs)
@@ -111,12 +122,13 @@ class StepRunner:
             return loss, self._logits_everywhere(outputs if last else None, inputs[model.input_names[0]].shape)
         return loss
 
-    def _router_aux_pass(self, schedule, inputs: dict, step_args, step_kwargs, last: bool, train: bool):
+    def _router_aux_pass(self, schedule, inputs: dict, step_args, step_kwargs, last: bool, train: bool,
+                         padded_rows: int = 0):
         """Before a training step: the forwards alone, collecting the routers' partial sums, then
         the routers set to add their surrogate losses (``nxd_hf.pipeline.router_aux``); returns
         ``coef * aux``. Before an evaluation: collection during the evaluation itself (None)."""
         router_aux, model = self.model.router_aux, self.model
-        masks = microbatch_masks(inputs, model.num_microbatches)
+        masks = microbatch_masks(inputs, model.num_microbatches, padded_rows)
         router_aux.begin("collect", masks)
         if not train:
             return None

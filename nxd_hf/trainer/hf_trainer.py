@@ -25,40 +25,20 @@ import torch
 import transformers
 
 from nxd_hf import backend, parallel_state
-from nxd_hf.model_setup.liger import apply_liger_kernels, liger_options
+from nxd_hf.model_setup.liger import apply_liger_kernels
 from nxd_hf.model_state import state_of
 from nxd_hf.optim.zero1 import ELEMENTWISE_OPTIMIZERS
 from nxd_hf.parallel_layers.loss_functions import loss_normalizer
 from nxd_hf.parallel_layers.sharding import move_model_to_device
 from nxd_hf.pipeline.model import NxDPPModel
 from nxd_hf.trainer.arguments import NxDTrainingArguments
+from nxd_hf.trainer.batches import (
+    ROW_WEIGHT, check_dataset_size, data_parallel_mean, pad_rows, pipeline_inputs, replica_rows,
+)
 from nxd_hf.trainer.hf_checkpoints import CheckpointHooks
 from nxd_hf.trainer.model import NxDModel, initialize_parallel_model
 from nxd_hf.trainer.optimizer import initialize_parallel_optimizer
-
-_ROW_WEIGHT = "_nxd_row_weight"
-
-
-def _check_liger(args: NxDTrainingArguments) -> None:
-    """``use_liger_kernel`` fails before any work when it cannot apply (model_setup/liger.py)."""
-    liger_options(args.liger_kernel_config)
-    device = backend.default_device().type
-    if device != "cuda":
-        raise ValueError(f"use_liger_kernel=True: Liger's kernels are Triton kernels for CUDA GPUs and this run "
-                         f"computes on {device}. Drop use_liger_kernel on CPU and XLA")
-    if args.pipeline_parallel_size > 1:
-        raise ValueError("use_liger_kernel=True is not supported with pipeline_parallel_size > 1: drop one of them")
-
-
-@contextlib.contextmanager
-def _without_trainers_liger_patch(args: NxDTrainingArguments):
-    """``Trainer.__init__`` would apply Liger with its full-vocabulary loss on vocab-parallel logits;
-    NxDTrainer applies the kernels itself after it (``apply_liger_kernels``)."""
-    asked, args.use_liger_kernel = args.use_liger_kernel, False
-    try:
-        yield
-    finally:
-        args.use_liger_kernel = asked  # this replica's rows x dp / the global batch's rows
+from nxd_hf.trainer.options import check_liger, compile_model, without_trainers_liger_patch
 
 
 class NxDTrainer(CheckpointHooks, transformers.Trainer):
@@ -73,7 +53,7 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
             raise ValueError("NxDTrainer takes args=nxd_hf.NxDTrainingArguments(...) (a TrainingArguments subclass "
                              "carrying tensor_parallel_size, pipeline_parallel_size, ...)")
         if args.use_liger_kernel:
-            _check_liger(args)
+            check_liger(args)
         if trainer_kwargs.get("compute_loss_func") is not None:
             raise ValueError("compute_loss_func is not supported by NxDTrainer: the model's own loss runs on "
                              "vocab-parallel logits")
@@ -88,7 +68,7 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
             model = self._parallel(model, args)
         if model_init is not None:  # passed only when given: a Trainer subclass may not take it (TRL's)
             trainer_kwargs["model_init"] = self._parallel_init(model_init, args)
-        with _without_trainers_liger_patch(args):
+        with without_trainers_liger_patch(args):
             super().__init__(model, args, *trainer_args, **trainer_kwargs)
         if args.use_liger_kernel:
             apply_liger_kernels(self.model, args.liger_kernel_config)
@@ -123,7 +103,7 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
             self.nxd_model = initialize_parallel_model(self.nxd_config, lambda: model)
         _place(self.nxd_model, args.device)  # every layout, as Trainer places its model
         if args.torch_compile:
-            _compile(self.nxd_model, args)
+            compile_model(self.nxd_model, args)
         return self.nxd_model.hf_model
 
     # -- the process view
@@ -138,7 +118,7 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
 
     # -- data
     def get_train_dataloader(self):
-        _check_dataset_size(self.train_dataset, "train_dataset")
+        check_dataset_size(self.train_dataset, "train_dataset")
         per_replica = self._train_batch_size
         self._train_batch_size = per_replica * parallel_state.get_data_parallel_size()
         try:
@@ -152,7 +132,7 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
     def get_batch_samples(self, epoch_iterator, num_batches: int, device):
         """Global batches and their token count, then this replica's rows of each."""
         batches, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
-        return [_replica_rows(batch) for batch in batches], num_items_in_batch
+        return [replica_rows(batch) for batch in batches], num_items_in_batch
 
     # -- the step
     def create_optimizer(self, model=None):
@@ -186,17 +166,17 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
     def _training_step(self, model, inputs, num_items_in_batch=None):
         model.train()
         inputs = self._prepare_inputs(inputs)
-        row_weight = inputs.pop(_ROW_WEIGHT)
+        row_weight = inputs.pop(ROW_WEIGHT)
         with self.compute_loss_context_manager():
             if model.pipelined:  # the schedule runs backward and returns the DP-averaged share
-                return model.run_train(**_pipeline_inputs(model, inputs), num_items_in_batch=num_items_in_batch)
+                return model.run_train(**pipeline_inputs(model, inputs), num_items_in_batch=num_items_in_batch)
             if num_items_in_batch is not None and self.model_accepts_loss_kwargs:
                 normalizer = loss_normalizer(inputs["labels"], num_items_in_batch)
                 loss = self._nxd_loss(model, inputs, num_items_in_batch=normalizer)
             else:  # a per-batch mean: weight this replica's rows, average over accumulation steps
                 loss = self._nxd_loss(model, inputs) * row_weight / self.current_gradient_accumulation_steps
         loss.backward()
-        return _data_parallel_mean(loss.detach())
+        return data_parallel_mean(loss.detach())
 
     def _nxd_loss(self, model, inputs: dict, **loss_kwargs) -> torch.Tensor:
         """This rank's training loss (not pipelined); ``nxd_hf.parallel_trainer`` routes a subclass's
@@ -219,11 +199,12 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         if not model.pipelined:
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
-        inputs = _pipeline_inputs(model, self._prepare_inputs(inputs))
+        inputs = pipeline_inputs(model, self._prepare_inputs(inputs))
         rows = inputs["labels"].shape[0]
+        padded = pad_rows(inputs, model.module.num_microbatches)
         with torch.no_grad(), self.compute_loss_context_manager():
-            result = model.run_eval(**_pad_rows(inputs, model.module.num_microbatches),
-                                    return_logits=not prediction_loss_only)
+            result = model.run_eval(**padded, return_logits=not prediction_loss_only,
+                                    padded_rows=padded["labels"].shape[0] - rows)
         if prediction_loss_only:
             return result.detach(), None, None
         loss, logits = result
@@ -273,71 +254,13 @@ def _check_layout(args: NxDTrainingArguments, *, pipelined: bool) -> None:
                          f"tp={want[0]}, pp={want[1]}{ep}: pass the plain HF model and let NxDTrainer parallelize it")
 
 
-def _replica_rows(batch: dict) -> dict:
-    """This data-parallel replica's rows of every batched tensor of ``batch`` (split as evenly as
-    ``tensor_split`` does), and the weight of its rows in the global batch."""
-    dp_size, dp_rank = parallel_state.get_data_parallel_size(), parallel_state.get_data_parallel_rank()
-    rows = next(v.shape[0] for v in batch.values() if torch.is_tensor(v) and v.dim() > 0)
-    _check_rows(batch, rows, dp_size)
-    local = {k: v.tensor_split(dp_size)[dp_rank] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == rows else v
-             for k, v in batch.items()}
-    local_rows = len(torch.arange(rows).tensor_split(dp_size)[dp_rank])
-    local[_ROW_WEIGHT] = local_rows * dp_size / rows
-    return type(batch)(local) if isinstance(batch, dict) else local
 
 
-def _check_dataset_size(dataset, name: str) -> None:
-    """Every data-parallel replica needs a sample (the same check on every rank: same dataset)."""
-    dp_size = parallel_state.get_data_parallel_size()
-    size = len(dataset) if dataset is not None and hasattr(dataset, "__len__") else None
-    if size is not None and size < dp_size:
-        raise ValueError(f"the {name} has {size} samples but there are {dp_size} data-parallel replicas: each needs "
-                         "at least one sample per step. Use a larger dataset or fewer data-parallel replicas "
-                         "(a larger tensor_parallel_size x pipeline_parallel_size, or fewer processes)")
 
 
-def _check_rows(batch: dict, rows: int, dp_size: int) -> None:
-    """The global batch (the same on every rank) must give every replica at least one row of at
-    least one token: a ValueError naming it on every rank, not a reshape error on one."""
-    ids = batch.get("input_ids")
-    if rows == 0 or (torch.is_tensor(ids) and ids.dim() > 1 and ids.shape[-1] == 0):
-        shapes = {k: list(v.shape) for k, v in batch.items() if torch.is_tensor(v)}
-        raise ValueError(f"empty training batch {shapes}: drop empty examples from the dataset and check the collator")
-    if rows < dp_size:
-        raise ValueError(f"a training batch has {rows} rows but there are {dp_size} data-parallel replicas: each "
-                         "needs at least one row. Set dataloader_drop_last=True (the last batch of an epoch can be "
-                         "short), or use a dataset whose size is a multiple of the global batch size")
 
 
-def _pipeline_inputs(model: NxDModel, inputs: dict) -> dict:
-    return {k: v for k, v in inputs.items() if k in model.module.input_names}
 
 
-def _pad_rows(inputs: dict, multiple: int) -> dict:
-    """Repeat the last row until the batch splits into ``multiple`` microbatches; the added rows'
-    labels are ignored, so a token-weighted loss is unchanged."""
-    rows = inputs["labels"].shape[0]
-    extra = -rows % multiple
-    if not extra:
-        return inputs
-    padded = {k: torch.cat([v, v[-1:].expand(extra, *v.shape[1:])]) for k, v in inputs.items()}
-    padded["labels"][rows:] = -100
-    return padded
 
-
-def _data_parallel_mean(value: torch.Tensor) -> torch.Tensor:
-    value = value.float() / parallel_state.get_data_parallel_size()
-    return backend.all_reduce(value, parallel_state.get_data_parallel_group())
-
-
-def _compile(nxd_model: NxDModel, args: NxDTrainingArguments) -> None:
-    """``torch_compile``: the parallel HF model compiled in place (``nn.Module.compile``: its
-    parameter names, hooks and checkpoints stay those of the uncompiled model)."""
-    if isinstance(nxd_model.module, NxDPPModel):
-        raise ValueError("torch_compile=True is not supported with pipeline_parallel_size > 1: drop torch_compile "
-                         "or train without pipeline parallelism")
-    kwargs = {"backend": args.torch_compile_backend or "inductor"}
-    if args.torch_compile_mode:
-        kwargs["mode"] = args.torch_compile_mode
-    nxd_model.hf_model.compile(**kwargs)
 

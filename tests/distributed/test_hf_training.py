@@ -129,7 +129,7 @@ def test_from_pretrained_gpt_neox_tp2(ranks4, tmp_path):
 
 def _layout_only(model, *, tp, pad_model="auto", kv_size_multiplier="auto"):
     """The head-layout checks parallelize runs, for a TP size this process does not have."""
-    from nxd_hf.parallelize import attention_layout
+    from nxd_hf.setup_steps import attention_layout
     from nxd_hf.architectures import get_patch
 
     parallel_state.destroy_model_parallel()

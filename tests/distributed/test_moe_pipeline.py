@@ -67,6 +67,12 @@ def test_nxd_trainer_lora_dp2_matches_trainer(ranks2, tmp_path):
     ranks2.run(moe_pp_cases.trainer_matches_hf, "qwen2_moe", str(tmp_path), pp=1, lora=True)
 
 
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "llama"])
+def test_nxd_trainer_pp2_evaluate_matches_trainer(ranks2, tmp_path, model_type):
+    """Eval batches padded to the microbatches: the padded rows change neither the token loss nor the aux loss."""
+    ranks2.run(moe_pp_cases.trainer_eval_matches_hf, model_type, str(tmp_path))
+
+
 @pytest.mark.parametrize("save_pp, load_pp", [(2, 1), (1, 2)])
 def test_checkpoint_across_pp(ranks2, tmp_path, save_pp, load_pp):
     ranks2.run(moe_ckpt_cases.checkpoint_reshards, "qwen3_moe", str(tmp_path), save_pp=save_pp, load_pp=load_pp)

@@ -21,6 +21,7 @@ LAYERS = [
     ["nxd_hf.lora", "nxd_hf.pipeline"],
     ["nxd_hf.architectures"],  # the one module that imports the bundled model_patches
     ["nxd_hf.plan"],  # the layout search: reads plans and sharding arithmetic; the trainer's "auto" sizes use it
+    ["nxd_hf.setup_steps"],  # parallelize's steps 0-3b (groups, patch, head layout, layer swap, expert split)
     ["nxd_hf.parallelize"],
     ["nxd_hf.pretrained", "nxd_hf.trainer"],
     ["nxd_hf.integrations", "nxd_hf.lightning"],  # TRL on NxDTrainer; Lightning on the training API

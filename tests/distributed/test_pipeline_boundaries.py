@@ -9,16 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-TOL = dict(rtol=1e-4, atol=1e-5)
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.linear = nn.Linear(16, 16)
-
-    def forward(self, x):
-        return x + torch.relu(self.linear(x))
+from reference_fix_cases import TOL, Block
 
 
 class DetachedSideNet(nn.Module):

@@ -80,6 +80,4 @@ _DERIVED = patch_from_hf_plan("doge", _HF_PLAN)
 # SP stays off: the plan gathers its MoE router's output (colwise_gather_output).
 PATCH = register_patch(dataclasses.replace(
     _DERIVED, plan={**_DERIVED.plan, "layers.*.self_attn.q_norm": PerHeadNorm(), "layers.*.self_attn.k_norm": PerHeadNorm()},
-    after_swap=shard_dynamic_mask,
-    pipeline_refusal="its pipeline run does not match the model yet (measured at pp=2: loss and gradients off, "
-                     "cause not found; tensor parallelism is exact)"))
+    after_swap=shard_dynamic_mask))

@@ -4,18 +4,23 @@ unparallelized model (``nxd_hf.parity.run_case``: loss and every gathered gradie
 
 One spawn per world size runs every architecture; each case is isolated (failures are caught
 and classified inside the ranks, which agree on the outcome before going on). Rank 0 appends
-each result to a JSON-lines log as it goes; should a spawn die anyway, the sweep records the
-case it was in as a crash and resumes after it. Writes ``bench/results/architectures.json``;
+each result to a JSON-lines log as it goes, and names the case it starts in a side file; should
+a spawn die anyway, the sweep records that case as a crash and resumes after it. A case that runs
+longer than ``--case-timeout`` seconds ends its spawn (rank 0's timer marks the case timed out,
+prints its stacks on stderr and exits; its peers are stopped with it): the sweep records it as a
+"hang" and resumes after it. Writes ``bench/results/architectures.json``;
 ``bench/architectures/table.py`` turns it into the table in ``docs/architectures.md``.
 
-    python -m bench.architectures [--world 2 4] [--types gemma apertus ...]
+    python -m bench.architectures [--world 2 4] [--types gemma apertus ...] [--case-timeout 300]
 """
 
 import argparse
+import faulthandler
 import json
 import os
 import pathlib
 import tempfile
+import threading
 import time
 import warnings
 
@@ -90,33 +95,77 @@ def tiny_config(model_type: str):
     return shrink_config(config, overrides=BUILD_FIXES.get(model_type))
 
 
-def _sweep_rank(types: list[str], layouts: list[str], log_path: str) -> None:
-    """Every (type, layout) case on this rank; rank 0 logs each agreed result."""
-    import torch.distributed as dist
+CASE_TIMEOUT_S = 300.0
+"""Default limit of one (type, layout) case, in seconds: the slowest case of the committed sweep
+took under 2 s, the first of a spawn a few more; the rest is room for a loaded machine."""
 
+
+def parity_case(model_type: str, layout: str) -> dict | None:
+    """One sweep case inside the ranks: the agreed ``run_case`` outcome as a dict, or None when
+    the layout does not apply (an ep layout for a type without routed experts)."""
     from nxd_hf.parity.cases import run_case
+
+    _, tp, pp, sp, *ep = LAYOUTS[layout]
+    ep = ep[0] if ep else 1
+    try:
+        config = tiny_config(model_type)
+    except Exception as exc:  # noqa: BLE001  the same on every rank: our shrinking failed
+        return dict(status="build_error", message=f"{type(exc).__name__}: {exc}"[:1000])
+    if ep > 1 and not is_moe(config):
+        return None
+    case = run_case(config, tensor_parallel_size=tp, pipeline_parallel_size=pp, sequence_parallel=sp,
+                    expert_parallel_size=ep)
+    return dict(vars(case))
+
+
+def _current_path(log_path: str) -> str:
+    return log_path + ".current"
+
+
+def _name_case(log_path: str, model_type: str, layout: str, **extra) -> None:
+    """Rank 0's record of the case it is in (``extra``: timed_out=True once its timer fired)."""
+    tmp = _current_path(log_path) + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(dict(model_type=model_type, layout=layout, **extra), f)
+    os.replace(tmp, _current_path(log_path))
+
+
+def _time_out(log_path: str, model_type: str, layout: str) -> None:
+    faulthandler.dump_traceback(all_threads=True)  # where it hung, on the sweep's stderr
+    _name_case(log_path, model_type, layout, timed_out=True)
+    os._exit(124)
+
+
+def _sweep_rank(cases: list[tuple[str, str]], log_path: str, case_timeout_s: float, case_fn) -> None:
+    """Every (type, layout) case on this rank; rank 0 names each case it starts and logs each
+    agreed result. A case past ``case_timeout_s`` exits rank 0 (``sweep_world`` goes on): a
+    Python timer that marks the case timed out, and one in C (``faulthandler``) a minute later
+    should the case hold the GIL."""
+    import torch.distributed as dist
 
     warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()
-    for model_type in types:
-        for layout in layouts:
-            _, tp, pp, sp, *ep = LAYOUTS[layout]
-            ep = ep[0] if ep else 1
-            start = time.perf_counter()
-            try:
-                config = tiny_config(model_type)
-            except Exception as exc:  # noqa: BLE001  the same on every rank: our shrinking failed
-                result = dict(status="build_error", message=f"{type(exc).__name__}: {exc}"[:1000])
-            else:
-                if ep > 1 and not is_moe(config):
-                    continue
-                case = run_case(config, tensor_parallel_size=tp, pipeline_parallel_size=pp, sequence_parallel=sp,
-                                expert_parallel_size=ep)
-                result = dict(vars(case))
-            result["seconds"] = round(time.perf_counter() - start, 2)
-            if dist.get_rank() == 0:
-                with open(log_path, "a") as f:
-                    f.write(json.dumps(dict(model_type=model_type, layout=layout, **result)) + "\n")
+    first = dist.get_rank() == 0
+    for model_type, layout in cases:
+        start = time.perf_counter()
+        if first:
+            _name_case(log_path, model_type, layout)
+            timer = threading.Timer(case_timeout_s, _time_out, (log_path, model_type, layout))
+            timer.daemon = True
+            timer.start()
+            faulthandler.dump_traceback_later(case_timeout_s + 60, exit=True)
+        try:
+            result = case_fn(model_type, layout)
+        finally:
+            if first:
+                timer.cancel()
+                faulthandler.cancel_dump_traceback_later()
+        if result is None:
+            continue
+        result["seconds"] = round(time.perf_counter() - start, 2)
+        if first:
+            with open(log_path, "a") as f:
+                f.write(json.dumps(dict(model_type=model_type, layout=layout, **result)) + "\n")
 
 
 def _read_log(log_path: str) -> list[dict]:
@@ -126,22 +175,45 @@ def _read_log(log_path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def sweep_world(world_size: int, types: list[str], layouts: list[str], log_path: str) -> None:
-    """Run ``layouts`` (all of ``world_size``) for ``types``, resuming after a dead spawn."""
-    remaining = list(types)
+def _dead_case(log_path: str, cases: list[tuple[str, str]]) -> tuple[int, bool]:
+    """(index in ``cases`` of the case a dead spawn was in, whether it timed out): the case rank 0
+    named last, or else the first case without a result."""
+    done = {(r["model_type"], r["layout"]) for r in _read_log(log_path)}
+    try:
+        with open(_current_path(log_path)) as f:
+            current = json.load(f)
+        index = cases.index((current["model_type"], current["layout"]))
+    except (OSError, ValueError, KeyError):
+        current, index = {}, -1
+    if index >= 0 and cases[index] not in done:
+        return index, current.get("timed_out", False)
+    return next(i for i, case in enumerate(cases) if case not in done), False
+
+
+def sweep_world(world_size: int, types: list[str], layouts: list[str], log_path: str, *,
+                case_timeout_s: float = CASE_TIMEOUT_S, case_fn=parity_case) -> None:
+    """Run ``layouts`` (all of ``world_size``) for ``types``, resuming after a dead spawn: a case
+    past ``case_timeout_s`` is recorded as "hang", one whose ranks died as "crash". ``case_fn``
+    (module level, see ``parity_case``) runs one case inside the ranks."""
+    remaining = [(t, layout) for t in types for layout in layouts]
     while remaining:
-        try:
-            run_distributed(_sweep_rank, world_size, remaining, layouts, log_path, timeout_s=3600)
+        if os.path.exists(_current_path(log_path)):
+            os.remove(_current_path(log_path))
+        try:  # the spawn's own limit only backs up the per-case one
+            run_distributed(_sweep_rank, world_size, remaining, log_path, case_timeout_s, case_fn,
+                            timeout_s=case_timeout_s * len(remaining) + 120)
             return
         except DistributedTestError as exc:
-            done = {(r["model_type"], r["layout"]) for r in _read_log(log_path)}
-            current = next(t for t in remaining if any((t, lay) not in done for lay in layouts))
+            index, timed_out = _dead_case(log_path, remaining)
+            model_type, layout = remaining[index]
+            if timed_out:
+                record = dict(status="hang", message=f"timed out after {case_timeout_s:g} s (its ranks were stopped; "
+                                                     "the sweep went on with the next case)")
+            else:
+                record = dict(status="crash", message=f"the ranks died: {str(exc)[-1500:]}")
             with open(log_path, "a") as f:
-                for layout in layouts:
-                    if (current, layout) not in done:
-                        f.write(json.dumps(dict(model_type=current, layout=layout, status="crash",
-                                                message=f"the ranks died: {str(exc)[-1500:]}")) + "\n")
-            remaining = remaining[remaining.index(current) + 1:]
+                f.write(json.dumps(dict(model_type=model_type, layout=layout, **record)) + "\n")
+            remaining = remaining[index + 1:]
 
 
 def main(argv=None) -> None:
@@ -150,6 +222,8 @@ def main(argv=None) -> None:
     parser.add_argument("--types", nargs="+", default=None)
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS))
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS / "architectures.json")
+    parser.add_argument("--case-timeout", type=float, default=CASE_TIMEOUT_S,
+                        help="seconds one (type, layout) case may run before it is recorded as a hang")
     args = parser.parse_args(argv)
     types = args.types or model_types()
     with tempfile.TemporaryDirectory() as tmp:
@@ -157,7 +231,7 @@ def main(argv=None) -> None:
         for world in args.world:
             layouts = [name for name in args.layouts if LAYOUTS[name][0] == world]
             if layouts:
-                sweep_world(world, types, layouts, log_path)
+                sweep_world(world, types, layouts, log_path, case_timeout_s=args.case_timeout)
         results = {}
         for r in _read_log(log_path):
             results.setdefault(r.pop("model_type"), {})[r.pop("layout")] = r

@@ -3,7 +3,8 @@
 
 ``run_case`` never lets a failure on some ranks hang the others: every rank reports how its
 setup went and all agree (one small all-gather over the world) before the first collective
-that could block, and again after forward and backward. The outcome is one of
+that could block, and again after forward and backward (except after a pipeline step that
+failed: it closed the process groups, so every rank raises its error instead). The outcome is one of
 "pass", "refused" (``parallelize`` raised a ValueError: the architecture or layout is not
 supported, with its message), "wrong" (ran, but the loss or a gradient is off) and "crash"
 (any other exception).
@@ -168,6 +169,10 @@ def run_case(config, *, tensor_parallel_size: int, pipeline_parallel_size: int =
         torch.manual_seed(WEIGHT_SEED)
         loss = _train_step(model, ids, labels, pp)
     except Exception as exc:  # noqa: BLE001
+        if backend.groups_aborted():
+            # a failed pipeline step closed the process groups (nxd_hf.pipeline.failure): no agreement
+            # can run, and a peer blocked on this rank is freed only by its exit. Every rank raises.
+            raise
         status, message = _failure(exc, setup=False)
     status, message = _agree(status, message)
     if status != "pass":

@@ -41,7 +41,9 @@ class MaskBuilder(nn.Module):
     """A leaf module calling an HF mask builder with the model's config. Holding the config here
     keeps it out of the graph. The sdpa shortcut (None for an all-ones mask) is off unless
     ``allow_skip`` is set, which ``nxd_hf.pipeline.recompute`` does when the mask never
-    crosses a stage boundary; it is always off on fake tensors (shape propagation)."""
+    crosses a stage boundary; it is always off on fake tensors (shape propagation), and when
+    the model itself passes ``allow_is_causal_skip=False`` (DSA indexers such as AXK2's and
+    DeepSeek-V3.2's slice the mask, so it must be a tensor)."""
 
     def __init__(self, builder, config):
         super().__init__()
@@ -53,7 +55,7 @@ class MaskBuilder(nn.Module):
         kwargs["config"] = self.config
         if self.accepts_skip:
             fake = any(isinstance(v, FakeTensor) for v in [*args, *kwargs.values()])
-            kwargs["allow_is_causal_skip"] = self.allow_skip and not fake
+            kwargs["allow_is_causal_skip"] = kwargs.get("allow_is_causal_skip", True) and self.allow_skip and not fake
         return self.builder(*args, **kwargs)
 
 

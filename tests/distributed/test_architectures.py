@@ -2,14 +2,18 @@
 scaled embedding (gemma), learnable activation scalar (apertus), fused gated query
 (qwen3_5_text), per-layer head_dim (gemma4_unified_text), exact statistics over sharded units
 (gemma3n_text), attention sinks (granite_swa), a rowwise layer over the value heads (doge's
-dt_proj: ``model_patches/doge.py``); the config shrinking keeps head ratios and per-layer kinds; a parallelize
-that fails on one rank only fails promptly on every rank; ``nxd-hf check`` on a saved config."""
+dt_proj: ``model_patches/doge.py``); a mask the model asks materialized (AXK2's DSA indexer) at pp=2; the
+config shrinking keeps head ratios and per-layer kinds; a parallelize or a pipeline step that fails on one
+rank only fails promptly on every rank; ``nxd-hf check`` on a saved config."""
 
 import time
 
 import pytest
 import torch.distributed as dist
 import transformers
+from torch._subclasses.fake_tensor import FakeTensor
+
+from nxd_hf.testing import DistributedTestError, run_distributed
 
 
 # model_type -> (expected status, sequence_parallel too)
@@ -35,13 +39,29 @@ class _FailsOnRank1(transformers.LlamaForCausalLM):
         return super().set_submodule(target, module, strict)
 
 
-def architecture_case(model_type: str, sp: bool, model_cls=None):
-    """run_case at tp=2 on a shrunk config of ``model_type``; with its wall time."""
+class _FailsInPipelineStepOnRank0(transformers.LlamaForCausalLM):
+    """The first layer raises on rank 0 when it runs a real microbatch of the pipeline (2 rows; the
+    reference runs the whole batch of 4, the tracer fake tensors)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.model.layers[0].register_forward_hook(_fail_on_rank0_microbatch)
+
+
+def _fail_on_rank0_microbatch(module, args, output):
+    hidden = args[0]
+    if dist.get_rank() == 0 and hidden.shape[0] == 2 and not isinstance(hidden, FakeTensor):
+        raise RuntimeError("injected failure in the pipeline step on rank 0")
+
+
+def architecture_case(model_type: str, sp: bool, model_cls=None, tp: int = 2, pp: int = 1):
+    """run_case at tp x pp (default tp=2) on a shrunk config of ``model_type``; with its wall time."""
     from nxd_hf.parity.cases import run_case
 
     transformers.logging.set_verbosity_error()
     start = time.perf_counter()
-    result = run_case(_tiny(model_type), tensor_parallel_size=2, sequence_parallel=sp, model_cls=model_cls)
+    result = run_case(_tiny(model_type), tensor_parallel_size=tp, pipeline_parallel_size=pp, sequence_parallel=sp,
+                      model_cls=model_cls)
     return result, time.perf_counter() - start
 
 
@@ -62,6 +82,26 @@ def test_failing_rank_fails_promptly_on_every_rank(ranks2):
         assert "failed on rank 1" in result.message
         assert "injected failure on rank 1" in result.message
         assert seconds < 30
+
+
+def test_materialized_mask_of_a_dsa_indexer_at_pp2(ranks2):
+    """AXK2 asks create_causal_mask for a tensor (allow_is_causal_skip=False: its indexer slices the
+    mask); the stages that recompute the mask gave it None for an all-ones mask, stage 0 failed and
+    stage 1 waited on it for good. A short timeout: a regression fails instead of hanging the suite."""
+    results = [result for result, _ in ranks2.run(architecture_case, "axk2", False, None, 1, 2, timeout_s=150)]
+    assert [r.status for r in results] == ["pass", "pass"], results[0].message  # each stage checks its own grads
+
+
+def test_failed_pipeline_step_fails_promptly_on_every_rank():
+    """A pipeline step that fails on one stage closes the process groups: run_case raises on every
+    rank (it cannot agree on an outcome any more) instead of waiting in its agreement forever."""
+    start = time.perf_counter()
+    with pytest.raises(DistributedTestError) as error:
+        run_distributed(architecture_case, 2, "llama", False, _FailsInPipelineStepOnRank0, 1, 2, timeout_s=90)
+    message = str(error.value)
+    assert "timed out" not in message, message
+    assert "run_train failed on rank 0" in message and "injected failure in the pipeline step" in message, message
+    assert time.perf_counter() - start < 60
 
 
 def test_shrink_keeps_head_ratio_and_one_layer_per_kind():

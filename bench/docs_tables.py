@@ -108,7 +108,8 @@ def train_step(result: dict) -> str:
 
 
 TABLES = dict(comm_volume=comm_volume, memory=memory, pipeline=pipeline, lora=lora, optimizer=optimizer,
-              checkpoint=checkpoint, train_step=train_step, overlap=train_step, train_step_peers=train_step)
+              checkpoint=checkpoint, train_step=train_step, overlap=train_step, train_step_peers=train_step,
+              train_step_throughput=train_step)
 
 
 def _splice(page: str, begin: str, end: str, body: str) -> str:

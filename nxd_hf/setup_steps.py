@@ -4,11 +4,14 @@ run without collectives (inside ``fail_together``)."""
 
 import warnings
 
+from torch import nn
+
 from nxd_hf import parallel_state
 from nxd_hf.architectures import get_patch
 from nxd_hf.moe.ep_dispatch import apply_expert_parallel
 from nxd_hf.parallel_layers.heads import HeadLayout, head_layout
 from nxd_hf.tp.apply import apply_tensor_parallel, match_plan
+from nxd_hf.tp.custom_modules import random_router
 from nxd_hf.tp.layouts import config_head_dim
 from nxd_hf.tp.outputs import install_output_contract
 from nxd_hf.tp.plan import Experts, ModelPatch
@@ -46,6 +49,8 @@ def resolve_patch(model, *, sequence_parallel: bool, pipeline_parallel_size: int
             f"pipeline_parallel_size={pipeline_parallel_size} is not supported for model_type {patch.model_type!r}: "
             f"{patch.pipeline_refusal}. Use pipeline_parallel_size=1 (tensor and data parallelism work)"
         )
+    if pipeline_parallel_size > 1:
+        _refuse_random_routers(model, pipeline_parallel_size)
     if sequence_parallel and not patch.sequence_parallel:
         raise ValueError(
             f"sequence_parallel=True is not supported for model_type {patch.model_type!r}: "
@@ -54,6 +59,19 @@ def resolve_patch(model, *, sequence_parallel: bool, pipeline_parallel_size: int
             "Use sequence_parallel=False"
         )
     return patch
+
+
+def _refuse_random_routers(model, pipeline_parallel_size: int) -> None:
+    """A router that draws random numbers in training cannot route as one process does across
+    stages: each stage draws from its own stream, microbatch by microbatch."""
+    for name, block in model.named_modules():
+        reason = random_router(block) if isinstance(getattr(block, "experts", None), nn.Module) else None
+        if reason is not None:
+            raise ValueError(
+                f"pipeline_parallel_size={pipeline_parallel_size}: {name!r}: {reason}; each pipeline stage would draw "
+                "its own numbers, microbatch by microbatch, and route tokens differently from the model on one "
+                "device. Set the jitter to 0.0 in the config where it is one, or use pipeline_parallel_size=1 "
+                "(data and expert parallelism work)")
 
 
 def attention_layout(model, patch: ModelPatch, *, pad_model, kv_size_multiplier) -> HeadLayout | None:

@@ -298,3 +298,21 @@ def trainer_eval_matches_hf(model_type: str, out_dir: str) -> None:
         ours.nxd_model.run_eval(input_ids=ids, attention_mask=mask, labels=labels, padded_rows=1)
     # exact for the MoE models here; the padded rows counted in the aux loss were off by 8e-5 (mixtral), 3e-4 (qwen3)
     torch.testing.assert_close(torch.tensor(got["eval_loss"]), torch.tensor(want["eval_loss"]), rtol=1e-5, atol=0)
+
+
+def random_router_refused_at_pp2() -> None:
+    """A router drawing random numbers in training (PhiMoE's sparsemixer; a router jitter) cannot
+    route as one process does across stages: a ValueError on every rank naming it, not a wrong run."""
+    import pytest
+
+    from bench.architectures.run import tiny_config
+    from nxd_hf.parity.cases import run_case
+
+    case = run_case(tiny_config("phimoe"), tensor_parallel_size=1, pipeline_parallel_size=2)
+    assert case.status == "refused" and "sparsemixer" in case.message and "pipeline_parallel_size=2" in case.message, \
+        (case.status, case.message)
+    _, model = build_pair("mixtral", router_jitter_noise=0.1)
+    with pytest.raises(ValueError, match="jitter_noise=0.1 multiplies by random noise; each pipeline stage"):
+        nxd_hf.parallelize(model, pipeline_parallel_size=2)
+    _, model = build_pair("mixtral")  # no jitter: runs
+    nxd_hf.parallelize(model, pipeline_parallel_size=2)

@@ -58,7 +58,7 @@ def build_embedding(module: nn.Module, dtype: torch.dtype) -> ParallelEmbedding:
                              device="meta")
 
 
-def _random_router(block: nn.Module) -> str | None:
+def random_router(block: nn.Module) -> str | None:
     """Why ``block``'s router draws random numbers in training (None: it does not)."""
     if type(block).__name__.startswith("Phimoe"):
         return "PhiMoE's sparsemixer router samples experts at random in training"
@@ -74,7 +74,7 @@ def check_experts(name: str, module: nn.Module, block: nn.Module) -> None:
     """ValueError for fused experts that cannot be sharded over TP exactly (kept whole at tp=1)."""
     if parallel_state.get_tensor_model_parallel_size() == 1:
         return
-    reason = _random_router(block)
+    reason = random_router(block)
     if reason is not None:
         raise ValueError(
             f"{name!r}: {reason}; at tensor_parallel_size > 1 each TP rank would draw its own numbers and route "

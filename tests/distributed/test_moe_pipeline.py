@@ -124,3 +124,7 @@ def test_aux_loss_spec_reads_the_model():
     assert spec.router_cls.__name__ == "MixtralTopKRouter"
     assert aux_loss.aux_loss_spec(moe_pp_cases.build_pair("mixtral", aux=False)[0]) is None
     assert aux_loss.aux_loss_spec(moe_pp_cases.build_pair("deepseek_v3")[0]) is None  # HF adds none
+
+
+def test_random_router_refused_at_pp2(ranks2):
+    ranks2.run(moe_pp_cases.random_router_refused_at_pp2, model_parallel=(1, 2))

@@ -6,6 +6,13 @@ probabilities of the local heads) must draw an independent mask per rank.
 ``model_parallel_manual_seed(seed)`` seeds the default generator identically on every TP rank
 (offset per PP stage) and a tracked "model-parallel" generator differently per TP rank;
 ``get_rng_state_tracker().fork()`` runs a block on the tracked generator.
+
+A pipeline step runs each stage on its own stream (``pipeline_stage_rng``): without it every
+stage would start from the same state, so stage 1's dropout masks would repeat stage 0's, and
+the stages' default generators would drift apart by the different number of draws of their
+layers (a sampler seeded from the default generator would then feed the stages different
+batches). NxD gets the offset from ``model_parallel_manual_seed``; HF's ``Trainer`` reseeds
+every rank alike with ``set_seed``, so nxd_hf derives the stream per step instead.
 """
 
 import contextlib
@@ -97,6 +104,29 @@ def model_parallel_manual_seed(seed: int) -> None:
     _tracker.reset()
     _tracker.add(MODEL_PARALLEL_RNG, seed + _TP_SEED_OFFSET + tp_rank + _PP_SEED_OFFSET * pp_rank)
     _seed(seed + _PP_SEED_OFFSET * pp_rank)
+
+
+def draw_step_seed() -> int:
+    """One draw from the default CPU generator: equal on every rank whose generator is in step."""
+    return int(torch.randint(0, 2**62, (), dtype=torch.int64))
+
+
+@contextlib.contextmanager
+def pipeline_stage_rng(step_seed: int):
+    """Run a block on this pipeline stage's stream for the step: the default generators (CPU and
+    the device's) seeded ``step_seed + 100 * pp_rank`` (equal on every TP and DP rank of the
+    stage), then restored, so what the block draws leaves them as they were. Entering twice
+    with one ``step_seed`` replays the same masks."""
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    cpu_state = torch.get_rng_state()
+    device_state = _get_state() if _device_type() != "cpu" else None
+    _seed(step_seed + _PP_SEED_OFFSET * pp_rank)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(cpu_state)
+        if device_state is not None:
+            _set_state(device_state)
 
 
 # NxD's names for the same function.

@@ -6,6 +6,9 @@ non-ignored tokens across all microbatches and DP replicas (times the DP size, s
 gradients are averaged; ``loss_normalizer``), so the gradients equal those of one large batch.
 ``run_train(num_items_in_batch=N)`` gives that count for a step accumulated over several calls
 (N summed over the calls and DP ranks); by default it is this call's count.
+
+Each stage draws its dropout masks from its own stream, derived from one draw of the default
+generator per step (``nxd_hf.parallel_layers.random.pipeline_stage_rng``).
 """
 
 import torch
@@ -16,6 +19,7 @@ from nxd_hf.moe import aux_loss as aux
 from nxd_hf.pipeline.failure import raise_on_every_rank
 from nxd_hf.pipeline.router_aux import microbatch_masks
 from nxd_hf.parallel_layers.loss_functions import loss_normalizer
+from nxd_hf.parallel_layers.random import draw_step_seed, pipeline_stage_rng
 from nxd_hf.parallel_layers.sharding import gather_logical
 
 
@@ -92,7 +96,6 @@ class StepRunner:
             inputs = {**inputs, "attention_mask": torch.ones_like(inputs["input_ids"])}
         self.num_items = loss_normalizer(labels, step_count) if model.is_hf else None
         names = [name for name in model.input_names if name != "labels" or not model.is_hf]
-        schedule = self._schedule([inputs[name] for name in names])  # keyword inputs last, as traced
         first, last = 0 in model.local_stage_ids, model.num_stages - 1 in model.local_stage_ids
         losses = [] if last else None
         step_args = [inputs[name] for name in names if name not in model.keyword_inputs] if first else []
@@ -100,14 +103,19 @@ class StepRunner:
         if last:
             step_kwargs.update(target=labels, losses=losses)
         router_aux, aux_value = model.router_aux, None
+        step_seed = draw_step_seed()  # the aux pass and the step draw the same dropout masks
         try:  # no agreement per microbatch: a failure aborts the groups, which its peers notice at once
+            schedule = self._schedule([inputs[name] for name in names])  # keyword inputs last, as traced
             if router_aux is not None:
-                aux_value = self._router_aux_pass(schedule, inputs, step_args, step_kwargs, last, train, padded_rows)
+                with pipeline_stage_rng(step_seed):
+                    aux_value = self._router_aux_pass(schedule, inputs, step_args, step_kwargs, last, train,
+                                                      padded_rows)
             if train:
-                with model.nxd.grad_reduction.one_backward():
+                with pipeline_stage_rng(step_seed), model.nxd.grad_reduction.one_backward():
                     schedule.step(*step_args, return_outputs=False, **step_kwargs)
             else:
-                outputs = schedule.eval(*step_args, return_outputs=return_logits, **step_kwargs)
+                with pipeline_stage_rng(step_seed):
+                    outputs = schedule.eval(*step_args, return_outputs=return_logits, **step_kwargs)
             if router_aux is not None and not train:
                 aux_value = self._router_aux_value()
         except Exception as error:

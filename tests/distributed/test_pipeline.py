@@ -6,6 +6,7 @@ import torch
 
 import hf_parity
 import nxd_hf
+import pipeline_rng_cases
 from nxd_hf import parallel_state
 from nxd_hf.parallel_layers.sharding import is_sharded
 
@@ -223,6 +224,12 @@ def check_from_pretrained_reads_only_local_stages(path: str) -> None:
     torch.testing.assert_close(loss, ref_loss, **TOL)
 
 
+@pytest.mark.parametrize("model_type", ["gpt2", "mixtral"])
+def test_pp2_dropout_draws_from_a_stream_per_stage(ranks2, model_type):
+    """Stage 1 no longer repeats stage 0's masks; a router's statistics come from the step's masks."""
+    ranks2.run(pipeline_rng_cases.dropout_matches_reference_per_stage, model_type)
+
+
 def test_pp4_four_microbatches(ranks4):
     ranks4.run(pipeline_matches_single_process, "llama", pp=4, num_microbatches=4)
 
@@ -233,6 +240,10 @@ def test_tp2_pp2(ranks4):
 
 def test_tp2_pp2_sequence_parallel_with_per_head_norms(ranks4):
     ranks4.run(pipeline_matches_single_process, "qwen3", tp=2, pp=2, sequence_parallel=True)
+
+
+def test_tp2_pp2_dropout_same_on_tp_ranks_per_stage(ranks4):
+    ranks4.run(pipeline_rng_cases.dropout_matches_reference_per_stage, "gpt2", tp=2)
 
 
 def test_tp2_pp2_tied_embedding_across_stages(ranks4):

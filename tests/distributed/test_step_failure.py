@@ -40,12 +40,34 @@ def _failing_step(tp: int, failing_rank: int, train: bool) -> tuple[str, float]:
     raise AssertionError(f"rank {backend.rank()}: the step did not fail")
 
 
-def _check_every_rank(results, failing_rank: int, what: str) -> None:
+def _failing_schedule_build(failing_rank: int) -> tuple[str, float]:
+    """A new input shape builds a new schedule; building it fails on one rank only, while its
+    peer goes on into the step."""
+    parallel_state.destroy_model_parallel()
+    _, model = hf_parity.build_pair("llama", num_hidden_layers=4)
+    pp_model = nxd_hf.parallelize(model, pipeline_parallel_size=2, num_microbatches=2)
+    ids, labels = hf_parity.batch(b=4)
+    pp_model.run_train(input_ids=ids, labels=labels)
+    if backend.rank() == failing_rank:
+        def build_schedule(*args, **kwargs):
+            raise RuntimeError(f"schedule failed on purpose on rank {failing_rank}")
+
+        pp_model.build_schedule = build_schedule
+    ids, labels = hf_parity.batch(b=4, s=12)
+    start = time.monotonic()
+    try:
+        pp_model.run_train(input_ids=ids, labels=labels)
+    except ValueError as error:
+        return str(error), time.monotonic() - start
+    raise AssertionError(f"rank {backend.rank()}: the step did not fail")
+
+
+def _check_every_rank(results, failing_rank: int, what: str, failed: str = "layer") -> None:
     messages = {message for message, _ in results}
     assert len(messages) == 1, messages
     message = messages.pop()
     assert message.startswith(f"{what} failed on rank {failing_rank} "), message
-    assert f"RuntimeError: layer failed on purpose on rank {failing_rank}" in message, message
+    assert f"RuntimeError: {failed} failed on purpose on rank {failing_rank}" in message, message
     assert max(elapsed for _, elapsed in results) < PROMPT_S, results
 
 
@@ -62,3 +84,8 @@ def test_first_stage_failure_in_eval_pp2():
 def test_one_tp_rank_of_a_stage_fails_pp2_tp2():
     results = run_distributed(_failing_step, 4, 2, 2, True, timeout_s=90)
     _check_every_rank(results, 2, "run_train")
+
+
+def test_schedule_build_failure_on_one_rank_pp2():
+    results = run_distributed(_failing_schedule_build, 2, 1, timeout_s=90)
+    _check_every_rank(results, 1, "run_train", failed="schedule")

@@ -94,3 +94,45 @@ def dropout_matches_reference_per_stage(model_type: str, *, tp: int = 1) -> None
     assert not torch.allclose(again, loss, **TOL)
     torch.set_rng_state(state)
     torch.testing.assert_close(pp_model.run_train(input_ids=ids, labels=labels), again, rtol=0, atol=0)
+
+
+def draws_only_with_dropout_in_training() -> None:
+    """The default generator is advanced by exactly one draw per training step of a model with
+    dropout — in a module (LoRA's, here on a stage-1 layer only) or in the config — and left
+    alone by a model without dropout or in eval mode, as the unsplit model leaves it."""
+    import peft
+
+    def state_after(pp_model, **inputs):
+        torch.manual_seed(GLOBAL_SEED)
+        pp_model.run_train(**inputs) if pp_model.training else pp_model.run_eval(**inputs)
+        return torch.get_rng_state()
+
+    torch.manual_seed(GLOBAL_SEED)
+    untouched = torch.get_rng_state()
+    draw_step_seed()
+    one_draw = torch.get_rng_state()
+    ids, labels = hf_parity.batch(seed=5, b=2, s=8)
+    for overrides, lora_dropout, expected in [({}, None, untouched), ({"attention_dropout": 0.1}, None, one_draw),
+                                              ({}, 0.1, one_draw)]:
+        parallel_state.destroy_model_parallel()
+        _, model = hf_parity.build_pair("llama", num_hidden_layers=4, **overrides)
+        lora = None if lora_dropout is None else peft.LoraConfig(r=2, lora_alpha=4, lora_dropout=lora_dropout,
+                                                                 target_modules=["v_proj"])
+        pp_model = nxd_hf.parallelize(model, pipeline_parallel_size=2, num_microbatches=2, lora_config=lora)
+        case = f"{overrides} lora_dropout={lora_dropout}"
+        assert torch.equal(state_after(pp_model, input_ids=ids, labels=labels), expected), case
+        pp_model.eval()
+        assert torch.equal(state_after(pp_model, input_ids=ids, labels=labels), untouched), f"{case} eval"
+
+
+def lora_on_one_stage_only_refused() -> None:
+    """LoRA targets on stage 1's layers only: a ValueError on every rank, not a backward that
+    waits for a gradient stage 0's frozen output never carries."""
+    import peft
+    import pytest
+
+    parallel_state.destroy_model_parallel()
+    _, model = hf_parity.build_pair("llama", num_hidden_layers=4)
+    lora = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["layers.3.self_attn.v_proj"])
+    with pytest.raises(ValueError, match="match modules only on other pipeline stages"):
+        nxd_hf.parallelize(model, pipeline_parallel_size=2, num_microbatches=2, lora_config=lora)

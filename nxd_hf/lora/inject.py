@@ -104,6 +104,12 @@ def inject_lora(model, lora_config, *, adapter_name: str = "default", model_type
         lora_config = _converted_for_transformers(lora_config, hf_model)
     configs = [_module_config(m, lora_config, output_layer) for m in modules]
     matches = [_matching(m, c) for m, c in zip(modules, configs)]
+    if not any(matches) and hf_model is not None and _matching(hf_model, lora_config):
+        # frozen, a stage's output would carry no gradient and its peer would wait for one
+        raise ValueError(
+            f"LoRA target_modules {lora_config.target_modules!r} match modules only on other pipeline stages: at "
+            "pipeline_parallel_size > 1 every stage needs at least one adapter; target modules in every stage's "
+            "layers (e.g. a projection name every layer has), or use pipeline_parallel_size=1")
     if not any(matches):
         raise ValueError(
             f"LoRA target_modules {lora_config.target_modules!r} match no module of the model (peft's rules: a name "

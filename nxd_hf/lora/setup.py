@@ -12,6 +12,7 @@ import torch
 
 from nxd_hf import backend, parallel_state
 from nxd_hf.checkpoint.load import load_model_tensors, read_index
+from nxd_hf.guards.fail_together import fail_together
 from nxd_hf.lora.checkpoint import LoraCheckpoint
 from nxd_hf.lora.inject import _print_trainable, inject_lora
 from nxd_hf.modules.lora import LoraConfig as NxDLoraConfig
@@ -26,15 +27,18 @@ def setup_lora(modules: list, *, lora_config, model, autocast_adapter_dtype: boo
         inject_lora(modules, nxd_config)  # warns that nothing is added
         return
     plan = None
-    if nxd_config is not None and nxd_config.load_lora_from_ckpt:
-        directory, index = read_index(nxd_config.lora_save_dir, nxd_config.lora_load_tag)
-        plan = index.get("adapters")
-        if plan is None:
-            raise ValueError(f"LoraConfig.load_lora_from_ckpt: checkpoint {directory} holds no LoRA adapter (it was "
-                             "saved from a model without LoRA): point lora_save_dir/lora_load_tag at a LoRA checkpoint")
-        lora_config = _saved_config(os.path.join(directory, plan["config_dir"]), nxd_config)
-    inject_lora(modules, lora_config, adapter_name="default", model_type=model.config.model_type,
-                autocast_adapter_dtype=autocast_adapter_dtype, hf_model=model)
+    # no collectives until the adapters are in: a rank failing here alone fails every rank
+    with fail_together("nxd_hf.parallelize (step 7: LoRA adapters)"):
+        if nxd_config is not None and nxd_config.load_lora_from_ckpt:
+            directory, index = read_index(nxd_config.lora_save_dir, nxd_config.lora_load_tag)
+            plan = index.get("adapters")
+            if plan is None:
+                raise ValueError(f"LoraConfig.load_lora_from_ckpt: checkpoint {directory} holds no LoRA adapter (it "
+                                 "was saved from a model without LoRA): point lora_save_dir/lora_load_tag at a LoRA "
+                                 "checkpoint")
+            lora_config = _saved_config(os.path.join(directory, plan["config_dir"]), nxd_config)
+        inject_lora(modules, lora_config, adapter_name="default", model_type=model.config.model_type,
+                    autocast_adapter_dtype=autocast_adapter_dtype, hf_model=model)
     _same_adapters_on_every_replica(modules)
     checkpoint = LoraCheckpoint(nxd_config)
     model.nxd.adapters = checkpoint

@@ -8,10 +8,16 @@ gradients are averaged; ``loss_normalizer``), so the gradients equal those of on
 (N summed over the calls and DP ranks); by default it is this call's count.
 
 Each stage draws its dropout masks from its own stream, derived from one draw of the default
-generator per step (``nxd_hf.parallel_layers.random.pipeline_stage_rng``).
+generator per training-mode step of a model with dropout
+(``nxd_hf.parallel_layers.random.pipeline_stage_rng``); a model without dropout leaves the
+default generator alone, as the unsplit model does (a random data collator then draws what it
+would under ``transformers.Trainer``).
 """
 
+import contextlib
+
 import torch
+from torch.nn.modules.dropout import _DropoutNd
 
 from nxd_hf import backend, parallel_state
 from nxd_hf.guards.input_check import check_step_inputs
@@ -45,6 +51,25 @@ def _check_padded_rows(padded_rows: int, labels, rows: int) -> None:
                          "set their labels to -100, or pass padded_rows=0")
 
 
+def _dropout_probabilities(config) -> list[float]:
+    values = config.to_dict() if config is not None else {}
+    found = []
+    while values:
+        key, value = values.popitem()
+        if isinstance(value, dict):  # a sub-config (text_config, ...)
+            values.update({f"{key}.{k}": v for k, v in value.items()})
+        elif isinstance(value, float) and ("dropout" in key or key.endswith("_pdrop")):
+            found.append(value)
+    return found
+
+
+def has_dropout(modules, config) -> bool:
+    """Whether ``modules`` hold a dropout module of p > 0, or ``config`` a dropout probability
+    > 0 (HF attention applies it as a function)."""
+    in_modules = any(isinstance(m, _DropoutNd) and m.p > 0 for module in modules for m in module.modules())
+    return in_modules or any(p > 0 for p in _dropout_probabilities(config))
+
+
 class StepRunner:
     """Runs ``run_train``/``run_eval`` for an ``NxDPPModel``; schedules cached per input shape."""
 
@@ -53,6 +78,20 @@ class StepRunner:
         self.schedules = {}
         self.num_items = None
         self.train = True
+        self._dropout = None  # whether some stage has dropout: agreed over the pipeline on the first step
+
+    def _stage_rng(self):
+        """A context for each pass of the step: this stage's stream (one draw of the default
+        generator, so one seed for every pass), or nothing when no stage draws."""
+        if self._dropout is None:
+            group = parallel_state.get_pipeline_model_parallel_group()
+            local = has_dropout(self.model.local_modules(), self.model.config)
+            flag = torch.tensor([float(local)], device=backend.collective_device(group))
+            self._dropout = bool(backend.all_reduce(flag, group, op="max").item())
+        if not (self._dropout and self.model.training):
+            return contextlib.nullcontext
+        step_seed = draw_step_seed()
+        return lambda: pipeline_stage_rng(step_seed)
 
     def _loss_fn(self, output, labels):
         original = self.model.hf_model
@@ -103,18 +142,18 @@ class StepRunner:
         if last:
             step_kwargs.update(target=labels, losses=losses)
         router_aux, aux_value = model.router_aux, None
-        step_seed = draw_step_seed()  # the aux pass and the step draw the same dropout masks
+        stage_rng = self._stage_rng()  # the aux pass and the step draw the same dropout masks
         try:  # no agreement per microbatch: a failure aborts the groups, which its peers notice at once
             schedule = self._schedule([inputs[name] for name in names])  # keyword inputs last, as traced
             if router_aux is not None:
-                with pipeline_stage_rng(step_seed):
+                with stage_rng():
                     aux_value = self._router_aux_pass(schedule, inputs, step_args, step_kwargs, last, train,
                                                       padded_rows)
             if train:
-                with pipeline_stage_rng(step_seed), model.nxd.grad_reduction.one_backward():
+                with stage_rng(), model.nxd.grad_reduction.one_backward():
                     schedule.step(*step_args, return_outputs=False, **step_kwargs)
             else:
-                with pipeline_stage_rng(step_seed):
+                with stage_rng():
                     outputs = schedule.eval(*step_args, return_outputs=return_logits, **step_kwargs)
             if router_aux is not None and not train:
                 aux_value = self._router_aux_value()

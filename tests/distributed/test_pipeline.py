@@ -230,6 +230,14 @@ def test_pp2_dropout_draws_from_a_stream_per_stage(ranks2, model_type):
     ranks2.run(pipeline_rng_cases.dropout_matches_reference_per_stage, model_type)
 
 
+def test_pp2_default_generator_drawn_only_with_dropout_in_training(ranks2):
+    ranks2.run(pipeline_rng_cases.draws_only_with_dropout_in_training)
+
+
+def test_pp2_lora_on_one_stage_only_refused(ranks2):
+    ranks2.run(pipeline_rng_cases.lora_on_one_stage_only_refused)
+
+
 def test_pp4_four_microbatches(ranks4):
     ranks4.run(pipeline_matches_single_process, "llama", pp=4, num_microbatches=4)
 

@@ -104,7 +104,7 @@ def draws_only_with_dropout_in_training() -> None:
 
     def state_after(pp_model, **inputs):
         torch.manual_seed(GLOBAL_SEED)
-        pp_model.run_train(**inputs) if pp_model.training else pp_model.run_eval(**inputs)
+        pp_model.run_train(**inputs) if pp_model.local_modules()[0].training else pp_model.run_eval(**inputs)
         return torch.get_rng_state()
 
     torch.manual_seed(GLOBAL_SEED)
@@ -121,7 +121,8 @@ def draws_only_with_dropout_in_training() -> None:
         pp_model = nxd_hf.parallelize(model, pipeline_parallel_size=2, num_microbatches=2, lora_config=lora)
         case = f"{overrides} lora_dropout={lora_dropout}"
         assert torch.equal(state_after(pp_model, input_ids=ids, labels=labels), expected), case
-        pp_model.eval()
+        for stage in pp_model.local_modules():  # as NxDModel.eval() does (NxDTrainer's evaluate)
+            stage.eval()
         assert torch.equal(state_after(pp_model, input_ids=ids, labels=labels), untouched), f"{case} eval"
 
 

@@ -88,7 +88,8 @@ class StepRunner:
             local = has_dropout(self.model.local_modules(), self.model.config)
             flag = torch.tensor([float(local)], device=backend.collective_device(group))
             self._dropout = bool(backend.all_reduce(flag, group, op="max").item())
-        if not (self._dropout and self.model.training):
+        # the stages' mode: NxDModel (NxDTrainer) sets it on them, not on the NxDPPModel
+        if not (self._dropout and any(stage.training for stage in self.model.local_modules())):
             return contextlib.nullcontext
         step_seed = draw_step_seed()
         return lambda: pipeline_stage_rng(step_seed)

@@ -108,7 +108,7 @@ def model_parallel_manual_seed(seed: int) -> None:
 
 def draw_step_seed() -> int:
     """One draw from the default CPU generator: equal on every rank whose generator is in step."""
-    return int(torch.randint(0, 2**62, (), dtype=torch.int64))
+    return int(torch.randint(0, 2**62, (), dtype=torch.int64, device="cpu"))  # the CPU generator, on purpose
 
 
 @contextlib.contextmanager

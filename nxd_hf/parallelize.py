@@ -30,7 +30,9 @@ stages otherwise. What the steps decide is recorded in
 one ``NxDModelState``, ``model.nxd`` (``nxd_hf.model_state``), created after step 3.
 """
 
+import difflib
 import functools
+import inspect
 import json
 import types
 import zlib
@@ -98,6 +100,7 @@ def parallelize(
     optimizer that reduces itself (``NeuronZero1Optimizer``) registered.
     """
     _check_model(model)
+    _check_pipeline_option_names(pipeline_kwargs)
     if "auto" in (tensor_parallel_size, pipeline_parallel_size):
         tensor_parallel_size, pipeline_parallel_size = _auto_sizes(
             model, tensor_parallel_size, pipeline_parallel_size, timeout, lora_config=lora_config,
@@ -158,6 +161,20 @@ def _adapters(model, lora_config, autocast_adapter_dtype: bool):
 
     return functools.partial(setup_lora, lora_config=lora_config, model=model,
                              autocast_adapter_dtype=autocast_adapter_dtype)
+
+
+def _check_pipeline_option_names(pipeline_kwargs: dict) -> None:
+    """A keyword ``parallelize`` does not take and ``NxDPPModel`` does not either is a typo: name
+    it, and the closest argument, instead of calling it a pipeline option."""
+    from nxd_hf.pipeline.model import NxDPPModel
+
+    pipeline = set(inspect.signature(NxDPPModel.__init__).parameters) - {"self", "module", "setup"}
+    unknown = sorted(set(pipeline_kwargs) - pipeline)
+    if unknown:
+        known = sorted(pipeline | set(inspect.signature(parallelize).parameters) - {"model", "pipeline_kwargs"})
+        hints = [f"{name!r} (did you mean {close[0]!r}?)" if (close := difflib.get_close_matches(name, known, 1))
+                 else repr(name) for name in unknown]
+        raise ValueError(f"nxd_hf.parallelize got unknown argument(s) {', '.join(hints)}: it takes {known}")
 
 
 def _check_model(model) -> None:

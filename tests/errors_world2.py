@@ -93,6 +93,11 @@ def check_inputs_pp2() -> None:
     pp_model = nxd_hf.parallelize(model, pipeline_parallel_size=2, num_microbatches=2)
     ids, labels = hf_parity.batch(seed=1 + backend.rank())
     _expect(ValueError, r"ranks \[0, 1\] .* got different inputs", pp_model.run_train, input_ids=ids, labels=labels)
+    # more stages than layers names the layers, not the schedule's microbatch arithmetic it also breaks
+    parallel_state.destroy_model_parallel()
+    _, one_layer = hf_parity.build_pair("llama", num_hidden_layers=1)
+    _expect(ValueError, r"2 pipeline stages .* only 1 transformer layers: use at most 1 stages", nxd_hf.parallelize,
+            one_layer, pipeline_parallel_size=2, num_microbatches=1)
 
 
 def _model_fn_failing_on_rank1():

@@ -97,7 +97,6 @@ class NxDPPModel(nn.Module):
             self.pp_rank = parallel_state.get_pipeline_model_parallel_rank()
             self.num_microbatches, self.virtual_pipeline_size = num_microbatches, virtual_pipeline_size
             self.schedule_name = schedule or ("1f1b" if virtual_pipeline_size == 1 else "interleaved_1f1b")
-            check_schedule(self.schedule_name, self.pp_size, virtual_pipeline_size, num_microbatches)
             self.return_mb_loss, self.broadcast_and_average_loss = return_mb_loss, broadcast_and_average_loss
             setup = _local_setup(setup, param_init_fn, activation_checkpoint_config, use_zero1_optimizer)
             self.input_names = list(input_names or ["input_ids", "attention_mask", "labels"])
@@ -105,6 +104,10 @@ class NxDPPModel(nn.Module):
             self.layer_types = decoder_layer_types(module, transformer_layer_cls)
             # NxD's attribute: the class (a tuple only when several were given)
             self.transformer_layer_cls = self.layer_types[0] if len(self.layer_types) == 1 else self.layer_types
+            # too many stages for the layers is the cause to name, before any schedule arithmetic
+            num_layers = sum(isinstance(m, self.layer_types) for m in module.modules())
+            partition.check_stage_count(num_layers, self.pp_size * virtual_pipeline_size)
+            check_schedule(self.schedule_name, self.pp_size, virtual_pipeline_size, num_microbatches)
             self.nxd = state_of(module) or NxDModelState(  # not a submodule: only local stages are children
                 tp_size=parallel_state.get_tensor_model_parallel_size(), pp_size=self.pp_size,
                 dp_size=parallel_state.get_data_parallel_size(), hf_model=module, local_modules=[])

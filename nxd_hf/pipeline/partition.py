@@ -13,7 +13,7 @@ Placement = Literal["looped", "v_shape"]
 
 def auto_cuts(layer_names: list[str], num_stages: int) -> list[str]:
     """Even split, remainder on the later stages: the last layer name of every stage but the last."""
-    check_stage_count(layer_names, num_stages)
+    check_stage_count(len(layer_names), num_stages)
     base, extra = divmod(len(layer_names), num_stages)
     sizes = [base + (1 if s >= num_stages - extra else 0) for s in range(num_stages)]
     cuts, end = [], 0
@@ -23,17 +23,17 @@ def auto_cuts(layer_names: list[str], num_stages: int) -> list[str]:
     return cuts
 
 
-def check_stage_count(layer_names: list[str], num_stages: int) -> None:
-    if num_stages > len(layer_names):
+def check_stage_count(num_layers: int, num_stages: int) -> None:
+    if num_stages > num_layers:
         raise ValueError(
             f"{num_stages} pipeline stages (pipeline_parallel_size x virtual_pipeline_size) but the model has only "
-            f"{len(layer_names)} transformer layers: use at most {len(layer_names)} stages"
+            f"{num_layers} transformer layers: use at most {num_layers} stages (a smaller pipeline_parallel_size)"
         )
 
 
 def stage_of_layers(layer_names: list[str], cuts: list[str], num_stages: int) -> dict[str, int]:
     """Stage of every layer for explicit ``cuts`` (each cut ends its stage)."""
-    check_stage_count(layer_names, num_stages)
+    check_stage_count(len(layer_names), num_stages)
     unknown = [c for c in cuts if c not in layer_names]
     if unknown:
         raise ValueError(

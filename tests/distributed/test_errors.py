@@ -69,6 +69,13 @@ def test_parallelize_plain_module_is_not_a_hugging_face_model():
         nxd_hf.parallelize(nn.Linear(4, 4))
 
 
+def test_parallelize_misspelled_argument_is_named_with_the_closest():
+    _, model = hf_parity.build_pair("llama")
+    with pytest.raises(ValueError, match=r"unknown argument\(s\) 'tensor_paralel_size' \(did you mean "
+                                         r"'tensor_parallel_size'\?\)"):
+        nxd_hf.parallelize(model, tensor_paralel_size=2)
+
+
 @pytest.mark.parametrize("tp,pp,procs", [(2, 1, 2), (2, 2, 4)])
 def test_tp_without_torchrun_says_how_to_launch(tp, pp, procs):
     parallel_state.destroy_model_parallel()

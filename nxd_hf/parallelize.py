@@ -133,7 +133,7 @@ def parallelize(
         tp_size=tensor_parallel_size, pp_size=pipeline_parallel_size, dp_size=parallel_state.get_data_parallel_size(),
         hf_model=model, local_modules=[model], patch=patch, head_layout=layout, input_check=check,
         ep_size=expert_parallel_size)
-    setup = LocalSetup(load_weights=load_weights, param_init_fn=param_init_fn,
+    setup = LocalSetup(load_weights=load_weights, param_init_fn=param_init_fn, buffer_init=getattr(model, "_init_weights", None),
                        add_adapters=_adapters(model, lora_config, autocast_adapter_dtype),
                        activation_checkpoint_config=activation_checkpoint_config,
                        fp32_grad_accumulation=fp32_grad_accumulation, bucket_size_mb=bucket_size_mb, device=device)

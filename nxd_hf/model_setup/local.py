@@ -44,6 +44,9 @@ class LocalSetup:
     """Fills the meta parameters and buffers of the given modules (step 5)."""
     param_init_fn: Callable[[nn.Module], None] | None = None
     """``fn(module)`` initializing a module's own parameters after materializing (NxD's)."""
+    buffer_init: Callable[[nn.Module], None] | None = None
+    """``fn(module)`` filling the meta buffers a module's config cannot rebuild (an HF model's own
+    ``_init_weights``; ``materialize.rebuild_meta_buffers``)."""
     add_adapters: Callable[[list[nn.Module]], None] | None = None
     """Adds adapters to the given modules (step 7; the LoRA slot)."""
     activation_checkpoint_config: Any = None
@@ -84,9 +87,9 @@ def _weights(modules: list[nn.Module], setup: LocalSetup, device: torch.device |
     """Step 5."""
     if setup.load_weights is not None:
         setup.load_weights(modules)
-        rebuild_all_meta_buffers(modules)
+        rebuild_all_meta_buffers(modules, setup.buffer_init)
     elif has_meta_tensors(modules) or setup.param_init_fn is not None:
-        materialize(modules, setup.param_init_fn, device=device or "cpu")
+        materialize(modules, setup.param_init_fn, device=device or "cpu", buffer_init=setup.buffer_init)
 
 
 def _finish(modules: list[nn.Module], setup: LocalSetup, layer_types: tuple[type, ...],

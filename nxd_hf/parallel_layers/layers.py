@@ -47,7 +47,21 @@ def set_local_(module: nn.Module, name: str, local: torch.Tensor) -> None:
             param.copy_(local)
 
 
-class ColumnParallelLinear(nn.Module):
+class _WholeLayerSizes:
+    """``nn.Linear``'s size names for the whole (unsharded) layer: HF code reads them (e.g. the LM
+    head's ``out_features`` as the vocabulary size). The local shard's sizes are
+    ``*_size_per_partition``."""
+
+    @property
+    def in_features(self) -> int:
+        return self.input_size
+
+    @property
+    def out_features(self) -> int:
+        return self.output_size
+
+
+class ColumnParallelLinear(_WholeLayerSizes, nn.Module):
     """``Y = XA + b`` with ``A = [A_1 ... A_p]`` split by output columns; rank i computes
     ``Y_i = X A_i + b_i``. Forward: copy (or, under SP, all-gather the sequence) of X, then
     optionally all-gather of Y. A custom ``shard_index`` (e.g. an attention head layout) may
@@ -129,7 +143,7 @@ class ColumnParallelLinear(nn.Module):
         return f"in={self.input_size}, out={self.output_size}, local_out={self.output_size_per_partition}"
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_WholeLayerSizes, nn.Module):
     """``Y = XA + b`` with ``A = [A_1; ...; A_p]`` split by input rows and ``X = [X_1 ... X_p]``:
     ``Y = sum_i X_i A_i + b``. Forward: all-reduce of the partial sums (reduce-scatter along the
     sequence under SP); ``b`` is replicated and added after the reduction."""

@@ -98,7 +98,8 @@ class NxDPPModel(nn.Module):
             self.num_microbatches, self.virtual_pipeline_size = num_microbatches, virtual_pipeline_size
             self.schedule_name = schedule or ("1f1b" if virtual_pipeline_size == 1 else "interleaved_1f1b")
             self.return_mb_loss, self.broadcast_and_average_loss = return_mb_loss, broadcast_and_average_loss
-            setup = _local_setup(setup, param_init_fn, activation_checkpoint_config, use_zero1_optimizer)
+            setup = _local_setup(setup, param_init_fn, activation_checkpoint_config, use_zero1_optimizer,
+                                 buffer_init=getattr(module, "_init_weights", None))
             self.input_names = list(input_names or ["input_ids", "attention_mask", "labels"])
             self.config = getattr(module, "config", None)
             self.layer_types = decoder_layer_types(module, transformer_layer_cls)
@@ -287,10 +288,10 @@ class NxDPPModel(nn.Module):
 
 
 def _local_setup(setup: LocalSetup | None, param_init_fn, activation_checkpoint_config,
-                 use_zero1_optimizer: bool) -> LocalSetup:
+                 use_zero1_optimizer: bool, *, buffer_init) -> LocalSetup:
     if setup is None:
         return LocalSetup(param_init_fn=param_init_fn, activation_checkpoint_config=activation_checkpoint_config,
-                          dp_in_optimizer=use_zero1_optimizer)
+                          dp_in_optimizer=use_zero1_optimizer, buffer_init=buffer_init)
     if param_init_fn is not None or activation_checkpoint_config is not None:
         raise ValueError("NxDPPModel got setup= together with param_init_fn or activation_checkpoint_config: "
                          "put them in the LocalSetup (nxd_hf.parallelize takes them as its own arguments)")

@@ -22,6 +22,18 @@ class ScaledParallelEmbedding(ParallelEmbedding):
         super().__init__(*args, **kwargs)
         self.register_buffer("embed_scale", embed_scale.detach().clone().to("cpu"), persistent=False)
 
+    @staticmethod
+    def scale_of(module: nn.Module) -> torch.Tensor:
+        """``module``'s scale as a real tensor: on the meta device the buffer holds no value, and
+        HF keeps the number beside it (``scalar_embed_scale``)."""
+        if not module.embed_scale.is_meta:
+            return module.embed_scale
+        if not isinstance(getattr(module, "scalar_embed_scale", None), (int, float)):
+            raise ValueError(f"{type(module).__name__}.embed_scale is on the meta device and the module keeps no "
+                             "scalar_embed_scale: build the model with its buffers on the CPU "
+                             "(accelerate.init_empty_weights(include_buffers=False))")
+        return torch.tensor(module.scalar_embed_scale, dtype=module.embed_scale.dtype)
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return super().forward(input_ids) * self.embed_scale.to(self.weight.dtype)
 
@@ -53,7 +65,7 @@ def check_kept(name: str, module: nn.Module, style) -> None:
 def build_embedding(module: nn.Module, dtype: torch.dtype) -> ParallelEmbedding:
     if _is_scaled_embedding(module):
         return ScaledParallelEmbedding(module.num_embeddings, module.embedding_dim, module.padding_idx, dtype=dtype,
-                                       device="meta", embed_scale=module.embed_scale)
+                                       device="meta", embed_scale=ScaledParallelEmbedding.scale_of(module))
     return ParallelEmbedding(module.num_embeddings, module.embedding_dim, module.padding_idx, dtype=dtype,
                              device="meta")
 

@@ -21,6 +21,7 @@ CASES = {
     "gemma": ("pass", True), "apertus": ("pass", True), "qwen3_5_text": ("pass", False),
     "gemma4_unified_text": ("pass", True), "gemma3n_text": ("pass", False), "doge": ("pass", False),
     "granite_swa": ("pass", True),  # attention sinks, one per query head
+    "apertus1p5_text": ("pass", False),  # reads lm_head.out_features (the whole layer's, as nn.Linear's)
 }
 
 
@@ -73,6 +74,76 @@ def test_fixed_architecture_classes(ranks2, model_type, sp):
     results = [result for result, _ in ranks2.run(architecture_case, model_type, sp)]
     assert results[0] == results[1], "the ranks must agree on the outcome"
     assert results[0].status == expected, f"{model_type} sp={sp}: {results[0].message}"
+
+
+# a persistent buffer (checkpoint state, no value in the config): refused on the meta device, with the fix
+META_REFUSED = {"phi4_multimodal": "global_mean"}
+
+
+def _reset_parameters(module) -> None:
+    """NxD's usual ``param_init_fn`` (HF's ``_init_weights`` is not: Gemma3n's reads an attribute the
+    causal-LM class lacks)."""
+    if hasattr(module, "reset_parameters"):
+        module.reset_parameters()
+
+
+def meta_init_case(types: list[str] | None = None) -> dict[str, str]:
+    """Every sweep architecture at tp=2 built on the meta device and materialized with a
+    ``param_init_fn``: no meta tensor is left, and every buffer (RoPE's ``inv_freq``, Gemma's
+    ``embed_scale``, routers' correction biases, xIELU's constants) equals the one of the same model
+    built on the CPU. Types that parallelize refuses on the CPU are refused the same way from meta."""
+    import torch
+
+    import nxd_hf
+    from bench.architectures.run import model_types
+    from nxd_hf import parallel_state
+    from nxd_hf.parity.cases import causal_lm_class
+
+    transformers.logging.set_verbosity_error()
+    problems = {}
+    for model_type in types or model_types():
+        try:
+            config = _tiny(model_type)
+            causal_lm_class(config)(config)
+        except Exception:  # noqa: BLE001  a model transformers itself cannot build shrunk: the sweep reports it
+            continue
+        outcomes = []
+        for device in ("cpu", "meta"):
+            parallel_state.destroy_model_parallel()
+            torch.manual_seed(0)
+            try:
+                with torch.device(device):
+                    model = causal_lm_class(config)(config)
+                nxd_hf.parallelize(model, tensor_parallel_size=2, param_init_fn=_reset_parameters)
+                outcomes.append({n: b for n, b in model.named_buffers()})
+            except ValueError as error:
+                outcomes.append(str(error))
+        cpu, meta = outcomes
+        if model_type in META_REFUSED:
+            if not (isinstance(meta, str) and META_REFUSED[model_type] in meta):
+                problems[model_type] = f"expected the refusal naming {META_REFUSED[model_type]}, got {meta!r:.200}"
+            continue
+        if isinstance(cpu, str) or isinstance(meta, str):
+            if cpu != meta:
+                problems[model_type] = f"cpu: {cpu!r:.200}, meta: {meta!r:.200}"
+            continue
+        left = [n for n, t in (*model.named_parameters(), *meta.items()) if t.is_meta]
+        differ = [n for n in cpu if n not in meta or not torch.equal(cpu[n], meta[n])]
+        if left or differ or set(cpu) != set(meta):
+            problems[model_type] = f"meta tensors left {left}, buffers differing {differ}"
+    return problems
+
+
+# one type per way a buffer is made: RoPE from the config (llama), a scalar kept beside it (gemma's
+# embed_scale, apertus' xIELU), a router's correction bias (deepseek_v3), RoPE built from sizes
+# (gptj, codegen), a buffer of the base model itself (gemma3n_text), a refused persistent one;
+# ``meta_init_case()`` with no argument runs every type of the sweep (3 minutes here)
+META_TYPES = ["llama", "gemma", "apertus", "deepseek_v3", "gptj", "codegen", "gemma3n_text", "phi4_multimodal", "lfm2"]
+
+
+def test_meta_init_of_the_sweep_architectures_buffer_kinds(ranks2):
+    problems = ranks2.run(meta_init_case, META_TYPES, timeout_s=300)
+    assert problems[0] == {}, problems[0]
 
 
 def test_failing_rank_fails_promptly_on_every_rank(ranks2):

@@ -100,6 +100,15 @@ CASE_TIMEOUT_S = 300.0
 took under 2 s, the first of a spawn a few more; the rest is room for a loaded machine."""
 
 
+def _plain_forward(config) -> None:
+    """The unparallelized model runs on the shrunk config (bamba's, with no attention layer left,
+    does not): otherwise its failure would read as nxd_hf's crash."""
+    from nxd_hf.parity.cases import causal_lm_class, make_batch
+
+    ids, labels = make_batch(config.get_text_config().vocab_size)
+    causal_lm_class(config)(config)(input_ids=ids, labels=labels)
+
+
 def parity_case(model_type: str, layout: str) -> dict | None:
     """One sweep case inside the ranks: the agreed ``run_case`` outcome as a dict, or None when
     the layout does not apply (an ep layout for a type without routed experts)."""
@@ -109,6 +118,7 @@ def parity_case(model_type: str, layout: str) -> dict | None:
     ep = ep[0] if ep else 1
     try:
         config = tiny_config(model_type)
+        _plain_forward(config)
     except Exception as exc:  # noqa: BLE001  the same on every rank: our shrinking failed
         return dict(status="build_error", message=f"{type(exc).__name__}: {exc}"[:1000])
     if ep > 1 and not is_moe(config):

@@ -100,16 +100,16 @@ def _style(pattern: str, hf_style: str, q_parents: set[str]):
     raise ValueError(f"{pattern!r}: unknown HF tensor-parallel style {hf_style!r} in base_model_tp_plan")
 
 
+DEFAULT_DECODER_LAYERS = "layers"
+
+
 def _decoder_layers(model_type: str, hf_plan: dict[str, str]) -> tuple[str, int]:
     """(the decoder-layer list, how many layer stacks the plan names). Several stacks (HRM's
     ``H_module.layers`` and ``L_module.layers``, each run several times per step) shard alike;
     only SP, which splits the sequence on entry to one list and gathers after it, needs one."""
     prefixes = {p.split(".*.", 1)[0] for p in hf_plan if ".*." in p}
-    if not prefixes:
-        raise ValueError(
-            f"cannot tell the decoder layers of {model_type!r} from its base_model_tp_plan (no entry of the form "
-            "'<layers>.*.<module>'); register a hand-written patch with nxd_hf.register_patch"
-        )
+    if not prefixes:  # a plan sharding nothing per layer (the embedding only): HF's own name for the list,
+        return DEFAULT_DECODER_LAYERS, 1  # checked against the model when the patch is applied
     return sorted(prefixes)[0], len(prefixes)
 
 

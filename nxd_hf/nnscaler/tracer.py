@@ -137,8 +137,12 @@ class ConcreteTracer(fx.Tracer):
             return target(*args, **kwargs)
         if kind == "call_method":
             return getattr(args[0], target)(*args[1:], **kwargs)
+        module = self.root.get_submodule(target)
+        if any(type(m).__module__.startswith("nxd_hf.parallel_layers") for m in module.modules()):
+            # its collectives would run inside the trace (a rank failing there hangs the others)
+            raise ValueError(f"{target} holds nxd_hf parallel layers: not run while tracing")
         with _untraced_module_calls():
-            return self.root.get_submodule(target)(*args, **kwargs)
+            return module(*args, **kwargs)
 
 
 def _clone(value):

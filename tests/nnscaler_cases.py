@@ -10,7 +10,7 @@ from torch import nn
 
 from nnscaler_models import LLM, TOL, Branchy, End2EndLLM, End2EndMLP
 from nxd_hf import parallel_state
-from nxd_hf.nnscaler import ComputeConfig, Plan, non_parallel_module_reducer, parallelize
+from nxd_hf.nnscaler import EXTRA_STATE_KEY, ComputeConfig, Plan, non_parallel_module_reducer, parallelize
 from nxd_hf.parallel_layers.sharding import full_tensor, is_sharded
 
 
@@ -250,7 +250,7 @@ def training_flag_and_class_path(tmp):
     replicated = parallelize(Branchy(), {"x": x.float()}, "dp", ComputeConfig(1, 2), gen_savedir=tmp,
                              instance_name="replicated")  # another plan: another instance (reuse="match")
     plain = Branchy()
-    plain.load_state_dict(replicated.state_dict())
+    plain.load_state_dict({k: v for k, v in replicated.state_dict().items() if k != EXTRA_STATE_KEY})  # as nnScaler's
     for training in (True, False):  # the module's own forward, in the ParallelModule's mode
         replicated.train(training), plain.train(training)
         torch.testing.assert_close(replicated(x.float()), plain(x.float()), **TOL)

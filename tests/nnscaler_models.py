@@ -133,3 +133,60 @@ class Branchy(nn.Module):
         if self.training:
             h = h * 0.5
         return self.down(h)
+
+
+class MaskAttention(nn.Module):
+    """Attention as commonly written: sizes from ``x.shape`` / ``x.size``, ``view`` with computed
+    sizes, SDPA with the decoder's boolean mask (``masked``) or ``is_causal``."""
+
+    def __init__(self, d_model=16, n_heads=4, masked=True):
+        super().__init__()
+        self.n_heads, self.masked = n_heads, masked
+        self.q, self.k, self.v = nn.Linear(d_model, d_model), nn.Linear(d_model, d_model, bias=False), nn.Linear(d_model, d_model)
+        self.o = nn.Linear(d_model, d_model)
+
+    def forward(self, x, mask):
+        B, S, D = x.shape
+        head_dim = x.size(-1) // self.n_heads
+        q = self.q(x).view(B, S, self.n_heads, head_dim).transpose(1, 2)
+        k = self.k(x).view(B, S, self.n_heads, head_dim).transpose(1, 2)
+        v = self.v(x).reshape(B, x.size(1), self.n_heads, -1).transpose(1, 2)
+        if self.masked:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(B, S, D))
+
+
+class MaskBlock(nn.Module):
+    def __init__(self, d_model=16, masked=True):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+        self.attn, self.mlp = MaskAttention(d_model, masked=masked), MLP(d_model)
+
+    def forward(self, x, mask):
+        x = x + self.attn(self.norm1(x), mask)
+        return x + self.mlp(self.norm2(x))
+
+
+class MaskDecoder(nn.Module):
+    """A plain-PyTorch decoder: the causal mask ``torch.ones(S, S).tril()`` with ``S = x.shape[1]``,
+    positions from ``torch.arange(S)``, the blocks of ``MaskBlock``; ``forward(data)`` -> (loss, logits)."""
+
+    def __init__(self, vocab=32, d_model=16, layers=2, max_seq=16):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.pos = nn.Embedding(vocab, d_model), nn.Embedding(max_seq, d_model)
+        self.layers = nn.ModuleList(MaskBlock(d_model, masked=i % 2 == 0) for i in range(layers))
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab, bias=False)
+
+    def forward(self, data):
+        x = data["input_ids"]
+        S = x.shape[1]
+        mask = torch.ones(S, S, dtype=torch.bool, device=x.device).tril()
+        h = self.embed(x) + self.pos(torch.arange(S, device=x.device))
+        for layer in self.layers:
+            h = layer(h, mask)
+        logits = self.head(self.norm(h))
+        return F.cross_entropy(logits.flatten(0, 1), data["labels"].flatten()), logits

@@ -108,13 +108,14 @@ def _build_pipeline(pm, module: nn.Module, spec, setup: LocalSetup) -> None:
         if plan.tp_size > 1:
             layer_types = end2end.rewrite_blocks(module, sample, layer_types, plan.tp_size, layouts)
             apply_tensor_parallel(module, patch_of(layouts), None, sequence_parallel=False)
-        leaves, tree = torch.utils._pytree.tree_flatten(sample)
-        wrapper = end2end.alias(module, tree, len(leaves))
+        sample_leaves, tree = torch.utils._pytree.tree_flatten(sample)
+        wrapper = end2end.alias(module, tree, len(sample_leaves))
         leaves = [end2end.LossScale, *{type(m) for m in module.modules()  # parallel layers run, not traced
                                        if type(m).__module__.startswith("nxd_hf.parallel_layers")}]
+        tracer_cls = end2end.dummy_input_tracer(wrapper, sample_leaves)
     pipe = NxDPPModel(wrapper, transformer_layer_cls=layer_types,
                       num_microbatches=config.pas_config.get("pipeline_nmicros", plan.pp_size),
-                      input_names=wrapper._nxd_input_names, tracer_cls="torch", leaf_module_cls=leaves,
+                      input_names=wrapper._nxd_input_names, tracer_cls=tracer_cls, leaf_module_cls=leaves,
                       return_mb_loss=True, schedule=config.pas_config.get("pipeline_scheduler", "1f1b"), setup=setup)
     pipe.nxd.patch = patch_of(plan.layouts) if plan.tp_size > 1 else None
     pipe.nxd.input_check = _input_check()

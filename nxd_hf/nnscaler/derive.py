@@ -23,15 +23,9 @@ from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp
 
 from nxd_hf.nnscaler import shard_rules
+from nxd_hf.nnscaler.tracer import ConcreteTracer, user_line
 
 LAYOUTS = ("column", "row", "vocab", "replicate")
-
-
-class _Tracer(fx.Tracer):
-    """torch.fx with torch.nn's own modules (and nxd_hf's parallel layers) as leaves."""
-
-    def is_leaf_module(self, m: nn.Module, qualified_name: str) -> bool:
-        return super().is_leaf_module(m, qualified_name) or type(m).__module__.startswith("nxd_hf.parallel_layers")
 
 
 @dataclasses.dataclass(kw_only=True, eq=False)
@@ -71,29 +65,43 @@ def trace(module: nn.Module, dummy_forward_args: dict) -> TracedGraph:
                              "without a default: give a dummy value for every such argument")
     inputs = [n for n in names if n in dummy_forward_args]
     graphs, was_training = {}, module.training
+    buffers = {name: b.detach().clone() for name, b in module.named_buffers()}  # BatchNorm's running stats...
+    cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     try:
         for training in (True, False):
             module.train(training)
-            tracer = _Tracer()
-            try:
-                graph = tracer.trace(module, concrete_args={n: signature.parameters[n].default
-                                                            for n in names if n not in dummy_forward_args} or None)
-            except Exception as exc:  # fx raises TraceError, TypeError, NotImplementedError, ...
-                raise ValueError(f"cannot trace {type(module).__name__} with torch.fx ({type(exc).__name__}: {exc}); "
-                                 "nxd_hf.nnscaler needs a forward without data-dependent control flow") from exc
-            gm = fx.GraphModule(module, graph, class_name=type(module).__name__ + "Traced")
-            try:
-                with torch.no_grad():
-                    ShapeProp(gm).propagate(*[dummy_forward_args[n] for n in inputs])
-            except RuntimeError as exc:
-                raise ValueError(f"{type(module).__name__} fails on dummy_forward_args ({exc.__cause__ or exc}): give "
-                                 "dummy inputs the module runs on (dtype, device and shapes)") from exc
-            graphs[training] = gm
+            with torch.random.fork_rng(devices=cuda):  # dropout on the dummy inputs draws nothing of the user's
+                graphs[training] = _trace_mode(module, dummy_forward_args, inputs, {
+                    n: signature.parameters[n].default for n in names if n not in dummy_forward_args})
     finally:
         module.train(was_training)
+        with torch.no_grad():  # tracing runs forward on the dummy inputs: leave the module as it was
+            for name, b in module.named_buffers():
+                if name in buffers:
+                    b.copy_(buffers[name])
     modules = dict(module.named_modules())
     called = {n.target: modules[n.target] for g in graphs.values() for n in g.graph.nodes if n.op == "call_module"}
     return TracedGraph(module=module, graphs=graphs, input_names=inputs, modules=called)
+
+
+def _trace_mode(module: nn.Module, dummy_forward_args: dict, inputs: list[str], defaults: dict) -> fx.GraphModule:
+    """One mode's graph, every node annotated with its shape (``tensor_meta``)."""
+    tracer = ConcreteTracer({n: dummy_forward_args[n] for n in inputs})
+    try:
+        graph = tracer.trace(module, concrete_args=defaults or None)
+    except Exception as exc:  # fx raises TraceError, TypeError, NotImplementedError, ...
+        line = user_line(exc.__traceback__)
+        where = "" if line in str(exc) else f" at {line}"
+        raise ValueError(f"cannot trace {type(module).__name__} with torch.fx on dummy_forward_args{where} "
+                         f"({type(exc).__name__}: {exc})") from exc
+    gm = fx.GraphModule(module, graph, class_name=type(module).__name__ + "Traced")
+    try:
+        with torch.no_grad():
+            ShapeProp(gm).propagate(*[dummy_forward_args[n] for n in inputs])
+    except RuntimeError as exc:
+        raise ValueError(f"{type(module).__name__} fails on dummy_forward_args ({exc.__cause__ or exc}): give "
+                         "dummy inputs the module runs on (dtype, device and shapes)") from exc
+    return gm
 
 
 def _shape(node):
@@ -146,10 +154,25 @@ def _is_column_candidate(node: fx.Node, modules: dict, tp: int) -> bool:
             and _shape(node) is not None and type(module).forward is nn.Linear.forward)
 
 
+def _called_differently(columns: set, rows: set, calls: dict, modules: dict, tp: int) -> str | None:
+    """Why the layout is not exact for a module called more than once (None when it is)."""
+    for node in columns:
+        if not all(c in columns and _is_column_candidate(c, modules, tp) for c in calls[node.target]):
+            return f"{node.target} is called more than once, not every call column-parallel"
+    for node in rows:
+        if not calls[node.target] <= rows:
+            return f"{node.target} is called more than once, not every call row-parallel"
+    return None
+
+
 def shard_graph(gm: fx.GraphModule, modules: dict, tp: int, columns: set[str] | None = None):
     """(column node set, row node set, sharded dims) of the largest exact layout; with
     ``columns`` (module names) only those may be column-parallel (a user policy's choice)."""
     chosen, rows, excluded, result = set(), set(), set(), _Result(sharded={}, rows=set())
+    calls = {}  # a module called twice has one layout: all its calls are column, or row, or neither
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            calls.setdefault(node.target, set()).add(node)
     for node in gm.graph.nodes:
         if node in chosen or node in rows or node in excluded or not _is_column_candidate(node, modules, tp):
             continue
@@ -157,7 +180,7 @@ def shard_graph(gm: fx.GraphModule, modules: dict, tp: int, columns: set[str] | 
             continue
         if node.args[0] in result.sharded:
             continue
-        group = {node}
+        group = set(calls[node.target])
         while True:
             attempt = _propagate(gm, chosen | group, modules, tp)
             if attempt.need is not None:
@@ -165,9 +188,11 @@ def shard_graph(gm: fx.GraphModule, modules: dict, tp: int, columns: set[str] | 
                 if (source is not None and source not in group and source not in chosen and source not in rows
                         and _is_column_candidate(source, modules, tp)
                         and (columns is None or source.target in columns)):
-                    group.add(source)
+                    group |= calls[source.target]
                     continue
                 attempt.fail = f"{attempt.need.name} would need to be sharded"
+            elif attempt.fail is None:
+                attempt.fail = _called_differently(chosen | group, attempt.rows, calls, modules, tp)
             break
         if attempt.fail is not None:
             excluded |= group

@@ -15,6 +15,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from nxd_hf.nnscaler import derive
+from nxd_hf.nnscaler.tracer import ConcreteTracer
 
 
 class LossScale(nn.Module):
@@ -51,6 +52,18 @@ def _run(self, user_forward, flat):
     if isinstance(out, (tuple, list)):
         return (self._nxd_loss_scale(out[0]) * weight[0], *out[1:])
     return self._nxd_loss_scale(out) * weight[0]
+
+
+def dummy_input_tracer(wrapper: nn.Module, sample_leaves: list) -> type[ConcreteTracer]:
+    """The pipeline's tracer class: ``ConcreteTracer`` with the dummy sample (one micro-batch) as
+    the example inputs of ``alias``'s placeholders (the loss weight: one per micro-batch)."""
+    first = next((x for x in sample_leaves if isinstance(x, torch.Tensor)), None)
+    weight = torch.ones(1, device=first.device if first is not None else None)
+    examples = dict(zip(wrapper._nxd_input_names, [*sample_leaves, weight]))
+
+    def __init__(self, **kwargs):
+        ConcreteTracer.__init__(self, examples, **kwargs)
+    return type("DummyInputTracer", (ConcreteTracer,), {"__init__": __init__})
 
 
 def flatten_samples(samples: list, spec: pytree.TreeSpec | None = None):
@@ -106,9 +119,24 @@ def rewrite_blocks(module: nn.Module, example_sample, layer_types: tuple[type, .
                 layouts[f"{name}.{local}"] = lay
         derive.rewrite_shapes(traced, tp)
         gm = traced.graphs[True]
+        _same_order(gm, block)
         module.set_submodule(name, gm)
         new_types.append(type(gm))
     return tuple(new_types)
+
+
+def _same_order(new: nn.Module, old: nn.Module) -> None:
+    """Order ``new``'s (a traced copy of ``old``) children, parameters and buffers as ``old``'s:
+    fx orders them by first use, while optimizer states are merged in the original ``parameters()`` order."""
+    for attr in ("_modules", "_parameters", "_buffers"):
+        mine, theirs = getattr(new, attr), getattr(old, attr)
+        order = [k for k in theirs if k in mine] + [k for k in mine if k not in theirs]
+        items = [(k, mine[k]) for k in order]
+        mine.clear()
+        mine.update(items)
+    for name, child in new._modules.items():
+        if name in old._modules and child is not old._modules[name]:
+            _same_order(child, old._modules[name])
 
 
 __all__ = ["alias", "LossScale", "block_types", "flatten_samples", "rewrite_blocks"]

@@ -19,6 +19,7 @@ from nxd_hf import backend, parallel_state
 from nxd_hf.nnscaler import end2end
 from nxd_hf.nnscaler.config import ComputeConfig
 from nxd_hf.nnscaler.policy import Plan
+from nxd_hf.nnscaler.state_dicts import EXTRA_STATE_KEY, add_extra_state_hooks, module_extra_state
 
 
 @dataclasses.dataclass(kw_only=True, eq=False)
@@ -56,7 +57,10 @@ class ParallelModule(nn.Module):
         from nxd_hf.nnscaler.build import build
 
         self._pipeline = None
+        training = module.training
         build(self, module, spec, init_params=init_params)
+        self.train(training)  # nnScaler's: the parallel module is in the mode the module was in
+        add_extra_state_hooks(self)  # state_dict() carries the layout merge_state_dicts needs (nnScaler's too)
 
     # -- set by build
     def _adopt(self, module: nn.Module) -> None:
@@ -182,13 +186,17 @@ class ParallelModule(nn.Module):
         if self._pipeline is None:
             return super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
         out = {} if destination is None else destination
-        for stage in self._pipeline.local_modules():
+        stages = self._pipeline.local_modules()
+        for stage in stages:
             stage.state_dict(destination=out, prefix=prefix, keep_vars=keep_vars)
+        # the stages' tensors under the original names: what merge_state_dicts reads
+        out[prefix + EXTRA_STATE_KEY] = module_extra_state(self, paths={id(s._parameters): "" for s in stages})
         return out
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         if self._pipeline is None:
             return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        state_dict = {k: v for k, v in state_dict.items() if k != EXTRA_STATE_KEY}
         missing, unexpected = [], set(state_dict)
         for stage in self._pipeline.local_modules():
             keys = set(stage.state_dict())

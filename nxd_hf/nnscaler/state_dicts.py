@@ -29,11 +29,13 @@ EXTRA_STATE_KEY = "NXD_HF_EXTRA_STATE"
 _HOOKED = "_nxd_hf_extra_state_hooks"
 
 
-def module_extra_state(module: nn.Module) -> dict:
-    """The layout record of one parallelized module (see the module docstring)."""
+def module_extra_state(module: nn.Module, paths: dict[int, str] | None = None) -> dict:
+    """The layout record of one parallelized module (see the module docstring); ``paths``: the
+    state-dict path of each local module by ``id(local._parameters)`` (default: its module path)."""
     state = state_of(module)
     # keyed by the parameter dict: a module that adopted another's (ParallelModule) stands for it
-    paths = {id(m._parameters): name for name, m in module.named_modules(remove_duplicate=False)}
+    if paths is None:
+        paths = {id(m._parameters): name for name, m in module.named_modules(remove_duplicate=False)}
     names, layouts = {}, {}
     for root in state.local_modules:
         assert id(root._parameters) in paths, "model.nxd.local_modules must be (adopted) submodules of the model"

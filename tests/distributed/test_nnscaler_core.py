@@ -2,7 +2,10 @@
 nxd_hf's engine: the document's three examples with small real modules, parity with the
 unparallelized module over several optimizer steps (cases in ``tests/nnscaler_cases.py``)."""
 
+import pytest
+
 import nnscaler_cases as cases
+import nnscaler_decoder_cases as decoder_cases
 
 
 def test_example1_llm_tp2(ranks2, tmp_path):
@@ -57,3 +60,16 @@ def test_hf_model_pipelined(ranks2, tmp_path):
 
 def test_init_params_false_skips_the_replica_check(ranks2, tmp_path):
     ranks2.run(cases.init_params_false_replicas, str(tmp_path))
+
+
+@pytest.mark.parametrize("policy,plan,runtime,zero", [
+    ("dp", 1, 2, True),  # two units, ZeRO-1
+    ("tp", 2, 2, False),  # attention by heads, MLP column -> row, embeddings by vocabulary
+    ("pp", 2, 2, False),  # the mask crosses the stage boundary
+])
+def test_mask_decoder_trains_as_one_process(ranks2, tmp_path, policy, plan, runtime, zero):
+    ranks2.run(decoder_cases.decoder_matches, str(tmp_path), policy, plan, runtime, zero)
+
+
+def test_mask_decoder_hybrid_tp2_pp2(ranks4, tmp_path):
+    ranks4.run(decoder_cases.decoder_matches, str(tmp_path), "hybrid", 4, 4)

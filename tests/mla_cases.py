@@ -1,7 +1,7 @@
 """Case bodies run on gloo ranks by tests/distributed/test_mla.py: multi-head latent attention on
 tiny MiniCPM3- and dense DeepSeek-V2/V3-shaped models (6 heads: padded to 8 at tp=4; head blocks
 of different widths for q, k/v and o) and dense variants of the other MLA architectures; HRM's two
-layer stacks, a dense Llama 4 with its q/k norm and Doge's dynamic mask (issue 24, item 5); all
+layer stacks, a dense Llama 4 with its q/k norm and Doge's dynamic mask; all
 against the unparallelized HF model."""
 
 import os

@@ -1,4 +1,4 @@
-"""MoE checkpoints across pipeline sizes (issue 24, tests/distributed/test_moe_pipeline.py):
+"""MoE checkpoints across pipeline sizes (tests/distributed/test_moe_pipeline.py):
 save_checkpoint at pp=2 <-> load at pp=1 (dp=2), and save_pretrained at pp=2 writing what
 transformers' own save_pretrained writes."""
 

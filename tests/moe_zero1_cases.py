@@ -1,4 +1,4 @@
-"""ZeRO-1 with expert parallelism (issue 24): expert parameters sharded over the expert-data group,
+"""ZeRO-1 with expert parallelism: expert parameters sharded over the expert-data group,
 the rest over the data group, exact against single-process HF + torch AdamW with clipping. Run on
 the rank pools by tests/distributed/test_moe_zero1.py."""
 

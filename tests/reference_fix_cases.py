@@ -1,4 +1,4 @@
-"""World-2 bodies of ``test_reference_fixes.py``: one case per row of issue 21's table, each
+"""World-2 bodies of ``test_reference_fixes.py``: one case per row of the reference-fix table, each
 compared with a one-process reference where it computes something. ``run_cases`` runs them all
 in one spawn and returns {case: None or the traceback}."""
 

@@ -1,5 +1,5 @@
 """World-2 bodies of ``test_reference_samples.py``: the code samples of the NxD reference
-documents (``/work/shared/reference/``), copied with ``neuronx_distributed`` -> ``nxd_hf`` and
+documents (``shared/reference/`` (beside the checkout)), copied with ``neuronx_distributed`` -> ``nxd_hf`` and
 tiny sizes (every other adaptation is commented where it is made), each compared with a
 one-process reference where it computes something. ``run_samples`` runs the named ones in one
 spawn and returns {name: None or the traceback}."""

@@ -94,7 +94,7 @@ class NeuronZero1Optimizer(Zero1ExpertsMixin, Zero1StateMixin, torch.optim.Optim
 
     interleaved_layout = True
     """The flat layout (``optim.flat``): interleaved, in backward order (False: the contiguous one
-    before issue 28, without the overlapped reduce-scatter; kept to test loading its state_dicts)."""
+    the earlier layout, without the overlapped reduce-scatter; kept to test loading its state_dicts)."""
 
     def __init__(self, params, optimizer_class, optimizer_dtype: torch.dtype | None = None, grad_clipping: bool = True,
                  max_norm: float | None = None, pin_layout=True, sharding_groups=None, grad_norm_groups=None,

@@ -1,4 +1,4 @@
-"""The GPU lane (``make test-gpu``; issue 31): the parity cases that matter, on a GPU.
+"""The GPU lane (``make test-gpu``): the parity cases that matter, on a GPU.
 
 Marked ``cuda`` and skipped without one. Two to four ranks share the one GPU through
 ``NXD_HF_BACKEND=cuda:gloo``: gloo for CUDA tensors only, so — as under nccl — a control tensor

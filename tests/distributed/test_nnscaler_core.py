@@ -1,4 +1,4 @@
-"""nnScaler's ``parallelize`` / ``ComputeConfig`` / ``ParallelModule`` (issue 25 items 1-5) on
+"""nnScaler's ``parallelize`` / ``ComputeConfig`` / ``ParallelModule`` on
 nxd_hf's engine: the document's three examples with small real modules, parity with the
 unparallelized module over several optimizer steps (cases in ``tests/nnscaler_cases.py``)."""
 

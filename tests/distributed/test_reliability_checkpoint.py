@@ -1,4 +1,4 @@
-"""Damaged checkpoints and failed saves (issue 22): every damaged file (index.json, checkpoints.json,
+"""Damaged checkpoints and failed saves: every damaged file (index.json, checkpoints.json,
 state.pt, a rank's RNG file, config.json, trainer_state.json and other metadata) is found by its
 checksum and named, with what to do, in the same ValueError on every rank; an unreadable
 checkpoints.json falls back to the newest complete tag with a warning; user_content that

@@ -1,4 +1,4 @@
-"""Setup mistakes that used to hang, train silently wrong or fail inside torch (issue 22): ranks
+"""Setup mistakes that used to hang, train silently wrong or fail inside torch: ranks
 calling ``parallelize`` with different sizes, options or models; a rank failing alone in the
 middle of setup; a K/V replication factor that is not one; non-LoRA peft methods on a parallel
 model; empty batches and sequences. Each is one ValueError, the same on every rank; the cases

@@ -1,4 +1,4 @@
-"""NxDTrainer features that were silently ignored or wrong (issue 22), against transformers.Trainer:
+"""NxDTrainer features that were silently ignored or wrong, against transformers.Trainer:
 ``load_best_model_at_end`` (best_metric / best_model_checkpoint tracked, the best checkpoint kept by
 ``save_total_limit`` and loaded at the end); a changed ``trainer_state.json`` refused on resume (it
 would resume at the wrong step); datasets and batches too small for the data-parallel world. One

@@ -146,8 +146,8 @@ def nxd_module(tp: int = 1, pp: int = 1, zero1: bool = False, **kwargs) -> Neuro
     return NeuronLTModule(tiny_llama, config, torch.optim.AdamW, scheduler, opt_kwargs=OPT, **kwargs)
 
 
-def ours(out: str, module: NeuronLTModule, epochs: int = EPOCHS, ckpt_path=None, tb: bool = False, n_train: int = N_TRAIN,
-         **kwargs):
+def ours(out: str, module: NeuronLTModule, epochs: int = EPOCHS, ckpt_path=None, tb: bool = False,
+         n_train: int = N_TRAIN, **kwargs):
     dp = parallel_state.get_data_parallel_size()
     bar = NeuronTQDMProgressBar(refresh_rate=1) if tb else None
     logger = NeuronTensorBoardLogger(os.path.join(out, "tb"), name="run", version=0) if tb else None

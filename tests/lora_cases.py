@@ -100,6 +100,8 @@ def check_training(model_type: str, tp: int, *, sp=False, dp=1, task_model_cls=N
     config = lora_config(**config_kwargs)
     ref_peft, par_peft = peft_pair(model_type, tp, config, sp=sp, dp=dp, task_model_cls=task_model_cls)
     what = f"{model_type} tp={tp} sp={sp} dp={dp}"
+    # peft's print_trainable_parameters counts the unparallelized model (padding, K/V copies, shards)
+    assert par_peft.get_nb_trainable_parameters() == ref_peft.get_nb_trainable_parameters(), what
     train_and_compare(ref_peft, par_peft, what, task=task, dp=dp)
     ids, _ = hf_parity.batch(seed=99)
     ref_logits = eval_logits(ref_peft, ids)

@@ -12,8 +12,10 @@ from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
 from peft.utils.other import _set_trainable
 from torch import nn
 
+from nxd_hf import parallel_state
 from nxd_hf.lora.dispatch import register_with_peft
 from nxd_hf.modules.lora import LoraConfig as NxDLoraConfig
+from nxd_hf.parallel_layers.sharding import parameter_counts
 
 
 def to_peft_config(config: NxDLoraConfig) -> peft.LoraConfig:
@@ -138,8 +140,8 @@ def _freeze_stage_without_targets(module: nn.Module, config: peft.LoraConfig, ad
 
 
 def _print_trainable(modules: list[nn.Module]) -> None:
-    params = {id(p): p for m in modules for p in m.parameters()}.values()
-    trainable = sum(p.numel() for p in params if p.requires_grad)
-    total = sum(p.numel() for p in params)
-    print(f"LoRA: trainable params (this rank): {trainable:,} || all params: {total:,} || "
+    """peft's line, with the unparallelized model's counts (of this rank's pipeline stages at pp > 1)."""
+    trainable, total = parameter_counts(p for m in modules for p in m.parameters())
+    where = " (this rank's pipeline stages)" if parallel_state.get_pipeline_model_parallel_size() > 1 else ""
+    print(f"LoRA: trainable params{where}: {trainable:,} || all params: {total:,} || "
           f"trainable%: {100 * trainable / max(total, 1):.4f}")

@@ -12,6 +12,7 @@ import pytest
 import torch
 import transformers
 
+import accelerate_view
 import hf_parity
 import nxd_hf
 from nxd_hf import backend, parallel_state
@@ -56,8 +57,9 @@ def _run_case(out_dir, *, batch, accumulate=1, lora=False, trainer_cls=nxd_hf.Nx
         reference = peft.get_peft_model(reference, _lora())
     data = _dataset()
     dp = 2 // (layout.get("tensor_parallel_size", 1) * layout.get("pipeline_parallel_size", 1))
-    ref_args = transformers.TrainingArguments(output_dir=f"{out_dir}/ref", per_device_train_batch_size=batch * dp,
-                                              gradient_accumulation_steps=accumulate, **COMMON)
+    ref_args = accelerate_view.one_process_reference_args(
+        output_dir=f"{out_dir}/ref", per_device_train_batch_size=batch * dp, gradient_accumulation_steps=accumulate,
+        **COMMON)
     ref = transformers.Trainer(reference, ref_args, train_dataset=data, eval_dataset=data[:6],
                                compute_metrics=_metrics)
     ref.train()
@@ -196,6 +198,18 @@ def check_matches_trainer(layout: str) -> None:
 @pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2_zero1_accumulate2", "tp2_lora"])
 def test_nxd_trainer_matches_trainer(ranks2, layout):
     ranks2.run(check_matches_trainer, layout)
+
+
+def check_matches_trainer_where_accelerate_infers_gpus(layout: str) -> None:
+    """Under torchrun with a GPU accelerate infers MULTI_GPU, where its loaders shard by process;
+    NxDTrainer's batches (train, evaluate, predict) must not depend on that."""
+    with accelerate_view.accelerate_infers_gpus():
+        check_matches_trainer(layout)
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2_zero1_accumulate2"])
+def test_nxd_trainer_matches_trainer_where_accelerate_infers_gpus(ranks2, layout):
+    ranks2.run(check_matches_trainer_where_accelerate_infers_gpus, layout)
 
 
 class _CountingTrainer(nxd_hf.NxDTrainer):

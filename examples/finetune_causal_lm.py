@@ -87,6 +87,7 @@ def main():
     final_dir = os.path.join(args.output_dir, "final")
     trainer.save_model(final_dir)
     if trainer.is_world_process_zero():
+        trainer.state.save_to_json(os.path.join(args.output_dir, "trainer_state.json"))  # the logs, full precision
         print(f"steps {logged[0][0]}..{trainer.state.global_step} on {nxd_hf.parallel_state.get_tensor_model_parallel_size()}"
               f" tp x {training_args.pipeline_parallel_size} pp x {nxd_hf.parallel_state.get_data_parallel_size()} dp; "
               f"ln(vocab) = {math.log(len(tokenizer)):.2f}; loss fell from {losses[0]:.4f} to {losses[-1]:.4f}")

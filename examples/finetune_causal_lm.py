@@ -74,6 +74,7 @@ def main():
         import peft
 
         peft_config = peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
+    transformers.set_seed(training_args.seed)  # the same LoRA adapters whatever the layout (and run to run)
     trainer = nxd_hf.NxDTrainer(model, training_args, train_dataset=blocks, eval_dataset=blocks[:8],
                                 processing_class=tokenizer, peft_config=peft_config)
     resume = training_args.resume_from_checkpoint

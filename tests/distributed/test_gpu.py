@@ -195,9 +195,10 @@ def test_parallelize_example_two_ranks_one_gpu(cuda_gloo):
 FINETUNE_LAUNCHES = {  # the launch on two ranks sharing the GPU, and its one-process twin
     "tp2": (["--tp", "2"], ["--tp", "1"], {}),
     "pp2": (["--pp", "2"], [], {}),
-    # bf16 autocast: the tp=2 shards round their matmuls in another order than the whole model
+    # bf16 autocast: the tp=2 shards' bf16 partial sums round apart from the whole matmul's (bf16 keeps
+    # ~3 significant digits; on the CPU the grad norms were 3.5e-4 apart in relative terms, the losses 2e-5)
     "tp2_zero1_lora_bf16": (["--tp", "2", "--zero1", "--lora", "--bf16"], ["--zero1", "--lora", "--bf16"],
-                            dict(rtol=2e-2, atol=2e-2)),
+                            dict(rtol=5e-3, atol=1e-3)),
 }
 
 
@@ -212,6 +213,8 @@ def test_finetune_two_ranks_one_gpu_matches_one_process(launch, tmp_path, cuda_g
 
 
 def test_sft_example_tp2_matches_one_process(tmp_path, cuda_gloo):
+    for module in ("trl", "datasets"):  # not on every GPU image: bring their wheels (docs/gpu.md)
+        pytest.importorskip(module)
     steps = ["--max_steps", "6"]
     test_examples.check_matches_one_process("examples/sft_trl.py", 2, ["--tensor_parallel_size", "2", *steps], steps,
                                             tmp_path)

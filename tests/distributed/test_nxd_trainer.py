@@ -108,7 +108,8 @@ def _train_nxd(out_dir, *, steps, resume=None, lora=False, batch=4, **layout):
 
 def _check_saved_model(trainer, directory, lora):
     """save_model's directory opens in plain transformers / peft with our logits."""
-    ids = torch.stack([row["input_ids"] for row in _dataset()[:3]])
+    device = backend.default_device()  # where NxDTrainer put the model (the GPU in the cuda lane)
+    ids = torch.stack([row["input_ids"] for row in _dataset()[:3]]).to(device)
     trainer.nxd_model.eval()
     with torch.no_grad():
         ours = trainer.nxd_model(input_ids=ids).logits
@@ -117,6 +118,7 @@ def _check_saved_model(trainer, directory, lora):
         plain = peft.PeftModel.from_pretrained(base, directory)
     else:
         plain = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    plain.to(device)
     with torch.no_grad():
         torch.testing.assert_close(plain.eval()(input_ids=ids).logits, ours, **TOL)
 

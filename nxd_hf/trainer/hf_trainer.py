@@ -118,9 +118,15 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
         return self.nxd_model
 
     # -- data: loaders accelerate never shards by process (arguments.one_process_view)
+    def _one_process(self) -> None:
+        """Accelerate's two shared states (the loaders, the token count and the gathers read them)
+        one process again, should a ``TrainingArguments`` or ``Trainer`` built since have re-inferred them."""
+        one_process_view(self.args.distributed_state)
+        one_process_view(self.accelerator.state)
+
     def get_train_dataloader(self):
         check_dataset_size(self.train_dataset, "train_dataset")
-        one_process_view(self.args.distributed_state)
+        self._one_process()
         per_replica = self._train_batch_size
         self._train_batch_size = per_replica * parallel_state.get_data_parallel_size()
         try:
@@ -129,11 +135,11 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
             self._train_batch_size = per_replica
 
     def get_eval_dataloader(self, eval_dataset=None):
-        one_process_view(self.args.distributed_state)
+        self._one_process()
         return super().get_eval_dataloader(eval_dataset)
 
     def get_test_dataloader(self, test_dataset):
-        one_process_view(self.args.distributed_state)
+        self._one_process()
         return super().get_test_dataloader(test_dataset)
 
     def get_total_train_batch_size(self, args) -> int:

@@ -206,10 +206,20 @@ def check_matches_trainer_where_accelerate_infers_gpus(layout: str) -> None:
     """Under torchrun with a GPU accelerate infers MULTI_GPU, where its loaders shard by process;
     NxDTrainer's batches (train, evaluate, predict) must not depend on that."""
     with accelerate_view.accelerate_infers_gpus():
-        check_matches_trainer(layout)
+        if layout != "tp2_evaluate_after_a_plain_trainer":
+            return check_matches_trainer(layout)
+        with tempfile.TemporaryDirectory() as out_dir:  # a Trainer built later re-infers accelerate's shared state
+            parallel_state.destroy_model_parallel()
+            _, model = hf_parity.build_pair("llama")
+            args = nxd_hf.NxDTrainingArguments(output_dir=out_dir, tensor_parallel_size=2, **COMMON)
+            ours = nxd_hf.NxDTrainer(model, args, eval_dataset=_dataset()[:6])
+            before = ours.evaluate()["eval_loss"]
+            transformers.Trainer(hf_parity.build_pair("llama")[0],
+                                 transformers.TrainingArguments(output_dir=f"{out_dir}/plain", report_to=[]))
+            assert ours.evaluate()["eval_loss"] == before
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2_zero1_accumulate2"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2_zero1_accumulate2", "tp2_evaluate_after_a_plain_trainer"])
 def test_nxd_trainer_matches_trainer_where_accelerate_infers_gpus(ranks2, layout):
     ranks2.run(check_matches_trainer_where_accelerate_infers_gpus, layout)
 

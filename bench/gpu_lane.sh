@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU lane on the lent GPU machine, in one command from the checkout (../shared/gpu.md):
-#   here, once:   the wheels in .whl/ (transformers, peft, liger-kernel; see ../shared/gpu.md)
+#   here, once:   the wheels in .whl/ (transformers, peft, liger-kernel; see ../shared/gpu.md); for the SFT
+#                 case also trl==1.16.0 datasets==5.2.0 pyarrow dill multiprocess xxhash (skipped without them)
 #   there:        bash bench/gpu_lane.sh      -> $OUT/gpu-lane.log (and its exit status)
 # LANE_TIMEOUT (seconds, default 560) bounds the whole pytest run.
 set -uo pipefail

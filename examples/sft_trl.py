@@ -59,6 +59,7 @@ def main():
     trainer.train()
     trainer.save_model(os.path.join(config.output_dir, "final"))
     if trainer.is_world_process_zero():
+        trainer.state.save_to_json(os.path.join(config.output_dir, "trainer_state.json"))  # the logs, full precision
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         last = [h for h in trainer.state.log_history if "mean_token_accuracy" in h][-1]
         print(f"loss fell from {losses[0]:.4f} to {losses[-1]:.4f}; entropy {last['entropy']:.4f}, "

@@ -30,6 +30,7 @@ HF's fields keep HF's meaning; the table says what nxd_hf does with each one tha
 
 import dataclasses
 import datetime
+import functools
 import os
 import warnings
 from typing import Literal
@@ -140,6 +141,12 @@ class NxDTrainingArguments(TrainingArguments):
         return any(getattr(self, name) == "auto" for name in AUTO_SIZES)
 
     # -- the process view: every rank is a real process, whatever accelerate sees
+    @functools.cached_property
+    def _setup_devices(self) -> torch.device:
+        device = TrainingArguments._setup_devices.func(self)  # this rank's device, as accelerate places it
+        one_process_view(self.distributed_state)
+        return device
+
     @property
     def place_model_on_device(self) -> bool:
         return False  # nxd_hf's setup sequence places the model
@@ -176,6 +183,27 @@ class NxDTrainingArguments(TrainingArguments):
         )
         config.fused_loss = self.fused_loss
         return config
+
+
+def one_process_view(state) -> None:
+    """Make accelerate's shared state (``PartialState``, read by ``AcceleratorState`` and
+    ``args.world_size``) a single process on every rank, keeping this rank's device.
+
+    NxDTrainer runs ``Trainer``'s loop on every rank as if it were alone: each rank draws the global
+    batch and keeps its data-parallel slice, and evaluates the whole set. Where accelerate infers
+    several processes (``MULTI_GPU`` under torchrun with a GPU; ``MULTI_CPU`` with
+    ``ACCELERATE_USE_CPU``) it would shard every loader by process, so the ranks of one
+    tensor-parallel group, and the pipeline stages, would get different batches; it would also sum
+    the token count and gather the predictions over every rank. On a CPU without that, accelerate
+    infers no distribution, as here. Called again before accelerate is used (``Trainer`` builds its
+    ``Accelerator`` from the shared state, which any later ``TrainingArguments`` re-infers)."""
+    from accelerate.utils import DistributedType
+
+    # only the one-device-per-process types (XLA, and DeepSpeed/FSDP, which are refused, are left alone)
+    if state is None or not state.distributed_type.value.startswith("MULTI_"):
+        return
+    state.distributed_type = DistributedType.NO
+    state.num_processes, state.process_index, state.local_process_index = 1, 0, 0
 
 
 def _check_use_cpu(use_cpu: bool) -> bool:

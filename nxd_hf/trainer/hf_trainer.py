@@ -31,7 +31,7 @@ from nxd_hf.optim.zero1 import ELEMENTWISE_OPTIMIZERS
 from nxd_hf.parallel_layers.loss_functions import loss_normalizer
 from nxd_hf.parallel_layers.sharding import move_model_to_device
 from nxd_hf.pipeline.model import NxDPPModel
-from nxd_hf.trainer.arguments import NxDTrainingArguments
+from nxd_hf.trainer.arguments import NxDTrainingArguments, one_process_view
 from nxd_hf.trainer.batches import (
     ROW_WEIGHT, check_dataset_size, data_parallel_mean, pad_rows, pipeline_inputs, replica_rows,
 )
@@ -68,6 +68,7 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
             model = self._parallel(model, args)
         if model_init is not None:  # passed only when given: a Trainer subclass may not take it (TRL's)
             trainer_kwargs["model_init"] = self._parallel_init(model_init, args)
+        one_process_view(args.distributed_state)  # Trainer's Accelerator is built from it
         with without_trainers_liger_patch(args):
             super().__init__(model, args, *trainer_args, **trainer_kwargs)
         if args.use_liger_kernel:
@@ -116,15 +117,30 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
     def _wrap_model(self, model, training: bool = True, dataloader=None):
         return self.nxd_model
 
-    # -- data
+    # -- data: loaders accelerate never shards by process (arguments.one_process_view)
+    def _one_process(self) -> None:
+        """Accelerate's two shared states (the loaders, the token count and the gathers read them)
+        one process again, should a ``TrainingArguments`` or ``Trainer`` built since have re-inferred them."""
+        one_process_view(self.args.distributed_state)
+        one_process_view(self.accelerator.state)
+
     def get_train_dataloader(self):
         check_dataset_size(self.train_dataset, "train_dataset")
+        self._one_process()
         per_replica = self._train_batch_size
         self._train_batch_size = per_replica * parallel_state.get_data_parallel_size()
         try:
             return super().get_train_dataloader()
         finally:
             self._train_batch_size = per_replica
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        self._one_process()
+        return super().get_eval_dataloader(eval_dataset)
+
+    def get_test_dataloader(self, test_dataset):
+        self._one_process()
+        return super().get_test_dataloader(test_dataset)
 
     def get_total_train_batch_size(self, args) -> int:
         return args.train_batch_size * args.gradient_accumulation_steps * parallel_state.get_data_parallel_size()

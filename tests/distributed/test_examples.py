@@ -2,6 +2,7 @@
 job spanning two torchrun agents (two "nodes" on localhost) resumed by a one-node job, and the
 README's first screen matching what CI runs."""
 
+import json
 import os
 import re
 import socket
@@ -26,6 +27,44 @@ def _check(result) -> str:
 def run_example(script: str, nproc: int, *args: str) -> str:
     command = [*TORCHRUN, "--nproc_per_node", str(nproc), script, *args]
     return _check(subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600))
+
+
+def run_one_process(script: str, *args: str) -> str:
+    """``python script.py``: a world of one (on the GPU under nccl), as a user runs it without torchrun."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NXD_HF_BACKEND")}
+    return _check(subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True,
+                                 timeout=600, env=env))
+
+
+def logged(output_dir) -> dict[str, list[tuple[int, float]]]:
+    """The (step, value) of every logged loss and grad_norm in the trainer_state.json a Trainer example writes."""
+    with open(os.path.join(output_dir, "trainer_state.json")) as f:
+        history = json.load(f)["log_history"]
+    return {key: [(h["step"], h[key]) for h in history if key in h] for key in ("loss", "grad_norm")}
+
+
+def check_matches_one_process(script: str, nproc: int, args: list[str], one_process_args: list[str], tmp_path,
+                              **tol) -> None:
+    """``script`` on ``nproc`` ranks logs, step by step, the losses and grad norms of its one-process run."""
+    run_example(script, nproc, *args, "--logging_steps", "1", "--output_dir", str(tmp_path / "ranks"))
+    run_one_process(script, *one_process_args, "--logging_steps", "1", "--output_dir", str(tmp_path / "one"))
+    ours, reference = logged(tmp_path / "ranks"), logged(tmp_path / "one")
+    for key, want in reference.items():
+        got = ours[key]
+        assert [s for s, _ in got] == [s for s, _ in want] and want, (key, got, want)
+        torch.testing.assert_close(torch.tensor([v for _, v in got]), torch.tensor([v for _, v in want]),
+                                   **(tol or dict(rtol=1e-4, atol=1e-5)), msg=lambda m: f"{script} {args} {key}: {m}")
+
+
+def check_lightning_matches_one_process(args: list[str], one_process_args: list[str], tmp_path) -> None:
+    """examples/lightning_causal_lm.py on two ranks prints the first and last loss and the val_loss of
+    its one-process run (printed with 4 decimals: compared to within their rounding)."""
+    script = "examples/lightning_causal_lm.py"
+    outs = [run_example(script, 2, *args, "--output-dir", str(tmp_path / "ranks")),
+            run_one_process(script, *one_process_args, "--output-dir", str(tmp_path / "one"))]
+    pattern = r"val_loss ([\d.]+); loss fell from ([\d.]+) to ([\d.]+)"
+    ours, reference = (torch.tensor([float(v) for v in re.search(pattern, out).groups()]) for out in outs)
+    torch.testing.assert_close(ours, reference, rtol=0, atol=2e-4, msg=lambda m: f"{args}: {m}\n{outs}")
 
 
 def _loss_fell(out: str) -> tuple[float, float]:

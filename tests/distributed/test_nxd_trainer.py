@@ -12,6 +12,7 @@ import pytest
 import torch
 import transformers
 
+import accelerate_view
 import hf_parity
 import nxd_hf
 from nxd_hf import backend, parallel_state
@@ -56,8 +57,9 @@ def _run_case(out_dir, *, batch, accumulate=1, lora=False, trainer_cls=nxd_hf.Nx
         reference = peft.get_peft_model(reference, _lora())
     data = _dataset()
     dp = 2 // (layout.get("tensor_parallel_size", 1) * layout.get("pipeline_parallel_size", 1))
-    ref_args = transformers.TrainingArguments(output_dir=f"{out_dir}/ref", per_device_train_batch_size=batch * dp,
-                                              gradient_accumulation_steps=accumulate, **COMMON)
+    ref_args = accelerate_view.one_process_reference_args(
+        output_dir=f"{out_dir}/ref", per_device_train_batch_size=batch * dp, gradient_accumulation_steps=accumulate,
+        **COMMON)
     ref = transformers.Trainer(reference, ref_args, train_dataset=data, eval_dataset=data[:6],
                                compute_metrics=_metrics)
     ref.train()
@@ -106,7 +108,8 @@ def _train_nxd(out_dir, *, steps, resume=None, lora=False, batch=4, **layout):
 
 def _check_saved_model(trainer, directory, lora):
     """save_model's directory opens in plain transformers / peft with our logits."""
-    ids = torch.stack([row["input_ids"] for row in _dataset()[:3]])
+    device = backend.default_device()  # where NxDTrainer put the model (the GPU in the cuda lane)
+    ids = torch.stack([row["input_ids"] for row in _dataset()[:3]]).to(device)
     trainer.nxd_model.eval()
     with torch.no_grad():
         ours = trainer.nxd_model(input_ids=ids).logits
@@ -115,6 +118,7 @@ def _check_saved_model(trainer, directory, lora):
         plain = peft.PeftModel.from_pretrained(base, directory)
     else:
         plain = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    plain.to(device)
     with torch.no_grad():
         torch.testing.assert_close(plain.eval()(input_ids=ids).logits, ours, **TOL)
 
@@ -196,6 +200,28 @@ def check_matches_trainer(layout: str) -> None:
 @pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2_zero1_accumulate2", "tp2_lora"])
 def test_nxd_trainer_matches_trainer(ranks2, layout):
     ranks2.run(check_matches_trainer, layout)
+
+
+def check_matches_trainer_where_accelerate_infers_gpus(layout: str) -> None:
+    """Under torchrun with a GPU accelerate infers MULTI_GPU, where its loaders shard by process;
+    NxDTrainer's batches (train, evaluate, predict) must not depend on that."""
+    with accelerate_view.accelerate_infers_gpus():
+        if layout != "tp2_evaluate_after_a_plain_trainer":
+            return check_matches_trainer(layout)
+        with tempfile.TemporaryDirectory() as out_dir:  # a Trainer built later re-infers accelerate's shared state
+            parallel_state.destroy_model_parallel()
+            _, model = hf_parity.build_pair("llama")
+            args = nxd_hf.NxDTrainingArguments(output_dir=out_dir, tensor_parallel_size=2, **COMMON)
+            ours = nxd_hf.NxDTrainer(model, args, eval_dataset=_dataset()[:6])
+            before = ours.evaluate()["eval_loss"]
+            transformers.Trainer(hf_parity.build_pair("llama")[0],
+                                 transformers.TrainingArguments(output_dir=f"{out_dir}/plain", report_to=[]))
+            assert ours.evaluate()["eval_loss"] == before
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2_zero1_accumulate2", "tp2_evaluate_after_a_plain_trainer"])
+def test_nxd_trainer_matches_trainer_where_accelerate_infers_gpus(ranks2, layout):
+    ranks2.run(check_matches_trainer_where_accelerate_infers_gpus, layout)
 
 
 class _CountingTrainer(nxd_hf.NxDTrainer):

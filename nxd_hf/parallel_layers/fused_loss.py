@@ -33,7 +33,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         tp_size = parallel_state.get_tensor_model_parallel_size()
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         want_bias = bias is not None and ctx.needs_input_grad[2]
-        grad_hidden = torch.empty_like(hidden) if want_hidden else None
+        grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if want_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
         grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if want_bias else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -56,8 +56,10 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             total += loss.detach()
             d_logits = d_logits.to(weight.dtype)
             if want_hidden:
-                grad_hidden[rows] = d_logits @ weight
-            if want_weight:
+                torch.mm(d_logits, weight, out=grad_hidden[rows])
+            if want_weight and weight.dtype == torch.float32:
+                grad_weight.addmm_(d_logits.t(), h)  # in place: no [V/tp, h] temporary per chunk
+            elif want_weight:
                 grad_weight.add_(d_logits.t() @ h)  # the chunk's matmul in the head's dtype, summed in fp32
             if want_bias:
                 grad_bias.add_(d_logits.float().sum(0))

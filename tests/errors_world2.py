@@ -33,7 +33,8 @@ def _expect(error_class, pattern: str, fn, *args, **kwargs) -> float:
         elapsed = time.monotonic() - start
         assert elapsed < PROMPT_S, f"{fn.__name__} took {elapsed:.1f}s to fail"
         return elapsed
-    raise AssertionError(f"rank {backend.rank()}: {fn.__name__} raised no {error_class.__name__}")
+    name = getattr(fn, "__name__", type(fn).__name__)
+    raise AssertionError(f"rank {backend.rank()}: {name} raised no {error_class.__name__}")
 
 
 def _from_pretrained(path, **kwargs):

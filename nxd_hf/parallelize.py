@@ -43,7 +43,7 @@ from nxd_hf.model_setup import LocalSetup, set_up_local_modules
 from nxd_hf.model_setup.activation_checkpoint import decoder_layer_types
 from nxd_hf.model_setup.materialize import refuse_deferred_init
 from nxd_hf.model_state import NxDModelState, state_of
-from nxd_hf.guards.input_check import install_input_check
+from nxd_hf.guards.input_check import install_input_check, resolve_mode
 from nxd_hf.guards.fail_together import fail_together
 from nxd_hf.lora import register_with_peft
 from nxd_hf.moe.replica_aux import install_global_aux_loss
@@ -124,7 +124,7 @@ def parallelize(
         patch = resolve_patch(model, sequence_parallel=sequence_parallel, pipeline_parallel_size=pipeline_parallel_size)
         layout = attention_layout(model, patch, pad_model=pad_model, kv_size_multiplier=kv_size_multiplier)
         swap_layers(model, patch, layout, sequence_parallel=sequence_parallel, gather_logits=gather_logits,
-                    fused_loss=fused_loss)
+                    fused_loss=fused_loss, check_ranges=resolve_mode(check_inputs) != "off")
         split_experts(model, patch)
         check = install_input_check(model, check_inputs)
     if pipeline_parallel_size == 1:  # the pipeline computes the global aux loss itself (pipeline.router_aux)

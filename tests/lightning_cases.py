@@ -255,7 +255,7 @@ def check_callbacks_and_reduce(out: str) -> None:
     backend.barrier()
     kept = os.path.basename(best.best_model_path)
     assert kept == "epoch=1-step=4.ckpt", kept
-    assert sorted(os.listdir(os.path.join(out, "ckpts"))) == sorted(["checkpoints.json", kept]), best.best_model_path
+    assert sorted(os.listdir(os.path.join(out, "ckpts"))) == sorted(["checkpoints.json", "owner.json", kept]), best.best_model_path
     assert store.read_tracker(os.path.join(out, "ckpts"))["complete"] == [kept]
     assert os.path.exists(os.path.join(best.best_model_path, "lightning_state.pt"))
     strategy = trainer.strategy

@@ -153,12 +153,22 @@ def index_problem(directory: str, data: bytes) -> str | None:
     return None
 
 
+def marker_save(directory: str) -> str | None:
+    """The save id in a completion marker (None: a marker of an older version)."""
+    with open(os.path.join(directory, DONE)) as f:
+        lines = f.read().splitlines()
+    try:
+        return json.loads(lines[2]).get("save") if len(lines) > 2 else None
+    except (ValueError, AttributeError):
+        return "(damaged)"
+
+
 def finalize(path: str, tag: str, index: dict, num_kept_ckpts: int | None) -> None:
     """Rank 0, once every rank's files are in the temporary directory: make it the checkpoint."""
     tmp, name = tmp_dir(path, tag), dir_name(tag)
     write_json_atomic(os.path.join(tmp, INDEX), index)
-    with durable_open(os.path.join(tmp, DONE), "w") as f:  # the marker carries index.json's checksum
-        f.write(f"complete\n{json.dumps(_index_checksum(tmp))}\n")
+    with durable_open(os.path.join(tmp, DONE), "w") as f:  # the marker carries index.json's checksum and the save
+        f.write(f"complete\n{json.dumps(_index_checksum(tmp))}\n{json.dumps({'save': index.get('save')})}\n")
     fsync_dir(tmp)
     final, old = os.path.join(path, name), os.path.join(path, f".{name}.old")
     shutil.rmtree(old, ignore_errors=True)

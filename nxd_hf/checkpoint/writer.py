@@ -22,6 +22,8 @@ from nxd_hf.checkpoint import store
 from nxd_hf.checkpoint.format import file_checksum, write_file
 
 RECORDS = "records"
+SAVE_KEY = "nxd_hf_save"
+"""The key of the save id in a tensor file's safetensors metadata."""
 ASYNC_TIMEOUT_S = 3600.0
 """How long rank 0's background thread waits for the other ranks' files before giving up
 (the checkpoint then stays an invisible temporary directory)."""
@@ -34,12 +36,14 @@ def record_path(tmp: str, rank: int) -> str:
     return os.path.join(tmp, RECORDS, f"rank_{rank:05d}.json")
 
 
-def write_share(tmp: str, rank: int, files: dict[str, dict], blobs: dict[str, object], records: list) -> None:
-    """Write this rank's tensor files, ``blobs`` (torch.save'd), then its record file."""
+def write_share(tmp: str, rank: int, files: dict[str, dict], blobs: dict[str, object], records: list,
+                save_id: str) -> None:
+    """Write this rank's tensor files (``save_id`` in their headers), ``blobs`` (torch.save'd),
+    then its record file."""
     meta = {}
     for rel, tensors in files.items():
         if tensors:
-            meta[rel] = write_file(os.path.join(tmp, rel), tensors)
+            meta[rel] = write_file(os.path.join(tmp, rel), tensors, metadata={SAVE_KEY: save_id})
     for rel, obj in blobs.items():
         buffer = io.BytesIO()
         torch.save(obj, buffer)
@@ -48,21 +52,27 @@ def write_share(tmp: str, rank: int, files: dict[str, dict], blobs: dict[str, ob
         with store.durable_open(path, "wb") as f:
             f.write(buffer.getvalue())
     os.makedirs(os.path.join(tmp, RECORDS), exist_ok=True)
-    store.write_json_atomic(record_path(tmp, rank), {"files": meta, "records": records})
+    store.write_json_atomic(record_path(tmp, rank), {"files": meta, "records": records, "save": save_id})
 
 
 def merge(tmp: str, world: int, header: dict) -> dict:
     """The index from every rank's record file."""
-    tensors, files = {}, {}
+    tensors, files, others = {}, {}, []
     for rank in range(world):
         with open(record_path(tmp, rank)) as f:
             share = json.load(f)
+        if share.get("save") != header["save"]:
+            others.append(f"rank {rank}: {share.get('save')}")
+            continue
         files.update(share["files"])
         for section, name, shape, dtype, part in share["records"]:
             part["crc32"] = share["files"][part["file"]]["crc32"][part["key"]]
             entry = tensors.setdefault(section, {}).setdefault(name, {"shape": shape, "dtype": dtype, "parts": []})
             assert entry["shape"] == shape, f"{name}: ranks disagree on its shape"
             entry["parts"].append(part)
+    if others:
+        raise ValueError(f"{tmp} holds files of another save ({', '.join(others)}; this save is {header['save']}): "
+                         "two jobs are saving into one checkpoint directory. Give each run its own output directory")
     for section in tensors.values():
         for name, entry in section.items():
             _check_coverage(name, entry)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from nxd_hf import parallel_state
+from nxd_hf.guards import device_checks
 from nxd_hf.parallel_layers.loss_functions import grad_of_logits, parallel_cross_entropy, vocab_parallel_softmax
 
 CHUNK_ELEMENTS = 2**25  # logits per chunk: 128 MiB in fp32, whatever the vocabulary
@@ -84,16 +85,19 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 def fused_linear_cross_entropy(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, bias: torch.Tensor | None = None,
     vocab_size: int | None = None, label_smoothing: float = 0.0, ignore_index: int = -100, reduction: str = "mean",
-    chunk_tokens: int | None = None,
+    chunk_tokens: int | None = None, check_labels: bool = True,
 ) -> torch.Tensor:
     """``parallel_cross_entropy(F.linear(hidden, weight, bias), labels, ...)`` without holding the
     logits: ``hidden [..., h]`` as every TP rank's head sees it (replicated, full sequence),
     ``weight [V/tp, h]`` this rank's vocabulary rows, ``labels [...]`` unsharded. ``reduction``
-    "sum" or "mean" (over non-ignored tokens); ``chunk_tokens`` default: ``CHUNK_ELEMENTS`` logits."""
+    "sum" or "mean" (over non-ignored tokens); ``chunk_tokens`` default: ``CHUNK_ELEMENTS`` logits;
+    ``check_labels`` as ``parallel_cross_entropy``'s."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"fused_linear_cross_entropy: reduction must be 'mean' or 'sum', not {reduction!r}")
     hidden, labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1).to(hidden.device)
     tp_size = parallel_state.get_tensor_model_parallel_size()
+    if check_labels and vocab_size is not None:
+        device_checks.check_labels(labels, vocab_size, ignore_index)
     vocab_size = weight.shape[0] * tp_size if vocab_size is None else vocab_size
     chunk = chunk_tokens or max(1, CHUNK_ELEMENTS // weight.shape[0])
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
@@ -106,7 +110,8 @@ def fused_linear_cross_entropy(
                                                    vocab_size, chunk)
     else:
         total = sum(parallel_cross_entropy(F.linear(hidden[s:s + chunk], weight, bias), labels[s:s + chunk],
-                                           label_smoothing, ignore_index, "sum", vocab_size=vocab_size)
+                                           label_smoothing, ignore_index, "sum", vocab_size=vocab_size,
+                                           check_labels=False)  # checked once for all chunks
                     for s in range(0, hidden.shape[0], chunk))
     if reduction == "sum":
         return total

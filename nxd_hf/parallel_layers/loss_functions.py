@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from nxd_hf import backend, parallel_state
+from nxd_hf.guards import device_checks
 
 
 def vocab_parallel_softmax(z: torch.Tensor, labels: torch.Tensor, label_smoothing: float, ignore_index: int,
@@ -84,6 +85,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 def parallel_cross_entropy(
     parallel_logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0,
     ignore_index: int = -100, reduction: Literal["none", "mean", "sum"] = "none", *, vocab_size: int | None = None,
+    check_labels: bool = True,
 ) -> torch.Tensor:
     """Cross-entropy of vocab-parallel logits ``[..., V/tp]`` against unsharded ``labels [...]``.
 
@@ -93,6 +95,9 @@ def parallel_cross_entropy(
     smoothing follows torch (``(1 - eps) nll + eps * mean_c(-log p_c)``), not NxD's formula.
     ``vocab_size`` (default: all columns) excludes padded vocab columns on the last ranks.
     The input is never modified in place; the loss is computed in fp32.
+    ``check_labels``: at tp > 1 every call checks on the device that each label is a token id or
+    ``ignore_index`` (``nxd_hf.guards.device_checks``): a label >= ``vocab_size`` matches no rank's
+    columns and would give a finite, wrong loss (torch's own kernel raises at tp=1).
     """
     if reduction not in ("none", "mean", "sum"):
         raise ValueError(f"reduction must be 'none', 'mean' or 'sum', not {reduction!r}")
@@ -108,6 +113,8 @@ def parallel_cross_entropy(
         loss = F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=ignore_index,
                                reduction=reduction, label_smoothing=label_smoothing)
         return loss.view(labels.shape) if reduction == "none" else loss
+    if check_labels:
+        device_checks.check_labels(labels, vocab_size, ignore_index)
     loss = _VocabParallelCrossEntropy.apply(parallel_logits, labels, label_smoothing, ignore_index, vocab_size)
     if reduction == "sum":
         return loss.sum()

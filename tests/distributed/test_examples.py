@@ -150,7 +150,7 @@ def test_train_with_config_api_pp2_zero1_loss_falls(tmp_path):
     assert "tp 1 x pp 2 x dp 2, zero1=True" in out, out
     first, last = _loss_fell(out)
     assert last < first - 1.0, out
-    assert sorted(os.listdir(ckpt)) == ["checkpoints.json", "step12", "step6"]
+    assert sorted(os.listdir(ckpt)) == ["checkpoints.json", "owner.json", "step12", "step6"]
     resumed = run_example("examples/train_with_config_api.py", 4, "--tp", "2", "--zero1", "--steps", "16",
                           "--checkpoint-dir", ckpt, "--save-every", "6")
     assert "resumed from step 12" in resumed, resumed

@@ -108,7 +108,7 @@ def _disk_full(root, model):
     nxd_hf.save_checkpoint(path, tag="step1", model=model, user_content={"step": 1})
     real = writer.write_file
 
-    def write_half_then_fail(file, tensors):
+    def write_half_then_fail(file, tensors, **kwargs):
         os.makedirs(os.path.dirname(file), exist_ok=True)
         with open(file, "wb") as f:
             f.write(b"\0" * 100)

@@ -96,9 +96,9 @@ def fused_linear_cross_entropy(
         raise ValueError(f"fused_linear_cross_entropy: reduction must be 'mean' or 'sum', not {reduction!r}")
     hidden, labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1).to(hidden.device)
     tp_size = parallel_state.get_tensor_model_parallel_size()
-    if check_labels and vocab_size is not None:
-        device_checks.check_labels(labels, vocab_size, ignore_index)
     vocab_size = weight.shape[0] * tp_size if vocab_size is None else vocab_size
+    if check_labels and tp_size > 1:  # torch's kernel raises at tp=1
+        device_checks.check_labels(labels, vocab_size, ignore_index)
     chunk = chunk_tokens or max(1, CHUNK_ELEMENTS // weight.shape[0])
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
         if torch.is_autocast_enabled(hidden.device.type):  # the chunks' matmuls in autocast's dtype, as F.linear's

@@ -116,6 +116,10 @@ def _write_configs(model, tmp: str) -> None:
     """config.json / generation_config.json, for consolidation."""
     config = model_config(model)
     if hasattr(config, "save_pretrained"):
+        if hasattr(config, "architectures"):
+            # As transformers' save_pretrained: the class saved names the head that from_pretrained
+            # and pipelines build (a hub config may still name the base class it was trained from).
+            config.architectures = [type(hf_model(model)).__name__.removeprefix("FSDP")]
         config.save_pretrained(tmp)
     generation = getattr(hf_model(model), "generation_config", None)
     if generation is not None and hasattr(generation, "save_pretrained"):

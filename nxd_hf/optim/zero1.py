@@ -26,7 +26,7 @@ import torch
 
 from nxd_hf import backend, parallel_state
 from nxd_hf.model_state import state_of
-from nxd_hf.optim.flat import FlatGroup
+from nxd_hf.optim.flat import FlatGroup, powered_sum
 from nxd_hf.optim.groups import resolve_group
 from nxd_hf.optim.zero1_experts import Zero1ExpertsMixin
 from nxd_hf.optim.zero1_overlap import OverlappedReduceScatter
@@ -290,7 +290,7 @@ class NeuronZero1Optimizer(Zero1ExpertsMixin, Zero1StateMixin, torch.optim.Optim
                 elif isinstance(weight, torch.Tensor):
                     total += (grad.abs().pow(p) * weight).sum()
                 else:
-                    total += torch.linalg.vector_norm(grad, p) ** p * weight
+                    total += powered_sum(grad, p) * weight
         op = "max" if p == float("inf") else "sum"
         backend.all_reduce(total, self.sharding_group, op=op)
         backend.all_reduce(total, self.grad_norm_group, op=op)

@@ -31,7 +31,9 @@ from nxd_hf.optim.zero1 import ELEMENTWISE_OPTIMIZERS
 from nxd_hf.parallel_layers.loss_functions import loss_normalizer
 from nxd_hf.parallel_layers.sharding import move_model_to_device
 from nxd_hf.pipeline.model import NxDPPModel
+from nxd_hf.pipeline.pooled_loss import rows_over_data_parallel, takes_pooled_logits
 from nxd_hf.trainer.arguments import NxDTrainingArguments, one_process_view
+from nxd_hf.trainer.composition import check_composition
 from nxd_hf.trainer.batches import (
     ROW_WEIGHT, check_dataset_size, data_parallel_mean, pad_rows, pipeline_inputs, replica_rows,
 )
@@ -46,6 +48,10 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
     ``model``: a plain HF model (parallelized here, with LoRA adapters when ``peft_config``, a
     ``peft.LoraConfig``, is given), an already parallelized one, or a peft model of one.
     ``autocast_adapter_dtype``: as ``peft.get_peft_model``'s (fp32 adapters on a bf16/fp16 model)."""
+
+    def __new__(cls, *args, **kwargs):
+        check_composition(cls, NxDTrainer)  # before any class's __init__ (another trainer's may run first)
+        return super().__new__(cls)
 
     def __init__(self, model=None, args: NxDTrainingArguments | None = None, *trainer_args, model_init=None,
                  peft_config=None, autocast_adapter_dtype: bool = True, **trainer_kwargs):
@@ -185,6 +191,10 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
         row_weight = inputs.pop(ROW_WEIGHT)
         with self.compute_loss_context_manager():
             if model.pipelined:  # the schedule runs backward and returns the DP-averaged share
+                if num_items_in_batch is None and takes_pooled_logits(model.module.hf_model):
+                    # a per-batch mean over rows, which Trainer divides by the accumulation steps
+                    rows = rows_over_data_parallel(inputs["labels"])
+                    num_items_in_batch = rows * self.current_gradient_accumulation_steps
                 return model.run_train(**pipeline_inputs(model, inputs), num_items_in_batch=num_items_in_batch)
             if num_items_in_batch is not None and self.model_accepts_loss_kwargs:
                 normalizer = loss_normalizer(inputs["labels"], num_items_in_batch)

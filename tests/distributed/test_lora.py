@@ -60,6 +60,11 @@ def test_lora_bad_input_is_a_clear_error(ranks2, tmp_path):
     ranks2.run(lora_io_cases.check_bad_input, str(tmp_path))
 
 
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2"])
+def test_lora_inits_match_plain_peft_or_are_refused(ranks2, tmp_path, layout):
+    ranks2.run(lora_cases.check_inits_match_plain_peft, layout, str(tmp_path))
+
+
 def test_lora_zero1_tp2_dp2(ranks4):
     ranks4.run(lora_cases.check_zero1, 2)
 

@@ -3,6 +3,7 @@ and grad norms every step, the same final parameters, the same evaluation (loss 
 compute_metrics) and predictions; at tp=2, pp=2 (M=4) and dp=2 with ZeRO-1 and accumulation, in
 one spawn of 2 ranks."""
 
+import json
 import os
 import shutil
 import tempfile
@@ -222,6 +223,56 @@ def check_matches_trainer_where_accelerate_infers_gpus(layout: str) -> None:
 @pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2_zero1_accumulate2", "tp2_evaluate_after_a_plain_trainer"])
 def test_nxd_trainer_matches_trainer_where_accelerate_infers_gpus(ranks2, layout):
     ranks2.run(check_matches_trainer_where_accelerate_infers_gpus, layout)
+
+
+def _classification_dataset(n=24, s=8, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n):
+        mask = torch.ones(s, dtype=torch.long)
+        mask[s - i % 3:] = 0  # padded sequences: the pooler reads position 0, attention skips the padding
+        rows.append({"input_ids": torch.randint(0, hf_parity.VOCAB, (s,), generator=g), "attention_mask": mask,
+                     "labels": torch.tensor(i % 3)})
+    return rows
+
+
+def check_sequence_classification(layout: str, out_dir: str) -> None:
+    """BertForSequenceClassification as transformers' run_classification.py trains it: the same losses,
+    grad norms and weights, evaluation and predictions (7 rows: padded to the microbatches under PP),
+    and a saved model whose config names the classification head."""
+    sizes = {"tp2": dict(tensor_parallel_size=2), "pp2": dict(pipeline_parallel_size=2, num_microbatches=2),
+             "dp2_zero1_accumulate2": dict(zero_1=True)}[layout]
+    batch, accumulate = (2, 2) if layout.startswith("dp2") else (4, 1)
+    dp = 2 // (sizes.get("tensor_parallel_size", 1) * sizes.get("pipeline_parallel_size", 1))
+    parallel_state.destroy_model_parallel()
+    reference, model = hf_parity.build_pair("bert", task_model_cls=transformers.BertForSequenceClassification)
+    reference.config.architectures = model.config.architectures = ["BertModel"]  # as a hub base model's config
+    data, held_out = _classification_dataset(), _classification_dataset(7, seed=6)
+    ref_args = accelerate_view.one_process_reference_args(
+        output_dir=f"{out_dir}/ref", per_device_train_batch_size=batch * dp, gradient_accumulation_steps=accumulate,
+        **COMMON)
+    ref = transformers.Trainer(reference, ref_args, train_dataset=data, eval_dataset=held_out)
+    ref.train()
+    args = nxd_hf.NxDTrainingArguments(output_dir=f"{out_dir}/nxd", per_device_train_batch_size=batch,
+                                       gradient_accumulation_steps=accumulate, **COMMON, **sizes)
+    ours = nxd_hf.NxDTrainer(model, args, train_dataset=data, eval_dataset=held_out)
+    ours.train()
+    _check_training(ref, ours, f"classification {layout}")
+    want, got = ref.predict(held_out), ours.predict(held_out)
+    torch.testing.assert_close(torch.as_tensor(got.predictions), torch.as_tensor(want.predictions), **TOL)
+    assert got.metrics["test_loss"] == pytest.approx(want.metrics["test_loss"], rel=1e-4), (got, want)
+    ours.save_model(f"{out_dir}/final")
+    if backend.rank() == 0:
+        ref.save_model(f"{out_dir}/plain")
+        with open(f"{out_dir}/final/config.json") as f, open(f"{out_dir}/plain/config.json") as g:
+            assert json.load(f)["architectures"] == json.load(g)["architectures"] == [
+                "BertForSequenceClassification"]
+    backend.barrier()
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2_zero1_accumulate2"])
+def test_sequence_classification_matches_trainer(ranks2, tmp_path, layout):
+    ranks2.run(check_sequence_classification, layout, str(tmp_path))
 
 
 class _CountingTrainer(nxd_hf.NxDTrainer):

@@ -20,6 +20,7 @@ It overrides the fewest hooks it can; everything else (callbacks, schedulers, lo
 
 import contextlib
 import inspect
+import warnings
 
 import torch
 import transformers
@@ -54,6 +55,8 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
                              "carrying tensor_parallel_size, pipeline_parallel_size, ...)")
         if args.use_liger_kernel:
             check_liger(args)
+        if backend.rank() != 0:  # torch's DataLoader gives it on every rank alike (while iterating): rank 0's is enough
+            warnings.filterwarnings("ignore", message="'pin_memory' argument is set as true but no accelerator")
         if trainer_kwargs.get("compute_loss_func") is not None:
             raise ValueError("compute_loss_func is not supported by NxDTrainer: the model's own loss runs on "
                              "vocab-parallel logits")

@@ -173,7 +173,7 @@ COVERED = {  # docstring command (as written, comment dropped) -> the test that 
         "test_train_with_config_api_pp2_zero1_loss_falls",
     "torchrun --nproc_per_node 2 examples/sft_trl.py --tensor_parallel_size 2 --lora": "test_trl.py",
     "torchrun --nproc_per_node 2 examples/lightning_causal_lm.py --tp 2": "test_lightning.py (under torchrun)",
-    "torchrun --nproc_per_node 2 examples/lightning_causal_lm.py --resume OUT/last.ckpt":
+    "torchrun --nproc_per_node 2 examples/lightning_causal_lm.py --zero1 --resume lightning_out/last.ckpt":
         "test_lightning.py (under torchrun)",
     "torchrun --nproc_per_node 4 examples/nnscaler_example.py --example 1 --policy tp --plan_ngpus 2 --use_zero":
         "test_nnscaler_state.py",

@@ -141,16 +141,33 @@ def parallelize(
         from nxd_hf.pipeline.model import NxDPPModel  # step 4; it runs steps 5-10 on its stages
 
         pp_model = NxDPPModel(model, setup=setup, **pipeline_kwargs)
-        pp_model.save_pretrained = types.MethodType(save_pretrained, pp_model)  # the plain HF format, gathered
-        model.save_pretrained = functools.partial(save_pretrained, pp_model)  # the user's object: its stages' weights
+        pp_model.save_pretrained = _save_pretrained(pp_model, lora_config)
+        model.save_pretrained = _save_pretrained(pp_model, lora_config)  # the user's object: its stages' weights
         return pp_model
     layer_types = decoder_layer_types(model) if activation_checkpoint_config == "full" else ()
     policy = set_up_local_modules([model], setup, layer_types=layer_types)
     policy.install_hooks(model)
     model.nxd.grad_reduction = policy
     model.no_sync = policy.no_sync
-    model.save_pretrained = types.MethodType(save_pretrained, model)  # the plain HF format, gathered
+    model.save_pretrained = _save_pretrained(model, lora_config)
     return model
+
+
+def _save_pretrained(model, lora_config):
+    """The parallel model's ``save_pretrained`` (every rank calls it): the plain HF format,
+    gathered; with ``lora_config`` the adapter, as ``PeftModel.save_pretrained`` writes it (the
+    trained part, which ``peft.PeftModel.from_pretrained(plain_model, directory)`` loads)."""
+    if lora_config is None:
+        return functools.partial(save_pretrained, model)
+    from nxd_hf.lora import save_adapter
+
+    def save_lora_adapter(save_directory: str, **kwargs) -> None:
+        if kwargs:
+            backend.warn_once(f"save_pretrained: options {sorted(kwargs)} are ignored for a parallelized model",
+                              stacklevel=2)
+        save_adapter(model, save_directory)
+
+    return save_lora_adapter
 
 
 def _adapters(model, lora_config, autocast_adapter_dtype: bool):

@@ -3,6 +3,7 @@ test_nnscaler_core.py``): the document's examples with the modules of ``nnscaler
 model inside a plain module, against the unparallelized module over several optimizer steps."""
 
 import copy
+import os
 
 import torch
 import torch.nn.functional as F
@@ -259,6 +260,23 @@ def training_flag_and_class_path(tmp):
     for training in (True, False):  # the module's own forward, in the ParallelModule's mode
         replicated.train(training), plain.train(training)
         torch.testing.assert_close(replicated(x.float()), plain(x.float()), **TOL)
+
+
+def refused_class_build_leaves_no_plan(tmp):
+    """A module class's plan is saved once the class builds: a refused build (here parallel_state
+    already at tp=1) leaves none, so the corrected rerun is not refused by reuse="match"."""
+    x = torch.randn(2, 8)
+    parallel_state.initialize_model_parallel(1, 1)
+    P = parallelize(Branchy, {"x": x}, "tp", ComputeConfig(2, 2), gen_savedir=tmp, reuse="match")
+    try:
+        P()
+    except ValueError as e:
+        assert "the plan needs tp=2" in str(e), e
+    else:
+        raise AssertionError("a tp=2 plan was built on parallel_state at tp=1")
+    assert not os.path.exists(os.path.join(tmp, "_", "plan.json"))
+    parallelize(Branchy, {"x": x}, "dp", ComputeConfig(1, 2), gen_savedir=tmp, reuse="match")()
+    assert os.path.exists(os.path.join(tmp, "_", "plan.json"))
 
 
 def errors_on_every_rank(tmp):

@@ -126,6 +126,27 @@ def _write_configs(model, tmp: str) -> None:
         generation.save_pretrained(tmp)
 
 
+README = """# An nxd_hf checkpoint
+
+Written by `nxd_hf.save_checkpoint` (or `NxDTrainer`): safetensors parts in logical coordinates
+with the optimizer, scheduler and RNG states. It is not a Hugging Face model directory, so
+`from_pretrained` cannot open it. To get one (a LoRA checkpoint saved with the adapter alone
+holds a peft adapter in its adapter directory instead):
+
+    nxd-hf consolidate {directory} hf_model       # or nxd_hf.consolidate({path!r}, "hf_model", tag={tag!r})
+
+To resume: `nxd_hf.load_checkpoint({path!r}, tag={tag!r}, model=..., optimizer=...)`, or
+`NxDTrainer.train(resume_from_checkpoint=...)`, at these or any other parallel sizes.
+"""
+
+
+def _write_readme(path: str, tag: str, tmp: str) -> None:
+    """What this directory is and how to open it, for whoever finds it (``from_pretrained`` cannot)."""
+    directory = os.path.join(path, store.dir_name(tag))
+    with open(os.path.join(tmp, "README.md"), "w") as f:
+        f.write(README.format(directory=directory, path=path, tag=store.dir_name(tag)))
+
+
 def _what_to_save(model, adapters, nxd_config) -> tuple[dict | None, list]:
     """(the adapters' save plan or None, the ``LogicalTensor``s to write)."""
     if model is None:
@@ -223,6 +244,7 @@ def save_checkpoint(path: str, tag: str = "", model=None, optimizer=None, schedu
         os.makedirs(path, exist_ok=True)
         store.remove_leftovers(path)  # of saves that crashed or ran out of disk
         os.makedirs(tmp)
+        _write_readme(path, tag, tmp)
         if model is not None:
             _write_configs(model, tmp)
         if side_files is not None:
@@ -236,7 +258,7 @@ def save_checkpoint(path: str, tag: str = "", model=None, optimizer=None, schedu
             if rank == 0:
                 writer.wait_for_records(tmp, world, writer.ASYNC_TIMEOUT_S)
                 store.finalize(path, tag, writer.merge(tmp, world, header), num_kept_ckpts)
-        writer.submit(work)
+        writer.submit(work, path=path, tag=tag)
         return
     with _cleaned_up_on_failure(tmp):
         for wave in range(-(-world // num_workers)):

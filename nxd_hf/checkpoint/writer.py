@@ -30,6 +30,7 @@ ASYNC_TIMEOUT_S = 3600.0
 
 _pending: list[threading.Thread] = []
 _errors: list[BaseException] = []
+_saves: list[tuple[str, str]] = []  # (path, tag) of this process's asynchronous saves not yet seen complete
 
 
 def record_path(tmp: str, rank: int) -> str:
@@ -126,7 +127,10 @@ def wait_for_records(tmp: str, world: int, timeout_s: float) -> None:
         time.sleep(0.05)
 
 
-def submit(work) -> None:
+def submit(work, *, path: str, tag: str) -> None:
+    """Run ``work`` (writing the save of ``path``/``tag``) on a background thread."""
+    _saves.append((path, tag))
+
     def run():
         try:
             work()
@@ -150,3 +154,18 @@ def wait_for_checkpoint() -> None:
 
 
 parallel_state.register_before_destroy(wait_for_checkpoint)
+
+
+def wait_for_saves_into(path: str) -> None:
+    """Before reading ``path`` without the other ranks (``consolidate``): wait for this process's
+    saves into it, including rank 0's finishing them, which another rank sees only on disk."""
+    wait_for_checkpoint()
+    deadline = time.monotonic() + ASYNC_TIMEOUT_S
+    for saved_path, tag in [s for s in _saves if os.path.realpath(s[0]) == os.path.realpath(path)]:
+        tmp, final = store.tmp_dir(saved_path, tag), os.path.join(saved_path, store.dir_name(tag))
+        # rank 0 renames the temporary directory into place, then records the tag: wait for both
+        while os.path.isdir(tmp) or (os.path.isdir(final) and tag not in store.read_tracker(saved_path)["complete"]):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the asynchronous save into {tmp} did not finish in {ASYNC_TIMEOUT_S}s")
+            time.sleep(0.05)
+        _saves.remove((saved_path, tag))

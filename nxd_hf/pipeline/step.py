@@ -42,11 +42,14 @@ def _select_loss(output, spec):
     return next(value for value, is_loss in zip(output, spec) if is_loss)
 
 
-def _check_padded_rows(padded_rows: int, labels, rows: int) -> None:
+def _check_padded_rows(padded_rows: int, labels, rows: int, *, train: bool) -> None:
+    """Training may pad a whole batch (its loss is a sum over the step's tokens, so zero); an
+    evaluation's loss is a mean over its own tokens, which need a row that is not padding."""
     if not padded_rows:
         return
-    if not 0 < padded_rows < rows:
-        raise ValueError(f"padded_rows={padded_rows} with a batch of {rows} rows: give 0 <= padded_rows < {rows}")
+    most = rows if train else rows - 1
+    if not 0 < padded_rows <= most:
+        raise ValueError(f"padded_rows={padded_rows} with a batch of {rows} rows: give 0 <= padded_rows <= {most}")
     if labels is None or bool((labels[-padded_rows:] != -100).any()):
         raise ValueError(f"the last padded_rows={padded_rows} rows must have labels -100 (ignored by the loss): "
                          "set their labels to -100, or pass padded_rows=0")
@@ -134,7 +137,7 @@ class StepRunner:
         labels = inputs.get("labels")
         if labels is None and model.is_hf:
             raise ValueError("run_train/run_eval need labels to compute the loss")
-        _check_padded_rows(padded_rows, labels, inputs[model.input_names[0]].shape[0])
+        _check_padded_rows(padded_rows, labels, inputs[model.input_names[0]].shape[0], train=train)
         if not model.is_hf:  # the loss is in the traced graph; the schedule still wants a target
             labels = torch.zeros(inputs[model.input_names[0]].shape[0], device=backend.default_device())
         if model.is_hf and "attention_mask" in model.input_names and "attention_mask" not in inputs:

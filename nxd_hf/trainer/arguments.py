@@ -28,11 +28,12 @@ HF's fields keep HF's meaning; the table says what nxd_hf does with each one tha
 ================================  ===========================================================
 """
 
+import contextlib
 import dataclasses
 import datetime
 import functools
+import logging
 import os
-import warnings
 from typing import Literal
 
 import torch
@@ -129,11 +130,12 @@ class NxDTrainingArguments(TrainingArguments):
                 f"{model_parallel * self.expert_parallel_size} x k processes or lower expert_parallel_size")
         if self.kv_size_multiplier != "auto" and not str(self.kv_size_multiplier).isdigit():
             raise ValueError(f"kv_size_multiplier must be 'auto' or a positive integer, got {self.kv_size_multiplier!r}")
-        if self.pipeline_parallel_size == 1:
-            for name, default in (("num_microbatches", 1), ("virtual_pipeline_size", 1), ("pipeline_schedule", None)):
-                if getattr(self, name) != default:
-                    warnings.warn(f"{name} is ignored: pipeline_parallel_size is 1 (set pipeline_parallel_size > 1 "
-                                  "for pipeline parallelism)", stacklevel=3)
+        if self.pipeline_parallel_size == 1:  # a value that changes nothing (the default, or 1) is not worth a warning
+            for name, no_op in (("num_microbatches", (None, 1)), ("virtual_pipeline_size", (1,)),
+                                ("pipeline_schedule", (None, ""))):
+                if getattr(self, name) not in no_op:
+                    backend.warn_once(f"{name} is ignored: pipeline_parallel_size is 1 (set pipeline_parallel_size > 1 "
+                                      "for pipeline parallelism)", stacklevel=3)
 
     @property
     def has_auto_sizes(self) -> bool:
@@ -143,7 +145,9 @@ class NxDTrainingArguments(TrainingArguments):
     # -- the process view: every rank is a real process, whatever accelerate sees
     @functools.cached_property
     def _setup_devices(self) -> torch.device:
-        device = TrainingArguments._setup_devices.func(self)  # this rank's device, as accelerate places it
+        # transformers warns that the process group is not used for DDP: nxd_hf does the parallelism, not DDP
+        with _filtered(logging.getLogger("transformers.training_args"), "parallel_mode != ParallelMode.DISTRIBUTED"):
+            device = TrainingArguments._setup_devices.func(self)  # this rank's device, as accelerate places it
         one_process_view(self.distributed_state)
         return device
 
@@ -204,6 +208,19 @@ def one_process_view(state) -> None:
         return
     state.distributed_type = DistributedType.NO
     state.num_processes, state.process_index, state.local_process_index = 1, 0, 0
+
+
+@contextlib.contextmanager
+def _filtered(logger: logging.Logger, text: str):
+    """``logger`` drops the records holding ``text`` inside the block."""
+    def keep(record: logging.LogRecord) -> bool:
+        return text not in record.getMessage()
+
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
 
 
 def _check_use_cpu(use_cpu: bool) -> bool:

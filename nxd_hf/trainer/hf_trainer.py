@@ -20,6 +20,7 @@ It overrides the fewest hooks it can; everything else (callbacks, schedulers, lo
 
 import contextlib
 import inspect
+import warnings
 
 import torch
 import transformers
@@ -35,7 +36,7 @@ from nxd_hf.pipeline.pooled_loss import rows_over_data_parallel, takes_pooled_lo
 from nxd_hf.trainer.arguments import NxDTrainingArguments, one_process_view
 from nxd_hf.trainer.composition import check_composition
 from nxd_hf.trainer.batches import (
-    ROW_WEIGHT, check_dataset_size, data_parallel_mean, pad_rows, pipeline_inputs, replica_rows,
+    FILLER_ROWS, ROW_WEIGHT, check_dataset_size, data_parallel_mean, pad_rows, pipeline_inputs, replica_rows,
 )
 from nxd_hf.trainer.hf_checkpoints import CheckpointHooks
 from nxd_hf.trainer.model import NxDModel, initialize_parallel_model
@@ -60,6 +61,8 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
                              "carrying tensor_parallel_size, pipeline_parallel_size, ...)")
         if args.use_liger_kernel:
             check_liger(args)
+        if backend.rank() != 0:  # torch's DataLoader gives it on every rank alike (while iterating): rank 0's is enough
+            warnings.filterwarnings("ignore", message="'pin_memory' argument is set as true but no accelerator")
         if trainer_kwargs.get("compute_loss_func") is not None:
             raise ValueError("compute_loss_func is not supported by NxDTrainer: the model's own loss runs on "
                              "vocab-parallel logits")
@@ -188,19 +191,24 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
     def _training_step(self, model, inputs, num_items_in_batch=None):
         model.train()
         inputs = self._prepare_inputs(inputs)
-        row_weight = inputs.pop(ROW_WEIGHT)
+        row_weight, filler_rows = inputs.pop(ROW_WEIGHT), inputs.pop(FILLER_ROWS)
         with self.compute_loss_context_manager():
             if model.pipelined:  # the schedule runs backward and returns the DP-averaged share
+                # a short batch is padded to whole microbatches with rows whose labels are ignored
+                padded, padded_rows = pad_rows(pipeline_inputs(model, inputs), model.module.num_microbatches,
+                                               filler_rows=filler_rows)
                 if num_items_in_batch is None and takes_pooled_logits(model.module.hf_model):
                     # a per-batch mean over rows, which Trainer divides by the accumulation steps
-                    rows = rows_over_data_parallel(inputs["labels"])
+                    rows = rows_over_data_parallel(padded["labels"])
                     num_items_in_batch = rows * self.current_gradient_accumulation_steps
-                return model.run_train(**pipeline_inputs(model, inputs), num_items_in_batch=num_items_in_batch)
+                return model.run_train(**padded, num_items_in_batch=num_items_in_batch, padded_rows=padded_rows)
             if num_items_in_batch is not None and self.model_accepts_loss_kwargs:
                 normalizer = loss_normalizer(inputs["labels"], num_items_in_batch)
                 loss = self._nxd_loss(model, inputs, num_items_in_batch=normalizer)
             else:  # a per-batch mean: weight this replica's rows, average over accumulation steps
                 loss = self._nxd_loss(model, inputs) * row_weight / self.current_gradient_accumulation_steps
+            if filler_rows:  # a replica without rows: zero gradients, but its collectives still run
+                loss = loss * 0.0
         loss.backward()
         return data_parallel_mean(loss.detach())
 
@@ -227,10 +235,9 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
         inputs = pipeline_inputs(model, self._prepare_inputs(inputs))
         rows = inputs["labels"].shape[0]
-        padded = pad_rows(inputs, model.module.num_microbatches)
+        padded, padded_rows = pad_rows(inputs, model.module.num_microbatches)
         with torch.no_grad(), self.compute_loss_context_manager():
-            result = model.run_eval(**padded, return_logits=not prediction_loss_only,
-                                    padded_rows=padded["labels"].shape[0] - rows)
+            result = model.run_eval(**padded, return_logits=not prediction_loss_only, padded_rows=padded_rows)
         if prediction_loss_only:
             return result.detach(), None, None
         loss, logits = result

@@ -156,3 +156,86 @@ def test_train_with_config_api_pp2_zero1_loss_falls(tmp_path):
     assert "resumed from step 12" in resumed, resumed
     after = float(re.search(r"step  12  loss ([\d.]+)", resumed).group(1))  # no restart from scratch
     assert after < first - 1.0, resumed
+
+
+# -- every command of the examples' docstrings runs to the end (capped to a few steps)
+COVERED = {  # docstring command (as written, comment dropped) -> the test that runs it already
+    "torchrun --nproc_per_node 2 examples/finetune_causal_lm.py": "test_finetune_causal_lm_tp2_output_loads_in_transformers",
+    "torchrun --nproc_per_node 2 examples/finetune_causal_lm.py --pp 2": "test_finetune_causal_lm_pp2_zero1_lora",
+    "torchrun --nproc_per_node 2 examples/finetune_causal_lm.py --resume_from_checkpoint true":
+        "test_two_nodes_then_one_node_resumes",
+    "torchrun --nproc_per_node 2 examples/parallelize_causal_lm.py": "test_parallelize_causal_lm_loss_falls",
+    # DIR and FILE filled with the bundled model and text are the scripts' defaults: the runs above
+    "torchrun --nproc_per_node 2 examples/finetune_causal_lm.py --model DIR --data FILE":
+        "test_finetune_causal_lm_tp2_output_loads_in_transformers",
+    "torchrun --nproc_per_node 2 examples/parallelize_causal_lm.py --model DIR": "test_parallelize_causal_lm_loss_falls",
+    "torchrun --nproc_per_node 4 examples/train_with_config_api.py --pp 2 --zero1":
+        "test_train_with_config_api_pp2_zero1_loss_falls",
+    "torchrun --nproc_per_node 2 examples/sft_trl.py --tensor_parallel_size 2 --lora": "test_trl.py",
+    "torchrun --nproc_per_node 2 examples/lightning_causal_lm.py --tp 2": "test_lightning.py (under torchrun)",
+    "torchrun --nproc_per_node 2 examples/lightning_causal_lm.py --zero1 --resume lightning_out/last.ckpt":
+        "test_lightning.py (under torchrun)",
+    "torchrun --nproc_per_node 4 examples/nnscaler_example.py --example 1 --policy tp --plan_ngpus 2 --use_zero":
+        "test_nnscaler_state.py",
+    "torchrun --nproc_per_node 4 examples/nnscaler_example.py --example 3 --policy tp --plan_ngpus 2":
+        "test_nnscaler_state.py",
+}
+CAPPED = {  # script -> what is appended to each of its commands: a few steps, output under the test's directory
+    "classify_bert.py": ["--max_steps", "4", "--output_dir", "{out}"],
+    "finetune_causal_lm.py": ["--max_steps", "4", "--output_dir", "{out}"],
+    "lightning_causal_lm.py": ["--max-steps", "4", "--output-dir", "{out}"],
+    "make_tiny_model.py": [],  # [--out DIR] is given: the default would rewrite the bundled model
+    "nnscaler_example.py": ["--steps", "4", "--gen_savedir", "{out}"],
+    "parallelize_causal_lm.py": ["--steps", "4"],
+    "sft_trl.py": ["--max_steps", "4", "--output_dir", "{out}"],
+    "train_with_config_api.py": ["--steps", "4"],
+}
+FILLED = {  # a docstring's placeholder -> what a user would type (per script where it differs)
+    "DIR": {"classify_bert.py": "{first}/final", "make_tiny_model.py": "{out}/tiny", "": "examples/data/tiny-llama"},
+    "FILE": {"": "examples/data/tiny_corpus.txt"},
+    "OUT": {"": "{first}"},
+}
+"""``{out}``: the command's own output directory; ``{first}``: the script's first command's."""
+
+
+def docstring_commands(script: str) -> list[str]:
+    """The commands in ``examples/<script>``'s docstring (comments dropped, ``[optional]`` parts given)."""
+    import ast
+
+    doc = ast.get_docstring(ast.parse(open(os.path.join(ROOT, "examples", script)).read())) or ""
+    lines = [re.sub(r"\[(.*?)\]", r"\1", line.split("#")[0]).strip() for line in doc.splitlines()]
+    return [" ".join(line.split()) for line in lines if line.startswith(("torchrun ", "python "))]
+
+
+def _filled(word: str, script: str, dirs: dict) -> str:
+    def fill(match):
+        choices = FILLED.get(match.group(0))
+        assert choices is not None, f"{script}: add what a user types for {match.group(0)} to FILLED"
+        return choices.get(script, choices[""]).format(**dirs)
+
+    return re.sub(r"\b[A-Z]{3,}\b", fill, word)
+
+
+def _argv(command: str, script: str, dirs: dict) -> list[str]:
+    words = [_filled(w, script, dirs) for w in command.split()]
+    launcher = TORCHRUN if words[0] == "torchrun" else [sys.executable]
+    return [*launcher, *words[1:], *(w.format(**dirs) for w in CAPPED[script])]
+
+
+EXAMPLE_SCRIPTS = sorted(f for f in os.listdir(os.path.join(ROOT, "examples")) if f.endswith(".py"))
+
+
+@pytest.mark.parametrize("script", EXAMPLE_SCRIPTS)
+def test_docstring_commands_run_to_the_end(script, tmp_path):
+    """Each command of the script's docstring, in order (a later one may use an earlier one's
+    output), capped to a few steps, exits 0; commands another test runs are skipped."""
+    assert script in CAPPED, f"add how to cap {script}'s commands to CAPPED"
+    commands = docstring_commands(script)
+    assert commands or script == "__init__.py", f"{script} documents no command"
+    for i, command in enumerate(commands):
+        if command in COVERED:
+            continue
+        argv = _argv(command, script, {"out": str(tmp_path / str(i)), "first": str(tmp_path / "0")})
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+        result = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+        assert result.returncode == 0, f"{command}\n" + result.stdout[-3000:] + result.stderr[-3000:]

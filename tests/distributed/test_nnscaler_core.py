@@ -50,6 +50,10 @@ def test_training_flag_and_class_path(ranks2, tmp_path):
     ranks2.run(cases.training_flag_and_class_path, str(tmp_path))
 
 
+def test_refused_class_build_leaves_no_plan(ranks2, tmp_path):
+    ranks2.run(cases.refused_class_build_leaves_no_plan, str(tmp_path))
+
+
 def test_errors_on_every_rank(ranks2, tmp_path):
     ranks2.run(cases.errors_on_every_rank, str(tmp_path))
 

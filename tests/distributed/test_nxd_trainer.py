@@ -25,13 +25,13 @@ COMMON = dict(max_steps=STEPS, learning_rate=1e-3, logging_steps=1, save_strateg
               max_grad_norm=0.5, disable_tqdm=True, weight_decay=0.1, warmup_steps=1)
 
 
-def _dataset(n=24, s=8, seed=3):
+def _dataset(n=24, s=8, seed=3, *, uniform=False):
     g = torch.Generator().manual_seed(seed)
     rows = []
     for i in range(n):
         ids = torch.randint(0, hf_parity.VOCAB, (s,), generator=g)
         labels = ids.clone()
-        labels[: i % 4] = -100  # a different number of ignored tokens per sample
+        labels[: 1 if uniform else i % 4] = -100  # a different number of ignored tokens per sample (or not)
         rows.append({"input_ids": ids, "labels": labels})
     return rows
 
@@ -49,14 +49,19 @@ def _lora():
     return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0)
 
 
-def _run_case(out_dir, *, batch, accumulate=1, lora=False, trainer_cls=nxd_hf.NxDTrainer, **layout):
-    """(reference trainer, NxDTrainer) after STEPS steps on the same weights and data."""
+def _run_case(out_dir, *, batch, accumulate=1, lora=False, trainer_cls=nxd_hf.NxDTrainer, samples=24,
+              mean_loss=False, **layout):
+    """(reference trainer, NxDTrainer) after STEPS steps on the same weights and data. ``samples``
+    not a multiple of the global batch: each epoch ends on a short batch. ``mean_loss``: models
+    whose loss is a per-batch mean (``accepts_loss_kwargs=False``), on samples of equal token counts."""
     parallel_state.destroy_model_parallel()
     reference, model = hf_parity.build_pair("llama")
+    if mean_loss:
+        reference.accepts_loss_kwargs = model.accepts_loss_kwargs = False
     if lora:
         torch.manual_seed(11)  # the same adapter initialization on both sides
         reference = peft.get_peft_model(reference, _lora())
-    data = _dataset()
+    data = _dataset(samples, uniform=mean_loss)
     dp = 2 // (layout.get("tensor_parallel_size", 1) * layout.get("pipeline_parallel_size", 1))
     ref_args = accelerate_view.one_process_reference_args(
         output_dir=f"{out_dir}/ref", per_device_train_batch_size=batch * dp, gradient_accumulation_steps=accumulate,
@@ -189,6 +194,14 @@ def check_matches_trainer(layout: str) -> None:
         elif layout == "dp2_zero1_accumulate2":
             ref, ours = _run_case(out_dir, batch=2, accumulate=2, zero_1=True)
             _check_training(ref, ours, "dp2 zero1 accumulate2")
+        elif layout == "dp2_short_last_batch":  # 5 samples, global batch 4: a batch of 1 leaves a replica no row
+            for case in (dict(), dict(zero_1=True), dict(mean_loss=True, accumulate=2)):
+                ref, ours = _run_case(out_dir, batch=2, samples=5, **case)
+                _check_training(ref, ours, f"dp2 short last batch {case}")
+        elif layout == "pp2_short_last_batch":  # batches of 4 and 1: the 1 is padded to num_microbatches=2
+            ref, ours = _run_case(out_dir, batch=4, samples=5, pipeline_parallel_size=2, num_microbatches=2)
+            _check_training(ref, ours, "pp2 M=2 short last batch")
+            _check_evaluation(ref, ours, "pp2 M=2 short last batch")
         else:
             assert layout == "tp2_lora"
             ref, ours = _run_case(out_dir, batch=4, lora=True, tensor_parallel_size=2)
@@ -198,7 +211,8 @@ def check_matches_trainer(layout: str) -> None:
             assert stepped and all(p.requires_grad for p in stepped)  # optimizer state for the adapters only
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2_zero1_accumulate2", "tp2_lora"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2_zero1_accumulate2", "tp2_lora", "dp2_short_last_batch",
+                                    "pp2_short_last_batch"])
 def test_nxd_trainer_matches_trainer(ranks2, layout):
     ranks2.run(check_matches_trainer, layout)
 

@@ -41,7 +41,7 @@ collectives). Everything is used as ``nxd_hf.backend.<name>``.
 """
 
 from nxd_hf.backend.collectives import (  # noqa: F401
-    CommRecord, _is_abstract, all_gather, all_gather_into, all_reduce, broadcast, comm_tag, count_comm, reduce_scatter,
+    CommRecord, is_abstract, all_gather, all_gather_into, all_reduce, broadcast, comm_tag, count_comm, reduce_scatter,
     reduce_scatter_into,
 )
 from nxd_hf.backend.collectives import (  # noqa: F401

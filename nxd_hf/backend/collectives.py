@@ -51,7 +51,7 @@ def comm_tag(tag: str):
         _tag = previous
 
 
-def _is_abstract(tensor: torch.Tensor) -> bool:
+def is_abstract(tensor: torch.Tensor) -> bool:
     """Meta or fake tensors (shape propagation): collectives only compute the output shape."""
     from torch._subclasses.fake_tensor import is_fake
 
@@ -74,7 +74,7 @@ def _record(op: str, tensor: torch.Tensor, group) -> None:
 
 def all_reduce(tensor: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
     """In-place all-reduce of ``tensor`` over ``group``; op is "sum", "max" or "min"."""
-    if group_size(group) == 1 or _is_abstract(tensor):
+    if group_size(group) == 1 or is_abstract(tensor):
         return tensor
     _record("all_reduce", tensor, group)
     reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
@@ -88,7 +88,7 @@ def all_gather(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
     size = group_size(group)
     if size == 1:
         return tensor
-    if _is_abstract(tensor):
+    if is_abstract(tensor):
         return torch.cat([tensor] * size, dim=dim)
     _record("all_gather", tensor, group)
     moved = tensor.movedim(dim, 0).contiguous()
@@ -104,7 +104,7 @@ def reduce_scatter(tensor: torch.Tensor, dim: int, group) -> torch.Tensor:
     if size == 1:
         return tensor
     assert tensor.shape[dim] % size == 0, (tensor.shape, dim, size)
-    if _is_abstract(tensor):
+    if is_abstract(tensor):
         return tensor.narrow(dim, 0, tensor.shape[dim] // size).clone()
     _record("reduce_scatter", tensor, group)
     moved = tensor.movedim(dim, 0).contiguous()
@@ -157,7 +157,7 @@ def _per_rank_chunk(chunks: torch.Tensor, group, start) -> None:
 
 def broadcast(tensor: torch.Tensor, src: int, group) -> torch.Tensor:
     """In-place broadcast from global rank ``src`` to every rank of ``group``."""
-    if group_size(group) == 1 or _is_abstract(tensor):
+    if group_size(group) == 1 or is_abstract(tensor):
         return tensor
     assert tensor.is_contiguous(), "broadcast of a non-contiguous view would send the wrong elements"
     _record("broadcast", tensor, group)
@@ -173,7 +173,7 @@ def all_to_all(tensor: torch.Tensor, out_splits: list[int], in_splits: list[int]
     if group_size(group) == 1:
         return tensor
     out = torch.empty((sum(out_splits), *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-    if _is_abstract(tensor):
+    if is_abstract(tensor):
         return out
     _record("all_to_all", tensor, group)
     with _named_errors("all_to_all", group):
@@ -252,7 +252,7 @@ class _Done:
 def all_reduce_async(tensor: torch.Tensor, group):
     """Start an in-place sum of ``tensor`` over ``group``; returns a handle whose ``wait()``
     blocks until it is done (gloo runs it on its own thread, nccl on its stream)."""
-    if group_size(group) == 1 or _is_abstract(tensor):
+    if group_size(group) == 1 or is_abstract(tensor):
         return _Done()
     _record("all_reduce", tensor, group)
     with _named_errors("all_reduce", group):
@@ -279,7 +279,7 @@ def reduce_scatter_async(out: torch.Tensor, tensor: torch.Tensor, group):
     """Start ``reduce_scatter_into(out, tensor, group)``; returns a handle whose ``wait()`` blocks
     until ``out`` holds the result (``tensor`` must stay untouched until then)."""
     size = group_size(group)
-    if size == 1 or _is_abstract(tensor):
+    if size == 1 or is_abstract(tensor):
         out.copy_(tensor)
         return _Done()
     assert tensor.numel() == out.numel() * size, (tensor.shape, out.shape)

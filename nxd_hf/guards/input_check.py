@@ -57,7 +57,7 @@ class InputCheck:
     def __call__(self, inputs: dict) -> None:
         tensors = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
         check_not_empty(tensors.get("input_ids"))
-        if self.mode == "off" or any(backend._is_abstract(t) for t in tensors.values()):
+        if self.mode == "off" or any(backend.is_abstract(t) for t in tensors.values()):
             return
         on_host = self.mode == "always" or self.calls == 0
         self.calls += 1
@@ -92,7 +92,7 @@ def check_not_empty(input_ids) -> None:
     """An empty batch or sequence fails deep inside a model (a reshape of 0 elements, a
     collective of mismatched sizes): a ValueError naming it instead. Every rank of a
     tensor-parallel group gets the same batch, so each of them raises it."""
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() == 0 or backend._is_abstract(input_ids):
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() == 0 or backend.is_abstract(input_ids):
         return
     if input_ids.shape[0] == 0 or input_ids.shape[-1] == 0:
         what = "batch (no rows)" if input_ids.shape[0] == 0 else "sequence (no tokens)"

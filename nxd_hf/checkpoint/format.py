@@ -16,7 +16,7 @@ import zlib
 import torch
 from safetensors import safe_open
 
-from nxd_hf.checkpoint.hf_safetensors import _runs
+from nxd_hf.checkpoint.hf_safetensors import row_runs
 from nxd_hf.checkpoint.logical import LogicalTensor
 from nxd_hf.checkpoint.store import durable_open
 from nxd_hf.parallel_layers.sharding import shard_from_full
@@ -64,7 +64,7 @@ def _ranges(part: dict, shape: list[int]) -> list[tuple[int, int]]:
 def _local_runs(rows: torch.Tensor, start: int, stop: int) -> list[tuple[int, int, int]]:
     """(local start, local stop, logical start) of the local ``rows`` (-1: padding) in ``[start, stop)``."""
     runs, local = [], 0
-    for first, last, is_padding in _runs(rows):  # logical [first, last), or last - first padding rows
+    for first, last, is_padding in row_runs(rows):  # logical [first, last), or last - first padding rows
         lo, hi = max(first, start), min(last, stop)
         if not is_padding and lo < hi:
             runs.append((local + lo - first, local + hi - first, lo))
@@ -210,7 +210,7 @@ class Reader:
         shape = list(lt.shape)
         parts = sorted(parts, key=lambda p: p["start"])
         pieces = []
-        for start, stop, is_padding in _runs(lt.rows):
+        for start, stop, is_padding in row_runs(lt.rows):
             if is_padding:
                 shape[lt.dim] = stop - start
                 pieces.append(torch.zeros(shape, dtype=dtype))

@@ -108,7 +108,7 @@ class SafetensorsCheckpoint:
         if within is not None:
             shape[within[0]] = within[2] - within[1]
         pieces, dtype = [], None
-        for start, stop, is_padding in _runs(rows):
+        for start, stop, is_padding in row_runs(rows):
             index = [slice(None)] * len(shape)
             if within is not None:
                 index[within[0]] = slice(within[1], within[2])
@@ -131,7 +131,7 @@ class SafetensorsCheckpoint:
         return torch.cat([p if kind == "data" else torch.zeros(p, dtype=dtype) for kind, p in pieces], dim=dim)
 
 
-def _runs(rows: torch.Tensor) -> list[tuple[int, int, bool]]:
+def row_runs(rows: torch.Tensor) -> list[tuple[int, int, bool]]:
     """Split ``rows`` into (start, stop, is_padding) runs of consecutive rows or of -1s.
     Vectorized: a Python list of every row (32k ints for a vocab) would cost a MiB of memory."""
     if len(rows) == 0:

@@ -32,7 +32,7 @@ from peft.tuners.lora.layer import LoraLayer
 from peft.utils.save_and_load import get_peft_model_state_dict
 
 from nxd_hf.checkpoint.logical import hf_model, local_roots, logical_tensors, named_local_tensors
-from nxd_hf.lora.save import _adapter_holders, save_adapter
+from nxd_hf.lora.save import adapter_holders, save_adapter
 from nxd_hf.modules.lora import LoraConfig as NxDLoraConfig
 
 ADAPTER_DIR = "adapter"
@@ -86,7 +86,7 @@ class LoraCheckpoint:
         and whatever else trains (it has optimizer state)."""
         ids = set()
         for root in roots:
-            for _, holder in _adapter_holders(root):
+            for _, holder in adapter_holders(root):
                 if self.adapter_name in holder.peft_config:
                     state = holder.state_dict(keep_vars=True)
                     saved = get_peft_model_state_dict(holder, state_dict=state, adapter_name=self.adapter_name)

@@ -129,7 +129,7 @@ def inject_lora(model, lora_config, *, adapter_name: str = "default", model_type
             else:
                 _freeze_stage_without_targets(module, config, adapter_name)
     if verbose:
-        _print_trainable(modules)
+        print_trainable(modules)
     return model
 
 
@@ -160,7 +160,7 @@ def _freeze_stage_without_targets(module: nn.Module, config: peft.LoraConfig, ad
     module.peft_config = {adapter_name: config}  # as injection leaves it: save_adapter reads it
 
 
-def _print_trainable(modules: list[nn.Module]) -> None:
+def print_trainable(modules: list[nn.Module]) -> None:
     """peft's line, with the unparallelized model's counts (of this rank's pipeline stages at pp > 1)."""
     trainable, total = parameter_counts(p for m in modules for p in m.parameters())
     where = " (this rank's pipeline stages)" if parallel_state.get_pipeline_model_parallel_size() > 1 else ""

@@ -14,7 +14,7 @@ from nxd_hf.model_state import state_of
 PEFT_PREFIX = "base_model.model."  # what a PeftModel around the HF model puts before every key
 
 
-def _adapter_holders(model) -> list[tuple[str, object]]:
+def adapter_holders(model) -> list[tuple[str, object]]:
     """(key prefix, module) of every module peft injected into: an ``NxDPPModel``'s stages (their
     parameter names are the HF model's), else the outermost modules of ``model`` holding a
     ``peft_config`` (the model itself, or the pieces given to ``inject_lora``)."""
@@ -64,7 +64,7 @@ def save_adapter(model, save_directory: str, *, adapter_name: str = "default", c
     PP stages' pieces meet on global rank 0, which writes: tensors first under a temporary name,
     the config last, into ``config_directory`` when given: NxD's ``save_lora_config_adapter=False``)."""
     io.check_every_rank_saves()
-    holders = _adapter_holders(model)
+    holders = adapter_holders(model)
     state = state_of(model)
     hf_model = state.hf_model if state is not None else model
     state = _local_logical_state(holders, adapter_name)

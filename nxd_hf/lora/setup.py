@@ -14,7 +14,7 @@ from nxd_hf import backend, parallel_state
 from nxd_hf.checkpoint.load import load_model_tensors, read_index
 from nxd_hf.guards.fail_together import fail_together
 from nxd_hf.lora.checkpoint import LoraCheckpoint
-from nxd_hf.lora.inject import _print_trainable, inject_lora
+from nxd_hf.lora.inject import print_trainable, inject_lora
 from nxd_hf.modules.lora import LoraConfig as NxDLoraConfig
 
 
@@ -50,7 +50,7 @@ def setup_lora(modules: list, *, lora_config, model, autocast_adapter_dtype: boo
     lts = checkpoint.tensors_of(list(modules), model, plan, loading=True)
     load_model_tensors(nxd_config.lora_save_dir, nxd_config.lora_load_tag, model, lts)
     if nxd_config.lora_verbose:
-        _print_trainable(list(modules))
+        print_trainable(list(modules))
 
 
 def _same_adapters_on_every_replica(modules: list) -> None:

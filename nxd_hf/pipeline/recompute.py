@@ -20,7 +20,7 @@ recomputes it:
 import torch.fx as fx
 from torch import nn
 
-from nxd_hf.pipeline.trace import MaskBuilder, _get_attr
+from nxd_hf.pipeline.trace import MaskBuilder, get_attr
 
 METADATA_ATTRS = ("shape", "device", "dtype")
 METADATA_METHODS = ("size", "dim")
@@ -60,7 +60,7 @@ def recomputable_nodes(gm: fx.GraphModule, shared_inputs: list[str],
         if node.op == "output":
             continue
         if node.op == "get_attr":
-            value = _get_attr(gm, node.target)
+            value = get_attr(gm, node.target)
             if not isinstance(value, nn.Parameter) and not getattr(value, "requires_grad", False):
                 recomputable.add(node)
             continue

@@ -299,10 +299,10 @@ def trace_hf(model: nn.Module, input_names: list[str], layer_types: tuple[type, 
                 modules[node.target] = leaves[node.target]
                 continue
             node.target = node.target.removeprefix("model.")
-            modules[node.target] = model.get_submodule(node.target) if node.op == "call_module" else _get_attr(model, node.target)
+            modules[node.target] = model.get_submodule(node.target) if node.op == "call_module" else get_attr(model, node.target)
     return fx.GraphModule(modules, graph, class_name=type(model).__name__ + "Traced")
 
 
-def _get_attr(model: nn.Module, target: str):
+def get_attr(model: nn.Module, target: str):
     owner, _, name = target.rpartition(".")
     return getattr(model.get_submodule(owner) if owner else model, name)

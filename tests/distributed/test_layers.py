@@ -223,7 +223,7 @@ def test_move_model_to_device_keeps_sharding_metadata():
 
 def test_shard_index_runs_match_a_row_by_row_scan():
     """The loader reads contiguous runs of a shard's rows; padding (-1) runs become zeros."""
-    from nxd_hf.checkpoint.hf_safetensors import _runs
+    from nxd_hf.checkpoint.hf_safetensors import row_runs
 
     def scan(values):
         runs = []
@@ -242,4 +242,4 @@ def test_shard_index_runs_match_a_row_by_row_scan():
     for shard_index in [contiguous_shard_index(10, r, 4) for r in range(4)]:
         cases.append(shard_index.tolist())
     for values in cases:
-        assert _runs(torch.tensor(values, dtype=torch.long)) == scan(values), values
+        assert row_runs(torch.tensor(values, dtype=torch.long)) == scan(values), values

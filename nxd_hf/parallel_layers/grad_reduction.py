@@ -52,6 +52,8 @@ class GradReduction:
         self._extra: list[Callable[[], None]] = []
         self._hooked: list[int] = []
         self._snapshot: list | None = None
+        self._trained: list[torch.Tensor] = []
+        """The trainable parameters as the last forward found them (one walk of the modules a step)."""
         self.release_host_memory = backend.default_device().type == "cpu"
         """Return freed heap pages to the OS (``utils.host_memory``) at the start and end of each forward and
         before its output head, at the first gradient, before each gradient bucket is allocated and at the end
@@ -109,7 +111,7 @@ class GradReduction:
             self.buckets.release_unused()
         if self.release_host_memory and torch.is_grad_enabled():  # freed gradients' pages, before activations
             release_free_host_memory()
-        params = self.params()
+        params = self._trained = self.params()  # this step's list: the backward's hooks reuse it
         if [id(p) for p in params] == self._hooked:
             return
         self._hooked = [id(p) for p in params]
@@ -132,7 +134,7 @@ class GradReduction:
             if self.buckets is not None:
                 self.buckets.overlap = self.overlap
                 self.buckets.begin(parallel_state.get_data_parallel_group() if self._reduces_dp() else None)
-            self._snapshot = _snapshot(self.params())
+            self._snapshot = _snapshot(self._trained)
             self._grad_bytes = 0
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_hooked_backward)
         elif self.buckets is None and self.release_host_memory:  # no buckets: trim as often as they would
@@ -149,30 +151,31 @@ class GradReduction:
 
     def _end_of_hooked_backward(self) -> None:
         snapshot, self._snapshot = self._snapshot, None
-        self._finish(snapshot)
+        self._finish(snapshot, self._trained)
 
     # -- the pipeline path: a schedule step is one backward
     @contextlib.contextmanager
     def one_backward(self):
         """Treat every backward run inside the block as one, reduced when it ends."""
-        snapshot = _snapshot(self.params())
+        params = self.params()
+        snapshot = _snapshot(params)
         yield
-        self._finish(snapshot)
+        self._finish(snapshot, params)
 
-    def _finish(self, snapshot: list) -> None:
+    def _finish(self, snapshot: list, params: list[torch.Tensor]) -> None:
         if self.release_host_memory:  # the activations are freed now; their heap pages go back
             release_free_host_memory()
         for reduce in self._extra:
             reduce()
         self._sum_partial(snapshot)
-        for p in self.params():
+        for p in params if parallel_state.get_expert_parallel_size() > 1 else ():
             if is_expert_parallel(p) and accumulated_grad(p) is None:  # no token reached these experts
                 p.grad = torch.zeros_like(p)
         dp_size = parallel_state.get_data_parallel_size()
         if self.buckets is not None:
             self.buckets.finish(1.0 / dp_size)
         if self._reduces_dp():  # the rest (partial over TP, fp32 main_grad, experts): the DP mean (experts: expert_data)
-            rest = [p for p in self.params() if (self.buckets is None or p not in self.buckets)
+            rest = [p for p in params if (self.buckets is None or p not in self.buckets)
                     and accumulated_grad(p) is not None]
             data_parallel_mean(rest, [accumulated_grad(p) for p in rest], bucket_size_mb=self.bucket_size_mb)
 

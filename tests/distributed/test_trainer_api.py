@@ -7,6 +7,7 @@ import torch
 
 import hf_parity
 import nxd_hf
+import own_models
 from nxd_hf import backend, parallel_state
 from nxd_hf.parallel_layers.sharding import full_tensor
 
@@ -115,6 +116,71 @@ def check_autocast_around_run_train() -> None:
         loss = model.run_train(input_ids=ids, labels=labels)
     assert torch.isfinite(loss)
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+def _own_reference(steps: int):
+    reference = own_models.reference()
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    losses = []
+    for step in range(steps):
+        loss = reference(*own_models.batch(step))
+        loss.backward()
+        if step == 0:  # before clipping, as run_train leaves them
+            grads = {n: p.grad.clone() for n, p in reference.named_parameters()}
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    return torch.stack(losses), grads, reference
+
+
+def check_own_model_matches_single_process(parallel: bool, tp=1, pp=1, zero1=False, steps=3, **config) -> None:
+    """A model that is not Hugging Face's through the config API (built from nxd_hf's parallel
+    layers, or plain torch): losses, first-step gradients and weights after ``steps`` AdamW steps
+    with clipping equal one process's."""
+    parallel_state.destroy_model_parallel()
+    ref_losses, ref_grads, reference = _own_reference(steps)
+    nxd_config = nxd_hf.neuronx_distributed_config(
+        tensor_parallel_size=tp, pipeline_parallel_size=pp, pipeline_config=own_models.PIPELINE if pp > 1 else None,
+        optimizer_config={"zero_one_enabled": zero1, "grad_clipping": True, "max_grad_norm": MAX_NORM}, **config)
+    model = nxd_hf.initialize_parallel_model(nxd_config, own_models.build, parallel)
+    assert model.nxd.patch is None
+    if "activation_checkpoint_config" in config:
+        assert any(getattr(m, "_nxd_checkpointed", False) for m in model.modules())
+    optimizer = nxd_hf.initialize_parallel_optimizer(nxd_config, torch.optim.AdamW, model.parameters(), lr=1e-3)
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_size()
+    losses = []
+    for step in range(steps):
+        ids, labels = (t.chunk(dp_size)[dp_rank] for t in own_models.batch(step))
+        losses.append(model.run_train(input_ids=ids, labels=labels))
+        if step == 0 and not zero1:  # ZeRO-1 reduce-scatters the gradients in step(): compare the weights only
+            for name, param in model.named_parameters():
+                torch.testing.assert_close(full_tensor(param, param.grad), ref_grads[name], **TOL,
+                                           msg=lambda m: f"grad {name}: {m}")
+        optimizer.step()
+        optimizer.zero_grad()
+    torch.testing.assert_close(torch.stack(losses), ref_losses, **TOL)
+    ref_params = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(full_tensor(param), ref_params[name].detach(), **TOL, msg=lambda m: f"{name}: {m}")
+
+
+OWN_MODEL_LAYOUTS = {  # world 2
+    "parallel_layers_tp2": dict(parallel=True, tp=2),
+    "parallel_layers_pp2": dict(parallel=True, pp=2),
+    "parallel_layers_dp2_zero1": dict(parallel=True, zero1=True),
+    "plain_pp2": dict(parallel=False, pp=2),
+    "plain_dp2_zero1_full_recompute": dict(parallel=False, zero1=True, activation_checkpoint_config=own_models.Block),
+}
+
+
+@pytest.mark.parametrize("layout", list(OWN_MODEL_LAYOUTS))
+def test_own_model_matches_single_process(ranks2, layout):
+    ranks2.run(check_own_model_matches_single_process, **OWN_MODEL_LAYOUTS[layout])
+
+
+def test_own_parallel_layers_model_tp2_pp2_matches_single_process(ranks4):
+    ranks4.run(check_own_model_matches_single_process, parallel=True, tp=2, pp=2)
 
 
 def test_dp2_zero1_matches_single_process(ranks2):

@@ -183,6 +183,65 @@ def test_own_parallel_layers_model_tp2_pp2_matches_single_process(ranks4):
     ranks4.run(check_own_model_matches_single_process, parallel=True, tp=2, pp=2)
 
 
+def _own_build(parallel: bool, tp=1, pp=1, zero1=False, seed=0):
+    parallel_state.destroy_model_parallel()
+    nxd_config = nxd_hf.neuronx_distributed_config(
+        tensor_parallel_size=tp, pipeline_parallel_size=pp, pipeline_config=own_models.PIPELINE if pp > 1 else None,
+        optimizer_config={"zero_one_enabled": zero1, "max_grad_norm": MAX_NORM})
+    model = nxd_hf.initialize_parallel_model(nxd_config, own_models.build, parallel, seed)
+    return model, nxd_hf.initialize_parallel_optimizer(nxd_config, torch.optim.AdamW, model.parameters(), lr=1e-3)
+
+
+def _own_train(model, optimizer, steps: range) -> list[float]:
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_size()
+    losses = []
+    for step in steps:
+        ids, labels = (t.chunk(dp_size)[dp_rank] for t in own_models.batch(step))
+        losses.append(float(model.run_train(ids, labels)))  # positionally, in the forward's (or input_names') order
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses
+
+
+def _own_snapshot(model, optimizer):
+    from nxd_hf.checkpoint import full_optimizer_state
+
+    params = nxd_hf.full_state_dict(model, rank0_only=True)
+    state = full_optimizer_state(model, optimizer, rank0_only=True)
+    return None if params is None else {**params, **{f"optim.{k}": v for k, v in state.items()}}
+
+
+def check_own_model_checkpoint_across_layouts(path, parallel: bool, save: dict, load: dict) -> None:
+    """save_checkpoint of a model that is not Hugging Face's at one layout, load_checkpoint into
+    one built with other weights at another: the same weights and optimizer state, bit for bit,
+    and the same losses on."""
+    model, optimizer = _own_build(parallel, **save)
+    _own_train(model, optimizer, range(2))
+    saved = _own_snapshot(model, optimizer)
+    nxd_hf.save_checkpoint(path, tag="step2", model=model, optimizer=optimizer, user_content={"step": 2})
+    expected = _own_train(model, optimizer, range(2, 4))
+    model, optimizer = _own_build(parallel, seed=7, **load)
+    assert nxd_hf.load_checkpoint(path, model=model, optimizer=optimizer) == {"step": 2}
+    loaded = _own_snapshot(model, optimizer)
+    if loaded is not None:
+        assert saved.keys() == loaded.keys(), saved.keys() ^ loaded.keys()
+        for name in saved:
+            torch.testing.assert_close(loaded[name], saved[name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+    torch.testing.assert_close(torch.tensor(_own_train(model, optimizer, range(2, 4))), torch.tensor(expected), **TOL)
+
+
+OWN_CHECKPOINTS = {  # world 2
+    "parallel_layers_tp2_to_pp2": dict(parallel=True, save=dict(tp=2), load=dict(pp=2)),
+    "parallel_layers_pp2_to_dp2_zero1": dict(parallel=True, save=dict(pp=2), load=dict(zero1=True)),
+    "plain_dp2_zero1_to_pp2": dict(parallel=False, save=dict(zero1=True), load=dict(pp=2)),
+}
+
+
+@pytest.mark.parametrize("layouts", list(OWN_CHECKPOINTS))
+def test_own_model_checkpoint_across_layouts(ranks2, tmp_path, layouts):
+    ranks2.run(check_own_model_checkpoint_across_layouts, str(tmp_path / layouts), **OWN_CHECKPOINTS[layouts])
+
+
 def test_dp2_zero1_matches_single_process(ranks2):
     ranks2.run(check_matches_single_process)
 

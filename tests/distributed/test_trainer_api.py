@@ -9,6 +9,7 @@ import hf_parity
 import nxd_hf
 import own_models
 from nxd_hf import backend, parallel_state
+from nxd_hf.modules.lora import LoraConfig
 from nxd_hf.parallel_layers.sharding import full_tensor
 
 TOL = hf_parity.TOL
@@ -240,6 +241,51 @@ OWN_CHECKPOINTS = {  # world 2
 @pytest.mark.parametrize("layouts", list(OWN_CHECKPOINTS))
 def test_own_model_checkpoint_across_layouts(ranks2, tmp_path, layouts):
     ranks2.run(check_own_model_checkpoint_across_layouts, str(tmp_path / layouts), **OWN_CHECKPOINTS[layouts])
+
+
+class _Tuple(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.linear(x), x  # no loss
+
+
+def check_errors_name_the_fix() -> None:
+    """The config API refuses what it cannot shard, and the pipeline's and run_train's generic
+    errors say what to do."""
+    def config(**kwargs):
+        parallel_state.destroy_model_parallel()
+        return nxd_hf.neuronx_distributed_config(**kwargs)
+
+    with pytest.raises(ValueError, match="neither a Hugging Face model nor built from nxd_hf's parallel layers"):
+        nxd_hf.initialize_parallel_model(config(tensor_parallel_size=2), own_models.build, False)
+    with pytest.raises(ValueError, match="lora_config needs a Hugging Face model"):
+        nxd_hf.initialize_parallel_model(config(lora_config=LoraConfig(enable_lora=True)),
+                                         own_models.build, True)
+    with pytest.raises(ValueError, match="activation_checkpoint_config=<YourLayer>"):
+        nxd_hf.initialize_parallel_model(config(activation_checkpoint_config="full"), own_models.build, False)
+    with pytest.raises(ValueError, match="return the scalar loss"):
+        nxd_hf.initialize_parallel_model(config(), _Tuple).run_train(torch.ones(2, 4))
+    ids, labels = own_models.batch(0)
+    hf = nxd_hf.initialize_parallel_model(config(), _model_fn)
+    with pytest.raises(ValueError, match="run_train needs labels"):
+        hf.run_train(ids)
+    hf_pp = nxd_hf.initialize_parallel_model(config(pipeline_parallel_size=2, pipeline_config={"num_microbatches": 2}),
+                                             _model_fn)
+    with pytest.raises(ValueError, match="need labels .* pass labels="):
+        hf_pp.run_train(input_ids=ids)
+    with pytest.raises(ValueError, match="NxDPPModel has no forward: call run_train"):
+        hf_pp.module(input_ids=ids)
+    own_pp = nxd_hf.initialize_parallel_model(config(pipeline_parallel_size=2, pipeline_config=own_models.PIPELINE),
+                                              own_models.build, True)
+    with pytest.raises(ValueError, match=r"got no \['labels'\].*output_loss_value_spec"):
+        own_pp.run_train(input_ids=ids)
+
+
+def test_errors_name_the_fix(ranks2):
+    ranks2.run(check_errors_name_the_fix)
 
 
 def test_dp2_zero1_matches_single_process(ranks2):

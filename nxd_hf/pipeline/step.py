@@ -114,12 +114,6 @@ class StepRunner:
         first = self.model.input_names[0]
         if unknown or first not in inputs:
             raise ValueError(f"run_train/run_eval take the input_names {self.model.input_names}; got {sorted(inputs)}")
-        missing = [name for name in self.model.input_names if name not in inputs]
-        if missing and not self.model.is_hf:  # every name is an input of the traced graph
-            raise ValueError(
-                f"run_train/run_eval got no {missing}: a model that is not Hugging Face's takes every name of "
-                f"input_names {self.model.input_names}, its loss coming out of its forward (output_loss_value_spec "
-                "picks it). Pass them all, or set input_names to the inputs its forward uses")
         batch = inputs[first].shape[0]
         if batch % self.model.num_microbatches:
             fits = [m for m in range(1, batch + 1) if batch % m == 0]
@@ -136,6 +130,12 @@ class StepRunner:
         if labels is None and model.is_hf:
             raise ValueError(f"run_train/run_eval need labels to compute the loss; got only {sorted(inputs)}: pass "
                              "labels=... (the input_ids, shifted inside the model, for a causal LM)")
+        missing = [name for name in model.input_names if name not in inputs]
+        if missing and not model.is_hf:  # every name is an input of the traced graph
+            raise ValueError(
+                f"run_train/run_eval got no {missing}: a model that is not Hugging Face's takes every name of "
+                f"input_names {model.input_names}, its loss coming out of its forward (output_loss_value_spec "
+                "picks it). Pass them all, or set input_names to the inputs its forward uses")
         _check_padded_rows(padded_rows, labels, inputs[model.input_names[0]].shape[0])
         if not model.is_hf:  # the loss is in the traced graph; the schedule still wants a target
             labels = torch.zeros(inputs[model.input_names[0]].shape[0], device=backend.default_device())

@@ -1,6 +1,8 @@
 """NxD's training API: config validation, initialize_parallel_model/optimizer against
 single-process training (ZeRO-1, TP, PP, DP, accumulation, padded batches), bf16 with fp32
-master weights, sequential model building."""
+master weights, sequential model building; models that are not Hugging Face's (``own_models``:
+built from nxd_hf's parallel layers, or plain torch) at tp=2, pp=2, dp=2 + ZeRO-1 and tp2 x pp2,
+their checkpoints across layouts, and the errors that name the fix."""
 
 import pytest
 import torch
@@ -241,6 +243,35 @@ OWN_CHECKPOINTS = {  # world 2
 @pytest.mark.parametrize("layouts", list(OWN_CHECKPOINTS))
 def test_own_model_checkpoint_across_layouts(ranks2, tmp_path, layouts):
     ranks2.run(check_own_model_checkpoint_across_layouts, str(tmp_path / layouts), **OWN_CHECKPOINTS[layouts])
+
+
+def _own_bf16(parallel: bool):
+    return own_models.build(parallel).to(torch.bfloat16)
+
+
+def check_own_model_bf16_tracks_fp32() -> None:
+    """A bf16 model built from parallel layers at tp=2: fp32 gradient accumulation and master
+    weights as for HF models; within 2% of the fp32 one-process losses (bf16 rounding)."""
+    parallel_state.destroy_model_parallel()
+    ref_losses, _, _ = _own_reference(5)
+    nxd_config = nxd_hf.neuronx_distributed_config(tensor_parallel_size=2,
+                                                   optimizer_config={"max_grad_norm": MAX_NORM})
+    model = nxd_hf.initialize_parallel_model(nxd_config, _own_bf16, True)
+    optimizer = nxd_hf.initialize_parallel_optimizer(nxd_config, torch.optim.AdamW, model.parameters(), lr=1e-3)
+    assert model.dtype == torch.bfloat16
+    assert all(m.dtype == torch.float32 for group in optimizer.masters for m in group.masters)
+    losses = []
+    for step in range(5):
+        losses.append(model.run_train(*own_models.batch(step)).float())
+        assert all(p.main_grad.dtype == torch.float32 for p in model.parameters())
+        optimizer.step()
+        optimizer.zero_grad()
+    relative = ((torch.stack(losses) - ref_losses) / ref_losses).abs()
+    assert relative.max() < 0.02, relative
+
+
+def test_own_model_bf16_tracks_fp32(ranks2):
+    ranks2.run(check_own_model_bf16_tracks_fp32)
 
 
 class _Tuple(torch.nn.Module):

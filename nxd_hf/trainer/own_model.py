@@ -18,6 +18,7 @@ from nxd_hf.guards.fail_together import fail_together
 from nxd_hf.guards.input_check import InputCheck, resolve_mode
 from nxd_hf.model_setup import LocalSetup, set_up_whole_module
 from nxd_hf.model_setup.activation_checkpoint import decoder_layer_types
+from nxd_hf.model_state import state_of
 from nxd_hf.parallel_layers.layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
 from nxd_hf.pipeline.model import NxDPPModel
 
@@ -58,6 +59,9 @@ def parallelize_own_model(model: nn.Module, nxd_config, *, param_init_fn, pipeli
 def _check_options(model: nn.Module, nxd_config) -> None:
     """The options that only mean something for a Hugging Face model nxd_hf shards itself."""
     name = type(model).__name__
+    if state_of(model) is not None:
+        raise ValueError(f"{name} is already parallelized: model_fn must return the model as built, before "
+                         "nxd_hf.parallelize or another initialize_parallel_model")
     if nxd_config.tensor_parallel_size > 1 and not has_parallel_layers(model):
         raise ValueError(
             f"tensor_parallel_size={nxd_config.tensor_parallel_size} but {name} is neither a Hugging Face model nor "

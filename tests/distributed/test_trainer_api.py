@@ -297,6 +297,9 @@ def check_errors_name_the_fix() -> None:
                                          own_models.build, True)
     with pytest.raises(ValueError, match="activation_checkpoint_config=<YourLayer>"):
         nxd_hf.initialize_parallel_model(config(activation_checkpoint_config="full"), own_models.build, False)
+    built = nxd_hf.initialize_parallel_model(config(), own_models.build, True)
+    with pytest.raises(ValueError, match="already parallelized"):
+        nxd_hf.initialize_parallel_model(config(), lambda: built.module)
     with pytest.raises(ValueError, match="return the scalar loss"):
         nxd_hf.initialize_parallel_model(config(), _Tuple).run_train(torch.ones(2, 4))
     ids, labels = own_models.batch(0)

@@ -2,8 +2,9 @@
 # does (torch pinned first, so no CUDA build is ever pulled), then runs its job.
 #   make train   the main job: a tiny fine-tune with NxDTrainer under torchrun (tp=2)
 #   make test    the tests (multi-process gloo on CPU); .ci/run calls it in a fresh virtualenv
-#   make test-gpu  the GPU lane (tests marked cuda: 2-4 ranks on one GPU through cuda:gloo, one-rank
-#                nccl, the examples under torchrun); on a machine with a GPU and torch for CUDA
+#   make test-gpu  the GPU lane (every test marked cuda: 2-4 ranks on one GPU through cuda:gloo,
+#                one-rank nccl, the examples under torchrun, Liger's kernels); on a machine with a GPU
+#                and torch for CUDA (bench/gpu_lane.sh runs it on the lent GPU machine)
 #   make test-xla  the XLA lane (tests marked xla) on one torch-xla device on the CPU (PJRT_DEVICE=CPU),
 #                in its own virtualenv .venv-xla: torch-xla 2.9.0 needs torch 2.9.0 (docs/xla.md)
 VENV ?= .venv
@@ -27,8 +28,10 @@ test: install
 
 # not through `install`: that pins the CPU build of torch; use the environment's CUDA torch
 GPU_PYTHON ?= python3
+# every file holding a cuda-marked test (collecting the whole suite would import what the GPU image may lack)
+GPU_TESTS = $(shell grep -rl --include='test_*.py' 'mark\.cuda' tests)
 test-gpu:
-	PYTHONPATH=$(CURDIR):$$PYTHONPATH $(GPU_PYTHON) -m pytest -m cuda tests/distributed/test_gpu.py -q
+	PYTHONPATH=$(CURDIR):$$PYTHONPATH $(GPU_PYTHON) -m pytest -m cuda $(GPU_TESTS) -q
 
 # torch 2.9.0 from PyPI is the CUDA build (its nvidia-* wheels come along; it runs on the CPU).
 XLA_VENV ?= .venv-xla

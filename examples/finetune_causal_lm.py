@@ -74,6 +74,7 @@ def main():
         import peft
 
         peft_config = peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
+    transformers.set_seed(training_args.seed)  # the same LoRA adapters whatever the layout (and run to run)
     trainer = nxd_hf.NxDTrainer(model, training_args, train_dataset=blocks, eval_dataset=blocks[:8],
                                 processing_class=tokenizer, peft_config=peft_config)
     resume = training_args.resume_from_checkpoint
@@ -81,15 +82,18 @@ def main():
         resume = transformers.trainer_utils.get_last_checkpoint(args.output_dir)
     if resume and trainer.is_world_process_zero():
         print(f"resuming from {resume}")
-    trainer.train(resume_from_checkpoint=resume)
+    result = trainer.train(resume_from_checkpoint=resume)
     logged = [(h["step"], h["loss"]) for h in trainer.state.log_history if "loss" in h]
-    losses = [loss for _, loss in logged]
+    losses = [loss for _, loss in logged] or [result.training_loss]  # fewer steps than --logging_steps
+    start = logged[0][0] if logged else trainer.state.global_step
     final_dir = os.path.join(args.output_dir, "final")
     trainer.save_model(final_dir)
     if trainer.is_world_process_zero():
-        print(f"steps {logged[0][0]}..{trainer.state.global_step} on {nxd_hf.parallel_state.get_tensor_model_parallel_size()}"
+        trainer.state.save_to_json(os.path.join(args.output_dir, "trainer_state.json"))  # the logs, full precision
+        print(f"steps {start}..{trainer.state.global_step} on {nxd_hf.parallel_state.get_tensor_model_parallel_size()}"
               f" tp x {training_args.pipeline_parallel_size} pp x {nxd_hf.parallel_state.get_data_parallel_size()} dp; "
-              f"ln(vocab) = {math.log(len(tokenizer)):.2f}; loss fell from {losses[0]:.4f} to {losses[-1]:.4f}")
+              f"ln(vocab) = {math.log(len(tokenizer)):.2f}; " + (f"loss fell from {losses[0]:.4f} to {losses[-1]:.4f}"
+                                                       if len(losses) > 1 else f"loss {losses[0]:.4f}"))
         if args.lora:
             print(f"saved the adapter to {final_dir}: load it with "
                   f"peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({args.model!r}), {final_dir!r})")

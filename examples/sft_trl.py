@@ -56,11 +56,16 @@ def main():
         transformers.AutoModelForCausalLM.from_pretrained(args.model), config, train_dataset=conversations(200),
         eval_dataset=conversations(16, seed=1), processing_class=transformers.AutoTokenizer.from_pretrained(args.model),
         peft_config=peft_config)
-    trainer.train()
+    result = trainer.train()
     trainer.save_model(os.path.join(config.output_dir, "final"))
+    logged = [h for h in trainer.state.log_history if "mean_token_accuracy" in h]
     if trainer.is_world_process_zero():
+        trainer.state.save_to_json(os.path.join(config.output_dir, "trainer_state.json"))  # the logs, full precision
+    if trainer.is_world_process_zero() and not logged:  # fewer steps than --logging_steps
+        print(f"{trainer.state.global_step} steps, train loss {result.training_loss:.4f}")
+    elif trainer.is_world_process_zero():
         losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-        last = [h for h in trainer.state.log_history if "mean_token_accuracy" in h][-1]
+        last = logged[-1]
         print(f"loss fell from {losses[0]:.4f} to {losses[-1]:.4f}; entropy {last['entropy']:.4f}, "
               f"mean_token_accuracy {last['mean_token_accuracy']:.4f}, num_tokens {last['num_tokens']:.0f}")
 

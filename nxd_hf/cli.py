@@ -8,7 +8,8 @@ import sys
 
 
 def _consolidate_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint_dir", help="the path passed to nxd_hf.save_checkpoint")
+    parser.add_argument("checkpoint_dir", help="the path passed to nxd_hf.save_checkpoint, or one checkpoint in it "
+                        "(out/checkpoint-18)")
     parser.add_argument("output_dir", help="where to write the Hugging Face model directory")
     parser.add_argument("--tag", default=None, help="checkpoint tag (default: the newest complete one)")
     parser.add_argument("--max-shard-size", default="5GB", help="largest output file, e.g. 5GB or 500MiB")

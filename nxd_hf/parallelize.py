@@ -43,7 +43,7 @@ from nxd_hf.model_setup import LocalSetup, set_up_local_modules
 from nxd_hf.model_setup.activation_checkpoint import decoder_layer_types
 from nxd_hf.model_setup.materialize import refuse_deferred_init
 from nxd_hf.model_state import NxDModelState, state_of
-from nxd_hf.guards.input_check import install_input_check
+from nxd_hf.guards.input_check import install_input_check, resolve_mode
 from nxd_hf.guards.fail_together import fail_together
 from nxd_hf.lora import register_with_peft
 from nxd_hf.moe.replica_aux import install_global_aux_loss
@@ -124,7 +124,7 @@ def parallelize(
         patch = resolve_patch(model, sequence_parallel=sequence_parallel, pipeline_parallel_size=pipeline_parallel_size)
         layout = attention_layout(model, patch, pad_model=pad_model, kv_size_multiplier=kv_size_multiplier)
         swap_layers(model, patch, layout, sequence_parallel=sequence_parallel, gather_logits=gather_logits,
-                    fused_loss=fused_loss)
+                    fused_loss=fused_loss, check_ranges=resolve_mode(check_inputs) != "off")
         split_experts(model, patch)
         check = install_input_check(model, check_inputs)
     if pipeline_parallel_size == 1:  # the pipeline computes the global aux loss itself (pipeline.router_aux)
@@ -141,16 +141,33 @@ def parallelize(
         from nxd_hf.pipeline.model import NxDPPModel  # step 4; it runs steps 5-10 on its stages
 
         pp_model = NxDPPModel(model, setup=setup, **pipeline_kwargs)
-        pp_model.save_pretrained = types.MethodType(save_pretrained, pp_model)  # the plain HF format, gathered
-        model.save_pretrained = functools.partial(save_pretrained, pp_model)  # the user's object: its stages' weights
+        pp_model.save_pretrained = _save_pretrained(pp_model, lora_config)
+        model.save_pretrained = _save_pretrained(pp_model, lora_config)  # the user's object: its stages' weights
         return pp_model
     layer_types = decoder_layer_types(model) if activation_checkpoint_config == "full" else ()
     policy = set_up_local_modules([model], setup, layer_types=layer_types)
     policy.install_hooks(model)
     model.nxd.grad_reduction = policy
     model.no_sync = policy.no_sync
-    model.save_pretrained = types.MethodType(save_pretrained, model)  # the plain HF format, gathered
+    model.save_pretrained = _save_pretrained(model, lora_config)
     return model
+
+
+def _save_pretrained(model, lora_config):
+    """The parallel model's ``save_pretrained`` (every rank calls it): the plain HF format,
+    gathered; with ``lora_config`` the adapter, as ``PeftModel.save_pretrained`` writes it (the
+    trained part, which ``peft.PeftModel.from_pretrained(plain_model, directory)`` loads)."""
+    if lora_config is None:
+        return functools.partial(save_pretrained, model)
+    from nxd_hf.lora import save_adapter
+
+    def save_lora_adapter(save_directory: str, **kwargs) -> None:
+        if kwargs:
+            backend.warn_once(f"save_pretrained: options {sorted(kwargs)} are ignored for a parallelized model",
+                              stacklevel=2)
+        save_adapter(model, save_directory)
+
+    return save_lora_adapter
 
 
 def _adapters(model, lora_config, autocast_adapter_dtype: bool):

@@ -9,6 +9,7 @@ from torch import nn
 from nxd_hf import parallel_state
 from nxd_hf.architectures import get_patch
 from nxd_hf.moe.ep_dispatch import apply_expert_parallel
+from nxd_hf.parallel_layers import ParallelEmbedding
 from nxd_hf.parallel_layers.heads import HeadLayout, head_layout
 from nxd_hf.tp.apply import apply_tensor_parallel, match_plan
 from nxd_hf.tp.custom_modules import random_router
@@ -96,13 +97,17 @@ def attention_layout(model, patch: ModelPatch, *, pad_model, kv_size_multiplier)
 
 
 def swap_layers(model, patch: ModelPatch, layout: HeadLayout | None, *, sequence_parallel: bool,
-                gather_logits: bool, fused_loss: bool = False) -> None:
-    """Step 3."""
+                gather_logits: bool, fused_loss: bool = False, check_ranges: bool = True) -> None:
+    """Step 3. ``check_ranges``: the vocab-parallel embedding and loss check ids and labels on
+    the device every step (``nxd_hf.guards.device_checks``; off with ``check_inputs=False``)."""
     apply_tensor_parallel(model, patch, layout, sequence_parallel=sequence_parallel)
+    for module in model.modules():
+        if isinstance(module, ParallelEmbedding):
+            module.check_ids = check_ranges
     if patch.lm_head and _has(model, patch.lm_head):
         install_output_contract(model, vocab_size=model.config.vocab_size, gather_logits=gather_logits,
                                 sequence_parallel=sequence_parallel, head=model.get_submodule(patch.lm_head),
-                                fused_loss=fused_loss)
+                                fused_loss=fused_loss, check_labels=check_ranges)
     elif fused_loss:
         raise ValueError(f"fused_loss=True needs a causal-LM head ({type(model).__name__} has none): "
                          "parallelize with fused_loss=False")

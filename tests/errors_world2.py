@@ -33,7 +33,8 @@ def _expect(error_class, pattern: str, fn, *args, **kwargs) -> float:
         elapsed = time.monotonic() - start
         assert elapsed < PROMPT_S, f"{fn.__name__} took {elapsed:.1f}s to fail"
         return elapsed
-    raise AssertionError(f"rank {backend.rank()}: {fn.__name__} raised no {error_class.__name__}")
+    name = getattr(fn, "__name__", type(fn).__name__)
+    raise AssertionError(f"rank {backend.rank()}: {name} raised no {error_class.__name__}")
 
 
 def _from_pretrained(path, **kwargs):
@@ -84,6 +85,50 @@ def check_inputs_tp2() -> None:
     _expect(ValueError, same_batch, model, input_ids=other, labels=other)
     short, short_labels = hf_parity.batch(s=8 - 2 * rank)  # different lengths: a ValueError, not gloo's mismatch
     _expect(ValueError, same_batch, model, input_ids=short, labels=short_labels)
+
+
+def _train_step(model, ids, labels):
+    loss = model(input_ids=ids, labels=labels).loss
+    loss.backward()
+    return float(loss)
+
+
+def check_later_steps_tp2() -> dict:
+    """Bad inputs after the first step, with the default check_inputs=True (the host check ran
+    on step 1 only): ids and labels out of range raise on the device check, TP ranks given
+    different batches are caught at the next step, different sequence lengths at once."""
+    parallel_state.destroy_model_parallel()
+    _, model = hf_parity.build_pair("llama")
+    nxd_hf.parallelize(model, tensor_parallel_size=2)
+    rank, out = backend.rank(), {}
+    ids, labels = hf_parity.batch()
+    assert _train_step(model, ids, labels) > 0  # step 1: the host check
+    too_big = ids.clone()
+    too_big[1, 3] = hf_parity.VOCAB  # the tokenizer of a bigger vocabulary: every rank gets it
+    _expect(ValueError, r"every-step check\): input_ids hold an id outside \[0, 101\)", model, input_ids=too_big,
+            labels=labels)
+    bad_labels = labels.clone()
+    bad_labels[0, 2] = hf_parity.VOCAB + 5
+    _expect(ValueError, r"every-step check\): labels hold a value that is neither a token id in \[0, 101\) nor -100",
+            model, input_ids=ids, labels=bad_labels)
+    same_batch = r"ranks \[0, 1\] .* got different inputs .*must get the same batch.*DistributedSampler"
+    other, other_labels = hf_parity.batch(seed=7 + rank)  # same shapes, different tokens
+    out["differs_step"] = _train_step(model, other, other_labels)  # runs: its fingerprints are in flight
+    _expect(ValueError, same_batch, _train_step, model, ids, labels)  # the next step raises
+    assert _train_step(model, ids, labels) > 0  # the same batch again: the model still works
+    short, short_labels = hf_parity.batch(s=8 - 2 * rank)  # different sequence lengths on a later step
+    _expect(ValueError, same_batch, _train_step, model, short, short_labels)
+    return out
+
+
+def check_later_steps_unchecked() -> None:
+    """check_inputs=False turns the every-step checks off: an id out of range goes through."""
+    parallel_state.destroy_model_parallel()
+    _, model = hf_parity.build_pair("llama")
+    nxd_hf.parallelize(model, tensor_parallel_size=2, check_inputs=False)
+    ids, labels = hf_parity.batch()
+    ids[1, 3], labels[0, 2] = hf_parity.VOCAB, hf_parity.VOCAB + 5
+    assert torch.isfinite(model(input_ids=ids, labels=labels).loss)
 
 
 def check_inputs_pp2() -> None:

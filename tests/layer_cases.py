@@ -1,12 +1,16 @@
 """Shared checks for the layer tests: build a sharded layer and its unsharded twin from the
-same seed, run both, and compare outputs, input grads and gathered parameter grads."""
+same seed, run both, and compare outputs, input grads and gathered parameter grads.
+
+Layers are built as ``nn.Linear`` is (on the CPU, from the CPU generator: the same values
+everywhere) and then placed, with their inputs, on the backend's compute device (``on_device``):
+under ``cuda:gloo`` or nccl a collective refuses a CPU tensor."""
 
 import torch
 from torch import nn
 
-from nxd_hf import parallel_state
+from nxd_hf import backend, parallel_state
 from nxd_hf.parallel_layers import mappings
-from nxd_hf.parallel_layers.sharding import full_tensor
+from nxd_hf.parallel_layers.sharding import full_tensor, move_model_to_device
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 
@@ -24,8 +28,15 @@ def seq_chunk(x: torch.Tensor, sp: bool) -> torch.Tensor:
     return x[:, tp_rank * s : (tp_rank + 1) * s]
 
 
+def on_device(*items):
+    """Modules (sharding metadata kept) and tensors on the backend's compute device."""
+    device = backend.default_device()
+    return [move_model_to_device(item, device) if isinstance(item, nn.Module) else item.to(device) for item in items]
+
+
 def last_dim_chunk(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Columns ``index`` of a full tensor (zeros for -1), as a sharded output holds them."""
+    index = index.to(x.device)
     picked = x.index_select(-1, index.clamp(min=0))
     return picked * (index >= 0).to(x.dtype)
 

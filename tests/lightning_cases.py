@@ -23,7 +23,19 @@ from nxd_hf.lightning import (
 )
 
 GLOBAL_BATCH, SEQ, LR = 4, 8, 1e-2
-TOL = dict(rtol=1e-4, atol=1e-5)
+EPOCHS, STEPS_PER_EPOCH = 2, 4  # 8 optimizer steps, a validation after each epoch
+N_TRAIN = GLOBAL_BATCH * STEPS_PER_EPOCH
+# Adam's update g / (sqrt(v) + eps) divides by the gradient's own size: with torch's eps=1e-8 an
+# element whose gradient is rounding noise (a few 1e-10: terms that cancel) steps by a sizable
+# fraction of lr, with a sign that depends on the CPU's summation order (the BLAS kernels of the
+# machine; tp/pp/dp sum in other orders too). eps=1e-4 bounds d(update)/dg by lr/eps = 100, so
+# rounding-level gradient differences stay ~1e-8 in the parameters on any CPU (emulated with
+# float64 gradients: 4e-7 at most over 8 steps here, against 1.1e-5 with eps=1e-8), while the
+# gradients of this model (~1e-3 after clipping) still take Adam-sized steps. It also makes the
+# update depend on the gradient's scale, so a clipping difference shows in the parameters.
+OPT = dict(lr=LR, eps=1e-4)
+TOL = dict(rtol=1e-4, atol=1e-5)  # parameters
+LOSS_TOL = dict(rtol=1e-5, atol=0.0)  # logged losses: summation order moves them by ~2e-7 relative
 
 
 def tiny_llama():
@@ -38,7 +50,7 @@ def samples(n: int, seed: int) -> list[dict]:
     return [{"input_ids": row, "attention_mask": torch.ones_like(row), "labels": row} for row in ids]
 
 
-def loaders(dp: int, n_train: int = 8):
+def loaders(dp: int, n_train: int = N_TRAIN):
     """Lightning shuffles training data when distributed (DistributedSampler, seed 0, by epoch) and
     deals it out by DP rank: the single-process reference (dp=0) reads the same order."""
     per_replica = GLOBAL_BATCH // max(dp, 1)
@@ -50,7 +62,8 @@ def loaders(dp: int, n_train: int = 8):
 
 
 def scheduler(optimizer):
-    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.8)
+    """Stepped every optimizer step, over the whole run (the first step at lr / 3)."""
+    return torch.optim.lr_scheduler.LinearLR(optimizer, total_iters=EPOCHS * STEPS_PER_EPOCH)
 
 
 class PlainModule(pl.LightningModule):
@@ -69,22 +82,26 @@ class PlainModule(pl.LightningModule):
         self.log("val_loss", self.model(**batch).loss, on_step=False, on_epoch=True)
 
     def configure_optimizers(self):
-        optimizer = torch.optim.AdamW(self.model.parameters(), lr=LR)
+        optimizer = torch.optim.AdamW(self.model.parameters(), **OPT)
         return [optimizer], [{"scheduler": scheduler(optimizer), "interval": "step"}]
 
 
 class Losses(pl.Callback):
-    """Every training step's logged loss, and the validation loss."""
+    """Every training step's logged loss, and each validation's loss."""
 
     def __init__(self, every: int = 1):
-        self.train, self.val, self.every = [], None, every
+        self.train, self.vals, self.every = [], [], every
+
+    @property
+    def val(self):
+        return self.vals[-1]
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if (batch_idx + 1) % self.every == 0 or batch_idx + 1 == trainer.num_training_batches:  # ours log at steps
             self.train.append(float(trainer.callback_metrics["loss"]))
 
     def on_validation_end(self, trainer, pl_module):
-        self.val = trainer.callback_metrics.get("val_loss")
+        self.vals.append(float(trainer.callback_metrics["val_loss"]))
 
 
 def _trainer(out: str, strategy=None, epochs: int = 1, logger=None, bar=None, every: int = 1, **kwargs):
@@ -96,7 +113,7 @@ def _trainer(out: str, strategy=None, epochs: int = 1, logger=None, bar=None, ev
     return trainer, callbacks[0]
 
 
-def reference(out: str, epochs: int = 1, n_train: int = 8, **kwargs):
+def reference(out: str, epochs: int = EPOCHS, n_train: int = N_TRAIN, **kwargs):
     """Plain Lightning in this process (each rank computes the same thing)."""
     module = PlainModule()
     trainer, losses = _trainer(os.path.join(out, f"ref{backend.rank()}"), gradient_clip_val=1.0,
@@ -126,11 +143,11 @@ def nxd_module(tp: int = 1, pp: int = 1, zero1: bool = False, **kwargs) -> Neuro
         tensor_parallel_size=tp, pipeline_parallel_size=pp,
         pipeline_config={"num_microbatches": 2} if pp > 1 else None,
         optimizer_config={"zero_one_enabled": zero1, "grad_clipping": True, "max_grad_norm": 1.0})
-    return NeuronLTModule(tiny_llama, config, torch.optim.AdamW, scheduler, opt_kwargs={"lr": LR}, **kwargs)
+    return NeuronLTModule(tiny_llama, config, torch.optim.AdamW, scheduler, opt_kwargs=OPT, **kwargs)
 
 
-def ours(out: str, module: NeuronLTModule, epochs: int = 1, ckpt_path=None, tb: bool = False, n_train: int = 8,
-         **kwargs):
+def ours(out: str, module: NeuronLTModule, epochs: int = EPOCHS, ckpt_path=None, tb: bool = False,
+         n_train: int = N_TRAIN, **kwargs):
     dp = parallel_state.get_data_parallel_size()
     bar = NeuronTQDMProgressBar(refresh_rate=1) if tb else None
     logger = NeuronTensorBoardLogger(os.path.join(out, "tb"), name="run", version=0) if tb else None
@@ -143,17 +160,25 @@ def ours(out: str, module: NeuronLTModule, epochs: int = 1, ckpt_path=None, tb: 
     return trainer, losses, printed.getvalue()
 
 
+def _check_run(losses, ref_losses, model, ref_state) -> None:
+    """Every step's logged loss and every validation's loss at LOSS_TOL, then the parameters."""
+    assert len(losses.train) == len(ref_losses.train) == EPOCHS * STEPS_PER_EPOCH, (losses.train, ref_losses.train)
+    assert len(losses.vals) == len(ref_losses.vals) == EPOCHS
+    torch.testing.assert_close(torch.tensor(losses.train), torch.tensor(ref_losses.train), **LOSS_TOL)
+    torch.testing.assert_close(torch.tensor(losses.vals), torch.tensor(ref_losses.vals), **LOSS_TOL)
+    full = nxd_hf.full_state_dict(model)
+    for name, value in ref_state.items():
+        torch.testing.assert_close(full[name].cpu(), value, **TOL, msg=name)
+
+
 def check_parity(out: str, tp: int, pp: int, zero1: bool, log_rank0: bool = False) -> None:
-    """Logged losses every step, validation loss, the logger's events and final parameters."""
+    """8 steps (AdamW, LinearLR every step, clipping at 1.0) and 2 validations: logged losses,
+    validation losses, the logger's events and final parameters."""
     out = _shared(out)
     ref_losses, ref_state, ref_events = reference(out)
     trainer, losses, printed = ours(out, nxd_module(tp, pp, zero1, log_rank0=log_rank0), tb=True)
-    assert len(losses.train) == 2 and (tp, pp, parallel_state.get_data_parallel_size()) == (tp, pp, 2 // (tp * pp))
-    torch.testing.assert_close(torch.tensor(losses.train), torch.tensor(ref_losses.train), **TOL)
-    torch.testing.assert_close(float(losses.val), float(ref_losses.val), **TOL)
-    full = nxd_hf.full_state_dict(trainer.lightning_module.model)
-    for name, value in ref_state.items():
-        torch.testing.assert_close(full[name].cpu(), value, **TOL, msg=name)
+    assert (tp, pp, parallel_state.get_data_parallel_size()) == (tp, pp, 2 // (tp * pp))
+    _check_run(losses, ref_losses, trainer.lightning_module.model, ref_state)
     backend.barrier()
     here = backend.rank() == logging_rank(log_rank0)
     assert logging_rank(log_rank0) == (1 if pp == 2 and not log_rank0 else 0)  # the last stage, or rank 0
@@ -162,26 +187,24 @@ def check_parity(out: str, tp: int, pp: int, zero1: bool, log_rank0: bool = Fals
     if here:  # the same scalars at the same steps as plain Lightning's logger, once per step
         events = _scalars(os.path.join(out, "tb", "run", "version_0"))
         assert [s for s, _ in events] == [s for s, _ in ref_events]
-        torch.testing.assert_close(torch.tensor([v for _, v in events]), torch.tensor([v for _, v in ref_events]), **TOL)
-        assert f"{len(losses.train)}/{len(losses.train)}" in printed, printed  # the bar reached the last step
+        torch.testing.assert_close(torch.tensor([v for _, v in events]), torch.tensor([v for _, v in ref_events]),
+                                   **LOSS_TOL)
+        assert f"{STEPS_PER_EPOCH}/{STEPS_PER_EPOCH}" in printed, printed  # the bar reached the epoch's last step
     else:
         assert printed == "", printed  # no bar on the other ranks
 
 
 def check_resume_resharded(out: str) -> None:
-    """One epoch at tp=2, a Lightning checkpoint, the second epoch at tp=1 x dp=2 (ZeRO-1):
-    the same losses and parameters as two epochs of plain Lightning."""
+    """The first epoch at tp=2, a Lightning checkpoint, the second at tp=1 x dp=2 (ZeRO-1): plain
+    Lightning's two epochs (losses, both validations, parameters; the schedule continues)."""
     out = _shared(out)
-    ref_losses, ref_state, _ = reference(out, epochs=2)
-    trainer, first, _ = ours(out, nxd_module(tp=2))
+    ref_losses, ref_state, _ = reference(out)
+    trainer, first, _ = ours(out, nxd_module(tp=2), epochs=1)
     path = os.path.join(out, "ckpt", "epoch1.ckpt")
     trainer.save_checkpoint(path)
-    trainer, second, _ = ours(out, nxd_module(tp=1, zero1=True), epochs=2, ckpt_path=path)
-    torch.testing.assert_close(torch.tensor(first.train + second.train), torch.tensor(ref_losses.train), **TOL)
-    torch.testing.assert_close(float(second.val), float(ref_losses.val), **TOL)
-    full = nxd_hf.full_state_dict(trainer.lightning_module.model)
-    for name, value in ref_state.items():
-        torch.testing.assert_close(full[name].cpu(), value, **TOL, msg=name)
+    trainer, second, _ = ours(out, nxd_module(tp=1, zero1=True), ckpt_path=path)
+    first.train, first.vals = first.train + second.train, first.vals + second.vals
+    _check_run(first, ref_losses, trainer.lightning_module.model, ref_state)
 
 
 def check_accumulation(out: str, tp: int) -> None:
@@ -189,11 +212,11 @@ def check_accumulation(out: str, tp: int) -> None:
     step of two, then the epoch's trailing batch as a step of its own; the loss logged at a step is
     the mean of plain Lightning's batches' losses."""
     out = _shared(out)
-    ref_losses, ref_state, _ = reference(out, n_train=12, accumulate_grad_batches=2)
-    trainer, losses, _ = ours(out, nxd_module(tp=tp, zero1=tp == 1, grad_accum_steps=2), n_train=12)
+    ref_losses, ref_state, _ = reference(out, epochs=1, n_train=12, accumulate_grad_batches=2)
+    trainer, losses, _ = ours(out, nxd_module(tp=tp, zero1=tp == 1, grad_accum_steps=2), epochs=1, n_train=12)
     ref = ref_losses.train  # plain Lightning logs every batch (every=1)
-    torch.testing.assert_close(torch.tensor(losses.train), torch.tensor([(ref[0] + ref[1]) / 2, ref[2]]), **TOL)
-    torch.testing.assert_close(float(losses.val), float(ref_losses.val), **TOL)
+    torch.testing.assert_close(torch.tensor(losses.train), torch.tensor([(ref[0] + ref[1]) / 2, ref[2]]), **LOSS_TOL)
+    torch.testing.assert_close(float(losses.val), float(ref_losses.val), **LOSS_TOL)
     full = nxd_hf.full_state_dict(trainer.lightning_module.model)
     for name, value in ref_state.items():
         torch.testing.assert_close(full[name].cpu(), value, **TOL, msg=name)
@@ -203,9 +226,9 @@ def check_bf16_autocast(out: str) -> None:
     """NeuronXLAPrecisionPlugin at tp=2 against plain Lightning's precision="bf16-mixed" (CPU
     autocast): bf16 matmuls, so losses agree to bf16's precision, not fp32's."""
     out = _shared(out)
-    ref_losses, _, _ = reference(out, precision="bf16-mixed")
-    fp32_losses, _, _ = reference(os.path.join(out, "fp32"))
-    trainer, losses, _ = ours(out, nxd_module(tp=2), plugins=[NeuronXLAPrecisionPlugin()])
+    ref_losses, _, _ = reference(out, epochs=1, precision="bf16-mixed")
+    fp32_losses, _, _ = reference(os.path.join(out, "fp32"), epochs=1)
+    trainer, losses, _ = ours(out, nxd_module(tp=2), epochs=1, plugins=[NeuronXLAPrecisionPlugin()])
     torch.testing.assert_close(torch.tensor(losses.train), torch.tensor(ref_losses.train), rtol=1e-2, atol=1e-2)
     assert losses.train != fp32_losses.train  # autocast was on
 
@@ -227,12 +250,12 @@ def check_callbacks_and_reduce(out: str) -> None:
     trainer = pl.Trainer(strategy=NxDStrategy(module.nxd_config), max_epochs=2, logger=False,
                          callbacks=[best, stop], enable_progress_bar=False, enable_model_summary=False,
                          default_root_dir=out, num_sanity_val_steps=0)
-    train, val = loaders(1)
+    train, val = loaders(1, n_train=8)
     trainer.fit(module, train, val)
     backend.barrier()
     kept = os.path.basename(best.best_model_path)
     assert kept == "epoch=1-step=4.ckpt", kept
-    assert sorted(os.listdir(os.path.join(out, "ckpts"))) == sorted(["checkpoints.json", kept]), best.best_model_path
+    assert sorted(os.listdir(os.path.join(out, "ckpts"))) == sorted(["checkpoints.json", "owner.json", kept]), best.best_model_path
     assert store.read_tracker(os.path.join(out, "ckpts"))["complete"] == [kept]
     assert os.path.exists(os.path.join(best.best_model_path, "lightning_state.pt"))
     strategy = trainer.strategy

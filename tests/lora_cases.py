@@ -4,6 +4,7 @@ peft on the unsharded model built from the same weights (tests/hf_parity.py's ti
 import copy
 
 import peft
+import pytest
 import torch
 
 import hf_parity
@@ -100,6 +101,8 @@ def check_training(model_type: str, tp: int, *, sp=False, dp=1, task_model_cls=N
     config = lora_config(**config_kwargs)
     ref_peft, par_peft = peft_pair(model_type, tp, config, sp=sp, dp=dp, task_model_cls=task_model_cls)
     what = f"{model_type} tp={tp} sp={sp} dp={dp}"
+    # peft's print_trainable_parameters counts the unparallelized model (padding, K/V copies, shards)
+    assert par_peft.get_nb_trainable_parameters() == ref_peft.get_nb_trainable_parameters(), what
     train_and_compare(ref_peft, par_peft, what, task=task, dp=dp)
     ids, _ = hf_parity.batch(seed=99)
     ref_logits = eval_logits(ref_peft, ids)
@@ -225,3 +228,66 @@ def check_pipeline(tp: int, pp: int, tmp_dir: str) -> None:
     directory = f"{tmp_dir}/pp_adapter"
     nxd_hf.lora.save_adapter(pp_model, directory)  # every stage's adapters, one file
     check_saved_adapter_loads_in_plain_peft(directory, reference, num_hidden_layers=4)
+
+
+RANDOM_INITS = (True, "gaussian", False)  # drawn from the default generator; the others are refused
+REFUSED_INITS = ("olora", "pissa", "pissa_niter_4", "corda", "loftq", "eva", "orthogonal")
+
+
+def _pipeline_init_matches(config, tmp_dir: str, what: str) -> None:
+    """parallelize(pp=2, lora_config=...) from the seed plain peft's get_peft_model starts from: every
+    stage's adapters equal plain peft's (no copying), three run_train steps too, and the saved adapter."""
+    parallel_state.destroy_model_parallel()
+    reference, model = hf_parity.build_pair("llama", num_hidden_layers=4)
+    torch.manual_seed(SEED)
+    ref_peft = peft.get_peft_model(reference, copy.deepcopy(config))
+    after_plain = torch.get_rng_state()
+    torch.manual_seed(SEED)
+    pp_model = nxd_hf.parallelize(model, pipeline_parallel_size=2, num_microbatches=2, lora_config=copy.deepcopy(config),
+                                  broadcast_and_average_loss=True)
+    assert torch.equal(torch.get_rng_state(), after_plain), f"{what}: the generator is not where plain peft leaves it"
+    ref_params = {n.removeprefix("base_model.model."): p for n, p in ref_peft.named_parameters()}
+    adapters = [(n, p) for n, p in pp_model.local_named_parameters() if p.requires_grad]
+    assert adapters and all("lora_" in n for n, _ in adapters)
+    ref_opt = torch.optim.AdamW([p for p in ref_peft.parameters() if p.requires_grad], lr=LR)
+    opt = torch.optim.AdamW([p for _, p in adapters], lr=LR)
+    for step in range(4):
+        for name, param in adapters:
+            torch.testing.assert_close(param, ref_params[name].detach(), **TOL, msg=lambda m: f"{what} {step} {name}: {m}")
+        if step == 3:
+            break
+        ids, labels = hf_parity.batch(seed=20 + step, b=4)
+        ref_loss = ref_peft(input_ids=ids, labels=labels).loss
+        ref_loss.backward()
+        loss = pp_model.run_train(input_ids=ids, attention_mask=torch.ones_like(ids), labels=labels)
+        torch.testing.assert_close(loss, ref_loss.detach(), **TOL, msg=lambda m: f"{what} step {step}: {m}")
+        ref_opt.step(), opt.step()
+        ref_opt.zero_grad(), opt.zero_grad()
+    nxd_hf.lora.save_adapter(pp_model, f"{tmp_dir}/{what}")
+    check_saved_adapter_loads_in_plain_peft(f"{tmp_dir}/{what}", ref_peft, num_hidden_layers=4)
+
+
+def check_inits_match_plain_peft(layout: str, tmp_dir: str) -> None:
+    """Each init peft draws at random equals plain peft from the same seed at tp=2, pp=2 or dp=2:
+    the adapters at the start and after training, and the saved adapter in plain peft; every other
+    init is a ValueError naming it at setup."""
+    for init in RANDOM_INITS:
+        config = lora_config(target_modules=ALL_LLAMA, init_lora_weights=init)
+        what = f"{layout}_init_{init}"
+        if layout == "pp2":
+            _pipeline_init_matches(config, tmp_dir, what)
+            continue
+        tp, dp = (2, 1) if layout == "tp2" else (1, 2)
+        ref_peft, par_peft = peft_pair("llama", tp, config, dp=dp)
+        train_and_compare(ref_peft, par_peft, what, dp=dp)
+        par_peft.save_pretrained(f"{tmp_dir}/{what}")
+        check_saved_adapter_loads_in_plain_peft(f"{tmp_dir}/{what}", ref_peft)
+    for init in REFUSED_INITS:
+        parallel_state.destroy_model_parallel()
+        _, model = hf_parity.build_pair("llama")
+        sizes = {"tp2": dict(tensor_parallel_size=2), "dp2": {},
+                 "pp2": dict(pipeline_parallel_size=2, num_microbatches=2)}[layout]
+        config = lora_config(target_modules=ALL_LLAMA)
+        config.init_lora_weights = init  # set after __post_init__, which wants loftq's scipy, eva's and corda's configs
+        with pytest.raises(ValueError, match=f"init_lora_weights='{init}' is not supported.*init_lora_weights=True"):
+            nxd_hf.parallelize(model, lora_config=config, **sizes)

@@ -126,3 +126,27 @@ def check_save_on_one_rank_raises(tmp_dir: str) -> None:
         with pytest.raises(ValueError, match=r"every rank must call it.*\b1\b"):
             par_peft.save_pretrained(os.path.join(tmp_dir, "alone"))
     assert not os.path.exists(os.path.join(tmp_dir, "alone", "adapter_model.safetensors"))
+
+
+def check_parallelize_lora_config_save_pretrained(tmp_dir: str, pp: int) -> None:
+    """``parallelize(model, lora_config=...)`` (the README's first LoRA form): its
+    ``save_pretrained`` writes the adapter as peft does, which plain peft loads onto the plain
+    model with the parallel model's logits."""
+    _, model = hf_parity.build_pair("llama")
+    config = lora_cases.lora_config(target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+    torch.manual_seed(5)
+    tp = 2 // pp
+    extra = {"num_microbatches": 2, "broadcast_and_average_loss": True} if pp > 1 else {}
+    par = nxd_hf.parallelize(model, tensor_parallel_size=tp, pipeline_parallel_size=pp, lora_config=config, **extra)
+    directory = os.path.join(tmp_dir, f"form1_pp{pp}")
+    par.save_pretrained(directory)
+    plain_base, _ = hf_parity.build_pair("llama")
+    loaded = peft.PeftModel.from_pretrained(plain_base, directory)
+    ids, labels = hf_parity.batch(seed=99)
+    with torch.no_grad():
+        loss = (par.run_eval(input_ids=ids, labels=labels) if pp > 1
+                else par.eval()(input_ids=ids, labels=labels).loss)
+        want = loaded.eval()(input_ids=ids, labels=labels).loss
+    torch.testing.assert_close(loss, want, **TOL)
+    with loaded.disable_adapter(), torch.no_grad():
+        assert not torch.allclose(loaded(input_ids=ids, labels=labels).loss, want), "the adapter must matter"

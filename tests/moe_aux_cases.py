@@ -1,5 +1,5 @@
 """The load-balancing (aux) loss of the global batch at pipeline_parallel_size=1 with data (and
-expert) parallelism (issue 24, ``nxd_hf.moe.replica_aux``), against the single-process HF model
+expert) parallelism (``nxd_hf.moe.replica_aux``), against the single-process HF model
 with ``output_router_logits=True`` and a padded attention mask. Run by tests/distributed/test_moe_aux.py."""
 
 import torch

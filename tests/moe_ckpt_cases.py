@@ -1,4 +1,4 @@
-"""MoE checkpoints across pipeline sizes (issue 24, tests/distributed/test_moe_pipeline.py):
+"""MoE checkpoints across pipeline sizes (tests/distributed/test_moe_pipeline.py):
 save_checkpoint at pp=2 <-> load at pp=1 (dp=2), and save_pretrained at pp=2 writing what
 transformers' own save_pretrained writes."""
 
@@ -11,7 +11,7 @@ import nxd_hf
 from moe_pp_cases import TOL, build_pair, moe_batch, replica_rows
 from nxd_hf import backend, parallel_state
 
-CKPT_LR = 1e-3
+CKPT_LR = 1e-3  # weights after Adam steps at another pp: lr 1e-3 keeps rounding-noise gradients' steps ~1e-6
 
 
 def _moe_model(model_type: str):

@@ -39,7 +39,7 @@ def batch(seed: int = 1, b: int = 2, s: int = 8):
 
 
 # The load-balancing loss is a product of batch means, so a data-parallel mean of it is not the
-# loss of the whole batch; the configs above leave it off (its exactness across DP is issue 24 item 3).
+# loss of the whole batch; the configs above leave it off (its exactness across DP: test_moe_aux.py).
 TOL = dict(rtol=1e-4, atol=1e-5)
 STEPS = 3
 

@@ -1,4 +1,4 @@
-"""Expert parallelism for LongCat-Flash (issue 24): routed experts split over the expert group,
+"""Expert parallelism for LongCat-Flash: routed experts split over the expert group,
 identity ("zero") experts kept on the token's own rank, exact against the unparallelized HF model
 (the tiny model is ``moe_cases.MOE_TINY["longcat_flash"]``). Run by
 tests/distributed/test_moe_longcat_ep.py at ep=2 (world 2) and tp2 x ep2 (world 4)."""

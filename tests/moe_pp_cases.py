@@ -1,4 +1,4 @@
-"""MoE models through the pipeline (issue 24): tiny configs of each routed family and cases
+"""MoE models through the pipeline: tiny configs of each routed family and cases
 comparing ``parallelize(..., pipeline_parallel_size=pp)`` with the unparallelized HF model on
 the same weights and data — loss (HF's token loss plus ``router_aux_loss_coef`` times the
 load-balancing loss over all layers) and gradients."""

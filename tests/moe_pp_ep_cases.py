@@ -1,4 +1,4 @@
-"""Pipeline x expert parallelism (issue 24): MoE layers of each pipeline stage split their experts
+"""Pipeline x expert parallelism: MoE layers of each pipeline stage split their experts
 over the expert group (EP carved from DP at the same (pp, tp) position), run on 4 ranks as pp=2 x
 ep=2 (dp=2, one expert block) and compared with the unparallelized HF model on the same weights
 and data: loss with HF's aux loss (padded mask), every gathered gradient, AdamW steps, gradient

@@ -1,4 +1,4 @@
-"""Tensor x expert parallelism (issue 24): the experts split over the expert-parallel group (EP
+"""Tensor x expert parallelism: the experts split over the expert-parallel group (EP
 dispatch outermost) and each expert's intermediate dim over TP (the TP region inside), on the tiny
 Mixtral, Qwen3-MoE, DeepSeek-V3 and gpt-oss models of ``moe_cases``, against the unparallelized HF
 model. Run by tests/distributed/test_moe_tp_ep.py at world 4 (tp=2 x ep=2, dp=2)."""

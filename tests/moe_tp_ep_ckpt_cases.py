@@ -1,4 +1,4 @@
-"""Checkpoints of experts sharded over TP and EP at once (issue 24; tests/distributed/test_moe_tp_ep.py):
+"""Checkpoints of experts sharded over TP and EP at once (tests/distributed/test_moe_tp_ep.py):
 save_checkpoint at tp2 x ep2 resharded to other layouts with one more step equal to the
 uninterrupted run, from_pretrained reading only the local experts' local rows of transformers'
 per-expert files, save_pretrained and consolidate loading in plain transformers."""

@@ -3,6 +3,7 @@ test_nnscaler_core.py``): the document's examples with the modules of ``nnscaler
 model inside a plain module, against the unparallelized module over several optimizer steps."""
 
 import copy
+import os
 
 import torch
 import torch.nn.functional as F
@@ -12,6 +13,11 @@ from nnscaler_models import LLM, TOL, Branchy, End2EndLLM, End2EndMLP
 from nxd_hf import parallel_state
 from nxd_hf.nnscaler import EXTRA_STATE_KEY, ComputeConfig, Plan, non_parallel_module_reducer, parallelize
 from nxd_hf.parallel_layers.sharding import full_tensor, is_sharded
+
+# Parameters are compared after AdamW steps: eps well above the gradients' rounding noise keeps the
+# update linear in the gradient, so another summation order (another CPU's kernels) moves a
+# parameter by about lr / eps times that noise, not by up to 2 lr as Adam's near-sign first steps can.
+ADAM = dict(lr=1e-2, eps=1e-3)
 
 
 def _compare(pm, ref, *, grads=True):
@@ -43,7 +49,7 @@ def llm_tp_matches(tmp, policy="tp", steps=3):
     ref = LLM()
     x, _ = _tokens(0)
     pm = parallelize(copy.deepcopy(ref), {"x": x}, policy, ComputeConfig(2, 2), gen_savedir=tmp)
-    opt, ref_opt = torch.optim.AdamW(pm.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt, ref_opt = torch.optim.AdamW(pm.parameters(), **ADAM), torch.optim.AdamW(ref.parameters(), **ADAM)
     for step in range(steps):
         x, y = _tokens(step + 1)
         loss, ref_loss = _lm_loss(pm(x), y), _lm_loss(ref(x), y)
@@ -109,8 +115,8 @@ def llm_dp_zero_matches(tmp, steps=3):
     ref = LLM()
     pm = parallelize(copy.deepcopy(ref), {"x": _tokens(0)[0]}, "dp", ComputeConfig(1, 2, use_zero=True),
                      gen_savedir=tmp)
-    opt = NeuronZero1Optimizer(pm.parameters(), torch.optim.AdamW, lr=1e-2, grad_clipping=False)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = NeuronZero1Optimizer(pm.parameters(), torch.optim.AdamW, grad_clipping=False, **ADAM)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **ADAM)
     for step in range(steps):
         _two_units_backward(pm, ref, step)
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
@@ -254,6 +260,23 @@ def training_flag_and_class_path(tmp):
     for training in (True, False):  # the module's own forward, in the ParallelModule's mode
         replicated.train(training), plain.train(training)
         torch.testing.assert_close(replicated(x.float()), plain(x.float()), **TOL)
+
+
+def refused_class_build_leaves_no_plan(tmp):
+    """A module class's plan is saved once the class builds: a refused build (here parallel_state
+    already at tp=1) leaves none, so the corrected rerun is not refused by reuse="match"."""
+    x = torch.randn(2, 8)
+    parallel_state.initialize_model_parallel(1, 1)
+    P = parallelize(Branchy, {"x": x}, "tp", ComputeConfig(2, 2), gen_savedir=tmp, reuse="match")
+    try:
+        P()
+    except ValueError as e:
+        assert "the plan needs tp=2" in str(e), e
+    else:
+        raise AssertionError("a tp=2 plan was built on parallel_state at tp=1")
+    assert not os.path.exists(os.path.join(tmp, "_", "plan.json"))
+    parallelize(Branchy, {"x": x}, "dp", ComputeConfig(1, 2), gen_savedir=tmp, reuse="match")()
+    assert os.path.exists(os.path.join(tmp, "_", "plan.json"))
 
 
 def errors_on_every_rank(tmp):

@@ -1,5 +1,5 @@
 """Cases of ``tests/distributed/test_zero1_overlap.py``: ZeRO-1's reduce-scatter started per bucket
-during backward (issue 28) gives the same steps as the reduce-scatter in ``step()``; a
+during backward gives the same steps as the reduce-scatter in ``step()``; a
 ``state_dict`` of the contiguous flat layout from before loads into the interleaved one."""
 
 import copy
@@ -87,7 +87,7 @@ def check_step_without_new_backward_reduces_again() -> None:
 
 
 class _ContiguousLayout(NeuronZero1Optimizer):
-    """The optimizer as it was before issue 28: parameters in order, contiguous slices."""
+    """The optimizer as it was before the overlapped reduce-scatter: parameters in order, contiguous slices."""
 
     interleaved_layout = False
 

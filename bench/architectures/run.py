@@ -78,7 +78,11 @@ def _lm_config(config):
 _ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 BUILD_FIXES = {
     "cohere_compass_text": dict(rope_parameters={"full_attention": _ROPE, "sliding_attention": _ROPE}),
+    "bamba": dict(attn_layer_indices=[1]),  # the shrunk default keeps no attention layer, which its cache needs
+    "dory": dict(num_hidden_layers=3, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                 n_input_layers=1, n_recurrent_layers=1, n_output_layers=1),  # counts that add up to the layers
     "dots1": dict(n_shared_experts=1),
+    "falcon_h1": dict(mamba_d_ssm=None, mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_chunk_size=8),
     "dots3_note_text": dict(per_layer_config={}, num_hidden_layers=2, mlp_layer_types=["dense", "sparse"],
                             layer_types=["indexed_attention", "indexed_attention"]),
     "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"]),

@@ -12,7 +12,10 @@ inputs exist (no warm-up step: the first step's peak is the one measured); time:
 ``--steps`` steps (the first included: on a shared CPU a step takes seconds, a warm-up adds little). The logits alone
 are seq x vocab x 4 B (525 MB at the defaults). JSON in ``bench/results/fused_loss.json``.
 
-Run from the repo root: ``python -m bench.fused_loss [--vocab 128256] [--hidden 512] [--seq 1024]``.
+Time is also measured with both ways in turn in one process (``--rounds`` steps each, wall and
+CPU seconds): the ratio of that run is the one to read on a shared machine.
+
+Run from the repo root: ``python -m bench.fused_loss [--vocab 128256] [--hidden 512] [--seq 1024] [--rounds 3]``.
 """
 
 import argparse
@@ -43,7 +46,7 @@ def _case(mode: str, vocab: int, hidden: int, seq: int, steps: int) -> dict:
     weight = (torch.randn(vocab, hidden, generator=g) / hidden**0.5).requires_grad_()
     labels = torch.randint(0, vocab, (1, seq), generator=g)
 
-    def step():
+    def step(mode=mode):
         if mode == "fused":
             loss = fused_linear_cross_entropy(hidden_states, weight, labels, vocab_size=vocab)
         else:
@@ -53,6 +56,18 @@ def _case(mode: str, vocab: int, hidden: int, seq: int, steps: int) -> dict:
         hidden_states.grad = weight.grad = None
         return loss.item()
 
+    if mode == "interleaved":  # time only: both ways in turn, in one process, so both see the same machine
+        wall, cpu = {"unfused": [], "fused": []}, {"unfused": [], "fused": []}
+        for _ in range(steps):
+            for way in ("unfused", "fused"):
+                start, start_cpu = time.perf_counter(), time.process_time()
+                step(way)
+                wall[way].append(time.perf_counter() - start)
+                cpu[way].append(time.process_time() - start_cpu)
+        return {"mode": mode, "rounds": steps, **{f"{kind}_s_{way}": sorted(values[way]) for kind, values in
+                                                  (("wall", wall), ("cpu", cpu)) for way in values},
+                "wall_ratio_fused_over_unfused": statistics.median(wall["fused"]) / statistics.median(wall["unfused"]),
+                "cpu_ratio_fused_over_unfused": statistics.median(cpu["fused"]) / statistics.median(cpu["unfused"])}
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # inputs made; the first step's peak counts
     times = []
     for _ in range(steps):
@@ -70,22 +85,26 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=1)
-    parser.add_argument("--case", choices=["fused", "unfused"], help=argparse.SUPPRESS)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (one step each way)")
+    parser.add_argument("--case", choices=["fused", "unfused", "interleaved"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.case:
         print(json.dumps(_case(args.case, args.vocab, args.hidden, args.seq, args.steps)))
         return
     cases = {}
-    for mode in ("unfused", "fused"):
+    for mode in ("unfused", "fused", "interleaved"):
+        steps = args.rounds if mode == "interleaved" else args.steps
         out = subprocess.run([sys.executable, "-m", "bench.fused_loss", "--case", mode, "--vocab", str(args.vocab),
-                              "--hidden", str(args.hidden), "--seq", str(args.seq), "--steps", str(args.steps)],
+                              "--hidden", str(args.hidden), "--seq", str(args.seq), "--steps", str(steps)],
                              check=True, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
         cases[mode] = json.loads(out.stdout.strip().splitlines()[-1])
         print(mode, cases[mode], flush=True)
     result = {**stamp(), "vocab": args.vocab, "hidden": args.hidden, "seq": args.seq, "batch": 1, "dtype": "float32",
               "logits_mib": args.seq * args.vocab * 4 / 2**20, "cases": cases,
               "peak_ratio_fused_over_unfused": cases["fused"]["peak_rise_mib"] / cases["unfused"]["peak_rise_mib"],
-              "time_ratio_fused_over_unfused": cases["fused"]["step_s_median"] / cases["unfused"]["step_s_median"]}
+              "time_ratio_fused_over_unfused": cases["fused"]["step_s_median"] / cases["unfused"]["step_s_median"],
+              "interleaved_wall_ratio": cases["interleaved"]["wall_ratio_fused_over_unfused"],
+              "interleaved_cpu_ratio": cases["interleaved"]["cpu_ratio_fused_over_unfused"]}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "fused_loss.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

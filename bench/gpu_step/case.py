@@ -11,6 +11,7 @@ from bench.gpu_step.cases import SHAPES, Case
 
 PEAK_FLOPS = 989e12  # H100 SXM dense bf16
 LR = 1e-5
+MAX_GRAD_NORM = 1.0  # Trainer's default: the loops clip as Trainer does, or nxd_hf's clipping would go unmeasured
 
 
 def flops_per_token(config, seq: int) -> float:
@@ -69,13 +70,16 @@ def _build(case: Case, config, device):
     return model
 
 
-def _loop(model, batches, steps: list) -> None:
+def _loop(model, batches, steps: list, clip) -> None:
+    """Trainer's step as a loop: forward, backward, clipping at ``MAX_GRAD_NORM`` (plain HF with
+    torch's ``clip_grad_norm_``, nxd_hf with its own, which knows the shards), AdamW."""
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=LR, fused=params[0].is_cuda)
     for ids in batches:
         start = time.perf_counter()
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
+        clip(params, MAX_GRAD_NORM)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         _sync()
@@ -126,7 +130,12 @@ def run_case(case: Case, shape: str, warmup: int, steps: int, out_dir: str) -> d
     batches = [torch.randint(0, config.vocab_size, (batch, seq), generator=g).to(device) for _ in range(warmup + steps)]
     model = _build(case, config, device)
     times: list = []
-    (_trainer(case, model, batches, times, out_dir) if case.runner.endswith("trainer") else _loop(model, batches, times))
+    if case.runner.endswith("trainer"):
+        _trainer(case, model, batches, times, out_dir)
+    else:
+        from nxd_hf.parallel_layers import clip_grad_norm
+
+        _loop(model, batches, times, clip_grad_norm if case.runner == "nxd_loop" else torch.nn.utils.clip_grad_norm_)
     timed = times[warmup:]
     median = statistics.median(timed)
     tokens_per_s = batch * seq / median

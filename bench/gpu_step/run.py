@@ -1,4 +1,4 @@
-"""Training step throughput on one GPU (issue 32's tables) in one run per shape: plain HF
+"""Training step throughput on one GPU in one run per shape: plain HF
 (bare loop; + ``torch.compile``; + Liger's ``apply_liger_kernel_to_llama`` with and without
 compile), ``transformers.Trainer``, peft LoRA r=16 all-linear (fp32 and bf16 adapters),
 ``nxd_hf.parallelize(tp=1)`` in the same loop, ``NxDTrainer``, nxd_hf LoRA (both adapter dtypes),

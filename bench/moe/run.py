@@ -1,4 +1,4 @@
-"""Expert parallelism's costs beside their theory, in one run (issue 24 item 8):
+"""Expert parallelism's costs beside their theory, in one run:
 
 - all-to-all bytes of one training step (forward + backward), itemized: token rows dispatched
   and combined, forward and backward, against the minimum ``tokens x top-k x hidden x bytes`` each

@@ -95,11 +95,11 @@ def write_doc(result: dict, path: str) -> None:
              "the counted collectives only;",
              "- the machine has 2 cores shared with other jobs: worlds of 4 ranks are oversubscribed and "
              "every time is what it was under the load average shown; bytes and parameter sizes are exact.",
-             "- predicted: " + ("the cost model of `nxd_hf.plan` (issue 26; `cpu` preset) for the same layout: step "
+             "- predicted: " + ("the cost model of `nxd_hf.plan` (`cpu` preset) for the same layout: step "
                                 "seconds, the busiest rank's model state and activations (the bare process's ~300 "
                                 "MiB is not in it), and the collectives' payload bytes (pipeline sends excluded, as "
                                 "in the measured column: equal wherever they are counted)." if has_prediction else
-                                "n/a: `nxd_hf.plan` (issue 26, built in parallel) was not importable (or has no "
+                                "n/a: `nxd_hf.plan` (built in parallel) was not importable (or has no "
                                 "`estimate`) when this ran; `bench/scaling/run.py`'s `predict` fills the column "
                                 "once it is."),
              "", "![measured vs predicted](scaling.png)"]

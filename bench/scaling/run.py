@@ -6,7 +6,7 @@ and model width, on tiny llamas (4 layers, vocab 8192, batch 4, fp32, AdamW), ea
 Columns: step time (median of the timed steps, the slowest rank); peak RssAnon per rank (the
 worst rank, over the timed steps, sampled every 2 ms); payload bytes per rank in one step (what
 the rank handed to collectives, ``nxd_hf.backend.count_comm``: the worst rank); "predicted":
-the cost model of ``nxd_hf.plan`` (issue 26) where that package is importable, else "n/a".
+the cost model of ``nxd_hf.plan`` where that package is importable, else "n/a".
 On a shared 2-core machine step times of worlds above 2 ranks are oversubscribed: the memory and
 byte columns are exact, the time column is what it was; the load average is recorded per point.
 

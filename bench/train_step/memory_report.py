@@ -5,7 +5,7 @@ from bench.train_step.memtrace import itemize
 
 MiB = 2**20
 PARAM_BYTES, GRAD_BYTES, ADAMW_BYTES = 4, 4, 8  # fp32 parameter, gradient, AdamW's two moments
-TARGET = 1.15  # issue 28: peak <= 1.15 x floor
+TARGET = 1.15  # the target: peak <= 1.15 x floor
 
 
 def floor_bytes(num_params: int, *, tp: int, dp: int = 1, zero1: bool = False, bare: int) -> float:

@@ -117,7 +117,7 @@ def _ratios(summary: dict) -> dict:
         out["trainer_over_hf_tp_throughput"] = dict(value=value, aim=">= 1.0", met=value >= 1.0)
         value = med("nxd_trainer", "peak_rss") / med("hf_tp", "peak_rss")
         out["trainer_over_hf_tp_rss"] = dict(value=value, aim="<= 1.0", met=value <= 1.0)
-    for peer in ("deepspeed_autotp", "hf_tp", "single"):  # the bare loops side by side (issue 28 item 3)
+    for peer in ("deepspeed_autotp", "hf_tp", "single"):  # the bare loops side by side
         if med("nxd_loop", "tokens_per_s") and med(peer, "tokens_per_s"):
             value = med("nxd_loop", "tokens_per_s") / med(peer, "tokens_per_s")
             out[f"loop_over_{peer}_throughput"] = dict(value=value, aim="report", met=True)

@@ -27,7 +27,7 @@ floor is (parameters + gradients + 2 AdamW moments) x 4 B / tp + bare. Every cas
 ``--repeats`` times, the cases taking turns; median and min-max over repeats. The JSON is
 rewritten after every launch.
 
-Added for issue 28: ``nxd_loop_tp1`` (the bare loop through ``parallelize`` at tp=1, one
+Added with the overlap work: ``nxd_loop_tp1`` (the bare loop through ``parallelize`` at tp=1, one
 process, 2 threads), ``nxd_zero1`` (NxDTrainer tp=1 x dp=2 with ZeRO-1), and ``overlap_dp2`` /
 ``overlap_tp2dp2`` (the bare loop on ``--overlap-layers`` layers with the gradient reduction's
 overlap switched on and off every other step in one run: the ratio of the medians, with the
@@ -43,7 +43,7 @@ most 5% of the cores the run uses and steal stayed under 5%, else they are withh
 a 2-rank run alone on 2 cores reads 2.0-2.5); tokens per CPU-second per rank (the rank's user +
 system seconds per step) are always recorded.
 
-Added for issue 28 later: ``overlap_zero1_dp2`` / ``overlap_zero1_tp2dp2`` (the same switch for
+Added later: ``overlap_zero1_dp2`` / ``overlap_zero1_tp2dp2`` (the same switch for
 ZeRO-1's reduce-scatter started during backward or in ``step()``), and ``deepspeed_autotp``
 (DeepSpeed's AutoTP training at tp=2, a peer of ``nxd_loop``, ``hf_tp`` and ``single``;
 DeepSpeed is not a dependency: pass ``--deepspeed-path`` (a ``pip install --no-deps --target``

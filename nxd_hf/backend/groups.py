@@ -5,6 +5,7 @@ import atexit
 import contextlib
 import datetime
 import os
+import warnings
 
 import torch.distributed as dist
 
@@ -71,6 +72,14 @@ def world_size() -> int:
 
 def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def warn_once(message: str, category: type[Warning] = UserWarning, *, stacklevel: int = 1) -> None:
+    """A warning every rank would give alike, given by rank 0 only (under torchrun before the
+    process group exists, by the process whose ``RANK`` is 0). ``stacklevel`` as ``warnings.warn``'s
+    counted from the caller."""
+    if (dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))) == 0:
+        warnings.warn(message, category, stacklevel=stacklevel + 1)
 
 
 def new_group(ranks: list[int], *, timeout: datetime.timedelta | None = None, name: str = "",

@@ -15,7 +15,7 @@ import shutil
 import torch
 
 from nxd_hf import backend
-from nxd_hf.checkpoint import store
+from nxd_hf.checkpoint import store, writer
 from nxd_hf.checkpoint.format import Reader, file_problem, write_file
 from nxd_hf.checkpoint.fused_experts import per_expert_converters, split_fused
 
@@ -94,7 +94,10 @@ def consolidate(checkpoint_dir: str, output_dir: str, tag: str | None = None, ma
     plain HF model directory: ``config.json``, ``generation_config.json`` and tokenizer files
     when the checkpoint holds them (in its tag directory or ``checkpoint_dir``),
     ``model-0000k-of-0000n.safetensors`` of at most ``max_shard_size`` and
-    ``model.safetensors.index.json``. ``dtype``: cast the weights (default: as saved)."""
+    ``model.safetensors.index.json``. ``dtype``: cast the weights (default: as saved).
+    ``checkpoint_dir`` may also be one checkpoint's own directory (``out/checkpoint-18``).
+    A save this process started with ``async_save=True`` is waited for."""
+    writer.wait_for_saves_into(checkpoint_dir)
     directory, index = _open(checkpoint_dir, tag)
     entries = index["tensors"].get("model", {})
     if not entries and index.get("adapters"):

@@ -78,11 +78,11 @@ _SAFETENSORS_DTYPES = {
 }
 
 
-def write_file(path: str, tensors: dict[str, torch.Tensor]) -> dict:
+def write_file(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> dict:
     """Write ``tensors`` as one safetensors file straight from their memory (no serialized copy
     of the whole file), fsync'd; returns its size and the CRC-32 of its header and of each
-    tensor's bytes."""
-    header, offset, views = {"__metadata__": {"format": "pt"}}, 0, []
+    tensor's bytes. ``metadata``: more safetensors metadata (strings)."""
+    header, offset, views = {"__metadata__": {"format": "pt", **(metadata or {})}}, 0, []
     for key, tensor in tensors.items():
         data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
         header[key] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),

@@ -14,9 +14,10 @@ import warnings
 
 import numpy as np
 import torch
+from safetensors import safe_open
 
 from nxd_hf import backend
-from nxd_hf.checkpoint import optim_state, store, writer
+from nxd_hf.checkpoint import optim_state, owner, store, writer
 from nxd_hf.checkpoint.format import Reader, file_problem
 from nxd_hf.checkpoint.hf_safetensors import HFKeys
 from nxd_hf.checkpoint.logical import adapters_of, hf_model, logical_tensors, model_config
@@ -39,8 +40,12 @@ def _locate(path: str, tag: str | None) -> tuple[str, dict]:
     index = None
     if problem is None:
         index, problem = store.read_index(directory)
+    if problem is None and index.get("save") and store.marker_save(directory) != index["save"]:
+        problem = (f"{os.path.join(directory, store.DONE)} was written by save {store.marker_save(directory)}, "
+                   f"{os.path.join(directory, store.INDEX)} by save {index['save']}: {TWO_JOBS}")
     advice = store.what_to_do(path, directory) if problem and directory is not None else ""
     raise_collectively([problem] if problem else [], f"from {path} (tag={tag!r})", advice)
+    owner.note_loaded(path, index)
     return directory, index
 
 
@@ -51,10 +56,31 @@ def _check_files(directory: str, index: dict) -> None:
     problems = []
     for i, (rel, expected) in enumerate(sorted(index["files"].items())):
         if i % world == rank:
-            problem = file_problem(os.path.join(directory, rel), expected)
+            problem = file_problem(os.path.join(directory, rel), expected) or _other_save(directory, rel, index)
             if problem:
                 problems.append(f"file {os.path.join(directory, rel)} {problem}")
     raise_collectively(problems, f"{directory}", store.what_to_do(os.path.dirname(directory), directory))
+
+
+TWO_JOBS = ("two jobs wrote into this checkpoint directory at once, so it holds files of both. Give each run its "
+            "own output directory")
+
+
+def _other_save(directory: str, rel: str, index: dict) -> str | None:
+    """Whether file ``rel`` (a tensor file or a torch.save'd one of nxd_hf) was written by
+    another save than the index (checkpoints of older versions carry no save id)."""
+    save, file = index.get("save"), os.path.join(directory, rel)
+    if not save:
+        return None
+    if "header_crc32" in index["files"][rel]:
+        with safe_open(file, framework="pt") as f:
+            found = (f.metadata() or {}).get(writer.SAVE_KEY)
+    elif rel.endswith(".pt"):
+        blob = torch.load(file, weights_only=True)
+        found = blob.get("save") if isinstance(blob, dict) else None
+    else:
+        return None
+    return None if found == save else f"was written by save {found}, the index by save {save}: {TWO_JOBS}"
 
 
 def verify_checkpoint(path: str, tag: str | None) -> str:

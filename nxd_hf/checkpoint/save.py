@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from nxd_hf import backend, parallel_state
-from nxd_hf.checkpoint import optim_state, store, writer
+from nxd_hf.checkpoint import optim_state, owner, store, writer
 from nxd_hf.checkpoint.format import dtype_name, parts_of
 from nxd_hf.checkpoint.logical import adapters_of, hf_model, logical_tensors, model_config
 from nxd_hf.model_state import state_of
@@ -116,10 +116,35 @@ def _write_configs(model, tmp: str) -> None:
     """config.json / generation_config.json, for consolidation."""
     config = model_config(model)
     if hasattr(config, "save_pretrained"):
+        if hasattr(config, "architectures"):
+            # As transformers' save_pretrained: the class saved names the head that from_pretrained
+            # and pipelines build (a hub config may still name the base class it was trained from).
+            config.architectures = [type(hf_model(model)).__name__.removeprefix("FSDP")]
         config.save_pretrained(tmp)
     generation = getattr(hf_model(model), "generation_config", None)
     if generation is not None and hasattr(generation, "save_pretrained"):
         generation.save_pretrained(tmp)
+
+
+README = """# An nxd_hf checkpoint
+
+Written by `nxd_hf.save_checkpoint` (or `NxDTrainer`): safetensors parts in logical coordinates
+with the optimizer, scheduler and RNG states. It is not a Hugging Face model directory, so
+`from_pretrained` cannot open it. To get one (a LoRA checkpoint saved with the adapter alone
+holds a peft adapter in its adapter directory instead):
+
+    nxd-hf consolidate {directory} hf_model       # or nxd_hf.consolidate({path!r}, "hf_model", tag={tag!r})
+
+To resume: `nxd_hf.load_checkpoint({path!r}, tag={tag!r}, model=..., optimizer=...)`, or
+`NxDTrainer.train(resume_from_checkpoint=...)`, at these or any other parallel sizes.
+"""
+
+
+def _write_readme(path: str, tag: str, tmp: str) -> None:
+    """What this directory is and how to open it, for whoever finds it (``from_pretrained`` cannot)."""
+    directory = os.path.join(path, store.dir_name(tag))
+    with open(os.path.join(tmp, "README.md"), "w") as f:
+        f.write(README.format(directory=directory, path=path, tag=store.dir_name(tag)))
 
 
 def _what_to_save(model, adapters, nxd_config) -> tuple[dict | None, list]:
@@ -150,13 +175,18 @@ def _unloadable(obj, where: str = "user_content") -> str | None:
         return next((p for k, v in items if (p := _unloadable(v, f"{where}[{k!r}]"))), f"{where}: {error}")
 
 
-def _check_same_target(path: str, tag: str, user_content) -> None:
+def _check_same_target(path: str, tag: str, user_content, job_id: str | None) -> tuple[str, str]:
     """Every rank must write into one directory (rank 0 assembles it), and rank 0's
     ``user_content`` must load back: a ValueError on every rank otherwise (one gather), instead
-    of a missing part found later or a checkpoint marked complete that cannot load."""
-    unloadable = _unloadable(user_content) if backend.rank() == 0 and user_content is not None else None
-    gathered = backend.all_gather_object((os.path.abspath(path), tag, unloadable))
-    targets, unloadable = {g[:2] for g in gathered}, gathered[0][2]
+    of a missing part found later or a checkpoint marked complete that cannot load. Returns
+    (the job, this save's id): rank 0's, for every rank."""
+    unloadable, job = None, None
+    if backend.rank() == 0:
+        unloadable = _unloadable(user_content) if user_content is not None else None
+        job = job_id or owner.this_job()
+    gathered = backend.all_gather_object((os.path.abspath(path), tag, unloadable, job,
+                                          owner.new_save_id(job) if job else None))
+    targets, (unloadable, job, save_id) = {g[:2] for g in gathered}, gathered[0][2:]
     if len(targets) > 1:
         raise ValueError(f"save_checkpoint: the ranks were given different (path, tag): {sorted(targets)}; "
                          "every rank must pass the same path (on a filesystem all ranks share) and tag")
@@ -164,12 +194,13 @@ def _check_same_target(path: str, tag: str, user_content) -> None:
         raise ValueError(f"save_checkpoint: {unloadable}, which torch.load(weights_only=True) cannot read back, "
                          "so the checkpoint could not be loaded. Store plain data in user_content (tensors, numbers, "
                          "strings, lists, dicts), e.g. obj.state_dict() or vars(obj), and rebuild the object on load")
+    return job, save_id
 
 
 def save_checkpoint(path: str, tag: str = "", model=None, optimizer=None, scheduler=None, user_content=None,
                     num_workers: int = 8, use_xser: bool = False, num_kept_ckpts: int | None = None,
                     async_save: bool = False, zero1_optimizer: bool = False, nxd_config=None,
-                    side_files=None) -> None:
+                    side_files=None, job_id: str | None = None) -> None:
     """Save a checkpoint to ``path/tag`` (every rank calls it). As NxD's, except: the format
     is always safetensors in logical coordinates (``use_xser`` is ignored, with a warning),
     tag ``""`` is stored as ``path/default``, ``zero1_optimizer`` is detected from the
@@ -179,6 +210,9 @@ def save_checkpoint(path: str, tag: str = "", model=None, optimizer=None, schedu
     ``num_workers``: ranks writing at the same time (synchronous saves). ``side_files(directory)``
     (not in NxD): rank 0 writes more files into the checkpoint before it is complete, so the
     completion marker covers them (``NxDTrainer``'s trainer state and tokenizer).
+    ``job_id`` (not in NxD): the job writing (default: an id rank 0 of this process makes once). One job
+    at a time writes a directory (``nxd_hf.checkpoint.owner``): a second job's save is refused on
+    every rank unless the first finished or this job resumed from it.
 
     A LoRA model (``lora_config`` of ``parallelize`` / the config API) is saved as its
     ``LoraConfig`` says (``nxd_config.lora_config``, else the model's): the adapter alone
@@ -192,7 +226,10 @@ def save_checkpoint(path: str, tag: str = "", model=None, optimizer=None, schedu
         raise ValueError(f"num_workers ({num_workers}) and num_kept_ckpts ({num_kept_ckpts}) must be >= 1")
     writer.wait_for_checkpoint()
     rank, world = backend.rank(), backend.world_size()
-    _check_same_target(path, tag, user_content)
+    job, save_id = _check_same_target(path, tag, user_content, job_id)
+    with fail_together(f"save_checkpoint({path!r}, tag={tag!r})"):  # before anything is written
+        if rank == 0:
+            owner.claim(path, job)
     tmp = store.tmp_dir(path, tag)
     nxd_config = _nxd_config(model, nxd_config)
     masters_in_model = _master_weights_in_ckpt(nxd_config)
@@ -200,13 +237,14 @@ def save_checkpoint(path: str, tag: str = "", model=None, optimizer=None, schedu
     plan, lts = _what_to_save(model, adapters, nxd_config)
     files, records = _tensor_shares(lts, optimizer, masters_in_model, rank, copy=async_save)
     backend.materialize()  # XLA: one compiled graph for every share, not one per tensor read to the host
-    blobs = _blobs(rank, optimizer, scheduler, user_content)
+    blobs = {rel: {**blob, "save": save_id} for rel, blob in _blobs(rank, optimizer, scheduler, user_content).items()}
     blobs = copy.deepcopy(blobs) if async_save else blobs  # the caller may change them while we write
-    header = _header(model, optimizer, masters_in_model, plan)
+    header = {**_header(model, optimizer, masters_in_model, plan), "job": job, "save": save_id}
     if rank == 0:
         os.makedirs(path, exist_ok=True)
         store.remove_leftovers(path)  # of saves that crashed or ran out of disk
         os.makedirs(tmp)
+        _write_readme(path, tag, tmp)
         if model is not None:
             _write_configs(model, tmp)
         if side_files is not None:
@@ -216,17 +254,17 @@ def save_checkpoint(path: str, tag: str = "", model=None, optimizer=None, schedu
         adapters.write_files(model, tmp, plan)
     if async_save:
         def work():
-            writer.write_share(tmp, rank, files, blobs, records)
+            writer.write_share(tmp, rank, files, blobs, records, save_id)
             if rank == 0:
                 writer.wait_for_records(tmp, world, writer.ASYNC_TIMEOUT_S)
                 store.finalize(path, tag, writer.merge(tmp, world, header), num_kept_ckpts)
-        writer.submit(work)
+        writer.submit(work, path=path, tag=tag)
         return
     with _cleaned_up_on_failure(tmp):
         for wave in range(-(-world // num_workers)):
             with fail_together(f"save_checkpoint({path!r}, tag={tag!r})"):  # also the wave's barrier
                 if rank // num_workers == wave:
-                    writer.write_share(tmp, rank, files, blobs, records)
+                    writer.write_share(tmp, rank, files, blobs, records, save_id)
         with fail_together(f"save_checkpoint({path!r}, tag={tag!r})"):
             if rank == 0:
                 store.finalize(path, tag, writer.merge(tmp, world, header), num_kept_ckpts)

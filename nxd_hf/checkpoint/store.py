@@ -153,12 +153,22 @@ def index_problem(directory: str, data: bytes) -> str | None:
     return None
 
 
+def marker_save(directory: str) -> str | None:
+    """The save id in a completion marker (None: a marker of an older version)."""
+    with open(os.path.join(directory, DONE)) as f:
+        lines = f.read().splitlines()
+    try:
+        return json.loads(lines[2]).get("save") if len(lines) > 2 else None
+    except (ValueError, AttributeError):
+        return "(damaged)"
+
+
 def finalize(path: str, tag: str, index: dict, num_kept_ckpts: int | None) -> None:
     """Rank 0, once every rank's files are in the temporary directory: make it the checkpoint."""
     tmp, name = tmp_dir(path, tag), dir_name(tag)
     write_json_atomic(os.path.join(tmp, INDEX), index)
-    with durable_open(os.path.join(tmp, DONE), "w") as f:  # the marker carries index.json's checksum
-        f.write(f"complete\n{json.dumps(_index_checksum(tmp))}\n")
+    with durable_open(os.path.join(tmp, DONE), "w") as f:  # the marker carries index.json's checksum and the save
+        f.write(f"complete\n{json.dumps(_index_checksum(tmp))}\n{json.dumps({'save': index.get('save')})}\n")
     fsync_dir(tmp)
     final, old = os.path.join(path, name), os.path.join(path, f".{name}.old")
     shutil.rmtree(old, ignore_errors=True)
@@ -193,11 +203,14 @@ def resolve(path: str, tag: str | None) -> tuple[str | None, str | None]:
     """(checkpoint directory, None) or (None, what is wrong)."""
     if not os.path.isdir(path):
         return None, f"checkpoint path {path} does not exist or is not a directory"
+    if tag is None and os.path.exists(os.path.join(path, DONE)) and os.path.exists(os.path.join(path, INDEX)):
+        return path, None  # one checkpoint's own directory (out/checkpoint-18 of NxDTrainer)
     if tag is None:
         tag = read_tracker(path)["newest"]
         if tag is None:
-            return None, (f"{path} is not an nxd_hf checkpoint directory: it has no {TRACKER} naming the newest "
-                          "checkpoint. Pass the directory save_checkpoint wrote to, or a tag")
+            return None, _saving(path, "*") or (
+                f"{path} is not an nxd_hf checkpoint directory: it has no {TRACKER} naming the newest "
+                "checkpoint. Pass the directory save_checkpoint wrote to, or a tag")
     name = dir_name(tag)
     directory = os.path.join(path, name)
     if not os.path.isdir(directory):
@@ -205,12 +218,23 @@ def resolve(path: str, tag: str | None) -> tuple[str | None, str | None]:
         if os.path.exists(os.path.join(old, DONE)):  # a crash between the two renames of a re-save
             return old, None
         tags = read_tracker(path)["complete"]
-        return None, f"no checkpoint with tag {tag!r} in {path} (complete checkpoints: {tags})"
+        return None, _saving(path, name) or f"no checkpoint with tag {tag!r} in {path} (complete checkpoints: {tags})"
     if not os.path.exists(os.path.join(directory, DONE)):
         return None, f"checkpoint {directory} is incomplete (no '{DONE}' marker): its save never finished"
     if not os.path.exists(os.path.join(directory, INDEX)):
         return None, f"checkpoint {directory} has no {INDEX}: it was not written by nxd_hf.save_checkpoint"
     return directory, None
+
+
+def _saving(path: str, name: str) -> str | None:
+    """What to say when the checkpoint asked for is still a temporary directory (no completion marker)."""
+    tmps = sorted(glob.glob(os.path.join(path, f".{name}.tmp")))
+    if not tmps:
+        return None
+    return (f"the checkpoint in {path} is not complete yet: a save into {', '.join(tmps)} is in progress or was "
+            "interrupted (no completion marker). After save_checkpoint(..., async_save=True) in another process, "
+            "wait for that save to finish (nxd_hf.wait_for_checkpoint() in the saving job); if the job died, save "
+            f"again (complete checkpoints there: {complete_tags(path)})")
 
 
 def read_index(directory: str) -> tuple[dict | None, str | None]:

@@ -22,24 +22,29 @@ from nxd_hf.checkpoint import store
 from nxd_hf.checkpoint.format import file_checksum, write_file
 
 RECORDS = "records"
+SAVE_KEY = "nxd_hf_save"
+"""The key of the save id in a tensor file's safetensors metadata."""
 ASYNC_TIMEOUT_S = 3600.0
 """How long rank 0's background thread waits for the other ranks' files before giving up
 (the checkpoint then stays an invisible temporary directory)."""
 
 _pending: list[threading.Thread] = []
 _errors: list[BaseException] = []
+_saves: list[tuple[str, str]] = []  # (path, tag) of this process's asynchronous saves not yet seen complete
 
 
 def record_path(tmp: str, rank: int) -> str:
     return os.path.join(tmp, RECORDS, f"rank_{rank:05d}.json")
 
 
-def write_share(tmp: str, rank: int, files: dict[str, dict], blobs: dict[str, object], records: list) -> None:
-    """Write this rank's tensor files, ``blobs`` (torch.save'd), then its record file."""
+def write_share(tmp: str, rank: int, files: dict[str, dict], blobs: dict[str, object], records: list,
+                save_id: str) -> None:
+    """Write this rank's tensor files (``save_id`` in their headers), ``blobs`` (torch.save'd),
+    then its record file."""
     meta = {}
     for rel, tensors in files.items():
         if tensors:
-            meta[rel] = write_file(os.path.join(tmp, rel), tensors)
+            meta[rel] = write_file(os.path.join(tmp, rel), tensors, metadata={SAVE_KEY: save_id})
     for rel, obj in blobs.items():
         buffer = io.BytesIO()
         torch.save(obj, buffer)
@@ -48,21 +53,27 @@ def write_share(tmp: str, rank: int, files: dict[str, dict], blobs: dict[str, ob
         with store.durable_open(path, "wb") as f:
             f.write(buffer.getvalue())
     os.makedirs(os.path.join(tmp, RECORDS), exist_ok=True)
-    store.write_json_atomic(record_path(tmp, rank), {"files": meta, "records": records})
+    store.write_json_atomic(record_path(tmp, rank), {"files": meta, "records": records, "save": save_id})
 
 
 def merge(tmp: str, world: int, header: dict) -> dict:
     """The index from every rank's record file."""
-    tensors, files = {}, {}
+    tensors, files, others = {}, {}, []
     for rank in range(world):
         with open(record_path(tmp, rank)) as f:
             share = json.load(f)
+        if share.get("save") != header["save"]:
+            others.append(f"rank {rank}: {share.get('save')}")
+            continue
         files.update(share["files"])
         for section, name, shape, dtype, part in share["records"]:
             part["crc32"] = share["files"][part["file"]]["crc32"][part["key"]]
             entry = tensors.setdefault(section, {}).setdefault(name, {"shape": shape, "dtype": dtype, "parts": []})
             assert entry["shape"] == shape, f"{name}: ranks disagree on its shape"
             entry["parts"].append(part)
+    if others:
+        raise ValueError(f"{tmp} holds files of another save ({', '.join(others)}; this save is {header['save']}): "
+                         "two jobs are saving into one checkpoint directory. Give each run its own output directory")
     for section in tensors.values():
         for name, entry in section.items():
             _check_coverage(name, entry)
@@ -116,7 +127,10 @@ def wait_for_records(tmp: str, world: int, timeout_s: float) -> None:
         time.sleep(0.05)
 
 
-def submit(work) -> None:
+def submit(work, *, path: str, tag: str) -> None:
+    """Run ``work`` (writing the save of ``path``/``tag``) on a background thread."""
+    _saves.append((path, tag))
+
     def run():
         try:
             work()
@@ -140,3 +154,18 @@ def wait_for_checkpoint() -> None:
 
 
 parallel_state.register_before_destroy(wait_for_checkpoint)
+
+
+def wait_for_saves_into(path: str) -> None:
+    """Before reading ``path`` without the other ranks (``consolidate``): wait for this process's
+    saves into it, including rank 0's finishing them, which another rank sees only on disk."""
+    wait_for_checkpoint()
+    deadline = time.monotonic() + ASYNC_TIMEOUT_S
+    for saved_path, tag in [s for s in _saves if os.path.realpath(s[0]) == os.path.realpath(path)]:
+        tmp, final = store.tmp_dir(saved_path, tag), os.path.join(saved_path, store.dir_name(tag))
+        # rank 0 renames the temporary directory into place, then records the tag: wait for both
+        while os.path.isdir(tmp) or (os.path.isdir(final) and tag not in store.read_tracker(saved_path)["complete"]):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the asynchronous save into {tmp} did not finish in {ASYNC_TIMEOUT_S}s")
+            time.sleep(0.05)
+        _saves.remove((saved_path, tag))

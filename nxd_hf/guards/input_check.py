@@ -7,11 +7,14 @@ of both (different sequence lengths end in a collective mismatch or a hang). So 
 step of a model every rank checks id and label ranges and all-reduces a fixed-size
 fingerprint of its inputs (names, shapes, dtypes and a checksum of the bytes) with the range
 results over its model-parallel group (TP x PP: every rank that must see the same batch), so
-every rank of the group raises the same ``ValueError`` before any layer runs.
+every rank of the group raises the same ``ValueError`` before any layer runs. On every later
+step, checks that do not wait for the device: the vocab-parallel embedding and loss check id
+and label ranges on the device (``nxd_hf.guards.device_checks``), and the fingerprint goes out
+asynchronously and is compared at the next step (``nxd_hf.guards.fingerprint``).
 
-Modes: ``check_inputs=True`` (default; the first step, then every ``CHECK_EVERY``-th: a check
-syncs with the host),
-``"always"`` (every step, for debugging) or ``False``. The environment variable
+Modes: ``check_inputs=True`` (default; the host check on the first step, the device checks
+and the asynchronous fingerprint on every step), ``"always"`` (the host check on every step,
+for debugging) or ``False`` (none of them). The environment variable
 ``NXD_HF_CHECK_INPUTS`` = ``0`` / ``1`` / ``always`` overrides the argument. Not in NxD.
 """
 
@@ -22,6 +25,7 @@ import zlib
 import torch
 
 from nxd_hf import backend, parallel_state
+from nxd_hf.guards.fingerprint import PendingFingerprints, differs_message
 
 ENV_VAR = "NXD_HF_CHECK_INPUTS"
 _ENV_MODES = {"0": "off", "false": "off", "off": "off", "1": "first", "true": "first", "first": "first",
@@ -36,40 +40,32 @@ def resolve_mode(check_inputs) -> str:
     env = os.environ.get(ENV_VAR, "").strip().lower()
     if env:
         if env not in _ENV_MODES:
-            raise ValueError(f"${ENV_VAR}={env!r}: use 0 (off), 1 (the first step and every CHECK_EVERY-th) or always")
+            raise ValueError(f"${ENV_VAR}={env!r}: use 0 (off), 1 (the default checks) or always")
         return _ENV_MODES[env]
     return {True: "first", False: "off", "always": "always"}[check_inputs]
 
 
-CHECK_EVERY = 64
-"""Mode "first" checks the first forward and then every ``CHECK_EVERY``-th: TP/PP ranks fed
-different batches later (a sampler not split by data-parallel rank) are caught within that many
-steps. One check costs one tiny all-reduce (7 ms on 2 loaded CPU ranks, 0.3% of a 2.4 s toy step;
-so < 0.01% of a step amortized); ``"always"`` checks every forward."""
-
-
 class InputCheck:
-    """Checks a model's inputs on its first forward and every ``CHECK_EVERY``-th (every forward
-    in mode "always", none in mode "off")."""
+    """Checks a model's inputs: on the host on its first forward (every forward in mode
+    "always"), by the asynchronous fingerprint on the others (none in mode "off")."""
 
     def __init__(self, *, vocab_size: int | None, mode: str):
         self.vocab_size, self.mode = vocab_size, mode
         self.calls = 0  # forwards of real (not traced) inputs so far: the same count on every rank
-
-    @property
-    def done(self) -> bool:
-        """Whether the next forward goes unchecked."""
-        return self.mode == "off" or (self.mode == "first" and self.calls % CHECK_EVERY != 0)
+        self.pending = PendingFingerprints()
 
     def __call__(self, inputs: dict) -> None:
         tensors = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
         check_not_empty(tensors.get("input_ids"))
-        if any(backend._is_abstract(t) for t in tensors.values()):
+        if self.mode == "off" or any(backend._is_abstract(t) for t in tensors.values()):
             return
-        due = not self.done
+        on_host = self.mode == "always" or self.calls == 0
         self.calls += 1
-        if due:
+        self.pending.check()  # the previous forward's fingerprints, long arrived
+        if on_host:
             check_inputs(tensors, self.vocab_size)
+        else:
+            self.pending.start(tensors, lambda: _describe(tensors))
 
 
 def install_input_check(model, check_inputs) -> InputCheck:
@@ -80,15 +76,13 @@ def install_input_check(model, check_inputs) -> InputCheck:
 
     def hook(module, args, kwargs):
         check_not_empty(kwargs.get("input_ids", args[0] if args else None))  # every step: shapes only
-        if check.done:  # count the forward without binding its arguments
-            if not any(backend._is_abstract(t) for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)):
-                check.calls += 1
-        else:
-            try:
-                named = signature.bind_partial(*args, **kwargs).arguments
-            except TypeError:  # the forward itself will say what is wrong
-                return
-            check({**named, **named.get("kwargs", {})})
+        if check.mode == "off":
+            return
+        try:
+            named = signature.bind_partial(*args, **kwargs).arguments
+        except TypeError:  # the forward itself will say what is wrong
+            return
+        check({**named, **named.get("kwargs", {})})
 
     model.register_forward_pre_hook(hook, with_kwargs=True)
     return check
@@ -172,13 +166,10 @@ def _fingerprint(tensors: dict[str, torch.Tensor]) -> list[int]:
     return [zlib.crc32(layout.encode()), total, weighted]
 
 
+def _describe(tensors: dict[str, torch.Tensor]) -> str:
+    return ", ".join(f"{name} {list(t.shape)}" for name, t in sorted(tensors.items()))
+
+
 def _differs_message(tensors: dict[str, torch.Tensor]) -> str:
     groups = parallel_state.get_model_parallel_group(as_list=True)
-    group = next(ranks for ranks in groups if backend.rank() in ranks)
-    mine = ", ".join(f"{name} {list(t.shape)}" for name, t in sorted(tensors.items()))
-    return (
-        f"the ranks {group} of one tensor-/pipeline-parallel group got different inputs (names, shapes or "
-        f"values; this rank has {mine}). Every rank of a tensor-parallel group, and every pipeline stage, must "
-        "get the same batch: only data-parallel ranks get different ones. Sample by data-parallel rank, e.g. "
-        "DistributedSampler(dataset, num_replicas=parallel_state.get_data_parallel_size(), "
-        "rank=parallel_state.get_data_parallel_rank()) with the same seed on every rank")
+    return differs_message(next(ranks for ranks in groups if backend.rank() in ranks), _describe(tensors))

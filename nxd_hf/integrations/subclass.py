@@ -70,6 +70,7 @@ class ParallelTrainerMixin(NxDTrainer):
     """``NxDTrainer`` placed before a ``Trainer`` subclass (see the module docstring)."""
 
     nxd_pipeline_hooks: tuple[str, ...] = ()
+    nxd_checks_overrides = True  # nxd_hf.trainer.composition: this composition checks every override
 
     def __init__(self, model=None, args=None, *trainer_args, **trainer_kwargs):
         if isinstance(args, NxDTrainingArguments):

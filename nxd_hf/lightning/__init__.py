@@ -10,9 +10,9 @@ the one rank that logs (``logging_rank``). See docs/lightning.md."""
 from nxd_hf.lightning.callbacks import NeuronTensorBoardLogger, NeuronTQDMProgressBar, logging_rank
 from nxd_hf.lightning.module import NeuronLTModule
 from nxd_hf.lightning.precision import NeuronXLAPrecisionPlugin
-from nxd_hf.lightning.strategy import NeuronXLAStrategy, NxDStrategy
+from nxd_hf.lightning.strategy import NeuronXLAStrategy, NxDStrategy, checkpoint_progress
 
 __all__ = [
     "NeuronLTModule", "NeuronTensorBoardLogger", "NeuronTQDMProgressBar", "NeuronXLAPrecisionPlugin",
-    "NeuronXLAStrategy", "NxDStrategy", "logging_rank",
+    "NeuronXLAStrategy", "NxDStrategy", "checkpoint_progress", "logging_rank",
 ]

@@ -197,6 +197,19 @@ class NxDStrategy(ParallelStrategy):
             shutil.rmtree(filepath, ignore_errors=True)
 
 
+def checkpoint_progress(checkpoint_path) -> dict:
+    """``{"global_step", "epoch"}`` of a Lightning checkpoint that ``NxDStrategy`` saved, read on
+    the host before ``fit``: Lightning's ``max_steps``/``max_epochs`` count from the run's start, so
+    a resumed run that should train more sets them past these."""
+    state_file = os.path.join(os.fspath(checkpoint_path), LIGHTNING_STATE)
+    if not os.path.isfile(state_file):
+        raise ValueError(f"{checkpoint_path} is not a Lightning checkpoint saved by NxDStrategy: it has no "
+                         f"{LIGHTNING_STATE}; pass the path given to trainer.save_checkpoint (or a ModelCheckpoint's)")
+    # our own file, written by rank 0 of a job of this project: Lightning's loops hold plain objects
+    state = torch.load(state_file, weights_only=False)
+    return {"global_step": int(state["global_step"]), "epoch": int(state["epoch"])}
+
+
 _REDUCE_OPS = {"none": "mean", "mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min"}
 
 

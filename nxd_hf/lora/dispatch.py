@@ -36,8 +36,9 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from nxd_hf.lora import io
+from nxd_hf.lora.init_rng import restore_state_for
 from nxd_hf.lora.layers import LORA_LAYERS, LoraPartialGradLinear
-from nxd_hf.parallel_layers.sharding import has_partial_grad_over_tp, is_expert_parallel, is_sharded
+from nxd_hf.parallel_layers.sharding import has_partial_grad_over_tp, is_expert_parallel, is_sharded, parameter_counts
 
 
 def dispatch_parallel(target, adapter_name: str, config, **kwargs):
@@ -77,6 +78,7 @@ def partial_grad_lora(target, base, adapter_name: str, config, **kwargs):
 def _wrap_create_new_module(original):
     @functools.wraps(original)
     def create_new_module(lora_config, adapter_name, target, **kwargs):
+        restore_state_for(target)  # a pipeline stage's adapter: the draws of plain peft on the whole model
         new_module = dispatch_parallel(target, adapter_name, lora_config, **kwargs)
         return new_module if new_module is not None else original(lora_config, adapter_name, target, **kwargs)
 
@@ -174,7 +176,18 @@ def _wrap_peft_model_init(original):
     return __init__
 
 
+def _wrap_parameter_counts(original):
+    @functools.wraps(original)
+    def get_nb_trainable_parameters(self):
+        if not io.is_parallel_model(self):
+            return original(self)
+        return parameter_counts(self.parameters())  # the unparallelized model's, as peft prints them
+
+    return get_nb_trainable_parameters
+
+
 _PATCHES = (  # (owner, attribute, wrapper, as a staticmethod)
+    (PeftModel, "get_nb_trainable_parameters", _wrap_parameter_counts, False),
     (PeftModel, "__init__", _wrap_peft_model_init, False),
     (BaseTuner, "__init__", _wrap_peft_model_init, False),  # inject_adapter_in_model
     (LoraModel, "_create_new_module", _wrap_create_new_module, True),

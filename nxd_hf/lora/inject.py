@@ -2,6 +2,7 @@
 through peft's ``inject_adapter_in_model`` (the setup sequence's LoRA slot), and the
 conversion of NxD's ``LoraConfig`` (``nxd_hf.modules.lora``) to ``peft.LoraConfig``."""
 
+import contextlib
 import copy
 import warnings
 
@@ -12,8 +13,12 @@ from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
 from peft.utils.other import _set_trainable
 from torch import nn
 
+from nxd_hf import parallel_state
 from nxd_hf.lora.dispatch import register_with_peft
+from nxd_hf.lora.init_rng import drawn_as_whole_model
+from nxd_hf.lora.layers import check_supported_init
 from nxd_hf.modules.lora import LoraConfig as NxDLoraConfig
+from nxd_hf.parallel_layers.sharding import parameter_counts
 
 
 def to_peft_config(config: NxDLoraConfig) -> peft.LoraConfig:
@@ -95,6 +100,7 @@ def inject_lora(model, lora_config, *, adapter_name: str = "default", model_type
         verbose = False
     if not isinstance(lora_config, peft.LoraConfig):
         raise ValueError(f"lora_config must be a peft.LoraConfig or nxd_hf.modules.lora.LoraConfig, got {type(lora_config)}")
+    check_supported_init(lora_config)
     register_with_peft()
     modules = list(model) if isinstance(model, (list, tuple)) else [model]
     if model_type is None:
@@ -115,15 +121,32 @@ def inject_lora(model, lora_config, *, adapter_name: str = "default", model_type
             f"LoRA target_modules {lora_config.target_modules!r} match no module of the model (peft's rules: a name "
             "matches a module named so or ending in '.name'; a string is a full-match regex)"
         )
-    for module, config, matched in zip(modules, configs, matches):
-        if matched:
-            peft.inject_adapter_in_model(config, module, adapter_name=adapter_name)
-            cast_adapter_dtype(module, adapter_name=adapter_name, autocast_adapter_dtype=autocast_adapter_dtype)
-        else:
-            _freeze_stage_without_targets(module, config, adapter_name)
+    with _stage_draws(lora_config, modules, hf_model, output_layer):
+        for module, config, matched in zip(modules, configs, matches):
+            if matched:
+                peft.inject_adapter_in_model(config, module, adapter_name=adapter_name)
+                cast_adapter_dtype(module, adapter_name=adapter_name, autocast_adapter_dtype=autocast_adapter_dtype)
+            else:
+                _freeze_stage_without_targets(module, config, adapter_name)
     if verbose:
         _print_trainable(modules)
     return model
+
+
+def _stage_draws(config: peft.LoraConfig, modules: list, hf_model: nn.Module | None, output_layer: str):
+    """Pipeline stages of ``hf_model``: their adapters drawn as plain peft draws them on the whole
+    model (``nxd_hf.lora.init_rng``); the whole model, or stages without ``hf_model``: as they come."""
+    if hf_model is None or any(m is hf_model for m in modules):
+        return contextlib.nullcontext()
+    if config.target_parameters:
+        warnings.warn("LoRA target_parameters on pipeline stages: the adapters are initialized from this stage's "
+                      "generator state, not as plain peft on the whole model; load a saved adapter (or copy the "
+                      "plain model's) for the same initial adapters")
+        return contextlib.nullcontext()
+    whole = _module_config(hf_model, config, output_layer)
+    names = dict(hf_model.named_modules())
+    targets = [name for name in _matching(hf_model, whole) if name in names]
+    return drawn_as_whole_model(whole, hf_model, targets, modules)
 
 
 def _freeze_stage_without_targets(module: nn.Module, config: peft.LoraConfig, adapter_name: str) -> None:
@@ -138,8 +161,8 @@ def _freeze_stage_without_targets(module: nn.Module, config: peft.LoraConfig, ad
 
 
 def _print_trainable(modules: list[nn.Module]) -> None:
-    params = {id(p): p for m in modules for p in m.parameters()}.values()
-    trainable = sum(p.numel() for p in params if p.requires_grad)
-    total = sum(p.numel() for p in params)
-    print(f"LoRA: trainable params (this rank): {trainable:,} || all params: {total:,} || "
+    """peft's line, with the unparallelized model's counts (of this rank's pipeline stages at pp > 1)."""
+    trainable, total = parameter_counts(p for m in modules for p in m.parameters())
+    where = " (this rank's pipeline stages)" if parallel_state.get_pipeline_model_parallel_size() > 1 else ""
+    print(f"LoRA: trainable params{where}: {trainable:,} || all params: {total:,} || "
           f"trainable%: {100 * trainable / max(total, 1):.4f}")

@@ -26,6 +26,32 @@ from nxd_hf.parallel_layers.sharding import (
 )
 
 SUPPORTED_INITS = (True, False, "gaussian")
+_WEIGHT_INITS = {  # peft's other inits: what makes them need the whole layer (or data) on one process
+    "olora": "rewrites the base weight from a QR decomposition of the whole weight",
+    "pissa": "rewrites the base weight from an SVD of the whole weight",
+    "corda": "rewrites the base weight from an SVD of the whole weight and activation statistics",
+    "loftq": "quantizes the whole base weight and initializes from its quantization error",
+    "eva": "initializes A from SVDs of the layer's activations on data batches (initialize_lora_eva_weights)",
+    "orthogonal": "draws orthogonal A and B from a QR decomposition of the whole adapter shapes",
+    "lora_ga": "initializes from the gradients of the whole weight",
+    "mica": "initializes from the whole base weight",
+}
+
+
+def check_supported_init(config) -> None:
+    """ValueError naming an ``init_lora_weights`` nxd_hf cannot make equal plain peft's."""
+    init = config.init_lora_weights
+    if init in SUPPORTED_INITS:
+        return
+    key = next((k for k in _WEIGHT_INITS if isinstance(init, str) and init.lower().startswith(k)), None)
+    why = _WEIGHT_INITS.get(key, "is not one nxd_hf implements")
+    raise ValueError(
+        f"LoRA init_lora_weights={init!r} is not supported on an nxd_hf parallel model: it {why}, which a rank "
+        "holding a shard or a pipeline stage cannot do as plain peft does. Use init_lora_weights=True (peft's "
+        "default) or 'gaussian', which equal plain peft at every layout; or initialize with plain peft on the "
+        "unparallelized model, save the adapter converted to a plain LoRA (peft's save_pretrained(..., "
+        "path_initial_model_for_weight_conversion=...)) and load it into the parallel model with the base "
+        "it applies to")
 
 
 def check_supported_config(config, where: str) -> None:
@@ -39,6 +65,7 @@ def check_supported_config(config, where: str) -> None:
         "monteclora_config": getattr(config, "monteclora_config", None),
         "kasa_config": getattr(config, "kasa_config", None),
     }
+    check_supported_init(config)
     bad = sorted(name for name, value in unsupported.items() if value)
     if bad:
         raise ValueError(

@@ -72,13 +72,14 @@ def parallelize(
     spec = Spec(plan=plan, compute_config=compute_config, dummy_forward_args=dummy_forward_args,
                 new_module=new_module, instance_name=instance_name, is_hf=is_hf,
                 initial_state={k: v.detach().clone() for k, v in module.state_dict().items()} if is_class else None)
-    cls = type(f"{type(module).__name__}Parallel", (ParallelModule,), {"_spec": spec, "__module__": __name__})
-    if is_class:
-        save()
-        return cls
-    parallel = cls(init_module_params, _module=module)
-    save()  # after building it: a call refused on the way (sizes, ranks disagreeing) leaves no plan behind
-    return parallel
+
+    def __init__(self, *args, **kwargs):
+        ParallelModule.__init__(self, *args, **kwargs)
+        save()  # after building it: a build refused on the way (sizes, ranks disagreeing) leaves no plan behind
+
+    cls = type(f"{type(module).__name__}Parallel", (ParallelModule,),
+               {"_spec": spec, "__module__": __name__, "__init__": __init__})
+    return cls if is_class else cls(init_module_params, _module=module)
 
 
 def _save_plan(module, plan, config, gen_savedir, instance_name, reuse, broadcast_strategy, load_module) -> None:

@@ -20,13 +20,12 @@ registers itself with the gradient-reduction policy of the models owning its par
 step's collectives carry the ``backend.comm_tag`` "zero1".
 """
 
-import warnings
 
 import torch
 
 from nxd_hf import backend, parallel_state
 from nxd_hf.model_state import state_of
-from nxd_hf.optim.flat import FlatGroup
+from nxd_hf.optim.flat import FlatGroup, powered_sum
 from nxd_hf.optim.groups import resolve_group
 from nxd_hf.optim.zero1_experts import Zero1ExpertsMixin
 from nxd_hf.optim.zero1_overlap import OverlappedReduceScatter
@@ -94,7 +93,7 @@ class NeuronZero1Optimizer(Zero1ExpertsMixin, Zero1StateMixin, torch.optim.Optim
 
     interleaved_layout = True
     """The flat layout (``optim.flat``): interleaved, in backward order (False: the contiguous one
-    before issue 28, without the overlapped reduce-scatter; kept to test loading its state_dicts)."""
+    the earlier layout, without the overlapped reduce-scatter; kept to test loading its state_dicts)."""
 
     def __init__(self, params, optimizer_class, optimizer_dtype: torch.dtype | None = None, grad_clipping: bool = True,
                  max_norm: float | None = None, pin_layout=True, sharding_groups=None, grad_norm_groups=None,
@@ -104,7 +103,8 @@ class NeuronZero1Optimizer(Zero1ExpertsMixin, Zero1StateMixin, torch.optim.Optim
                  grad_source=None, overlap_reduce_scatter: bool = True, **defaults):
         _check_elementwise(optimizer_class, elementwise)
         if not grad_clipping and max_norm is not None:
-            warnings.warn(f"NeuronZero1Optimizer: max_norm={max_norm} is ignored with grad_clipping=False", stacklevel=2)
+            backend.warn_once(f"NeuronZero1Optimizer: max_norm={max_norm} is ignored with grad_clipping=False",
+                              stacklevel=2)
         max_norm = (1.0 if max_norm is None else max_norm) if grad_clipping else None
         if max_norm is not None and max_norm <= 0:
             raise ValueError(f"max_norm must be positive (or grad_clipping=False: no clipping), got {max_norm}")
@@ -135,7 +135,7 @@ class NeuronZero1Optimizer(Zero1ExpertsMixin, Zero1StateMixin, torch.optim.Optim
         optimizer_class, bucket_size_mb, model, defaults = self._init_args
         self.dp_size, self.dp_rank = backend.group_size(self.sharding_group), backend.group_rank(self.sharding_group)
         if self.dp_size == 1:
-            warnings.warn(
+            backend.warn_once(
                 "NeuronZero1Optimizer: the sharding (data-parallel) group has one rank, so there is nothing to "
                 "shard: this rank keeps the whole optimizer state (no memory saving). Use it with DP > 1",
                 stacklevel=2,
@@ -290,7 +290,7 @@ class NeuronZero1Optimizer(Zero1ExpertsMixin, Zero1StateMixin, torch.optim.Optim
                 elif isinstance(weight, torch.Tensor):
                     total += (grad.abs().pow(p) * weight).sum()
                 else:
-                    total += torch.linalg.vector_norm(grad, p) ** p * weight
+                    total += powered_sum(grad, p) * weight
         op = "max" if p == float("inf") else "sum"
         backend.all_reduce(total, self.sharding_group, op=op)
         backend.all_reduce(total, self.grad_norm_group, op=op)

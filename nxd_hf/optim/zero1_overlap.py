@@ -1,4 +1,4 @@
-"""ZeRO-1's gradient reduce-scatter overlapped with backward (issue 28).
+"""ZeRO-1's gradient reduce-scatter overlapped with backward.
 
 In the interleaved flat layout (``nxd_hf.optim.flat``) bucket k of a ``FlatGroup`` is one
 contiguous range of parameters in backward order. A post-accumulate-grad hook on each parameter

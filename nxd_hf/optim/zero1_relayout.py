@@ -1,4 +1,4 @@
-"""A ZeRO-1 ``state_dict`` saved in the contiguous flat layout (before issue 28) loaded into the
+"""A ZeRO-1 ``state_dict`` saved in the contiguous flat layout loaded into the
 interleaved one (``nxd_hf.optim.flat``): each parameter's state is rebuilt from the saved slices
 of every DP rank (one all-reduce per parameter and state, as ``param_states``) and set through
 the checkpoint protocol (``load_param_states``). Collective over the sharding group: every DP

@@ -6,7 +6,7 @@ parameter's state decoded from the flat slices into the parameter's local layout
 Flat layout (``nxd_hf.optim.flat``): each ``FlatGroup``'s parameters lie end to end; this rank
 holds the pieces ``fg.pieces()`` of it in its master (``masters[i]``) and in the inner
 optimizer's state, whose params are chunks of that master slice. A ``state_dict`` saved in the
-layout before issue 28 (contiguous, parameters in order) is converted on load (``zero1_relayout``).
+layout before the overlapped reduce-scatter (contiguous, parameters in order) is converted on load (``zero1_relayout``).
 """
 
 import torch

@@ -136,16 +136,36 @@ def get_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) ->
         backend.all_reduce(total, parallel_state.get_expert_parallel_group(), op="max")
         backend.all_reduce(total, parallel_state.get_model_parallel_group(), op="max")
         return total
-    total, experts = (torch.zeros((), dtype=torch.float32, device=device) for _ in range(2))
-    for p in counted:
-        if is_expert_parallel(p):
-            experts = experts + _replica_weighted_power(p, norm_type)
-        else:
-            total = total + _replica_weighted_power(p, norm_type)
+    total = _power_sum([p for p in counted if not is_expert_parallel(p)], norm_type, device)
+    experts = _power_sum([p for p in counted if is_expert_parallel(p)], norm_type, device)
     if parallel_state.get_expert_parallel_size() > 1:  # every rank joins, with or without experts
         total = total + backend.all_reduce(experts, parallel_state.get_expert_parallel_group())
     backend.all_reduce(total, parallel_state.get_model_parallel_group())
     return total ** (1.0 / norm_type)
+
+
+_FOREACH_DEVICES = ("cpu", "cuda")  # where torch's foreach kernels serve clip_grad_norm_
+
+
+def _power_sum(params: list[torch.Tensor], norm_type: float, device) -> torch.Tensor:
+    """sum over ``params`` of sum |g|^p, each row divided by its number of copies across the TP
+    group: one ``_foreach_norm`` per (device, dtype, copies) group, as torch's ``clip_grad_norm_``
+    (fp32 accumulation), not a kernel and an fp32 copy of the gradient per parameter."""
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for p in params:
+        replicas = getattr(p, "num_replicas", 1)
+        if isinstance(replicas, torch.Tensor):  # per-row copies: its own reduction
+            total = total + _replica_weighted_power(p, norm_type).to(device)
+        else:
+            groups.setdefault((p.grad.device, p.grad.dtype, replicas), []).append(p.grad.detach())
+    for (grad_device, _, replicas), grads in groups.items():
+        if grad_device.type in _FOREACH_DEVICES:
+            norms = torch._foreach_norm(grads, norm_type, dtype=torch.float32)
+        else:  # torch's clip_grad_norm_ loops there too (XLA)
+            norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]
+        total = total + (torch.stack(norms).to(device) ** norm_type).sum() / replicas
+    return total
 
 
 def _replica_weighted_power(p: torch.Tensor, norm_type: float) -> torch.Tensor:
@@ -164,7 +184,14 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float, norm_typ
     params = _as_list(parameters)
     total = get_grad_norm(params, norm_type)
     clip_coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    groups: dict[tuple, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is not None:
-            p.grad.detach().mul_(clip_coef.to(p.grad.device, p.grad.dtype))
+            groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad.detach())
+    for (device, dtype), grads in groups.items():  # one kernel per group, as torch's clip_grad_norm_
+        if device.type in _FOREACH_DEVICES:
+            torch._foreach_mul_(grads, clip_coef.to(device, dtype))
+        else:
+            for g in grads:
+                g.mul_(clip_coef.to(device, dtype))
     return total

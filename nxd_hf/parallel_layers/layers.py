@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nxd_hf.guards import device_checks
 from nxd_hf.parallel_layers import mappings
 from nxd_hf.parallel_layers.sharding import (
     contiguous_shard_index, gather_logical, gather_positions, local_rows_mask, mark_partial_grad_over_tp,
@@ -223,7 +224,10 @@ class RowParallelLinear(_WholeLayerSizes, nn.Module):
 class ParallelEmbedding(nn.Module):
     """Embedding table ``E = [E_1; ...; E_p]`` split over the vocab (padded to a multiple of
     the TP size). Rank i looks up the ids it owns, zeros elsewhere; the partial lookups are
-    summed by an all-reduce, or reduce-scattered along the sequence under SP."""
+    summed by an all-reduce, or reduce-scattered along the sequence under SP. ``check_ids``
+    (default True; ``parallelize(check_inputs=False)`` clears it): every forward checks on the
+    device that the ids are in ``[0, num_embeddings)`` (``nxd_hf.guards.device_checks``); an id
+    outside would match no rank's rows and embed as zeros."""
 
     def __init__(
         self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None,
@@ -235,6 +239,7 @@ class ParallelEmbedding(nn.Module):
             padding_idx += num_embeddings
         self.num_embeddings, self.embedding_dim, self.padding_idx = num_embeddings, embedding_dim, padding_idx
         self.init_method, self.sequence_parallel_enabled = init_method, sequence_parallel_enabled
+        self.check_ids = True
         tp_rank, tp_size = tp_coords()
         shard_index = contiguous_shard_index(num_embeddings, tp_rank, tp_size)
         self.num_embeddings_per_partition = len(shard_index)
@@ -260,6 +265,8 @@ class ParallelEmbedding(nn.Module):
         start, local = self.vocab_start_index, self.num_embeddings_per_partition
         if local == self.num_embeddings and not self.sequence_parallel_enabled:  # one rank holds it all (tp=1)
             return F.embedding(input_ids, self.weight, self.local_padding_idx)
+        if self.check_ids:
+            device_checks.check_ids(input_ids, self.num_embeddings)
         outside = (input_ids < start) | (input_ids >= start + local)
         local_ids = (input_ids - start).masked_fill(outside, 0)
         out = F.embedding(local_ids, self.weight, self.local_padding_idx)

@@ -10,67 +10,82 @@ import torch
 import torch.nn.functional as F
 
 from nxd_hf import backend, parallel_state
+from nxd_hf.guards import device_checks
+
+
+def vocab_parallel_softmax(z: torch.Tensor, labels: torch.Tensor, label_smoothing: float, ignore_index: int,
+                           vocab_size: int):
+    """The forward of the vocab-parallel cross-entropy on this rank's fp32 logits ``z [..., V/tp]``
+    (overwritten): per-token ``lse(z) - (1 - eps) z_y - eps mean_c(z_c)`` over the real vocab,
+    all-reducing a max and three sums on the TP group. Returns the loss and what
+    ``grad_of_logits`` needs (the softmax lives in ``z``'s storage)."""
+    group = parallel_state.get_tensor_model_parallel_group()
+    local_vocab = z.shape[-1]
+    start = parallel_state.get_tensor_model_parallel_rank() * local_vocab
+    columns = torch.arange(start, start + local_vocab, device=z.device)
+    real = columns < vocab_size  # padded vocab columns do not exist for the loss
+    num_real = max(0, min(local_vocab, vocab_size - start))  # the real columns are a prefix
+
+    if num_real:
+        z_max = z[..., :num_real].max(dim=-1).values
+    else:
+        z_max = torch.full(z.shape[:-1], float("-inf"), dtype=z.dtype, device=z.device)
+    backend.all_reduce(z_max, group, op="max")
+    shifted = z.sub_(z_max.unsqueeze(-1))  # [..., V/tp]
+    shifted[..., num_real:] = float("-inf")
+
+    ignored = labels == ignore_index
+    local_label = labels - start
+    owned = (local_label >= 0) & (local_label < local_vocab) & ~ignored
+    safe_label = local_label.masked_fill(~owned, 0)
+    target = shifted.gather(-1, safe_label.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0)
+    sum_shifted = shifted[..., :num_real].sum(-1)
+    exp = shifted.exp_()  # in place: shifted is not needed again
+    sums = torch.stack([exp.sum(-1), target, sum_shifted])
+    backend.all_reduce(sums, group)
+    sum_exp, target, sum_shifted = sums
+
+    loss = sum_exp.log() - (1.0 - label_smoothing) * target - label_smoothing * sum_shifted / vocab_size
+    loss = loss.masked_fill(ignored, 0.0)
+    softmax = exp.div_(sum_exp.unsqueeze(-1))
+    return loss, (softmax, safe_label, owned, ignored, real)
+
+
+def grad_of_logits(saved, label_smoothing: float, vocab_size: int, grad_loss) -> torch.Tensor:
+    """``d loss / d z`` from ``vocab_parallel_softmax``'s saved values, times ``grad_loss`` per
+    token: ``softmax - (1 - eps) onehot - eps / C`` per local column, zero at padded columns and
+    ignored tokens; no communication. Written into the softmax's storage."""
+    softmax, safe_label, owned, ignored, real = saved
+    grad = softmax
+    grad.scatter_add_(-1, safe_label.unsqueeze(-1), -(1.0 - label_smoothing) * owned.unsqueeze(-1).to(grad.dtype))
+    if label_smoothing:
+        grad.sub_(label_smoothing / vocab_size * real.to(grad.dtype))
+    grad.mul_((grad_loss * (~ignored).to(grad.dtype)).unsqueeze(-1))
+    return grad
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Forward: per-token ``lse(z) - (1 - eps) z_y - eps mean_c(z_c)`` over the real vocab,
-    all-reducing a max and three sums on the TP group. Backward: ``softmax - (1 - eps) onehot -
-    eps / C`` per local column, zero at padded columns and ignored tokens; no communication."""
+    """Forward: ``vocab_parallel_softmax`` (a max and three sums all-reduced on the TP group).
+    Backward: ``grad_of_logits``; no communication."""
 
     @staticmethod
     def forward(ctx, logits, labels, label_smoothing, ignore_index, vocab_size):
-        group = parallel_state.get_tensor_model_parallel_group()
-        tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        local_vocab = logits.shape[-1]
-        start = tp_rank * local_vocab
-        columns = torch.arange(start, start + local_vocab, device=logits.device)
-        real = columns < vocab_size  # padded vocab columns do not exist for the loss
-        num_real = max(0, min(local_vocab, vocab_size - start))  # the real columns are a prefix
-        z = logits.float()  # logits itself in fp32: never written (the caller's output holds it)
-
-        if num_real:
-            z_max = z[..., :num_real].max(dim=-1).values
-        else:
-            z_max = torch.full(z.shape[:-1], float("-inf"), dtype=z.dtype, device=z.device)
-        backend.all_reduce(z_max, group, op="max")
-        shifted = z - z_max.unsqueeze(-1)  # [..., V/tp]; the one logits-sized buffer of the forward
-        shifted[..., num_real:] = float("-inf")
-
-        ignored = labels == ignore_index
-        local_label = labels - start
-        owned = (local_label >= 0) & (local_label < local_vocab) & ~ignored
-        safe_label = local_label.masked_fill(~owned, 0)
-        target = shifted.gather(-1, safe_label.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0)
-        sum_shifted = shifted[..., :num_real].sum(-1)
-        exp = shifted.exp_()  # in place: shifted is not needed again
-        sums = torch.stack([exp.sum(-1), target, sum_shifted])
-        backend.all_reduce(sums, group)
-        sum_exp, target, sum_shifted = sums
-
-        log_sum_exp = sum_exp.log()
-        loss = log_sum_exp - (1.0 - label_smoothing) * target - label_smoothing * sum_shifted / vocab_size
-        loss = loss.masked_fill(ignored, 0.0)
-
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, safe_label, owned, ignored, real)
+        z = logits.float().clone() if logits.dtype == torch.float32 else logits.float()  # the caller's logits stay
+        loss, saved = vocab_parallel_softmax(z, labels, label_smoothing, ignore_index, vocab_size)
+        ctx.save_for_backward(*saved)
         ctx.label_smoothing, ctx.vocab_size, ctx.dtype = label_smoothing, vocab_size, logits.dtype
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        softmax, safe_label, owned, ignored, real = ctx.saved_tensors
-        eps = ctx.label_smoothing
-        grad = softmax  # reused in place: saved tensors are not needed again
-        grad.scatter_add_(-1, safe_label.unsqueeze(-1), -(1.0 - eps) * owned.unsqueeze(-1).to(grad.dtype))
-        if eps:
-            grad.sub_(eps / ctx.vocab_size * real.to(grad.dtype))
-        grad.mul_((grad_loss.float() * (~ignored).to(grad.dtype)).unsqueeze(-1))
+        grad = grad_of_logits(ctx.saved_tensors, ctx.label_smoothing, ctx.vocab_size, grad_loss.float())
         return grad.to(ctx.dtype), None, None, None, None
 
 
 def parallel_cross_entropy(
     parallel_logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float = 0.0,
     ignore_index: int = -100, reduction: Literal["none", "mean", "sum"] = "none", *, vocab_size: int | None = None,
+    check_labels: bool = True,
 ) -> torch.Tensor:
     """Cross-entropy of vocab-parallel logits ``[..., V/tp]`` against unsharded ``labels [...]``.
 
@@ -80,6 +95,9 @@ def parallel_cross_entropy(
     smoothing follows torch (``(1 - eps) nll + eps * mean_c(-log p_c)``), not NxD's formula.
     ``vocab_size`` (default: all columns) excludes padded vocab columns on the last ranks.
     The input is never modified in place; the loss is computed in fp32.
+    ``check_labels``: at tp > 1 every call checks on the device that each label is a token id or
+    ``ignore_index`` (``nxd_hf.guards.device_checks``): a label >= ``vocab_size`` matches no rank's
+    columns and would give a finite, wrong loss (torch's own kernel raises at tp=1).
     """
     if reduction not in ("none", "mean", "sum"):
         raise ValueError(f"reduction must be 'none', 'mean' or 'sum', not {reduction!r}")
@@ -99,6 +117,8 @@ def parallel_cross_entropy(
         loss = F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), ignore_index=ignore_index,
                                reduction=reduction, label_smoothing=label_smoothing)
         return loss.view(labels.shape) if reduction == "none" else loss
+    if check_labels:
+        device_checks.check_labels(labels, vocab_size, ignore_index)
     loss = _VocabParallelCrossEntropy.apply(parallel_logits, labels, label_smoothing, ignore_index, vocab_size)
     if reduction == "sum":
         return loss.sum()

@@ -137,6 +137,24 @@ def is_sharded(param: torch.Tensor) -> bool:
     return getattr(param, "tensor_model_parallel", False)
 
 
+def logical_numel(param: torch.Tensor) -> int:
+    """Elements of the whole (unsharded, unpadded) tensor ``param`` is this rank's part of."""
+    numel = param.numel()
+    if is_expert_parallel(param) and param.shape[0]:
+        numel = numel // param.shape[0] * param.expert_logical_size
+    if is_sharded(param) and param.shape[param.partition_dim]:
+        numel = numel // param.shape[param.partition_dim] * param.logical_size
+    return numel
+
+
+def parameter_counts(params) -> tuple[int, int]:
+    """(trainable, all) elements of the model ``params`` are this rank's parts of, each tensor once:
+    what the unparallelized model counts, over the stages this rank holds. A weight tied across
+    pipeline stages counts on its first holder only; no communication."""
+    unique = {id(p): p for p in params if getattr(p, "count_in_grad_norm", True)}.values()
+    return (sum(logical_numel(p) for p in unique if p.requires_grad), sum(logical_numel(p) for p in unique))
+
+
 def gather_full_tensor(param: torch.Tensor, tensor: torch.Tensor | None = None) -> torch.Tensor:
     """The unsharded, unpadded ``tensor`` (default: ``param`` itself; e.g. ``param.grad``) laid
     out as the TP-sharded ``param``; every rank gets it. Replicated rows (K/V copies) are equal,

@@ -187,12 +187,13 @@ class NxDPPModel(nn.Module):
                          "returns the loss) or run_eval(**inputs), on it or on nxd_hf.initialize_parallel_model's NxDModel")
 
     # -- NxD's API
-    def run_train(self, *args, **inputs):
+    def run_train(self, *args, padded_rows: int = 0, **inputs):
         """One training step over ``num_microbatches`` microbatches; returns the loss. Inputs by
         name, or positionally in ``input_names`` order, or as one dict (a tokenizer's batch).
         Every PP rank passes the same full inputs (as in NxD): each stage recomputes the
-        attention mask and positions from them."""
-        return self._runner.run(named_inputs(self.input_names, args, inputs), train=True)
+        attention mask and positions from them. ``padded_rows`` as ``run_eval``'s; here it may
+        be the whole batch (a data-parallel replica left without rows by a short last batch)."""
+        return self._runner.run(named_inputs(self.input_names, args, inputs), train=True, padded_rows=padded_rows)
 
     def run_eval(self, *args, return_logits: bool = False, padded_rows: int = 0, **inputs):
         """Forward only; returns the loss (labels given) like ``run_train``. With

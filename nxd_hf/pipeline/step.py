@@ -23,6 +23,7 @@ from nxd_hf import backend, parallel_state
 from nxd_hf.guards.input_check import check_step_inputs
 from nxd_hf.moe import aux_loss as aux
 from nxd_hf.pipeline.failure import raise_on_every_rank
+from nxd_hf.pipeline.pooled_loss import pooled_loss_share, row_normalizer, takes_pooled_logits
 from nxd_hf.pipeline.router_aux import microbatch_masks
 from nxd_hf.parallel_layers.loss_functions import loss_normalizer
 from nxd_hf.parallel_layers.random import draw_step_seed, pipeline_stage_rng
@@ -41,11 +42,14 @@ def _select_loss(output, spec):
     return next(value for value, is_loss in zip(output, spec) if is_loss)
 
 
-def _check_padded_rows(padded_rows: int, labels, rows: int) -> None:
+def _check_padded_rows(padded_rows: int, labels, rows: int, *, train: bool) -> None:
+    """Training may pad a whole batch (its loss is a sum over the step's tokens, so zero); an
+    evaluation's loss is a mean over its own tokens, which need a row that is not padding."""
     if not padded_rows:
         return
-    if not 0 < padded_rows < rows:
-        raise ValueError(f"padded_rows={padded_rows} with a batch of {rows} rows: give 0 <= padded_rows < {rows}")
+    most = rows if train else rows - 1
+    if not 0 < padded_rows <= most:
+        raise ValueError(f"padded_rows={padded_rows} with a batch of {rows} rows: give 0 <= padded_rows <= {most}")
     if labels is None or bool((labels[-padded_rows:] != -100).any()):
         raise ValueError(f"the last padded_rows={padded_rows} rows must have labels -100 (ignored by the loss): "
                          "set their labels to -100, or pass padded_rows=0")
@@ -79,6 +83,8 @@ class StepRunner:
         self.num_items = None
         self.train = True
         self._dropout = None  # whether some stage has dropout: agreed over the pipeline on the first step
+        # sequence classification: the graph ends in pooled logits [b, num_labels], the loss counts rows
+        self.pooled = pp_model.is_hf and takes_pooled_logits(pp_model.hf_model)
 
     def _stage_rng(self):
         """A context for each pass of the step: this stage's stream (one draw of the default
@@ -96,6 +102,8 @@ class StepRunner:
 
     def _loss_fn(self, output, labels):
         original = self.model.hf_model
+        if self.pooled:
+            return pooled_loss_share(original, output, labels, self.num_items)
         if self.model.is_hf:  # the model's own loss (vocab-parallel under TP) on the logits
             return original.loss_function(logits=output, labels=labels, vocab_size=original.config.vocab_size,
                                           num_items_in_batch=self.num_items)
@@ -136,12 +144,13 @@ class StepRunner:
                 f"run_train/run_eval got no {missing}: a model that is not Hugging Face's takes every name of "
                 f"input_names {model.input_names}, its loss coming out of its forward (output_loss_value_spec "
                 "picks it). Pass them all, or set input_names to the inputs its forward uses")
-        _check_padded_rows(padded_rows, labels, inputs[model.input_names[0]].shape[0])
+        _check_padded_rows(padded_rows, labels, inputs[model.input_names[0]].shape[0], train=train)
         if not model.is_hf:  # the loss is in the traced graph; the schedule still wants a target
             labels = torch.zeros(inputs[model.input_names[0]].shape[0], device=backend.default_device())
         if model.is_hf and "attention_mask" in model.input_names and "attention_mask" not in inputs:
             inputs = {**inputs, "attention_mask": torch.ones_like(inputs["input_ids"])}
-        self.num_items = loss_normalizer(labels, step_count) if model.is_hf else None
+        normalizer = row_normalizer if self.pooled else loss_normalizer
+        self.num_items = normalizer(labels, step_count) if model.is_hf else None
         names = [name for name in model.input_names if name != "labels" or not model.is_hf]
         first, last = 0 in model.local_stage_ids, model.num_stages - 1 in model.local_stage_ids
         losses = [] if last else None
@@ -208,12 +217,16 @@ class StepRunner:
 
     def _logits_everywhere(self, logits, batch_shape) -> torch.Tensor:
         """The last stage's logits, gathered over TP, unpadded and in fp32, on every PP rank."""
-        vocab_size = self.model.config.vocab_size
         group = parallel_state.get_pipeline_model_parallel_group()
-        if logits is not None:
-            logits = gather_logical(logits, None, vocab_size).float().contiguous()  # gloo sends storage
+        if self.pooled:  # [b, num_labels], replicated over TP
+            shape, logits = (batch_shape[0], self.model.config.num_labels), None if logits is None else logits.float()
         else:
-            logits = torch.empty(*batch_shape, vocab_size, device=backend.collective_device(group))
+            shape = (*batch_shape, self.model.config.vocab_size)
+            logits = None if logits is None else gather_logical(logits, None, shape[-1]).float()
+        if logits is not None:
+            logits = logits.contiguous()  # gloo sends storage
+        else:
+            logits = torch.empty(*shape, device=backend.collective_device(group))
         return backend.broadcast(logits, self._last_stage_rank(), group)
 
     def _reduce_losses(self, losses):

@@ -61,7 +61,16 @@ class MaskBuilder(nn.Module):
 
 class MetaProxy(fx.Proxy):
     """A proxy whose rank and dtype are known (from its fake value), so Python control flow on
-    them traces; anything else stays symbolic."""
+    them traces; anything else stays symbolic. It has its tensor's attributes and no others:
+    duck typing (transformers' ``is_tracing`` calls ``x.jax()`` where jax is importable) must
+    not leave a node no tensor can run, so the graph never depends on what else is installed."""
+
+    def __getattr__(self, name: str):
+        value = self.__dict__.get("node") and self.node.meta.get("val")
+        if isinstance(value, torch.Tensor) and not hasattr(value, name):
+            raise AttributeError(f"'{type(value).__name__}' object has no attribute '{name}' (traced value "
+                                 f"{self.node.name})")
+        return super().__getattr__(name)
 
     def _value(self):
         value = self.node.meta.get("val")

@@ -232,7 +232,7 @@ def _retie(model: nn.Module, swapped: dict[int, nn.Parameter]) -> None:
 def apply_tensor_parallel(model: nn.Module, patch: plan.ModelPatch, layout: HeadLayout | None, *, sequence_parallel: bool) -> None:
     """Swap every planned module of ``model`` (in place) and mark partial-gradient parameters."""
     if parallel_state.get_tensor_model_parallel_size() > 1 and getattr(model, "config", None) is not None:
-        check_shardable(model.config)
+        check_shardable(model.config, parallel_state.get_tensor_model_parallel_size())
     embedding, swapped, alive = None, {}, []  # swapped: id(old param) -> new; `matched` keeps the old ones alive
     matched = match_plan(patch, model)
     regions = [name + "." for name, _, style in matched if isinstance(style, plan.ParallelRegion)]

@@ -137,12 +137,27 @@ _UNSHARDABLE_CONFIG = {
 }
 
 
-def check_shardable(config) -> None:
+# Model types whose attention code fixes a layout of its fused projection: (the TP sizes it
+# shards exactly at, from the config and tp) -> why.
+_FIXED_LAYOUTS = {
+    # CodeGen splits qkv_proj's columns into 4 blocks of [q; v; k] (the 4-way model parallelism it was
+    # trained with): a rank's columns are whole blocks of whole heads only when tp divides 4 and the heads
+    "codegen": (lambda config, tp: 4 % tp == 0 and config.num_attention_heads % tp == 0,
+                "its attention splits the fused qkv_proj into 4 interleaved [q; v; k] blocks, which a rank holds "
+                "whole only when tensor_parallel_size divides 4 and num_attention_heads (no head padding)"),
+}
+
+
+def check_shardable(config, tp_size: int) -> None:
     """ValueError at tp > 1 for config features whose model code cannot run on a TP shard."""
     for field, (applies, why) in _UNSHARDABLE_CONFIG.items():
         if hasattr(config, field) and applies(getattr(config, field)):
             raise ValueError(f"{config.model_type!r}: {why}. Use tensor_parallel_size=1 for this architecture, or "
                              "a hand-written patch with nxd_hf.register_patch")
+    fits, why = _FIXED_LAYOUTS.get(getattr(config, "model_type", None), (lambda *_: True, ""))
+    if not fits(config, tp_size):
+        raise ValueError(f"{config.model_type!r} at tensor_parallel_size={tp_size}: {why}. Use a tensor_parallel_size "
+                         "that does, or a hand-written patch with nxd_hf.register_patch")
 
 
 def _check_config(model_type: str, hf_plan: dict[str, str], config) -> None:

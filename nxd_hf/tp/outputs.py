@@ -11,6 +11,8 @@
   held at all (returned, computed from those hidden states, only with ``gather_logits=True``).
 """
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -21,14 +23,14 @@ from nxd_hf.parallel_layers.sharding import gather_logical
 
 
 def parallel_causal_lm_loss(logits, labels, vocab_size: int, num_items_in_batch=None, ignore_index: int = -100,
-                            shift_labels=None, **kwargs) -> torch.Tensor:
+                            shift_labels=None, *, check_labels: bool = True, **kwargs) -> torch.Tensor:
     """``transformers.loss.loss_utils.ForCausalLMLoss`` on vocab-parallel logits."""
     shift_labels = _shift(labels, shift_labels, ignore_index).to(logits.device)
+    reduction = "mean" if num_items_in_batch is None else "sum"
+    loss = parallel_cross_entropy(logits, shift_labels, ignore_index=ignore_index, reduction=reduction,
+                                  vocab_size=vocab_size, check_labels=check_labels)
     if num_items_in_batch is None:
-        return parallel_cross_entropy(logits, shift_labels, ignore_index=ignore_index, reduction="mean",
-                                      vocab_size=vocab_size)
-    loss = parallel_cross_entropy(logits, shift_labels, ignore_index=ignore_index, reduction="sum",
-                                  vocab_size=vocab_size)
+        return loss
     if torch.is_tensor(num_items_in_batch):
         num_items_in_batch = num_items_in_batch.to(loss.device)
     return loss / num_items_in_batch
@@ -39,14 +41,14 @@ def _shift(labels, shift_labels, ignore_index: int):
 
 
 def fused_causal_lm_loss(hidden, labels, head: nn.Module, vocab_size: int, num_items_in_batch=None,
-                         ignore_index: int = -100, shift_labels=None) -> torch.Tensor:
+                         ignore_index: int = -100, shift_labels=None, *, check_labels: bool = True) -> torch.Tensor:
     """``parallel_causal_lm_loss`` of ``head(hidden)`` (a vocab-parallel ``ColumnParallelLinear``)
     computed by ``fused_linear_cross_entropy``."""
     hidden = head.input_to_region(hidden)  # replicated, full sequence (gathered under SP)
     labels = _shift(labels, shift_labels, ignore_index)
     reduction = "mean" if num_items_in_batch is None else "sum"
     loss = fused_linear_cross_entropy(hidden, head.weight, labels, bias=head.bias, vocab_size=vocab_size,
-                                      ignore_index=ignore_index, reduction=reduction)
+                                      ignore_index=ignore_index, reduction=reduction, check_labels=check_labels)
     if num_items_in_batch is None:
         return loss
     if torch.is_tensor(num_items_in_batch):
@@ -54,7 +56,7 @@ def fused_causal_lm_loss(hidden, labels, head: nn.Module, vocab_size: int, num_i
     return loss / num_items_in_batch
 
 
-def _install_fused_loss(model: nn.Module, head: nn.Module, armed: dict) -> None:
+def _install_fused_loss(model: nn.Module, head: nn.Module, armed: dict, check_labels: bool) -> None:
     """In training with labels the head returns its input and the loss function takes it."""
     if getattr(model.config, "final_logit_softcapping", None):
         raise ValueError("fused_loss=True: this model soft-caps its logits (final_logit_softcapping), which a loss "
@@ -66,8 +68,8 @@ def _install_fused_loss(model: nn.Module, head: nn.Module, armed: dict) -> None:
 
     def loss_function(logits, labels, vocab_size: int, **kwargs):
         if armed["on"]:
-            return fused_causal_lm_loss(logits, labels, head, vocab_size, **kwargs)
-        return parallel_causal_lm_loss(logits, labels, vocab_size, **kwargs)
+            return fused_causal_lm_loss(logits, labels, head, vocab_size, check_labels=check_labels, **kwargs)
+        return parallel_causal_lm_loss(logits, labels, vocab_size, check_labels=check_labels, **kwargs)
 
     head.forward = forward
     model.loss_function = loss_function
@@ -79,14 +81,16 @@ def _install_fused_loss(model: nn.Module, head: nn.Module, armed: dict) -> None:
 
 
 def install_output_contract(model: nn.Module, *, vocab_size: int, gather_logits: bool, sequence_parallel: bool,
-                            head: nn.Module | None = None, fused_loss: bool = False) -> None:
+                            head: nn.Module | None = None, fused_loss: bool = False,
+                            check_labels: bool = True) -> None:
     """Route the loss through ``parallel_cross_entropy`` (or, with ``fused_loss``, the hidden
-    states through ``fused_linear_cross_entropy`` with ``head``) and gather logits as documented above."""
-    model.loss_function = parallel_causal_lm_loss
+    states through ``fused_linear_cross_entropy`` with ``head``) and gather logits as documented
+    above; ``check_labels``: the loss checks the labels' range on the device every step."""
+    model.loss_function = functools.partial(parallel_causal_lm_loss, check_labels=check_labels)
     armed = {"on": False}
     if fused_loss:
         assert head is not None
-        _install_fused_loss(model, head, armed)
+        _install_fused_loss(model, head, armed, check_labels)
 
     def gather_hook(module, args, kwargs, output):
         fused, armed["on"] = armed["on"], False

@@ -28,10 +28,12 @@ HF's fields keep HF's meaning; the table says what nxd_hf does with each one tha
 ================================  ===========================================================
 """
 
+import contextlib
 import dataclasses
 import datetime
+import functools
+import logging
 import os
-import warnings
 from typing import Literal
 
 import torch
@@ -128,11 +130,12 @@ class NxDTrainingArguments(TrainingArguments):
                 f"{model_parallel * self.expert_parallel_size} x k processes or lower expert_parallel_size")
         if self.kv_size_multiplier != "auto" and not str(self.kv_size_multiplier).isdigit():
             raise ValueError(f"kv_size_multiplier must be 'auto' or a positive integer, got {self.kv_size_multiplier!r}")
-        if self.pipeline_parallel_size == 1:
-            for name, default in (("num_microbatches", 1), ("virtual_pipeline_size", 1), ("pipeline_schedule", None)):
-                if getattr(self, name) != default:
-                    warnings.warn(f"{name} is ignored: pipeline_parallel_size is 1 (set pipeline_parallel_size > 1 "
-                                  "for pipeline parallelism)", stacklevel=3)
+        if self.pipeline_parallel_size == 1:  # a value that changes nothing (the default, or 1) is not worth a warning
+            for name, no_op in (("num_microbatches", (None, 1)), ("virtual_pipeline_size", (1,)),
+                                ("pipeline_schedule", (None, ""))):
+                if getattr(self, name) not in no_op:
+                    backend.warn_once(f"{name} is ignored: pipeline_parallel_size is 1 (set pipeline_parallel_size > 1 "
+                                      "for pipeline parallelism)", stacklevel=3)
 
     @property
     def has_auto_sizes(self) -> bool:
@@ -140,6 +143,14 @@ class NxDTrainingArguments(TrainingArguments):
         return any(getattr(self, name) == "auto" for name in AUTO_SIZES)
 
     # -- the process view: every rank is a real process, whatever accelerate sees
+    @functools.cached_property
+    def _setup_devices(self) -> torch.device:
+        # transformers warns that the process group is not used for DDP: nxd_hf does the parallelism, not DDP
+        with _filtered(logging.getLogger("transformers.training_args"), "parallel_mode != ParallelMode.DISTRIBUTED"):
+            device = TrainingArguments._setup_devices.func(self)  # this rank's device, as accelerate places it
+        one_process_view(self.distributed_state)
+        return device
+
     @property
     def place_model_on_device(self) -> bool:
         return False  # nxd_hf's setup sequence places the model
@@ -176,6 +187,40 @@ class NxDTrainingArguments(TrainingArguments):
         )
         config.fused_loss = self.fused_loss
         return config
+
+
+def one_process_view(state) -> None:
+    """Make accelerate's shared state (``PartialState``, read by ``AcceleratorState`` and
+    ``args.world_size``) a single process on every rank, keeping this rank's device.
+
+    NxDTrainer runs ``Trainer``'s loop on every rank as if it were alone: each rank draws the global
+    batch and keeps its data-parallel slice, and evaluates the whole set. Where accelerate infers
+    several processes (``MULTI_GPU`` under torchrun with a GPU; ``MULTI_CPU`` with
+    ``ACCELERATE_USE_CPU``) it would shard every loader by process, so the ranks of one
+    tensor-parallel group, and the pipeline stages, would get different batches; it would also sum
+    the token count and gather the predictions over every rank. On a CPU without that, accelerate
+    infers no distribution, as here. Called again before accelerate is used (``Trainer`` builds its
+    ``Accelerator`` from the shared state, which any later ``TrainingArguments`` re-infers)."""
+    from accelerate.utils import DistributedType
+
+    # only the one-device-per-process types (XLA, and DeepSpeed/FSDP, which are refused, are left alone)
+    if state is None or not state.distributed_type.value.startswith("MULTI_"):
+        return
+    state.distributed_type = DistributedType.NO
+    state.num_processes, state.process_index, state.local_process_index = 1, 0, 0
+
+
+@contextlib.contextmanager
+def _filtered(logger: logging.Logger, text: str):
+    """``logger`` drops the records holding ``text`` inside the block."""
+    def keep(record: logging.LogRecord) -> bool:
+        return text not in record.getMessage()
+
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
 
 
 def _check_use_cpu(use_cpu: bool) -> bool:

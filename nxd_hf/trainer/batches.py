@@ -11,16 +11,28 @@ ROW_WEIGHT = "_nxd_row_weight"
 """The key ``replica_rows`` adds to a batch: the weight of this replica's rows in the global batch."""
 
 
+FILLER_ROWS = "_nxd_filler_rows"
+"""The key ``replica_rows`` adds to a batch: how many of its rows only stand in for none (they count for nothing)."""
+
+
 def replica_rows(batch: dict) -> dict:
     """This data-parallel replica's rows of every batched tensor of ``batch`` (split as evenly as
-    ``tensor_split`` does), and the weight of its rows in the global batch."""
+    ``tensor_split`` does), and the weight of its rows in the global batch.
+
+    A short last batch (fewer rows than replicas) leaves a replica no row; it still runs the step,
+    since every collective of it (the gradient reduction, ZeRO-1's reduce-scatter and all-gather)
+    needs every replica, on a copy of the batch's first row marked ``FILLER_ROWS``: the trainer
+    makes its loss and gradients zero."""
     dp_size, dp_rank = parallel_state.get_data_parallel_size(), parallel_state.get_data_parallel_rank()
     rows = next(v.shape[0] for v in batch.values() if torch.is_tensor(v) and v.dim() > 0)
-    _check_rows(batch, rows, dp_size)
-    local = {k: v.tensor_split(dp_size)[dp_rank] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == rows else v
-             for k, v in batch.items()}
+    _check_rows(batch, rows)
     local_rows = len(torch.arange(rows).tensor_split(dp_size)[dp_rank])
+    batched = [k for k, v in batch.items() if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == rows]
+    local = dict(batch)
+    for key in batched:
+        local[key] = batch[key].tensor_split(dp_size)[dp_rank] if local_rows else batch[key][:1].clone()
     local[ROW_WEIGHT] = local_rows * dp_size / rows
+    local[FILLER_ROWS] = 0 if local_rows else 1
     return type(batch)(local) if isinstance(batch, dict) else local
 
 
@@ -34,34 +46,32 @@ def check_dataset_size(dataset, name: str) -> None:
                          "(a larger tensor_parallel_size x pipeline_parallel_size, or fewer processes)")
 
 
-def _check_rows(batch: dict, rows: int, dp_size: int) -> None:
-    """The global batch (the same on every rank) must give every replica at least one row of at
-    least one token: a ValueError naming it on every rank, not a reshape error on one."""
+def _check_rows(batch: dict, rows: int) -> None:
+    """The global batch (the same on every rank) must hold a row of at least one token: a
+    ValueError naming it on every rank, not a reshape error on one."""
     ids = batch.get("input_ids")
     if rows == 0 or (torch.is_tensor(ids) and ids.dim() > 1 and ids.shape[-1] == 0):
         shapes = {k: list(v.shape) for k, v in batch.items() if torch.is_tensor(v)}
         raise ValueError(f"empty training batch {shapes}: drop empty examples from the dataset and check the collator")
-    if rows < dp_size:
-        raise ValueError(f"a training batch has {rows} rows but there are {dp_size} data-parallel replicas: each "
-                         "needs at least one row. Set dataloader_drop_last=True (the last batch of an epoch can be "
-                         "short), or use a dataset whose size is a multiple of the global batch size")
 
 
 def pipeline_inputs(model: NxDModel, inputs: dict) -> dict:
     return {k: v for k, v in inputs.items() if k in model.module.input_names}
 
 
-def pad_rows(inputs: dict, multiple: int) -> dict:
-    """Repeat the last row until the batch splits into ``multiple`` microbatches; the added rows'
-    labels are ignored, so a token-weighted loss is unchanged (``run_eval(padded_rows=...)`` leaves
-    them out of the load-balancing loss as well)."""
+def pad_rows(inputs: dict, multiple: int, *, filler_rows: int = 0) -> tuple[dict, int]:
+    """Repeat the last row until the batch splits into ``multiple`` microbatches; returns the
+    padded batch and its number of padded rows (the added ones and the last ``filler_rows``,
+    rows that already only stand in). Their labels are ignored, so a token-weighted loss is
+    unchanged (``run_train``/``run_eval(padded_rows=...)`` leave them out of the load-balancing
+    loss as well)."""
     rows = inputs["labels"].shape[0]
     extra = -rows % multiple
-    if not extra:
-        return inputs
+    if not extra and not filler_rows:
+        return inputs, 0
     padded = {k: torch.cat([v, v[-1:].expand(extra, *v.shape[1:])]) for k, v in inputs.items()}
-    padded["labels"][rows:] = -100
-    return padded
+    padded["labels"][rows - filler_rows:] = -100  # cat made a copy: the caller's batch is left alone
+    return padded, extra + filler_rows
 
 
 def data_parallel_mean(value: torch.Tensor) -> torch.Tensor:

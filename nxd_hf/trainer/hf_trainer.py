@@ -20,6 +20,7 @@ It overrides the fewest hooks it can; everything else (callbacks, schedulers, lo
 
 import contextlib
 import inspect
+import warnings
 
 import torch
 import transformers
@@ -31,9 +32,11 @@ from nxd_hf.optim.zero1 import ELEMENTWISE_OPTIMIZERS
 from nxd_hf.parallel_layers.loss_functions import loss_normalizer
 from nxd_hf.parallel_layers.sharding import move_model_to_device
 from nxd_hf.pipeline.model import NxDPPModel
-from nxd_hf.trainer.arguments import NxDTrainingArguments
+from nxd_hf.pipeline.pooled_loss import rows_over_data_parallel, takes_pooled_logits
+from nxd_hf.trainer.arguments import NxDTrainingArguments, one_process_view
+from nxd_hf.trainer.composition import check_composition
 from nxd_hf.trainer.batches import (
-    ROW_WEIGHT, check_dataset_size, data_parallel_mean, pad_rows, pipeline_inputs, replica_rows,
+    FILLER_ROWS, ROW_WEIGHT, check_dataset_size, data_parallel_mean, pad_rows, pipeline_inputs, replica_rows,
 )
 from nxd_hf.trainer.hf_checkpoints import CheckpointHooks
 from nxd_hf.trainer.model import NxDModel, initialize_parallel_model
@@ -47,6 +50,10 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
     ``peft.LoraConfig``, is given), an already parallelized one, or a peft model of one.
     ``autocast_adapter_dtype``: as ``peft.get_peft_model``'s (fp32 adapters on a bf16/fp16 model)."""
 
+    def __new__(cls, *args, **kwargs):
+        check_composition(cls, NxDTrainer)  # before any class's __init__ (another trainer's may run first)
+        return super().__new__(cls)
+
     def __init__(self, model=None, args: NxDTrainingArguments | None = None, *trainer_args, model_init=None,
                  peft_config=None, autocast_adapter_dtype: bool = True, **trainer_kwargs):
         if not isinstance(args, NxDTrainingArguments):
@@ -54,6 +61,8 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
                              "carrying tensor_parallel_size, pipeline_parallel_size, ...)")
         if args.use_liger_kernel:
             check_liger(args)
+        if backend.rank() != 0:  # torch's DataLoader gives it on every rank alike (while iterating): rank 0's is enough
+            warnings.filterwarnings("ignore", message="'pin_memory' argument is set as true but no accelerator")
         if trainer_kwargs.get("compute_loss_func") is not None:
             raise ValueError("compute_loss_func is not supported by NxDTrainer: the model's own loss runs on "
                              "vocab-parallel logits")
@@ -68,6 +77,7 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
             model = self._parallel(model, args)
         if model_init is not None:  # passed only when given: a Trainer subclass may not take it (TRL's)
             trainer_kwargs["model_init"] = self._parallel_init(model_init, args)
+        one_process_view(args.distributed_state)  # Trainer's Accelerator is built from it
         with without_trainers_liger_patch(args):
             super().__init__(model, args, *trainer_args, **trainer_kwargs)
         if args.use_liger_kernel:
@@ -116,15 +126,30 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
     def _wrap_model(self, model, training: bool = True, dataloader=None):
         return self.nxd_model
 
-    # -- data
+    # -- data: loaders accelerate never shards by process (arguments.one_process_view)
+    def _one_process(self) -> None:
+        """Accelerate's two shared states (the loaders, the token count and the gathers read them)
+        one process again, should a ``TrainingArguments`` or ``Trainer`` built since have re-inferred them."""
+        one_process_view(self.args.distributed_state)
+        one_process_view(self.accelerator.state)
+
     def get_train_dataloader(self):
         check_dataset_size(self.train_dataset, "train_dataset")
+        self._one_process()
         per_replica = self._train_batch_size
         self._train_batch_size = per_replica * parallel_state.get_data_parallel_size()
         try:
             return super().get_train_dataloader()
         finally:
             self._train_batch_size = per_replica
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        self._one_process()
+        return super().get_eval_dataloader(eval_dataset)
+
+    def get_test_dataloader(self, test_dataset):
+        self._one_process()
+        return super().get_test_dataloader(test_dataset)
 
     def get_total_train_batch_size(self, args) -> int:
         return args.train_batch_size * args.gradient_accumulation_steps * parallel_state.get_data_parallel_size()
@@ -166,15 +191,24 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
     def _training_step(self, model, inputs, num_items_in_batch=None):
         model.train()
         inputs = self._prepare_inputs(inputs)
-        row_weight = inputs.pop(ROW_WEIGHT)
+        row_weight, filler_rows = inputs.pop(ROW_WEIGHT), inputs.pop(FILLER_ROWS)
         with self.compute_loss_context_manager():
             if model.pipelined:  # the schedule runs backward and returns the DP-averaged share
-                return model.run_train(**pipeline_inputs(model, inputs), num_items_in_batch=num_items_in_batch)
+                # a short batch is padded to whole microbatches with rows whose labels are ignored
+                padded, padded_rows = pad_rows(pipeline_inputs(model, inputs), model.module.num_microbatches,
+                                               filler_rows=filler_rows)
+                if num_items_in_batch is None and takes_pooled_logits(model.module.hf_model):
+                    # a per-batch mean over rows, which Trainer divides by the accumulation steps
+                    rows = rows_over_data_parallel(padded["labels"])
+                    num_items_in_batch = rows * self.current_gradient_accumulation_steps
+                return model.run_train(**padded, num_items_in_batch=num_items_in_batch, padded_rows=padded_rows)
             if num_items_in_batch is not None and self.model_accepts_loss_kwargs:
                 normalizer = loss_normalizer(inputs["labels"], num_items_in_batch)
                 loss = self._nxd_loss(model, inputs, num_items_in_batch=normalizer)
             else:  # a per-batch mean: weight this replica's rows, average over accumulation steps
                 loss = self._nxd_loss(model, inputs) * row_weight / self.current_gradient_accumulation_steps
+            if filler_rows:  # a replica without rows: zero gradients, but its collectives still run
+                loss = loss * 0.0
         loss.backward()
         return data_parallel_mean(loss.detach())
 
@@ -201,10 +235,9 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
             return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
         inputs = pipeline_inputs(model, self._prepare_inputs(inputs))
         rows = inputs["labels"].shape[0]
-        padded = pad_rows(inputs, model.module.num_microbatches)
+        padded, padded_rows = pad_rows(inputs, model.module.num_microbatches)
         with torch.no_grad(), self.compute_loss_context_manager():
-            result = model.run_eval(**padded, return_logits=not prediction_loss_only,
-                                    padded_rows=padded["labels"].shape[0] - rows)
+            result = model.run_eval(**padded, return_logits=not prediction_loss_only, padded_rows=padded_rows)
         if prediction_loss_only:
             return result.detach(), None, None
         loss, logits = result

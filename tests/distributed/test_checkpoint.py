@@ -118,7 +118,7 @@ def check_tags(root):
     path = os.path.join(root, "tags")
     for i, tag in enumerate(["a", "b", "c"]):
         nxd_hf.save_checkpoint(path, tag=tag, model=model, user_content=i, num_kept_ckpts=2)
-    assert sorted(os.listdir(path)) == ["b", "c", "checkpoints.json"]
+    assert sorted(os.listdir(path)) == ["b", "c", "checkpoints.json", "owner.json"]
     assert nxd_hf.load_checkpoint(path, model=model) == 2
     nxd_hf.save_checkpoint(path, tag="b", model=model, user_content="b again", num_kept_ckpts=2)
     with open(os.path.join(path, "checkpoints.json")) as f:

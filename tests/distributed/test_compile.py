@@ -1,4 +1,4 @@
-"""torch.compile of parallelized models (issue 32 item 5): parity with eager HF at tp=1 and
+"""torch.compile of parallelized models: parity with eager HF at tp=1 and
 tp=2, and NxDTrainingArguments(torch_compile=True) (no longer refused)."""
 
 import pytest

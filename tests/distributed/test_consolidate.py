@@ -77,3 +77,46 @@ def test_parse_size():
     assert parse_size("5GB") == 5 * 10**9 and parse_size("500MiB") == 500 * 2**20 and parse_size(123) == 123
     with pytest.raises(ValueError, match="max_shard_size"):
         parse_size("lots")
+
+
+def check_async_save_then_consolidate(root: str) -> None:
+    """consolidate right after save_checkpoint(async_save=True), on every rank (rank 1 sees rank 0
+    finish the save on disk only), and of one checkpoint's own directory; a directory mid-save
+    is named as such; the checkpoint says in its README how to open it."""
+    from nxd_hf.checkpoint import writer
+
+    parallel_state.destroy_model_parallel()
+    reference, model = hf_parity.build_pair("llama")
+    nxd_hf.parallelize(model, tensor_parallel_size=2)
+    path, rank = os.path.join(root, "ckpt"), torch.distributed.get_rank()
+    write_share = writer.write_share
+
+    def slow_write_share(*args):  # the save is surely still being written when consolidate starts
+        import time
+
+        time.sleep(1.0)
+        write_share(*args)
+
+    writer.write_share = slow_write_share
+    try:
+        nxd_hf.save_checkpoint(path, tag="checkpoint-18", model=model, async_save=True)
+        nxd_hf.consolidate(path, os.path.join(root, f"hf_{rank}"))
+    finally:
+        writer.write_share = write_share
+    nxd_hf.consolidate(os.path.join(path, "checkpoint-18"), os.path.join(root, f"hf_tag_{rank}"))
+    ids, _ = hf_parity.batch()
+    for out in (f"hf_{rank}", f"hf_tag_{rank}"):
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(root, out))
+        torch.testing.assert_close(_logits(loaded, ids), _logits(reference, ids), rtol=0, atol=0)
+    with open(os.path.join(path, "checkpoint-18", "README.md")) as f:
+        assert f"nxd-hf consolidate {os.path.join(path, 'checkpoint-18')} hf_model" in f.read()
+    torch.distributed.barrier()
+    mid_save = os.path.join(root, f"mid_save_{rank}")
+    os.makedirs(os.path.join(mid_save, ".step5.tmp"))  # what a save in progress (or killed) leaves
+    for tag in (None, "step5"):
+        with pytest.raises(ValueError, match=r"a save into .*\.step5\.tmp is in progress or was interrupted"):
+            nxd_hf.consolidate(mid_save, os.path.join(root, "never"), tag=tag)
+
+
+def test_consolidate_waits_for_an_async_save_and_takes_a_checkpoint_directory(ranks2, tmp_path):
+    ranks2.run(check_async_save_then_consolidate, str(tmp_path))

@@ -2,7 +2,7 @@
 
 On CPU/gloo a tensor built on the wrong device is invisible — every device is the CPU — yet
 under nccl (or ``cuda:gloo``) a control tensor built on the CPU and handed to a collective
-crashes every layout with two or more ranks (issue 31: ``fail_together``'s failure flag). So
+crashes every layout with two or more ranks (``fail_together``'s failure flag). So
 every ``torch.tensor/zeros/ones/empty/full/arange/...`` call inside ``nxd_hf/`` must pass
 ``device=`` (``backend.collective_device(group)`` for what goes to a collective,
 ``backend.default_device()`` or a tensor's own device for compute), or be listed in

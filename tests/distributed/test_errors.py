@@ -211,6 +211,16 @@ def test_inputs_differing_across_tp_ranks_tp2(ranks2):
     ranks2.run(errors_world2.check_inputs_tp2)
 
 
+def test_bad_inputs_on_later_steps_caught_every_step_tp2(ranks2):
+    """Out-of-range ids and labels on step 2 raise (the device checks); TP ranks given different
+    batches raise within one step, different sequence lengths at once (the fingerprint)."""
+    ranks2.run(errors_world2.check_later_steps_tp2)
+
+
+def test_check_inputs_false_turns_the_every_step_checks_off(ranks2):
+    ranks2.run(errors_world2.check_later_steps_unchecked)
+
+
 def test_inputs_checked_across_pipeline_stages_pp2(ranks2):
     ranks2.run(errors_world2.check_inputs_pp2)
 

@@ -2,6 +2,7 @@
 job spanning two torchrun agents (two "nodes" on localhost) resumed by a one-node job, and the
 README's first screen matching what CI runs."""
 
+import json
 import os
 import re
 import socket
@@ -26,6 +27,44 @@ def _check(result) -> str:
 def run_example(script: str, nproc: int, *args: str) -> str:
     command = [*TORCHRUN, "--nproc_per_node", str(nproc), script, *args]
     return _check(subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600))
+
+
+def run_one_process(script: str, *args: str) -> str:
+    """``python script.py``: a world of one (on the GPU under nccl), as a user runs it without torchrun."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "NXD_HF_BACKEND")}
+    return _check(subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True,
+                                 timeout=600, env=env))
+
+
+def logged(output_dir) -> dict[str, list[tuple[int, float]]]:
+    """The (step, value) of every logged loss and grad_norm in the trainer_state.json a Trainer example writes."""
+    with open(os.path.join(output_dir, "trainer_state.json")) as f:
+        history = json.load(f)["log_history"]
+    return {key: [(h["step"], h[key]) for h in history if key in h] for key in ("loss", "grad_norm")}
+
+
+def check_matches_one_process(script: str, nproc: int, args: list[str], one_process_args: list[str], tmp_path,
+                              **tol) -> None:
+    """``script`` on ``nproc`` ranks logs, step by step, the losses and grad norms of its one-process run."""
+    run_example(script, nproc, *args, "--logging_steps", "1", "--output_dir", str(tmp_path / "ranks"))
+    run_one_process(script, *one_process_args, "--logging_steps", "1", "--output_dir", str(tmp_path / "one"))
+    ours, reference = logged(tmp_path / "ranks"), logged(tmp_path / "one")
+    for key, want in reference.items():
+        got = ours[key]
+        assert [s for s, _ in got] == [s for s, _ in want] and want, (key, got, want)
+        torch.testing.assert_close(torch.tensor([v for _, v in got]), torch.tensor([v for _, v in want]),
+                                   **(tol or dict(rtol=1e-4, atol=1e-5)), msg=lambda m: f"{script} {args} {key}: {m}")
+
+
+def check_lightning_matches_one_process(args: list[str], one_process_args: list[str], tmp_path) -> None:
+    """examples/lightning_causal_lm.py on two ranks prints the first and last loss and the val_loss of
+    its one-process run (printed with 4 decimals: compared to within their rounding)."""
+    script = "examples/lightning_causal_lm.py"
+    outs = [run_example(script, 2, *args, "--output-dir", str(tmp_path / "ranks")),
+            run_one_process(script, *one_process_args, "--output-dir", str(tmp_path / "one"))]
+    pattern = r"val_loss ([\d.]+); loss fell from ([\d.]+) to ([\d.]+)"
+    ours, reference = (torch.tensor([float(v) for v in re.search(pattern, out).groups()]) for out in outs)
+    torch.testing.assert_close(ours, reference, rtol=0, atol=2e-4, msg=lambda m: f"{args}: {m}\n{outs}")
 
 
 def _loss_fell(out: str) -> tuple[float, float]:
@@ -111,9 +150,92 @@ def test_train_with_config_api_pp2_zero1_loss_falls(tmp_path):
     assert "tp 1 x pp 2 x dp 2, zero1=True" in out, out
     first, last = _loss_fell(out)
     assert last < first - 1.0, out
-    assert sorted(os.listdir(ckpt)) == ["checkpoints.json", "step12", "step6"]
+    assert sorted(os.listdir(ckpt)) == ["checkpoints.json", "owner.json", "step12", "step6"]
     resumed = run_example("examples/train_with_config_api.py", 4, "--tp", "2", "--zero1", "--steps", "16",
                           "--checkpoint-dir", ckpt, "--save-every", "6")
     assert "resumed from step 12" in resumed, resumed
     after = float(re.search(r"step  12  loss ([\d.]+)", resumed).group(1))  # no restart from scratch
     assert after < first - 1.0, resumed
+
+
+# -- every command of the examples' docstrings runs to the end (capped to a few steps)
+COVERED = {  # docstring command (as written, comment dropped) -> the test that runs it already
+    "torchrun --nproc_per_node 2 examples/finetune_causal_lm.py": "test_finetune_causal_lm_tp2_output_loads_in_transformers",
+    "torchrun --nproc_per_node 2 examples/finetune_causal_lm.py --pp 2": "test_finetune_causal_lm_pp2_zero1_lora",
+    "torchrun --nproc_per_node 2 examples/finetune_causal_lm.py --resume_from_checkpoint true":
+        "test_two_nodes_then_one_node_resumes",
+    "torchrun --nproc_per_node 2 examples/parallelize_causal_lm.py": "test_parallelize_causal_lm_loss_falls",
+    # DIR and FILE filled with the bundled model and text are the scripts' defaults: the runs above
+    "torchrun --nproc_per_node 2 examples/finetune_causal_lm.py --model DIR --data FILE":
+        "test_finetune_causal_lm_tp2_output_loads_in_transformers",
+    "torchrun --nproc_per_node 2 examples/parallelize_causal_lm.py --model DIR": "test_parallelize_causal_lm_loss_falls",
+    "torchrun --nproc_per_node 4 examples/train_with_config_api.py --pp 2 --zero1":
+        "test_train_with_config_api_pp2_zero1_loss_falls",
+    "torchrun --nproc_per_node 2 examples/sft_trl.py --tensor_parallel_size 2 --lora": "test_trl.py",
+    "torchrun --nproc_per_node 2 examples/lightning_causal_lm.py --tp 2": "test_lightning.py (under torchrun)",
+    "torchrun --nproc_per_node 2 examples/lightning_causal_lm.py --zero1 --resume lightning_out/last.ckpt":
+        "test_lightning.py (under torchrun)",
+    "torchrun --nproc_per_node 4 examples/nnscaler_example.py --example 1 --policy tp --plan_ngpus 2 --use_zero":
+        "test_nnscaler_state.py",
+    "torchrun --nproc_per_node 4 examples/nnscaler_example.py --example 3 --policy tp --plan_ngpus 2":
+        "test_nnscaler_state.py",
+}
+CAPPED = {  # script -> what is appended to each of its commands: a few steps, output under the test's directory
+    "classify_bert.py": ["--max_steps", "4", "--output_dir", "{out}"],
+    "finetune_causal_lm.py": ["--max_steps", "4", "--output_dir", "{out}"],
+    "lightning_causal_lm.py": ["--max-steps", "4", "--output-dir", "{out}"],
+    "make_tiny_model.py": [],  # [--out DIR] is given: the default would rewrite the bundled model
+    "nnscaler_example.py": ["--steps", "4", "--gen_savedir", "{out}"],
+    "parallelize_causal_lm.py": ["--steps", "4"],
+    "sft_trl.py": ["--max_steps", "4", "--output_dir", "{out}"],
+    "train_with_config_api.py": ["--steps", "4"],
+}
+FILLED = {  # a docstring's placeholder -> what a user would type (per script where it differs)
+    "DIR": {"classify_bert.py": "{first}/final", "make_tiny_model.py": "{out}/tiny", "": "examples/data/tiny-llama"},
+    "FILE": {"": "examples/data/tiny_corpus.txt"},
+    "OUT": {"": "{first}"},
+}
+"""``{out}``: the command's own output directory; ``{first}``: the script's first command's."""
+
+
+def docstring_commands(script: str) -> list[str]:
+    """The commands in ``examples/<script>``'s docstring (comments dropped, ``[optional]`` parts given)."""
+    import ast
+
+    doc = ast.get_docstring(ast.parse(open(os.path.join(ROOT, "examples", script)).read())) or ""
+    lines = [re.sub(r"\[(.*?)\]", r"\1", line.split("#")[0]).strip() for line in doc.splitlines()]
+    return [" ".join(line.split()) for line in lines if line.startswith(("torchrun ", "python "))]
+
+
+def _filled(word: str, script: str, dirs: dict) -> str:
+    def fill(match):
+        choices = FILLED.get(match.group(0))
+        assert choices is not None, f"{script}: add what a user types for {match.group(0)} to FILLED"
+        return choices.get(script, choices[""]).format(**dirs)
+
+    return re.sub(r"\b[A-Z]{3,}\b", fill, word)
+
+
+def _argv(command: str, script: str, dirs: dict) -> list[str]:
+    words = [_filled(w, script, dirs) for w in command.split()]
+    launcher = TORCHRUN if words[0] == "torchrun" else [sys.executable]
+    return [*launcher, *words[1:], *(w.format(**dirs) for w in CAPPED[script])]
+
+
+EXAMPLE_SCRIPTS = sorted(f for f in os.listdir(os.path.join(ROOT, "examples")) if f.endswith(".py"))
+
+
+@pytest.mark.parametrize("script", EXAMPLE_SCRIPTS)
+def test_docstring_commands_run_to_the_end(script, tmp_path):
+    """Each command of the script's docstring, in order (a later one may use an earlier one's
+    output), capped to a few steps, exits 0; commands another test runs are skipped."""
+    assert script in CAPPED, f"add how to cap {script}'s commands to CAPPED"
+    commands = docstring_commands(script)
+    assert commands or script == "__init__.py", f"{script} documents no command"
+    for i, command in enumerate(commands):
+        if command in COVERED:
+            continue
+        argv = _argv(command, script, {"out": str(tmp_path / str(i)), "first": str(tmp_path / "0")})
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+        result = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+        assert result.returncode == 0, f"{command}\n" + result.stdout[-3000:] + result.stderr[-3000:]

@@ -1,4 +1,4 @@
-"""The fused loss (issue 32 item 3): cross-entropy from the hidden states in chunks, the LM head
+"""The fused loss: cross-entropy from the hidden states in chunks, the LM head
 fused in, equal to F.cross_entropy of the full logits at tp=1 and vocab-parallel at tp=2."""
 
 import itertools

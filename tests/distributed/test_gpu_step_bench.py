@@ -1,4 +1,4 @@
-"""bench/gpu_step (issue 32 item 6) refuses to run without a GPU, with a message saying so, and
+"""bench/gpu_step refuses to run without a GPU, with a message saying so, and
 its case list covers the issue's table."""
 
 import os

@@ -13,7 +13,9 @@ from nxd_hf.parallel_layers.heads import auto_kv_size_multiplier, gqa_layout
 from nxd_hf.parallel_layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear, move_model_to_device
 from nxd_hf.parallel_layers.sharding import contiguous_shard_index
 
-from layer_cases import TOL, assert_grads_match, check_sp_sequence_error, last_dim_chunk, seq_chunk, sharded_input, tp_info
+from layer_cases import (
+    TOL, assert_grads_match, check_sp_sequence_error, last_dim_chunk, on_device, seq_chunk, sharded_input, tp_info,
+)
 
 B, S, H = 2, 8, 12
 
@@ -28,9 +30,10 @@ def check_column(out_size: int, bias: bool, gather: bool, sp: bool) -> None:
     ref = nn.Linear(H, out_size, bias=bias)
     torch.manual_seed(7)
     layer = ColumnParallelLinear(H, out_size, bias=bias, gather_output=gather, sequence_parallel_enabled=sp)
-    x_full = _inputs().requires_grad_(True)
+    ref, layer, x_full = on_device(ref, layer, _inputs())
+    x_full.requires_grad_(True)
     y_ref = ref(x_full)
-    probe = torch.randn(y_ref.shape, generator=torch.Generator().manual_seed(3))
+    (probe,) = on_device(torch.randn(y_ref.shape, generator=torch.Generator().manual_seed(3)))
     (y_ref * probe).sum().backward()
 
     x = sharded_input(x_full, sp)
@@ -54,9 +57,10 @@ def check_row(in_size: int, bias: bool, input_is_parallel: bool, sp: bool) -> No
     ref = nn.Linear(in_size, H, bias=bias)
     torch.manual_seed(5)
     layer = RowParallelLinear(in_size, H, bias=bias, input_is_parallel=input_is_parallel, sequence_parallel_enabled=sp)
-    x_full = torch.randn(B, S, in_size, generator=torch.Generator().manual_seed(2)).requires_grad_(True)
+    ref, layer, x_full = on_device(ref, layer, torch.randn(B, S, in_size, generator=torch.Generator().manual_seed(2)))
+    x_full.requires_grad_(True)
     y_ref = ref(x_full)
-    probe = torch.randn(y_ref.shape, generator=torch.Generator().manual_seed(4))
+    (probe,) = on_device(torch.randn(y_ref.shape, generator=torch.Generator().manual_seed(4)))
     (y_ref * probe).sum().backward()
 
     index = layer.weight.shard_index
@@ -82,8 +86,9 @@ def check_embedding(vocab: int, padding_idx, sp: bool) -> None:
     layer = ParallelEmbedding(vocab, H, padding_idx=padding_idx, sequence_parallel_enabled=sp)
     ids = torch.randint(0, vocab, (B, S), generator=torch.Generator().manual_seed(6))
     ids[0, :3] = 0  # padding_idx rows present
+    ref, layer, ids = on_device(ref, layer, ids)
     y_ref = ref(ids)
-    probe = torch.randn(y_ref.shape, generator=torch.Generator().manual_seed(8))
+    (probe,) = on_device(torch.randn(y_ref.shape, generator=torch.Generator().manual_seed(8)))
     (y_ref * probe).sum().backward()
     y = layer(ids)
     torch.testing.assert_close(y, seq_chunk(y_ref, sp).detach(), **TOL)
@@ -102,10 +107,11 @@ def check_gqa(num_heads: int, num_kv_heads: int, fuse: bool, gather: bool, sp: b
         H, [num_heads * head_dim, num_kv_heads * head_dim], bias=bias, gather_output=gather,
         sequence_parallel_enabled=sp, kv_size_multiplier=m, fuse_qkv=fuse, head_dim=head_dim,
     )
-    x_full = _inputs(3).requires_grad_(True)
+    q_ref, k_ref, v_ref, layer, x_full = on_device(q_ref, k_ref, v_ref, layer, _inputs(3))
+    x_full.requires_grad_(True)
     refs = [q_ref(x_full), k_ref(x_full), v_ref(x_full)]
     g = torch.Generator().manual_seed(9)
-    probes = [torch.randn(r.shape, generator=g) for r in refs]
+    probes = on_device(*(torch.randn(r.shape, generator=g) for r in refs))
     sum((r * p).sum() for r, p in zip(refs, probes)).backward()
 
     x = sharded_input(x_full, sp)

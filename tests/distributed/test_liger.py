@@ -1,4 +1,4 @@
-"""Liger Kernel inside nxd_hf's layers (issue 32 item 4; nxd_hf/model_setup/liger.py): its RMSNorm,
+"""Liger Kernel inside nxd_hf's layers (nxd_hf/model_setup/liger.py): its RMSNorm,
 RoPE and SwiGLU kernels on the parallel layers on CUDA, its losses never (they are
 full-vocabulary), and a clear ValueError wherever it cannot apply. The kernels themselves run on
 the GPU lane only (Triton needs a GPU); the refusals run everywhere."""

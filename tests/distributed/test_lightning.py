@@ -29,8 +29,9 @@ def test_lightning_checkpoint_resumes_resharded(ranks2, tmp_path):
 
 
 def test_lightning_example_under_torchrun(no_rank_pool, tmp_path):
-    """examples/lightning_causal_lm.py (capped): tp=2, then resumed from its checkpoint at dp=2 with
-    ZeRO-1; the loss falls and one rank prints and logs."""
+    """examples/lightning_causal_lm.py (capped): 12 steps at tp=2, then resumed from its checkpoint
+    at dp=2 with ZeRO-1 for 8 more (--max-steps counts this run's steps); the loss falls, one rank
+    prints and logs, and the resumed run says where it starts."""
     import os
     import subprocess
     import sys
@@ -45,12 +46,15 @@ def test_lightning_example_under_torchrun(no_rank_pool, tmp_path):
         lines = [line for line in result.stdout.splitlines() if "loss fell from" in line]
         assert len(lines) == 1, result.stdout[-3000:]  # one rank reports
         first, last = map(float, lines[0].split("loss fell from ")[1].split(" to "))
-        return first, last
+        return first, last, result.stdout
 
-    first, last = run("--tp", "2", "--max-steps", "12")
+    first, last, _ = run("--tp", "2", "--max-steps", "12")
     assert last < first - 0.5
-    resumed_first, resumed_last = run("--zero1", "--max-steps", "20", "--resume", str(tmp_path / "last.ckpt"))
+    checkpoint = str(tmp_path / "last.ckpt")
+    resumed_first, resumed_last, printed = run("--zero1", "--max-steps", "8", "--resume", checkpoint)
     assert resumed_first < first - 0.5 and resumed_last <= resumed_first + 0.1  # went on from the checkpoint
+    said = [line for line in printed.splitlines() if line.startswith("resuming from")]
+    assert said == [f"resuming from {checkpoint} (step 12, epoch 1): training to step 20"], printed[-3000:]
     runs = {}  # version directory -> the processes that wrote event files there (fit, then validate)
     for events in (tmp_path / "tb").rglob("events.out.tfevents.*"):
         runs.setdefault(events.parent.name, set()).add(events.name.split(".")[-2])

@@ -56,8 +56,18 @@ def test_peft_format_round_trips_and_merge(ranks2, tmp_path):
     ranks2.run(lora_io_cases.check_round_trips, str(tmp_path))
 
 
+@pytest.mark.parametrize("pp", [1, 2], ids=["tp2", "pp2"])
+def test_parallelize_with_lora_config_saves_a_peft_adapter(ranks2, tmp_path, pp):
+    ranks2.run(lora_io_cases.check_parallelize_lora_config_save_pretrained, str(tmp_path), pp)
+
+
 def test_lora_bad_input_is_a_clear_error(ranks2, tmp_path):
     ranks2.run(lora_io_cases.check_bad_input, str(tmp_path))
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2"])
+def test_lora_inits_match_plain_peft_or_are_refused(ranks2, tmp_path, layout):
+    ranks2.run(lora_cases.check_inits_match_plain_peft, layout, str(tmp_path))
 
 
 def test_lora_zero1_tp2_dp2(ranks4):

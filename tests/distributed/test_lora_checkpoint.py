@@ -1,4 +1,4 @@
-"""NxD's LoRA checkpoint modes (issue 15, deliverable 4): save_checkpoint of a LoRA model from the
+"""NxD's LoRA checkpoint modes: save_checkpoint of a LoRA model from the
 config API follows LoraConfig.save_lora_base / merge_lora / save_lora_config_adapter, and
 load_lora_from_ckpt + load_checkpoint resume it (case bodies: tests/lora_ckpt_cases.py).
 

@@ -1,4 +1,4 @@
-"""LoRA adapters in peft's dtype (issue 32 item 2): on a bf16 model, fp32 adapters by default and
+"""LoRA adapters in peft's dtype: on a bf16 model, fp32 adapters by default and
 bf16 ones with ``autocast_adapter_dtype=False``, through ``parallelize(lora_config=...)`` and
 ``peft.get_peft_model(parallelize(...))``, training as plain peft does (tp=2)."""
 

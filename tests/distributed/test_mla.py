@@ -3,8 +3,7 @@ models against the unparallelized HF model: training parity at tp=2 and tp=4 (6 
 8), with and without SP, and through the pipeline (pp=2, tp=2 x pp=2); a tp=2 checkpoint loaded
 at tp=1; ``save_pretrained``/``consolidate`` loading in plain transformers and back through
 ``from_pretrained``; LoRA on every MLA projection against plain peft; the other MLA architectures
-(indexers, gates, sinks) in dense variants; an unplanned child refused at tp > 1. Also item 5 of
-issue 24: HRM's two layer stacks, the dense Llama-4 attention with its parameter-free q/k norm,
+(indexers, gates, sinks) in dense variants; an unplanned child refused at tp > 1. Also HRM's two layer stacks, the dense Llama-4 attention with its parameter-free q/k norm,
 and Doge's dynamic-mask projection."""
 
 import pytest

@@ -1,5 +1,5 @@
 """The MoE load-balancing (aux) loss of the global batch at pipeline_parallel_size=1 with data and
-expert parallelism (issue 24 item 3, ``nxd_hf.moe.replica_aux``): exact against the single-process
+expert parallelism (``nxd_hf.moe.replica_aux``): exact against the single-process
 HF model (tests/moe_aux_cases.py) and NxDTrainer against transformers.Trainer."""
 
 import pytest

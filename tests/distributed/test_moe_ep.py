@@ -1,4 +1,4 @@
-"""Expert parallelism (issue 24 item 2): experts split over the expert-parallel group carved
+"""Expert parallelism: experts split over the expert-parallel group carved
 from data parallelism, tokens dispatched by all-to-all, exact against the unparallelized HF
 model (tests/moe_ep_cases.py)."""
 

@@ -1,5 +1,5 @@
 """Expert parallelism for LongCat-Flash (routed experts split over EP, identity experts on the
-token's own rank, gate_up_proj's identity-expert slots in the last rank's block; issue 24), at
+token's own rank, gate_up_proj's identity-expert slots in the last rank's block), at
 ep=2 and tp2 x ep2, exact against HF (tests/moe_longcat_ep_cases.py)."""
 
 import pytest

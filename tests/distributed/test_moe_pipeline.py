@@ -1,4 +1,4 @@
-"""MoE models through the pipeline at tp=1 (issue 24): tracing and running Mixtral-, Qwen3-MoE-,
+"""MoE models through the pipeline at tp=1: tracing and running Mixtral-, Qwen3-MoE-,
 OLMoE-, Qwen2-MoE- and DeepSeek-V3-shaped tiny models at pp=2; HF's load-balancing loss over
 layers on different stages (several microbatches, both schedules, data parallelism, gradient
 accumulation, pp=4); LoRA through peft on attention, dense/shared MLPs and the fused experts;

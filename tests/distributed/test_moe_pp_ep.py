@@ -1,4 +1,4 @@
-"""Pipeline x expert parallelism (issue 24): pp=2 x ep=2 on 4 ranks against the unparallelized HF
+"""Pipeline x expert parallelism: pp=2 x ep=2 on 4 ranks against the unparallelized HF
 model (cases in tests/moe_pp_ep_cases.py)."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""Tensor x expert parallelism (issue 24): experts split over EP (all-to-all dispatch outermost) and
+"""Tensor x expert parallelism: experts split over EP (all-to-all dispatch outermost) and
 their intermediate dims over TP inside, at world 4 = tp 2 x dp 2 carved into one ep=2 block, exact
 against the unparallelized HF model (tests/moe_tp_ep_cases.py)."""
 

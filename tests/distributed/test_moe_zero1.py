@@ -1,4 +1,4 @@
-"""ZeRO-1 with expert parallelism (issue 24): expert parameters' gradients, optimizer state and
+"""ZeRO-1 with expert parallelism: expert parameters' gradients, optimizer state and
 master slices sharded over the expert-data group, the rest over the data group; exact against
 single-process HF with AdamW and clipping (tests/moe_zero1_cases.py)."""
 

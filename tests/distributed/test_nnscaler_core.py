@@ -1,4 +1,4 @@
-"""nnScaler's ``parallelize`` / ``ComputeConfig`` / ``ParallelModule`` (issue 25 items 1-5) on
+"""nnScaler's ``parallelize`` / ``ComputeConfig`` / ``ParallelModule`` on
 nxd_hf's engine: the document's three examples with small real modules, parity with the
 unparallelized module over several optimizer steps (cases in ``tests/nnscaler_cases.py``)."""
 
@@ -48,6 +48,10 @@ def test_example2_hf_submodule_tp2_two_units(ranks4, tmp_path):
 
 def test_training_flag_and_class_path(ranks2, tmp_path):
     ranks2.run(cases.training_flag_and_class_path, str(tmp_path))
+
+
+def test_refused_class_build_leaves_no_plan(ranks2, tmp_path):
+    ranks2.run(cases.refused_class_build_leaves_no_plan, str(tmp_path))
 
 
 def test_errors_on_every_rank(ranks2, tmp_path):

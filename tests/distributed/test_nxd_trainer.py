@@ -3,6 +3,7 @@ and grad norms every step, the same final parameters, the same evaluation (loss 
 compute_metrics) and predictions; at tp=2, pp=2 (M=4) and dp=2 with ZeRO-1 and accumulation, in
 one spawn of 2 ranks."""
 
+import json
 import os
 import shutil
 import tempfile
@@ -12,6 +13,7 @@ import pytest
 import torch
 import transformers
 
+import accelerate_view
 import hf_parity
 import nxd_hf
 from nxd_hf import backend, parallel_state
@@ -23,13 +25,13 @@ COMMON = dict(max_steps=STEPS, learning_rate=1e-3, logging_steps=1, save_strateg
               max_grad_norm=0.5, disable_tqdm=True, weight_decay=0.1, warmup_steps=1)
 
 
-def _dataset(n=24, s=8, seed=3):
+def _dataset(n=24, s=8, seed=3, *, uniform=False):
     g = torch.Generator().manual_seed(seed)
     rows = []
     for i in range(n):
         ids = torch.randint(0, hf_parity.VOCAB, (s,), generator=g)
         labels = ids.clone()
-        labels[: i % 4] = -100  # a different number of ignored tokens per sample
+        labels[: 1 if uniform else i % 4] = -100  # a different number of ignored tokens per sample (or not)
         rows.append({"input_ids": ids, "labels": labels})
     return rows
 
@@ -47,17 +49,23 @@ def _lora():
     return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0)
 
 
-def _run_case(out_dir, *, batch, accumulate=1, lora=False, trainer_cls=nxd_hf.NxDTrainer, **layout):
-    """(reference trainer, NxDTrainer) after STEPS steps on the same weights and data."""
+def _run_case(out_dir, *, batch, accumulate=1, lora=False, trainer_cls=nxd_hf.NxDTrainer, samples=24,
+              mean_loss=False, **layout):
+    """(reference trainer, NxDTrainer) after STEPS steps on the same weights and data. ``samples``
+    not a multiple of the global batch: each epoch ends on a short batch. ``mean_loss``: models
+    whose loss is a per-batch mean (``accepts_loss_kwargs=False``), on samples of equal token counts."""
     parallel_state.destroy_model_parallel()
     reference, model = hf_parity.build_pair("llama")
+    if mean_loss:
+        reference.accepts_loss_kwargs = model.accepts_loss_kwargs = False
     if lora:
         torch.manual_seed(11)  # the same adapter initialization on both sides
         reference = peft.get_peft_model(reference, _lora())
-    data = _dataset()
+    data = _dataset(samples, uniform=mean_loss)
     dp = 2 // (layout.get("tensor_parallel_size", 1) * layout.get("pipeline_parallel_size", 1))
-    ref_args = transformers.TrainingArguments(output_dir=f"{out_dir}/ref", per_device_train_batch_size=batch * dp,
-                                              gradient_accumulation_steps=accumulate, **COMMON)
+    ref_args = accelerate_view.one_process_reference_args(
+        output_dir=f"{out_dir}/ref", per_device_train_batch_size=batch * dp, gradient_accumulation_steps=accumulate,
+        **COMMON)
     ref = transformers.Trainer(reference, ref_args, train_dataset=data, eval_dataset=data[:6],
                                compute_metrics=_metrics)
     ref.train()
@@ -106,7 +114,8 @@ def _train_nxd(out_dir, *, steps, resume=None, lora=False, batch=4, **layout):
 
 def _check_saved_model(trainer, directory, lora):
     """save_model's directory opens in plain transformers / peft with our logits."""
-    ids = torch.stack([row["input_ids"] for row in _dataset()[:3]])
+    device = backend.default_device()  # where NxDTrainer put the model (the GPU in the cuda lane)
+    ids = torch.stack([row["input_ids"] for row in _dataset()[:3]]).to(device)
     trainer.nxd_model.eval()
     with torch.no_grad():
         ours = trainer.nxd_model(input_ids=ids).logits
@@ -115,6 +124,7 @@ def _check_saved_model(trainer, directory, lora):
         plain = peft.PeftModel.from_pretrained(base, directory)
     else:
         plain = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    plain.to(device)
     with torch.no_grad():
         torch.testing.assert_close(plain.eval()(input_ids=ids).logits, ours, **TOL)
 
@@ -184,6 +194,14 @@ def check_matches_trainer(layout: str) -> None:
         elif layout == "dp2_zero1_accumulate2":
             ref, ours = _run_case(out_dir, batch=2, accumulate=2, zero_1=True)
             _check_training(ref, ours, "dp2 zero1 accumulate2")
+        elif layout == "dp2_short_last_batch":  # 5 samples, global batch 4: a batch of 1 leaves a replica no row
+            for case in (dict(), dict(zero_1=True), dict(mean_loss=True, accumulate=2)):
+                ref, ours = _run_case(out_dir, batch=2, samples=5, **case)
+                _check_training(ref, ours, f"dp2 short last batch {case}")
+        elif layout == "pp2_short_last_batch":  # batches of 4 and 1: the 1 is padded to num_microbatches=2
+            ref, ours = _run_case(out_dir, batch=4, samples=5, pipeline_parallel_size=2, num_microbatches=2)
+            _check_training(ref, ours, "pp2 M=2 short last batch")
+            _check_evaluation(ref, ours, "pp2 M=2 short last batch")
         else:
             assert layout == "tp2_lora"
             ref, ours = _run_case(out_dir, batch=4, lora=True, tensor_parallel_size=2)
@@ -193,9 +211,82 @@ def check_matches_trainer(layout: str) -> None:
             assert stepped and all(p.requires_grad for p in stepped)  # optimizer state for the adapters only
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2_zero1_accumulate2", "tp2_lora"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2_zero1_accumulate2", "tp2_lora", "dp2_short_last_batch",
+                                    "pp2_short_last_batch"])
 def test_nxd_trainer_matches_trainer(ranks2, layout):
     ranks2.run(check_matches_trainer, layout)
+
+
+def check_matches_trainer_where_accelerate_infers_gpus(layout: str) -> None:
+    """Under torchrun with a GPU accelerate infers MULTI_GPU, where its loaders shard by process;
+    NxDTrainer's batches (train, evaluate, predict) must not depend on that."""
+    with accelerate_view.accelerate_infers_gpus():
+        if layout != "tp2_evaluate_after_a_plain_trainer":
+            return check_matches_trainer(layout)
+        with tempfile.TemporaryDirectory() as out_dir:  # a Trainer built later re-infers accelerate's shared state
+            parallel_state.destroy_model_parallel()
+            _, model = hf_parity.build_pair("llama")
+            args = nxd_hf.NxDTrainingArguments(output_dir=out_dir, tensor_parallel_size=2, **COMMON)
+            ours = nxd_hf.NxDTrainer(model, args, eval_dataset=_dataset()[:6])
+            before = ours.evaluate()["eval_loss"]
+            transformers.Trainer(hf_parity.build_pair("llama")[0],
+                                 transformers.TrainingArguments(output_dir=f"{out_dir}/plain", report_to=[]))
+            assert ours.evaluate()["eval_loss"] == before
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2_zero1_accumulate2", "tp2_evaluate_after_a_plain_trainer"])
+def test_nxd_trainer_matches_trainer_where_accelerate_infers_gpus(ranks2, layout):
+    ranks2.run(check_matches_trainer_where_accelerate_infers_gpus, layout)
+
+
+def _classification_dataset(n=24, s=8, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n):
+        mask = torch.ones(s, dtype=torch.long)
+        mask[s - i % 3:] = 0  # padded sequences: the pooler reads position 0, attention skips the padding
+        rows.append({"input_ids": torch.randint(0, hf_parity.VOCAB, (s,), generator=g), "attention_mask": mask,
+                     "labels": torch.tensor(i % 3)})
+    return rows
+
+
+def check_sequence_classification(layout: str, out_dir: str) -> None:
+    """BertForSequenceClassification as transformers' run_classification.py trains it: the same losses,
+    grad norms and weights, evaluation and predictions (7 rows: padded to the microbatches under PP),
+    and a saved model whose config names the classification head."""
+    sizes = {"tp2": dict(tensor_parallel_size=2), "pp2": dict(pipeline_parallel_size=2, num_microbatches=2),
+             "dp2_zero1_accumulate2": dict(zero_1=True)}[layout]
+    batch, accumulate = (2, 2) if layout.startswith("dp2") else (4, 1)
+    dp = 2 // (sizes.get("tensor_parallel_size", 1) * sizes.get("pipeline_parallel_size", 1))
+    parallel_state.destroy_model_parallel()
+    reference, model = hf_parity.build_pair("bert", task_model_cls=transformers.BertForSequenceClassification)
+    reference.config.architectures = model.config.architectures = ["BertModel"]  # as a hub base model's config
+    data, held_out = _classification_dataset(), _classification_dataset(7, seed=6)
+    ref_args = accelerate_view.one_process_reference_args(
+        output_dir=f"{out_dir}/ref", per_device_train_batch_size=batch * dp, gradient_accumulation_steps=accumulate,
+        **COMMON)
+    ref = transformers.Trainer(reference, ref_args, train_dataset=data, eval_dataset=held_out)
+    ref.train()
+    args = nxd_hf.NxDTrainingArguments(output_dir=f"{out_dir}/nxd", per_device_train_batch_size=batch,
+                                       gradient_accumulation_steps=accumulate, **COMMON, **sizes)
+    ours = nxd_hf.NxDTrainer(model, args, train_dataset=data, eval_dataset=held_out)
+    ours.train()
+    _check_training(ref, ours, f"classification {layout}")
+    want, got = ref.predict(held_out), ours.predict(held_out)
+    torch.testing.assert_close(torch.as_tensor(got.predictions), torch.as_tensor(want.predictions), **TOL)
+    assert got.metrics["test_loss"] == pytest.approx(want.metrics["test_loss"], rel=1e-4), (got, want)
+    ours.save_model(f"{out_dir}/final")
+    if backend.rank() == 0:
+        ref.save_model(f"{out_dir}/plain")
+        with open(f"{out_dir}/final/config.json") as f, open(f"{out_dir}/plain/config.json") as g:
+            assert json.load(f)["architectures"] == json.load(g)["architectures"] == [
+                "BertForSequenceClassification"]
+    backend.barrier()
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2_zero1_accumulate2"])
+def test_sequence_classification_matches_trainer(ranks2, tmp_path, layout):
+    ranks2.run(check_sequence_classification, layout, str(tmp_path))
 
 
 class _CountingTrainer(nxd_hf.NxDTrainer):

@@ -1,4 +1,4 @@
-"""Issue 28 item 2: each bucket's data-parallel all-reduce starts during backward; the
+"""Each bucket's data-parallel all-reduce starts during backward; the
 gradients are bitwise those of the all-reduce after backward, at dp=2 and tp=2 x dp=2, with
 sequence parallelism (partial gradients summed over TP), a tied head and accumulation under
 ``no_sync``."""

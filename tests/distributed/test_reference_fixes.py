@@ -1,4 +1,4 @@
-"""Issue 21's table: NxD code that broke on nxd_hf runs now, one test per row (the world-2
+"""The reference-fix table: NxD code that broke on nxd_hf runs now, one test per row (the world-2
 bodies are in ``reference_fix_cases.py``, all run in one spawn)."""
 
 import sys

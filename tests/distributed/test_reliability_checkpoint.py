@@ -1,4 +1,4 @@
-"""Damaged checkpoints and failed saves (issue 22): every damaged file (index.json, checkpoints.json,
+"""Damaged checkpoints and failed saves: every damaged file (index.json, checkpoints.json,
 state.pt, a rank's RNG file, config.json, trainer_state.json and other metadata) is found by its
 checksum and named, with what to do, in the same ValueError on every rank; an unreadable
 checkpoints.json falls back to the newest complete tag with a warning; user_content that
@@ -108,7 +108,7 @@ def _disk_full(root, model):
     nxd_hf.save_checkpoint(path, tag="step1", model=model, user_content={"step": 1})
     real = writer.write_file
 
-    def write_half_then_fail(file, tensors):
+    def write_half_then_fail(file, tensors, **kwargs):
         os.makedirs(os.path.dirname(file), exist_ok=True)
         with open(file, "wb") as f:
             f.write(b"\0" * 100)

@@ -1,4 +1,4 @@
-"""Setup mistakes that used to hang, train silently wrong or fail inside torch (issue 22): ranks
+"""Setup mistakes that used to hang, train silently wrong or fail inside torch: ranks
 calling ``parallelize`` with different sizes, options or models; a rank failing alone in the
 middle of setup; a K/V replication factor that is not one; non-LoRA peft methods on a parallel
 model; empty batches and sequences. Each is one ValueError, the same on every rank; the cases
@@ -13,7 +13,6 @@ import hf_parity
 import nxd_hf
 from nxd_hf import backend, parallel_state
 from nxd_hf.parallel_layers.heads import head_layout
-from nxd_hf.guards.input_check import CHECK_EVERY
 from nxd_hf.testing import run_distributed
 from errors_world2 import assert_same_error_on_every_rank
 
@@ -72,7 +71,7 @@ def _different_batches_after_first_step():
     """TP ranks given the same first batch, then different ones (a sampler not split by DP rank)."""
     model = _parallel()
     with torch.no_grad():
-        for call in range(CHECK_EVERY + 1):
+        for call in range(4):
             ids, _ = hf_parity.batch(seed=1 if call == 0 else 100 * call + backend.rank())
             try:
                 model(input_ids=ids)
@@ -104,11 +103,11 @@ def test_same_value_error_on_every_rank(results, case, pattern):
 
 
 def test_different_batches_after_the_first_step_are_caught(results):
-    """Caught at the first periodic check, on both ranks; the default check costs one tiny
-    all-reduce every CHECK_EVERY forwards."""
+    """Caught on both ranks at the forward after the first different one (call 1): the default
+    check compares an asynchronous fingerprint of every forward's inputs one step later."""
     assert results[0]["later_steps"] == results[1]["later_steps"]
     call, message = results[0]["later_steps"]
-    assert call == CHECK_EVERY and "got different inputs" in message, (call, message)
+    assert call == 2 and "got different inputs" in message, (call, message)
 
 
 def test_model_still_trains_after_the_errors(results):

@@ -1,5 +1,5 @@
 """An exception on one pipeline stage during run_train/run_eval reaches every rank as the same
-ValueError within seconds (issue 21): no rank waits for the collective timeout."""
+ValueError within seconds: no rank waits for the collective timeout."""
 
 import time
 

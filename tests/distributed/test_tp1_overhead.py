@@ -1,4 +1,4 @@
-"""Nothing for nothing at tp=1 (issue 32 item 1): one forward + backward of a parallelized tiny
+"""Nothing for nothing at tp=1: one forward + backward of a parallelized tiny
 llama on one rank dispatches no cast, copy or other aten op beyond the plain HF model's."""
 
 from nxd_hf.testing import run_distributed

@@ -34,7 +34,7 @@ def _batches(steps=STEPS, b=8, s=8):
 
 
 def _reference_losses(dtype=torch.float32, steps=STEPS):
-    reference = _model_fn(dtype)
+    reference = _model_fn(dtype).to(backend.default_device())  # where hf_parity.batch puts the batches
     optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
     losses = []
     for ids, labels in _batches(steps):

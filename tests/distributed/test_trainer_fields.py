@@ -218,8 +218,11 @@ def check_config_fields():
     assert dict(model.named_parameters())["model.layers.0.self_attn.k_proj.weight"].shape[0] == 2 * 8
     config = _config(optimizer_config={"zero_one_enabled": True}, mixed_precision_config={"use_master_weights": False})
     model = nxd_hf.initialize_parallel_model(config, _bf16_model)
-    with pytest.warns(UserWarning, match="use_master_weights=False is ignored"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         nxd_hf.initialize_parallel_optimizer(config, torch.optim.AdamW, model.parameters(), lr=1e-3)
+    ignored = [w for w in caught if "use_master_weights=False is ignored" in str(w.message)]
+    assert len(ignored) == (torch.distributed.get_rank() == 0), caught  # once, from rank 0
 
 
 def world4_cases():
@@ -275,3 +278,43 @@ def test_use_cpu_is_dropped_without_a_gpu():
             nxd_hf.NxDTrainingArguments(output_dir="/tmp/x", report_to=[], use_cpu=True)
     else:  # accelerate would otherwise wrap the model in DDP over every rank
         assert nxd_hf.NxDTrainingArguments(output_dir="/tmp/x", report_to=[], use_cpu=True).use_cpu is False
+
+
+def test_default_arguments_warn_nothing():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        nxd_hf.NxDTrainingArguments(output_dir="/tmp/x", report_to=[])  # num_microbatches unset
+        nxd_hf.NxDTrainingArguments(output_dir="/tmp/x", report_to=[], num_microbatches=1)
+    assert not [str(w.message) for w in caught]
+
+
+def check_warnings_once(out_dir: str) -> dict:
+    """Two short runs (tp=1 dp=2, tp=2 with ZeRO-1 over one DP rank): this rank's warnings and
+    transformers' training-arguments log records."""
+    import logging
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("transformers.training_args")
+    logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            _trainer(f"{out_dir}/dp2").train()
+            _trainer(f"{out_dir}/tp2", tensor_parallel_size=2, zero_1=True).train()
+    finally:
+        logger.removeHandler(handler)
+    return {"warnings": [str(w.message) for w in caught], "logged": [r.getMessage() for r in records]}
+
+
+def test_a_true_warning_once_from_rank_0_and_no_false_one(ranks2, tmp_path):
+    """transformers' DDP notice is false under nxd_hf (it does the parallelism); torch's pin_memory
+    notice (no accelerator here) and ZeRO-1's notice at dp=1 are true and every rank would give them."""
+    rank0, rank1 = ranks2.run(check_warnings_once, str(tmp_path))
+    assert not [m for r in (rank0, rank1) for m in r["logged"] if "ParallelMode.DISTRIBUTED" in m], (rank0, rank1)
+    assert rank1["warnings"] == [], rank1["warnings"]
+    pin = [m for m in rank0["warnings"] if "'pin_memory'" in m]
+    assert bool(pin) != torch.accelerator.is_available(), rank0["warnings"]  # per DataLoader iterator under "always"
+    assert len([m for m in rank0["warnings"] if "nothing to shard" in m]) == 1, rank0["warnings"]
+    assert not [m for m in rank0["warnings"] if "ignored" in m], rank0["warnings"]

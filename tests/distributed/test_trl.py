@@ -108,9 +108,38 @@ def test_sft_config_refuses_what_it_cannot_do(monkeypatch, tmp_path, fields, mes
         nxd_hf.NxDSFTConfig(output_dir=str(tmp_path), **fields)
 
 
+def _composition_orders() -> None:
+    """At tp=2: SFTTrainer before NxDTrainer (its hooks would replace the parallel ones: an eval loss
+    0.3-0.6 too low, no SFT metrics) and NxDTrainer first by hand (the overrides unchecked) are refused
+    as they are constructed; parallel_trainer's composition is the one that runs (parity: test above)."""
+    import dataclasses
+
+    import nxd_hf
+
+    @dataclasses.dataclass(kw_only=True)
+    class SFTNxDConfig(trl.SFTConfig, nxd_hf.NxDTrainingArguments):
+        pass
+
+    class SFTNxDTrainer(trl.SFTTrainer, nxd_hf.NxDTrainer):
+        pass
+
+    class NxDFirstByHand(nxd_hf.NxDTrainer, trl.SFTTrainer):
+        pass
+
+    args = SFTNxDConfig(output_dir="unused", tensor_parallel_size=2, **trl_cases.common())
+    data, held_out = trl_cases.datasets("text")
+    for cls, why in ((SFTNxDTrainer, "SFTTrainer.* precede NxDTrainer in its method order, so .*compute_loss"),
+                     (NxDFirstByHand, "composed by hand")):
+        with pytest.raises(ValueError, match=f"{cls.__name__} combines NxDTrainer with .*SFTTrainer.*: {why}.* "
+                                             "nxd_hf.NxDSFTTrainer .*nxd_hf.parallel_trainer"):
+            cls(trl_cases.model(), args, train_dataset=data, eval_dataset=held_out, processing_class=trl_cases.tokenizer())
+    assert nxd_hf.parallel_trainer(trl.SFTTrainer).nxd_checks_overrides
+
+
 def _subclass_rule() -> None:
     import nxd_hf
 
+    _composition_orders()
     for cls in (ScaledLoss, ExtraEval, OwnPrediction):  # parity at tp=2
         ref, ours = trl_cases.run_trainer_pair(cls, tensor_parallel_size=2)
         for key in ("loss", "grad_norm", "eval_loss", "eval_logsumexp"):

@@ -1,4 +1,4 @@
-"""The XLA lane (``make test-xla``; issue 29): nxd_hf on one torch-xla device on the CPU (PJRT).
+"""The XLA lane (``make test-xla``): nxd_hf on one torch-xla device on the CPU (PJRT).
 
 Marked ``xla`` and skipped where torch_xla is not importable (the main virtualenv: torch-xla 2.9
 needs torch 2.9; ``make test-xla`` builds ``.venv-xla`` for it). The pytest process is a world of

@@ -1,4 +1,4 @@
-"""Issue 28 item 2: ZeRO-1's reduce-scatter starts per bucket during backward (counted through the
+"""ZeRO-1's reduce-scatter starts per bucket during backward (counted through the
 real gradient hooks and collectives) and steps bitwise as the reduce-scatter in ``step()``, at dp=2
 and tp=2 x dp=2 (sequence parallelism: norms' gradients summed over TP after backward), with
 accumulation under ``no_sync``; old contiguous-layout ``state_dict``s still load."""

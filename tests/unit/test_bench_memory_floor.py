@@ -1,4 +1,4 @@
-"""Issue 28 item 1: the memory floor of ``bench/train_step`` and the itemization of its RssAnon
+"""The memory floor of ``bench/train_step`` and the itemization of its RssAnon
 trace, in exact bytes."""
 
 from bench.train_step.memory_report import floor_bytes

@@ -39,3 +39,13 @@ def test_precision_plugin_choices():
         assert torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype == torch.bfloat16
     with NeuronXLAPrecisionPlugin("32-true").forward_context():
         assert torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype == torch.float32
+
+
+def test_checkpoint_progress_names_what_is_missing(tmp_path):
+    from nxd_hf.lightning import checkpoint_progress
+
+    with pytest.raises(ValueError, match="not a Lightning checkpoint saved by NxDStrategy"):
+        checkpoint_progress(tmp_path / "last.ckpt")
+    (tmp_path / "last.ckpt").mkdir()
+    torch.save({"global_step": 12, "epoch": 1, "loops": {}}, tmp_path / "last.ckpt" / "lightning_state.pt")
+    assert checkpoint_progress(tmp_path / "last.ckpt") == {"global_step": 12, "epoch": 1}

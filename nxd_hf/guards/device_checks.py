@@ -13,6 +13,8 @@ collective.
 
 import torch
 
+from nxd_hf import backend
+
 DEVICES = ("cpu", "cuda")
 """Where the check runs; elsewhere (XLA: it would cut the lazy graph) the first-step input check
 of ``nxd_hf.guards.input_check`` is the only one."""
@@ -21,7 +23,7 @@ of ``nxd_hf.guards.input_check`` is the only one."""
 def assert_on_device(ok: torch.Tensor, message: str) -> None:
     """Raise ``ValueError(message)`` (CPU) or fail a device-side assert (CUDA) unless ``ok``
     (a bool tensor of one element) holds."""
-    if ok.device.type not in DEVICES:
+    if ok.device.type not in DEVICES or backend._is_abstract(ok):  # fake/meta values (tracing) hold nothing to check
         return
     if ok.device.type == "cpu" and not torch.compiler.is_compiling():
         if not bool(ok):

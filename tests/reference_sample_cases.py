@@ -15,8 +15,10 @@ import transformers
 from torch import nn
 
 import hf_parity
+import own_models
 from reference_fix_cases import run_named
-from nxd_hf import backend
+from nxd_hf import backend, parallel_state
+from nxd_hf.parallel_layers import ColumnParallelLinear, RowParallelLinear
 from nxd_hf.parallel_layers.pad import gather_full_tensor
 
 TOL = hf_parity.TOL
@@ -507,47 +509,55 @@ def _load_full(module_from, module_to):
                     else full)
 
 
+# The guide's model: BERT's attention with parallel layers (module level: the config-API case builds it too)
+class ParallelSelfAttention(transformers.models.bert.modeling_bert.BertSelfAttention):
+    def __init__(self, config, position_embedding_type=None):
+        # the guide passes position_embedding_type on; transformers 5's second argument is is_causal
+        super().__init__(config)
+
+        self.query = ColumnParallelLinear(config.hidden_size,
+                                          self.all_head_size,
+                                          gather_output=False)
+        self.key = ColumnParallelLinear(config.hidden_size,
+                                        self.all_head_size,
+                                        gather_output=False)
+        self.value = ColumnParallelLinear(config.hidden_size,
+                                          self.all_head_size,
+                                          gather_output=False)
+        # Since we shard the number of attention heads across tensor parallel
+        # ranks, each rank would have a subset of heads, hence, we update
+        # the num_attention_heads here.
+        tp_size = parallel_state.get_tensor_parallel_size()
+        self.num_attention_heads = self.num_attention_heads // tp_size
+        self.all_head_size = self.all_head_size // tp_size
+
+
+class ParallelSelfOutput(transformers.models.bert.modeling_bert.BertSelfOutput):
+    def __init__(self, config):
+        super().__init__(config)
+        self.dense = RowParallelLinear(config.hidden_size,
+                                       config.hidden_size,
+                                       input_is_parallel=True)
+
+
+def _guide_bert(model):
+    """``model`` with the guide's two modules in every layer (as its "Creating Model" does)."""
+    for layer in model.encoder.layer:
+        layer.attention.self = ParallelSelfAttention(model.config)
+        layer.attention.output = ParallelSelfOutput(model.config)
+    return model
+
+
 def tp_guide_bert_and_training_script(tmp):
     """The guide's ParallelSelfAttention / ParallelSelfOutput swapped into BERT, and its training
     loop (clip_grad_norm from parallel_layers), against the unmodified BERT."""
     import nxd_hf
     from nxd_hf import parallel_layers
-    from nxd_hf.parallel_layers import ColumnParallelLinear, RowParallelLinear
-    from nxd_hf.parallel_layers import parallel_state, clip_grad_norm
-
-    class ParallelSelfAttention(transformers.models.bert.modeling_bert.BertSelfAttention):
-        def __init__(self, config, position_embedding_type=None):
-            # the guide passes position_embedding_type on; transformers 5's second argument is is_causal
-            super().__init__(config)
-
-            self.query = ColumnParallelLinear(config.hidden_size,
-                                              self.all_head_size,
-                                              gather_output=False)
-            self.key = ColumnParallelLinear(config.hidden_size,
-                                            self.all_head_size,
-                                            gather_output=False)
-            self.value = ColumnParallelLinear(config.hidden_size,
-                                              self.all_head_size,
-                                              gather_output=False)
-            # Since we shard the number of attention heads across tensor parallel
-            # ranks, each rank would have a subset of heads, hence, we update
-            # the num_attention_heads here.
-            tp_size = parallel_state.get_tensor_parallel_size()
-            self.num_attention_heads = self.num_attention_heads // tp_size
-            self.all_head_size = self.all_head_size // tp_size
-
-    class ParallelSelfOutput(transformers.models.bert.modeling_bert.BertSelfOutput):
-        def __init__(self, config):
-            super().__init__(config)
-            self.dense = RowParallelLinear(config.hidden_size,
-                                           config.hidden_size,
-                                           input_is_parallel=True)
+    from nxd_hf.parallel_layers import clip_grad_norm
 
     reference, model = _bert_pair()
     nxd_hf.parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
-    for layer in model.encoder.layer:
-        layer.attention.self = ParallelSelfAttention(model.config)
-        layer.attention.output = ParallelSelfOutput(model.config)
+    _guide_bert(model)
     _load_full(reference, model)
     device = torch.device("cpu")
     parallel_layers.move_model_to_device(model, device)
@@ -597,12 +607,64 @@ def tp_guide_bert_and_training_script(tmp):
         }, PATH)
         _, fresh = _bert_pair()
         nxd_hf.parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
-        for layer in fresh.encoder.layer:
-            layer.attention.self = ParallelSelfAttention(fresh.config)
-            layer.attention.output = ParallelSelfOutput(fresh.config)
+        _guide_bert(fresh)
         assert nxd_hf.parallel_layers.load(PATH, fresh)["epoch"] == epoch
     for p, q in zip(model.parameters(), fresh.parameters()):
         assert torch.equal(p, q)
+
+
+def _guide_model_fn():
+    """The guide's model as a config-API ``model_fn``: built after neuronx_distributed_config (its
+    layers read the TP size), holding the reference BERT's weights."""
+    reference, model = hf_parity.build_pair("bert", task_model_cls=transformers.BertModel)
+    _load_full(reference, _guide_bert(model))
+    return model
+
+
+def tp_guide_model_through_config_api(tmp):
+    """The guide's model built by initialize_parallel_model's model_fn (used as built: no second
+    sharding) and the guide's loop (forward, loss_fn, backward, the config API's optimizer) at tp=2,
+    saved with save_checkpoint and trained on at dp=2 + ZeRO-1: equal to the unmodified BERT."""
+    import nxd_hf as nxd
+
+    reference = _bert_pair()[0]
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(5)
+    dataloader = [((torch.randint(0, hf_parity.VOCAB, (4, 6), generator=g),), torch.randn(4, 6, 48, generator=g))
+                  for _ in range(4)]
+
+    def loss_fn(output, labels):
+        return F.mse_loss(output.last_hidden_state, labels)
+
+    for tp, zero1, steps in ((2, False, dataloader[:2]), (1, True, dataloader[2:])):
+        _reset()
+        nxd_config = nxd.neuronx_distributed_config(tensor_parallel_size=tp, optimizer_config={"zero_one_enabled": zero1})
+        model = nxd.initialize_parallel_model(nxd_config, _guide_model_fn)
+        assert model.nxd.patch is None and isinstance(model.local_module().encoder.layer[0].attention.self,
+                                                      ParallelSelfAttention)
+        optimizer = nxd.initialize_parallel_optimizer(nxd_config, torch.optim.AdamW, model.parameters(), lr=1e-3)
+        if zero1:
+            nxd.load_checkpoint(os.path.join(tmp, "tp_guide_ckpt"), model=model, optimizer=optimizer)
+        dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_size()
+        for inputs, labels in steps:
+            output = model(*(x.chunk(dp_size)[dp_rank] for x in inputs))
+            loss = loss_fn(output, labels.chunk(dp_size)[dp_rank])
+            loss.backward()
+            optimizer.step()  # the DP mean of the gradients, clipping at 1.0, the step
+            optimizer.zero_grad()
+            ref_loss = loss_fn(reference(*inputs), labels)
+            ref_loss.backward()
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+            ref_optimizer.step()
+            ref_optimizer.zero_grad()
+            loss = loss.detach() / dp_size  # the batch's loss: the mean of the DP ranks' halves
+            backend.all_reduce(loss, parallel_state.get_data_parallel_group())
+            torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
+        if not zero1:
+            nxd.save_checkpoint(os.path.join(tmp, "tp_guide_ckpt"), model=model, optimizer=optimizer, nxd_config=nxd_config)
+    ref_params = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(_full(param), ref_params[name].detach(), **TOL, msg=lambda m: f"{name}: {m}")
 
 
 # -- nxd-training-api.txt -----------------------------------------------------------------------
@@ -747,6 +809,52 @@ def api_sample_usage(tmp):
     assert user_content == {"total_steps": 2}, user_content
 
 
+def api_sample_usage_own_model(tmp):
+    """The "Sample usage" section with get_model returning a model written with nxd_hf's parallel
+    layers (ParallelEmbedding, Column/RowParallelLinear, parallel_cross_entropy; tensor_parallel_size
+    8 -> 2): used as built, losses against one process, then the checkpoint round trip."""
+    import nxd_hf as nxd
+    from torch.optim import AdamW
+
+    def get_model():
+        return own_models.build(parallel=True)
+
+    _reset()
+    # create config
+    nxd_config = nxd.neuronx_distributed_config(
+        tensor_parallel_size=2,
+        optimizer_config={"zero_one_enabled": True, "grad_clipping": True, "max_grad_norm": 1.0},
+    )
+    # wrap model
+    model = nxd.initialize_parallel_model(nxd_config, get_model)
+    # wrap optimizer
+    optimizer = nxd.initialize_parallel_optimizer(nxd_config, AdamW, model.parameters(), lr=1e-3)
+    reference = own_models.reference()
+    ref_optimizer = AdamW(reference.parameters(), lr=1e-3)
+    for step in range(2):  # (training loop)
+        ids, labels = own_models.batch(step)
+        inputs = {"input_ids": ids, "labels": labels}
+        loss = model.run_train(inputs)
+        optimizer.step()
+        optimizer.zero_grad()
+        ref_loss = reference(ids, labels)
+        ref_loss.backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+        torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
+    # saving checkpoint
+    nxd.save_checkpoint(os.path.join(tmp, "own_ckpts"), nxd_config=nxd_config, model=model, optimizer=optimizer,
+                        user_content={"total_steps": 2})
+    # loading checkpoint (auto-resume), into a model built again
+    model = nxd.initialize_parallel_model(nxd_config, get_model)
+    optimizer = nxd.initialize_parallel_optimizer(nxd_config, AdamW, model.parameters(), lr=1e-3)
+    assert nxd.load_checkpoint(os.path.join(tmp, "own_ckpts"), model=model, optimizer=optimizer) == {"total_steps": 2}
+    ref_params = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(_full(param), ref_params[name].detach(), **TOL, msg=lambda m: f"{name}: {m}")
+
+
 def api_gqa_qkv_linear(tmp):
     """GQAQKVColumnParallelLinear with the documented signature (NxD's layout: no head_dim)."""
     import nxd_hf
@@ -844,8 +952,8 @@ def api_zero1_optimizer(tmp):
 SAMPLES = [core_parallel_state, core_parallel_layers, core_pad_model, core_parallel_cross_entropy,
            core_nxdppmodel_signature, pp_guide_creating_model, pp_guide_mixed_precision, pp_guide_meta_device_init,
            pp_guide_apply_checkpoint, pp_guide_hf_class_name, pp_guide_auto_partition_and_interleaving,
-           tp_guide_dataloader, tp_guide_bert_and_training_script, api_config_model_optimizer, api_lora,
-           api_sample_usage, api_gqa_qkv_linear, api_clip_grad_norm, api_zero1_optimizer]
+           tp_guide_dataloader, tp_guide_bert_and_training_script, tp_guide_model_through_config_api,
+           api_config_model_optimizer, api_lora, api_sample_usage, api_sample_usage_own_model, api_gqa_qkv_linear, api_clip_grad_norm, api_zero1_optimizer]
 
 
 def run_samples(tmp: str, names: list[str]) -> dict:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from nxd_hf import backend
+from nxd_hf import backend, parallel_state
 from nxd_hf.model_setup.activation_checkpoint import checkpoint_layers, checkpoint_types
 from nxd_hf.model_setup.materialize import has_meta_tensors, materialize, rebuild_all_meta_buffers
 from nxd_hf.model_setup.replicas import check_replicas_equal
@@ -34,6 +34,7 @@ from nxd_hf.parallel_layers.grad_reduction import GradReduction
 from nxd_hf.parallel_layers.grads import install_fp32_grad_accumulation
 from nxd_hf.parallel_layers.sharding import move_model_to_device
 from nxd_hf.guards.fail_together import fail_together
+from nxd_hf.model_state import NxDModelState
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -81,6 +82,19 @@ def set_up_local_modules(modules: list[nn.Module], setup: LocalSetup, *, layer_t
         check_replicas_equal(modules)
     with fail_together("nxd_hf.parallelize (steps 8-10: checkpointing, gradient policy, device)"):
         return _finish(modules, setup, layer_types, device)
+
+
+def set_up_whole_module(module: nn.Module, setup: LocalSetup, *, tp_size: int, patch=None, input_check=None,
+                        layer_types: tuple[type, ...] = ()) -> NxDModelState:
+    """Steps 5-10 on a module that stays whole on this rank (no pipeline) and that no Hugging Face
+    plan sharded (built from parallel layers, plain, or laid out by ``nxd_hf.nnscaler``): records
+    its ``NxDModelState`` as ``module.nxd`` and returns it. The caller installs the gradient hooks
+    (``state.grad_reduction.install_hooks``) on whatever module runs the forward."""
+    state = NxDModelState(tp_size=tp_size, pp_size=1, dp_size=parallel_state.get_data_parallel_size(),
+                          hf_model=module, local_modules=[module], patch=patch, input_check=input_check)
+    module.nxd = state
+    state.grad_reduction = set_up_local_modules([module], setup, layer_types=layer_types)
+    return state
 
 
 def _weights(modules: list[nn.Module], setup: LocalSetup, device: torch.device | None) -> None:

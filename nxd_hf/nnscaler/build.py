@@ -18,8 +18,7 @@ from torch import nn
 from nxd_hf import backend, parallel_state
 from nxd_hf.guards.fail_together import fail_together
 from nxd_hf.guards.input_check import InputCheck, resolve_mode
-from nxd_hf.model_setup import LocalSetup, set_up_local_modules
-from nxd_hf.model_state import NxDModelState
+from nxd_hf.model_setup import LocalSetup, set_up_whole_module
 from nxd_hf.nnscaler import derive, end2end
 from nxd_hf.tp import plan as tp_plan
 from nxd_hf.tp.apply import apply_tensor_parallel
@@ -59,11 +58,8 @@ def build(pm, module: nn.Module, spec, *, init_params: bool = True) -> None:
             patch = patch_of(plan.layouts)
             apply_tensor_parallel(module, patch, None, sequence_parallel=False)
             derive.rewrite_shapes(traced, plan.tp_size)
-    state = NxDModelState(tp_size=plan.tp_size, pp_size=1, dp_size=parallel_state.get_data_parallel_size(),
-                          hf_model=module, local_modules=[module], patch=patch, input_check=_input_check())
-    module.nxd = state
-    policy = set_up_local_modules([module], setup)
-    state.grad_reduction = policy
+    state = set_up_whole_module(module, setup, tp_size=plan.tp_size, patch=patch, input_check=_input_check())
+    policy = state.grad_reduction
     pm._adopt(module)
     pm.nxd = state
     for name, value in {**derive.graph_constants(traced.graphs[True], module),

@@ -101,6 +101,10 @@ def parallel_cross_entropy(
     """
     if reduction not in ("none", "mean", "sum"):
         raise ValueError(f"reduction must be 'none', 'mean' or 'sum', not {reduction!r}")
+    if isinstance(parallel_logits, torch.fx.Proxy):  # the pipeline tracer: one call, its checks and collectives run
+        return parallel_logits.tracer.create_proxy(
+            "call_function", parallel_cross_entropy, (parallel_logits, labels, label_smoothing, ignore_index, reduction),
+            {"vocab_size": vocab_size, "check_labels": check_labels})
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     tp_size = parallel_state.get_tensor_model_parallel_size()

@@ -182,6 +182,10 @@ class NxDPPModel(nn.Module):
         seq = 2 * parallel_state.get_tensor_model_parallel_size()  # any length SP can split
         return [torch.ones(1, seq, dtype=torch.long) for _ in names]
 
+    def forward(self, *args, **inputs):
+        raise ValueError("an NxDPPModel has no forward: call run_train(**inputs) (forward and backward of one step; "
+                         "returns the loss) or run_eval(**inputs), on it or on nxd_hf.initialize_parallel_model's NxDModel")
+
     # -- NxD's API
     def run_train(self, *args, padded_rows: int = 0, **inputs):
         """One training step over ``num_microbatches`` microbatches; returns the loss. Inputs by

@@ -136,7 +136,14 @@ class StepRunner:
         model = self.model
         labels = inputs.get("labels")
         if labels is None and model.is_hf:
-            raise ValueError("run_train/run_eval need labels to compute the loss")
+            raise ValueError(f"run_train/run_eval need labels to compute the loss; got only {sorted(inputs)}: pass "
+                             "labels=... (the input_ids, shifted inside the model, for a causal LM)")
+        missing = [name for name in model.input_names if name not in inputs]
+        if missing and not model.is_hf:  # every name is an input of the traced graph
+            raise ValueError(
+                f"run_train/run_eval got no {missing}: a model that is not Hugging Face's takes every name of "
+                f"input_names {model.input_names}, its loss coming out of its forward (output_loss_value_spec "
+                "picks it). Pass them all, or set input_names to the inputs its forward uses")
         _check_padded_rows(padded_rows, labels, inputs[model.input_names[0]].shape[0], train=train)
         if not model.is_hf:  # the loss is in the traced graph; the schedule still wants a target
             labels = torch.zeros(inputs[model.input_names[0]].shape[0], device=backend.default_device())

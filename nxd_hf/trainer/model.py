@@ -18,6 +18,7 @@ from nxd_hf.guards.fail_together import fail_together
 from nxd_hf.parallelize import parallelize
 from nxd_hf.pipeline.model import NxDPPModel
 from nxd_hf.trainer.config import NxDConfig
+from nxd_hf.trainer.own_model import is_own_model, parallelize_own_model
 from nxd_hf.utils import init_on_device
 
 
@@ -36,6 +37,9 @@ class NxDModel(nn.Module):
         super().__init__()
         self.module, self.nxd_config = module, nxd_config
         self.pipelined = isinstance(module, NxDPPModel)
+        # a model nxd_hf sharded from a Hugging Face plan computes HF's loss over the step's tokens;
+        # any other (nxd_hf.trainer.own_model) returns its own loss, as NxD's run_train takes it
+        self.hf_loss = self.nxd is not None and self.nxd.patch is not None
         if self.nxd is not None:
             self.nxd.nxd_config = nxd_config  # what save_checkpoint reads of the config (master weights, LoRA)
 
@@ -83,8 +87,14 @@ class NxDModel(nn.Module):
         if self.pipelined:
             return self.module.run_train(*args, **inputs)
         inputs = self._named_inputs(args, inputs)
-        normalizer = loss_normalizer(inputs["labels"], inputs.pop("num_items_in_batch", None))
-        loss = self.module(**inputs, num_items_in_batch=normalizer).loss
+        if self.hf_loss:
+            if "labels" not in inputs:
+                raise ValueError(f"run_train needs labels to compute the loss; got only {sorted(inputs)}: pass "
+                                 "labels=... (the input_ids, shifted inside the model, for a causal LM)")
+            normalizer = loss_normalizer(inputs["labels"], inputs.pop("num_items_in_batch", None))
+            loss = self.module(**inputs, num_items_in_batch=normalizer).loss
+        else:
+            loss = _loss_of(self.module(**inputs), type(self.nxd.hf_model).__name__)
         loss.backward()
         dp_size = parallel_state.get_data_parallel_size()
         share = loss.detach() / dp_size
@@ -96,7 +106,8 @@ class NxDModel(nn.Module):
             return self.module.run_eval(*args, **inputs)
         inputs = self._named_inputs(args, inputs)
         with torch.no_grad():
-            return self.module(**inputs).loss
+            output = self.module(**inputs)
+        return output.loss if self.hf_loss else _loss_of(output, type(self.nxd.hf_model).__name__)
 
     def _named_inputs(self, args: tuple, inputs: dict) -> dict:
         if not args:
@@ -165,6 +176,19 @@ class NxDModel(nn.Module):
         return next(self.parameters()).dtype
 
 
+def _loss_of(output, model_name: str) -> torch.Tensor:
+    """The loss in what a model's forward returned: the output itself (a tensor), its ``loss``
+    attribute or key (HF outputs, dicts)."""
+    loss = output if isinstance(output, torch.Tensor) else getattr(output, "loss", None)
+    if loss is None and isinstance(output, Mapping):
+        loss = output.get("loss")
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ValueError(f"run_train/run_eval take the loss from {model_name}'s forward, which returned "
+                         f"{type(output).__name__}: return the scalar loss, or an output with a 'loss' attribute or "
+                         "key (pass the labels it needs)")
+    return loss
+
+
 def _build_in_waves(factor: int, build):
     """Run ``build()`` on at most ``factor`` ranks of this node at a time (waves separated by
     barriers); returns its result and this rank's (start, end) wall-clock times."""
@@ -195,6 +219,12 @@ def initialize_parallel_model(nxd_config: NxDConfig, model_fn, *model_args, **mo
     model, build_interval = _build_in_waves(init.sequential_move_factor, build)
     pp = nxd_config.pipeline_parallel_size
     pipeline_kwargs = {"broadcast_and_average_loss": True, **nxd_config.pipeline_config} if pp > 1 else {}
+    if is_own_model(model):  # built from parallel layers, or plain: used as built (nxd_hf.trainer.own_model)
+        wrapped = parallelize_own_model(model, nxd_config, pipeline_kwargs=pipeline_kwargs,
+                                        param_init_fn=init.param_init_fn if init.meta_device_init else None)
+        nxd_model = NxDModel(wrapped, nxd_config)
+        nxd_model.build_interval = build_interval
+        return nxd_model
     wrapped = parallelize(
         model, tensor_parallel_size=nxd_config.tensor_parallel_size, pipeline_parallel_size=pp,
         sequence_parallel=nxd_config.sequence_parallel, pad_model=nxd_config.pad_model,

@@ -37,11 +37,16 @@ RUNS = {
     ("nxd-tensor-parallel-guide.rst", "ParallelSelfAttention / ParallelSelfOutput (BERT), the final training "
                                       "script with clip_grad_norm, Saving Model with parallel_layers.save"):
         "tp_guide_bert_and_training_script",
+    ("nxd-tensor-parallel-guide.rst", "The guide's model (ParallelSelfAttention / ParallelSelfOutput) as the config "
+                                      "API's model_fn, at tp=2 and dp=2 + ZeRO-1, save/load_checkpoint across them"):
+        "tp_guide_model_through_config_api",
     ("nxd-training-api.txt", "neuronx_distributed_config / initialize_parallel_model (NxDModel methods) / "
                              "initialize_parallel_optimizer"): "api_config_model_optimizer",
     ("nxd-training-api.txt", "LoraConfig; LoRA save (adapter only) and load_lora_from_ckpt"): "api_lora",
     ("nxd-training-api.txt", "Sample usage: config, model, optimizer, run_train(inputs), save/load_checkpoint"):
         "api_sample_usage",
+    ("nxd-training-api.txt", "Sample usage with get_model returning a model built from parallel layers "
+                             "(tp=2, ZeRO-1)"): "api_sample_usage_own_model",
     ("nxd-training-api.txt", "GQAQKVColumnParallelLinear(input_size, output_sizes, ..., kv_size_multiplier, "
                              "fuse_qkv)"): "api_gqa_qkv_linear",
     ("nxd-training-api.txt", "clip_grad_norm(parameters, max_norm, norm_type)"): "api_clip_grad_norm",

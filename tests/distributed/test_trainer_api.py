@@ -1,13 +1,17 @@
 """NxD's training API: config validation, initialize_parallel_model/optimizer against
 single-process training (ZeRO-1, TP, PP, DP, accumulation, padded batches), bf16 with fp32
-master weights, sequential model building."""
+master weights, sequential model building; models that are not Hugging Face's (``own_models``:
+built from nxd_hf's parallel layers, or plain torch) at tp=2, pp=2, dp=2 + ZeRO-1 and tp2 x pp2,
+their checkpoints across layouts, and the errors that name the fix."""
 
 import pytest
 import torch
 
 import hf_parity
 import nxd_hf
+import own_models
 from nxd_hf import backend, parallel_state
+from nxd_hf.modules.lora import LoraConfig
 from nxd_hf.parallel_layers.sharding import full_tensor
 
 TOL = hf_parity.TOL
@@ -115,6 +119,207 @@ def check_autocast_around_run_train() -> None:
         loss = model.run_train(input_ids=ids, labels=labels)
     assert torch.isfinite(loss)
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+def _own_reference(steps: int):
+    reference = own_models.reference()
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    losses = []
+    for step in range(steps):
+        loss = reference(*own_models.batch(step))
+        loss.backward()
+        if step == 0:  # before clipping, as run_train leaves them
+            grads = {n: p.grad.clone() for n, p in reference.named_parameters()}
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    return torch.stack(losses), grads, reference
+
+
+def check_own_model_matches_single_process(parallel: bool, tp=1, pp=1, zero1=False, steps=3, **config) -> None:
+    """A model that is not Hugging Face's through the config API (built from nxd_hf's parallel
+    layers, or plain torch): losses, first-step gradients and weights after ``steps`` AdamW steps
+    with clipping equal one process's."""
+    parallel_state.destroy_model_parallel()
+    ref_losses, ref_grads, reference = _own_reference(steps)
+    nxd_config = nxd_hf.neuronx_distributed_config(
+        tensor_parallel_size=tp, pipeline_parallel_size=pp, pipeline_config=own_models.PIPELINE if pp > 1 else None,
+        optimizer_config={"zero_one_enabled": zero1, "grad_clipping": True, "max_grad_norm": MAX_NORM}, **config)
+    model = nxd_hf.initialize_parallel_model(nxd_config, own_models.build, parallel)
+    assert model.nxd.patch is None
+    if "activation_checkpoint_config" in config:
+        assert any(getattr(m, "_nxd_checkpointed", False) for m in model.modules())
+    optimizer = nxd_hf.initialize_parallel_optimizer(nxd_config, torch.optim.AdamW, model.parameters(), lr=1e-3)
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_size()
+    losses = []
+    for step in range(steps):
+        ids, labels = (t.chunk(dp_size)[dp_rank] for t in own_models.batch(step))
+        losses.append(model.run_train(input_ids=ids, labels=labels))
+        if step == 0 and not zero1:  # ZeRO-1 reduce-scatters the gradients in step(): compare the weights only
+            for name, param in model.named_parameters():
+                torch.testing.assert_close(full_tensor(param, param.grad), ref_grads[name], **TOL,
+                                           msg=lambda m: f"grad {name}: {m}")
+        optimizer.step()
+        optimizer.zero_grad()
+    torch.testing.assert_close(torch.stack(losses), ref_losses, **TOL)
+    ref_params = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(full_tensor(param), ref_params[name].detach(), **TOL, msg=lambda m: f"{name}: {m}")
+
+
+OWN_MODEL_LAYOUTS = {  # world 2
+    "parallel_layers_tp2": dict(parallel=True, tp=2),
+    "parallel_layers_pp2": dict(parallel=True, pp=2),
+    "parallel_layers_dp2_zero1": dict(parallel=True, zero1=True),
+    "plain_pp2": dict(parallel=False, pp=2),
+    "plain_dp2_zero1_full_recompute": dict(parallel=False, zero1=True, activation_checkpoint_config=own_models.Block),
+}
+
+
+@pytest.mark.parametrize("layout", list(OWN_MODEL_LAYOUTS))
+def test_own_model_matches_single_process(ranks2, layout):
+    ranks2.run(check_own_model_matches_single_process, **OWN_MODEL_LAYOUTS[layout])
+
+
+def test_own_parallel_layers_model_tp2_pp2_matches_single_process(ranks4):
+    ranks4.run(check_own_model_matches_single_process, parallel=True, tp=2, pp=2)
+
+
+def _own_build(parallel: bool, tp=1, pp=1, zero1=False, seed=0):
+    parallel_state.destroy_model_parallel()
+    nxd_config = nxd_hf.neuronx_distributed_config(
+        tensor_parallel_size=tp, pipeline_parallel_size=pp, pipeline_config=own_models.PIPELINE if pp > 1 else None,
+        optimizer_config={"zero_one_enabled": zero1, "max_grad_norm": MAX_NORM})
+    model = nxd_hf.initialize_parallel_model(nxd_config, own_models.build, parallel, seed)
+    return model, nxd_hf.initialize_parallel_optimizer(nxd_config, torch.optim.AdamW, model.parameters(), lr=1e-3)
+
+
+def _own_train(model, optimizer, steps: range) -> list[float]:
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_size()
+    losses = []
+    for step in steps:
+        ids, labels = (t.chunk(dp_size)[dp_rank] for t in own_models.batch(step))
+        losses.append(float(model.run_train(ids, labels)))  # positionally, in the forward's (or input_names') order
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses
+
+
+def _own_snapshot(model, optimizer):
+    from nxd_hf.checkpoint import full_optimizer_state
+
+    params = nxd_hf.full_state_dict(model, rank0_only=True)
+    state = full_optimizer_state(model, optimizer, rank0_only=True)
+    return None if params is None else {**params, **{f"optim.{k}": v for k, v in state.items()}}
+
+
+def check_own_model_checkpoint_across_layouts(path, parallel: bool, save: dict, load: dict) -> None:
+    """save_checkpoint of a model that is not Hugging Face's at one layout, load_checkpoint into
+    one built with other weights at another: the same weights and optimizer state, bit for bit,
+    and the same losses on."""
+    model, optimizer = _own_build(parallel, **save)
+    _own_train(model, optimizer, range(2))
+    saved = _own_snapshot(model, optimizer)
+    nxd_hf.save_checkpoint(path, tag="step2", model=model, optimizer=optimizer, user_content={"step": 2})
+    expected = _own_train(model, optimizer, range(2, 4))
+    model, optimizer = _own_build(parallel, seed=7, **load)
+    assert nxd_hf.load_checkpoint(path, model=model, optimizer=optimizer) == {"step": 2}
+    loaded = _own_snapshot(model, optimizer)
+    if loaded is not None:
+        assert saved.keys() == loaded.keys(), saved.keys() ^ loaded.keys()
+        for name in saved:
+            torch.testing.assert_close(loaded[name], saved[name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+    torch.testing.assert_close(torch.tensor(_own_train(model, optimizer, range(2, 4))), torch.tensor(expected), **TOL)
+
+
+OWN_CHECKPOINTS = {  # world 2
+    "parallel_layers_tp2_to_pp2": dict(parallel=True, save=dict(tp=2), load=dict(pp=2)),
+    "parallel_layers_pp2_to_dp2_zero1": dict(parallel=True, save=dict(pp=2), load=dict(zero1=True)),
+    "plain_dp2_zero1_to_pp2": dict(parallel=False, save=dict(zero1=True), load=dict(pp=2)),
+}
+
+
+@pytest.mark.parametrize("layouts", list(OWN_CHECKPOINTS))
+def test_own_model_checkpoint_across_layouts(ranks2, tmp_path, layouts):
+    ranks2.run(check_own_model_checkpoint_across_layouts, str(tmp_path / layouts), **OWN_CHECKPOINTS[layouts])
+
+
+def _own_bf16(parallel: bool):
+    return own_models.build(parallel).to(torch.bfloat16)
+
+
+def check_own_model_bf16_tracks_fp32() -> None:
+    """A bf16 model built from parallel layers at tp=2: fp32 gradient accumulation and master
+    weights as for HF models; within 2% of the fp32 one-process losses (bf16 rounding)."""
+    parallel_state.destroy_model_parallel()
+    ref_losses, _, _ = _own_reference(5)
+    nxd_config = nxd_hf.neuronx_distributed_config(tensor_parallel_size=2,
+                                                   optimizer_config={"max_grad_norm": MAX_NORM})
+    model = nxd_hf.initialize_parallel_model(nxd_config, _own_bf16, True)
+    optimizer = nxd_hf.initialize_parallel_optimizer(nxd_config, torch.optim.AdamW, model.parameters(), lr=1e-3)
+    assert model.dtype == torch.bfloat16
+    assert all(m.dtype == torch.float32 for group in optimizer.masters for m in group.masters)
+    losses = []
+    for step in range(5):
+        losses.append(model.run_train(*own_models.batch(step)).float())
+        assert all(p.main_grad.dtype == torch.float32 for p in model.parameters())
+        optimizer.step()
+        optimizer.zero_grad()
+    relative = ((torch.stack(losses) - ref_losses) / ref_losses).abs()
+    assert relative.max() < 0.02, relative
+
+
+def test_own_model_bf16_tracks_fp32(ranks2):
+    ranks2.run(check_own_model_bf16_tracks_fp32)
+
+
+class _Tuple(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.linear(x), x  # no loss
+
+
+def check_errors_name_the_fix() -> None:
+    """The config API refuses what it cannot shard, and the pipeline's and run_train's generic
+    errors say what to do."""
+    def config(**kwargs):
+        parallel_state.destroy_model_parallel()
+        return nxd_hf.neuronx_distributed_config(**kwargs)
+
+    with pytest.raises(ValueError, match="neither a Hugging Face model nor built from nxd_hf's parallel layers"):
+        nxd_hf.initialize_parallel_model(config(tensor_parallel_size=2), own_models.build, False)
+    with pytest.raises(ValueError, match="lora_config needs a Hugging Face model"):
+        nxd_hf.initialize_parallel_model(config(lora_config=LoraConfig(enable_lora=True)),
+                                         own_models.build, True)
+    with pytest.raises(ValueError, match="activation_checkpoint_config=<YourLayer>"):
+        nxd_hf.initialize_parallel_model(config(activation_checkpoint_config="full"), own_models.build, False)
+    built = nxd_hf.initialize_parallel_model(config(), own_models.build, True)
+    with pytest.raises(ValueError, match="already parallelized"):
+        nxd_hf.initialize_parallel_model(config(), lambda: built.module)
+    with pytest.raises(ValueError, match="return the scalar loss"):
+        nxd_hf.initialize_parallel_model(config(), _Tuple).run_train(torch.ones(2, 4))
+    ids, labels = own_models.batch(0)
+    hf = nxd_hf.initialize_parallel_model(config(), _model_fn)
+    with pytest.raises(ValueError, match="run_train needs labels"):
+        hf.run_train(ids)
+    hf_pp = nxd_hf.initialize_parallel_model(config(pipeline_parallel_size=2, pipeline_config={"num_microbatches": 2}),
+                                             _model_fn)
+    with pytest.raises(ValueError, match="need labels .* pass labels="):
+        hf_pp.run_train(input_ids=ids)
+    with pytest.raises(ValueError, match="NxDPPModel has no forward: call run_train"):
+        hf_pp.module(input_ids=ids)
+    own_pp = nxd_hf.initialize_parallel_model(config(pipeline_parallel_size=2, pipeline_config=own_models.PIPELINE),
+                                              own_models.build, True)
+    with pytest.raises(ValueError, match=r"got no \['labels'\].*output_loss_value_spec"):
+        own_pp.run_train(input_ids=ids)
+
+
+def test_errors_name_the_fix(ranks2):
+    ranks2.run(check_errors_name_the_fix)
 
 
 def test_dp2_zero1_matches_single_process(ranks2):

@@ -29,7 +29,8 @@ def test_valid_schedules_pass():
 
 
 def _runner(num_microbatches=4):
-    model = types.SimpleNamespace(num_microbatches=num_microbatches, input_names=["input_ids", "attention_mask", "labels"])
+    model = types.SimpleNamespace(num_microbatches=num_microbatches, input_names=["input_ids", "attention_mask", "labels"],
+                                  is_hf=False)
     return StepRunner(model)
 
 

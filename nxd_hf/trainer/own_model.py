@@ -1,0 +1,96 @@
+"""The config API's path for a model that no Hugging Face plan shards: one the user wrote with
+nxd_hf's parallel layers (NxD's own way: ``ColumnParallelLinear``, ``RowParallelLinear``,
+``ParallelEmbedding``, ``parallel_cross_entropy``), or a plain PyTorch module.
+
+Such a model skips ``nxd_hf.parallelize``'s Hugging Face steps 1-3 (patch, head padding, layer
+swap): its layers are used as built, never sharded a second time. It runs the generic steps
+only: the pipeline split (``NxDPPModel`` with ``pipeline_config``'s ``transformer_layer_cls``,
+``input_names``, ``output_loss_value_spec``, ``tracer_cls``) when pp > 1, then steps 5-10
+(``nxd_hf.model_setup``: weights, activation checkpointing, gradient reduction, device).
+A plain module has no tensor-parallel layout here: at tp > 1 it is refused (nxd_hf.nnscaler
+derives one for any module)."""
+
+import warnings
+
+from torch import nn
+
+from nxd_hf.guards.fail_together import fail_together
+from nxd_hf.guards.input_check import InputCheck, resolve_mode
+from nxd_hf.model_setup import LocalSetup, set_up_whole_module
+from nxd_hf.model_setup.activation_checkpoint import decoder_layer_types
+from nxd_hf.model_state import state_of
+from nxd_hf.parallel_layers.layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
+from nxd_hf.pipeline.model import NxDPPModel
+
+
+def is_own_model(model: nn.Module) -> bool:
+    """Whether the config API takes ``model`` as its user built it: it holds nxd_hf parallel
+    layers (already sharded, whatever its class), or it is not a Hugging Face model."""
+    return not hasattr(model, "config") or has_parallel_layers(model)
+
+
+def has_parallel_layers(model: nn.Module) -> bool:
+    """A layer that is sharded over tensor-parallel ranks when built (its parameters carry the
+    sharding metadata: ``modules.qkv_linear`` and the rest build on the same attributes)."""
+    return any(isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelEmbedding)) for m in model.modules()) \
+        or any(getattr(p, "tensor_model_parallel", False) for p in model.parameters())
+
+
+def parallelize_own_model(model: nn.Module, nxd_config, *, param_init_fn, pipeline_kwargs: dict) -> nn.Module:
+    """``model`` set up as the module docstring says; returns it (pp=1) or its ``NxDPPModel``."""
+    tp, pp = nxd_config.tensor_parallel_size, nxd_config.pipeline_parallel_size
+    with fail_together("initialize_parallel_model (a model built from parallel layers or plain)"):
+        _check_options(model, nxd_config)
+        setup = LocalSetup(param_init_fn=param_init_fn, activation_checkpoint_config=nxd_config.activation_checkpoint_config,
+                           fp32_grad_accumulation=nxd_config.mixed_precision_config.use_fp32_grad_acc)
+        check = InputCheck(vocab_size=None, mode=resolve_mode(nxd_config.check_inputs))  # TP/PP ranks: the same batch
+        layer_types = ()
+        if pp == 1 and nxd_config.activation_checkpoint_config == "full":
+            layer_types = _full_checkpoint_layers(model)
+    if pp > 1:
+        pipe = NxDPPModel(model, setup=setup, **pipeline_kwargs)
+        pipe.nxd.input_check = check
+        return pipe
+    state = set_up_whole_module(model, setup, tp_size=tp, input_check=check, layer_types=layer_types)
+    state.grad_reduction.install_hooks(model)
+    return model
+
+
+def _check_options(model: nn.Module, nxd_config) -> None:
+    """The options that only mean something for a Hugging Face model nxd_hf shards itself."""
+    name = type(model).__name__
+    if state_of(model) is not None:
+        raise ValueError(f"{name} is already parallelized: model_fn must return the model as built, before "
+                         "nxd_hf.parallelize or another initialize_parallel_model")
+    if nxd_config.tensor_parallel_size > 1 and not has_parallel_layers(model):
+        raise ValueError(
+            f"tensor_parallel_size={nxd_config.tensor_parallel_size} but {name} is neither a Hugging Face model nor "
+            "built from nxd_hf's parallel layers, so nxd_hf has no way to shard it: build its large layers from "
+            "nxd_hf.parallel_layers (ColumnParallelLinear, RowParallelLinear, ParallelEmbedding, "
+            "parallel_cross_entropy), let nxd_hf.nnscaler.parallelize derive a layout for it, or use "
+            "tensor_parallel_size=1 (pipeline and data parallelism take any module)")
+    if nxd_config.lora_config is not None:
+        raise ValueError(f"lora_config needs a Hugging Face model: {name} is not one, or holds nxd_hf parallel "
+                         "layers already. Train it without lora_config")
+    if nxd_config.expert_parallel_size > 1:
+        raise ValueError(f"expert_parallel_size > 1 splits the experts of Hugging Face mixture-of-experts layers; "
+                         f"{name} is not sharded by nxd_hf: use expert_parallel_size=1")
+    if nxd_config.fused_loss:
+        raise ValueError(f"fused_loss=True replaces a Hugging Face model's LM head and loss; {name} computes its own "
+                         "loss: use fused_loss=False")
+    ignored = {"sequence_parallel": (nxd_config.sequence_parallel, "the layers' sequence_parallel_enabled decide it"),
+               "pad_model": (nxd_config.pad_model is True, "the model's own layers fix its heads"),
+               "kv_size_multiplier": (nxd_config.kv_size_multiplier != "auto",
+                                      "GQAQKVColumnParallelLinear's kv_size_multiplier argument decides it")}
+    for key, (given, why) in ignored.items():
+        if given:
+            warnings.warn(f"{key} is ignored for {name}, which nxd_hf does not shard: {why}", stacklevel=4)
+
+
+def _full_checkpoint_layers(model: nn.Module) -> tuple[type, ...]:
+    try:
+        return decoder_layer_types(model)
+    except ValueError:
+        raise ValueError(f'activation_checkpoint_config="full" recomputes the transformer layers, which nxd_hf '
+                         f"cannot find in {type(model).__name__} (no Hugging Face _no_split_modules): pass the layer "
+                         "class instead, activation_checkpoint_config=<YourLayer>") from None

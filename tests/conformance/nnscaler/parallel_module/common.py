@@ -3,8 +3,7 @@
 #
 #  From microsoft/nnscaler's tests/parallel_module/common.py (commit 1585c15). Changed:
 #  init_distributed joins gloo (the rank pool has joined it already) instead of nccl and sets no
-#  CUDA device; PASMegatron is left out (a policy over nnScaler's IR graph, not in the reference
-#  document: the tests using it are listed as not applicable in docs/nnscaler.md).
+#  CUDA device; PASMegatron, a policy over nnScaler's IR graph, is nxd_hf's "hybrid" policy (end of file).
 """nnScaler's shared test modules and helpers."""
 
 import math
@@ -104,3 +103,10 @@ def assert_close(a: Any, b: Any, atol=1e-6, rtol=1e-6):
             assert_close(a[i], b[i])
     else:
         raise ValueError(f'unsupported type {type(a)}')
+
+
+# nnScaler's PASMegatron (pas_config's pipeline_nstages stages cut between the linears, each
+# stage's linears tensor-parallel, alternating column and row) is a policy over nnScaler's IR
+# graph; nxd_hf's equivalent is its "hybrid" policy (docs/nnscaler.md: pipeline_nstages stages
+# cut between the blocks of the ModuleList, each stage tensor-parallel with the derived layout).
+PASMegatron = 'hybrid'

@@ -18,3 +18,28 @@ def _nnscaler_rank_pools(rank_pools):
 # CUBE_EXTRA_STATE key and ExtraState class, ParallelModule.reducers, the "infer_pipe" scheduler,
 # the merge log of nnscaler.runtime.module): docs/nnscaler.md lists it.
 collect_ignore = ["parallel_module/test_checkpoint.py"]
+
+# Known differences from nnScaler (docs/nnscaler.md), as strict xfails: each must keep failing
+# until nxd_hf changes, and then the marker goes.
+_UNUSED_PARAMETERS = (
+    "nnScaler's ParallelModule drops the parameters its traced graph does not use (unused_fc*: absent "
+    "from its state dict, so from the merged one); nxd_hf keeps every parameter of the module")
+_PIPELINE_PARAM_GROUPS = (
+    "the merged optimizer state's param_groups list the parameters the pipelined module holds; nnScaler "
+    "lists every parameter index of the original module, also those of linear0_unused, which neither "
+    "library's pipelined module holds (it is unused)")
+KNOWN_DIFFERENCES = {
+    "parallel_module/test_checkpoint_shared.py::test_checkpoint_load_from_raw_checkpoint[sub-True]": _UNUSED_PARAMETERS,
+    "parallel_module/test_checkpoint_shared.py::test_checkpoint_load_from_raw_checkpoint[sub-False]": _UNUSED_PARAMETERS,
+    **{f"parallel_module/test_checkpoint_shared.py::test_checkpoint_load_from_raw_checkpoint[{kind}-{zero}]":
+       _PIPELINE_PARAM_GROUPS for kind in ("pipeline", "pipeline2") for zero in (True, False)},
+    "parallel_module/test_checkpoint_unused.py::test_checkpoint_load_from_raw_checkpoint[True]": _UNUSED_PARAMETERS,
+    "parallel_module/test_checkpoint_unused.py::test_checkpoint_load_from_raw_checkpoint[False]": _UNUSED_PARAMETERS,
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        rel = item.nodeid.split("conformance/nnscaler/", 1)[-1]
+        if rel in KNOWN_DIFFERENCES:
+            item.add_marker(pytest.mark.xfail(strict=True, reason=KNOWN_DIFFERENCES[rel]))

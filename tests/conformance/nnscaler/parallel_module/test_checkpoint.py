@@ -1,8 +1,13 @@
 #  Copyright (c) Microsoft Corporation.
 #  Licensed under the MIT License.
 #
-#  Vendored from microsoft/nnscaler (commit 1585c15) tests/parallel_module/test_checkpoint.py for nxd_hf's
-#  conformance suite (docs/nnscaler.md). Changed: imports nnscaler -> nxd_hf.nnscaler; .cuda() -> .cpu(); CUDA devices -> 'cpu'; the skipif markers on CUDA devices removed (gloo ranks on CPU). Not imported: nnScaler's internal ExtraState (the xfail reasons in conftest.py say where it is read), the unused calcuate_gnorm and replace_all_device_with; the import of nnScaler's _logger in _train stays (its merge-log check, never reached: see conftest.py).
+#  Vendored from microsoft/nnscaler (commit 1585c15) tests/parallel_module/test_checkpoint.py for
+#  nxd_hf's conformance suite (docs/nnscaler.md), for the helpers test_checkpoint_shared.py and
+#  test_checkpoint_unused.py import: its own tests are not collected (conftest.py says why).
+#  Changed: imports nnscaler -> nxd_hf.nnscaler; .cuda() -> .cpu(); CUDA devices -> 'cpu'; the
+#  skipif markers on CUDA devices removed (gloo ranks on CPU). Not imported: nnScaler's internal
+#  ExtraState, the unused calcuate_gnorm and replace_all_device_with; the import of nnScaler's
+#  _logger inside _train stays as it was (only its uncollected tests reach it).
 
 import tempfile
 import itertools

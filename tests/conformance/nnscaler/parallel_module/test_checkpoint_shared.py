@@ -1,8 +1,10 @@
 #  Copyright (c) Microsoft Corporation.
 #  Licensed under the MIT License.
 #
-#  Vendored from microsoft/nnscaler (commit 1585c15) tests/parallel_module/test_checkpoint_shared.py for nxd_hf's
-#  conformance suite (docs/nnscaler.md). Changed: imports nnscaler -> nxd_hf.nnscaler; .cuda() -> .cpu(); the skipif markers on CUDA devices removed (gloo ranks on CPU).
+#  Vendored from microsoft/nnscaler (commit 1585c15)
+#  tests/parallel_module/test_checkpoint_shared.py for nxd_hf's conformance suite
+#  (docs/nnscaler.md). Changed: imports nnscaler -> nxd_hf.nnscaler; .cuda() -> .cpu(); the skipif
+#  markers on CUDA devices removed (gloo ranks on CPU).
 
 import tempfile
 from pathlib import Path

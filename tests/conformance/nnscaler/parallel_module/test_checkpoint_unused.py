@@ -1,8 +1,11 @@
 #  Copyright (c) Microsoft Corporation.
 #  Licensed under the MIT License.
 #
-#  Vendored from microsoft/nnscaler (commit 1585c15) tests/parallel_module/test_checkpoint_unused.py for nxd_hf's
-#  conformance suite (docs/nnscaler.md). Changed: imports nnscaler -> nxd_hf.nnscaler; .cuda() -> .cpu(); the skipif markers on CUDA devices removed (gloo ranks on CPU). Not imported: ExtraState and calcuate_gnorm, which this file does not use.
+#  Vendored from microsoft/nnscaler (commit 1585c15)
+#  tests/parallel_module/test_checkpoint_unused.py for nxd_hf's conformance suite
+#  (docs/nnscaler.md). Changed: imports nnscaler -> nxd_hf.nnscaler; .cuda() -> .cpu(); the skipif
+#  markers on CUDA devices removed (gloo ranks on CPU). Not imported: ExtraState and
+#  calcuate_gnorm, which this file does not use.
 
 import tempfile
 import itertools

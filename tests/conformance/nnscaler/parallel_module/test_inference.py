@@ -1,8 +1,9 @@
 #  Copyright (c) Microsoft Corporation.
 #  Licensed under the MIT License.
 #
-#  Vendored from microsoft/nnscaler (commit 1585c15) tests/parallel_module/test_inference.py for nxd_hf's
-#  conformance suite (docs/nnscaler.md). Changed: imports nnscaler -> nxd_hf.nnscaler; .cuda() -> .cpu(); the skipif markers on CUDA devices removed (gloo ranks on CPU).
+#  Vendored from microsoft/nnscaler (commit 1585c15) tests/parallel_module/test_inference.py for
+#  nxd_hf's conformance suite (docs/nnscaler.md). Changed: imports nnscaler -> nxd_hf.nnscaler;
+#  .cuda() -> .cpu(); the skipif markers on CUDA devices removed (gloo ranks on CPU).
 
 from pathlib import Path
 import shutil

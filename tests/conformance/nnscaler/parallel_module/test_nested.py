@@ -1,8 +1,9 @@
 #  Copyright (c) Microsoft Corporation.
 #  Licensed under the MIT License.
 #
-#  Vendored from microsoft/nnscaler (commit 1585c15) tests/parallel_module/test_nested.py for nxd_hf's
-#  conformance suite (docs/nnscaler.md). Changed: imports nnscaler -> nxd_hf.nnscaler; the skipif markers on CUDA devices removed (gloo ranks on CPU).
+#  Vendored from microsoft/nnscaler (commit 1585c15) tests/parallel_module/test_nested.py for
+#  nxd_hf's conformance suite (docs/nnscaler.md). Changed: imports nnscaler -> nxd_hf.nnscaler; the
+#  skipif markers on CUDA devices removed (gloo ranks on CPU).
 
 import tempfile
 

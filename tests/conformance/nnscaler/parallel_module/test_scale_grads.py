@@ -1,8 +1,10 @@
 #  Copyright (c) Microsoft Corporation.
 #  Licensed under the MIT License.
 #
-#  Vendored from microsoft/nnscaler (commit 1585c15) tests/parallel_module/test_scale_grads.py for nxd_hf's
-#  conformance suite (docs/nnscaler.md). Changed: imports nnscaler -> nxd_hf.nnscaler; .cuda() -> .cpu(); CUDA devices -> 'cpu'; the skipif markers on CUDA devices removed (gloo ranks on CPU). Not imported: ExtraState and calcuate_gnorm, which this file does not use.
+#  Vendored from microsoft/nnscaler (commit 1585c15) tests/parallel_module/test_scale_grads.py for
+#  nxd_hf's conformance suite (docs/nnscaler.md). Changed: imports nnscaler -> nxd_hf.nnscaler;
+#  .cuda() -> .cpu(); CUDA devices -> 'cpu'; the skipif markers on CUDA devices removed (gloo ranks
+#  on CPU). Not imported: ExtraState and calcuate_gnorm, which this file does not use.
 
 import tempfile
 import itertools

@@ -28,7 +28,12 @@ _PIPELINE_PARAM_GROUPS = (
     "the merged optimizer state's param_groups list the parameters the pipelined module holds; nnScaler "
     "lists every parameter index of the original module, also those of linear0_unused, which neither "
     "library's pipelined module holds (it is unused)")
+_ZERO_HOOKS = (
+    "under ZeRO-1 a post hook sees this rank's reduced slice, not the buffer that .grad views (nnScaler's "
+    "bucket): the pre hook's grad.div_(2) stays on .grad, so clip_gnorm, which reads .grad, gives half "
+    "the norm of the run without hooks (the weights are equal)")
 KNOWN_DIFFERENCES = {
+    "parallel_module/test_scale_grads.py::test_scale_grads": _ZERO_HOOKS,
     "parallel_module/test_checkpoint_shared.py::test_checkpoint_load_from_raw_checkpoint[sub-True]": _UNUSED_PARAMETERS,
     "parallel_module/test_checkpoint_shared.py::test_checkpoint_load_from_raw_checkpoint[sub-False]": _UNUSED_PARAMETERS,
     **{f"parallel_module/test_checkpoint_shared.py::test_checkpoint_load_from_raw_checkpoint[{kind}-{zero}]":

@@ -19,8 +19,9 @@ def _nnscaler_rank_pools(rank_pools):
 # the merge log of nnscaler.runtime.module): docs/nnscaler.md lists it.
 collect_ignore = ["parallel_module/test_checkpoint.py"]
 
-# Known differences from nnScaler (docs/nnscaler.md), as strict xfails: each must keep failing
-# until nxd_hf changes, and then the marker goes.
+# Known differences from nnScaler (docs/nnscaler.md), as xfails. Not run by default: each failure ends
+# its rank pool and the next test pays a new one (about 7 minutes of CI for the nine on 2 cores);
+# `pytest tests/conformance --runxfail` runs them, and the marker goes once one passes.
 _UNUSED_PARAMETERS = (
     "nnScaler's ParallelModule drops the parameters its traced graph does not use (unused_fc*: absent "
     "from its state dict, so from the merged one); nxd_hf keeps every parameter of the module")
@@ -47,4 +48,4 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         rel = item.nodeid.split("conformance/nnscaler/", 1)[-1]
         if rel in KNOWN_DIFFERENCES:
-            item.add_marker(pytest.mark.xfail(strict=True, reason=KNOWN_DIFFERENCES[rel]))
+            item.add_marker(pytest.mark.xfail(strict=True, run=False, reason=KNOWN_DIFFERENCES[rel]))

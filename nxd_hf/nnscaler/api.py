@@ -60,6 +60,7 @@ def parallelize(
         module = module_or_module_class
         if module_dtype is not None:
             module.to(module_dtype)
+    _refuse_nested(module)
     is_hf = hasattr(module, "config") and hasattr(module, "base_model_prefix")
     graph = None if is_hf else derive.trace(module, dummy_forward_args)
     plan = policy.resolve(pas_policy, compute_config, graph, module=module, dummy_forward_args=dummy_forward_args)
@@ -80,6 +81,22 @@ def parallelize(
     cls = type(f"{type(module).__name__}Parallel", (ParallelModule,),
                {"_spec": spec, "__module__": __name__, "__init__": __init__})
     return cls if is_class else cls(init_module_params, _module=module)
+
+
+class NestedParallelModuleError(ValueError, RuntimeError):
+    """A ValueError, as nxd_hf's user errors are, that is also the RuntimeError nnScaler raises for
+    it, so code written against nnScaler catches it too."""
+
+
+def _refuse_nested(module: nn.Module) -> None:
+    """nnScaler refuses a module holding a parallel module: that part is planned already, and
+    planning it again would shard its shards."""
+    for name, sub in module.named_modules():
+        if sub is not module and state_of(sub) is not None:
+            raise NestedParallelModuleError(
+                f"Parallel modules can not be nested: {type(module).__name__}.{name} is parallel already. "
+                "Parallelize the outer module's other parts on their own, or build it from the original "
+                "(non-parallel) submodule")
 
 
 def _save_plan(module, plan, config, gen_savedir, instance_name, reuse, broadcast_strategy, load_module) -> None:

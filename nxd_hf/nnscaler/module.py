@@ -81,6 +81,11 @@ class ParallelModule(nn.Module):
     def use_end2end(self) -> bool:
         return self.compute_config.use_end2end
 
+    @property
+    def use_scheduler(self) -> bool:
+        """nnScaler's flag for a module run by a pipeline schedule (train_step / infer_step only)."""
+        return self._pipeline is not None
+
     def forward(self, *args, **kwargs):
         if self._pipeline is not None:
             raise ValueError("this end2end module is pipelined: call train_step(samples) / infer_step(samples), "

@@ -248,3 +248,7 @@ def _zero_states(osds: list[dict]) -> dict[str, dict]:
             size = torch.Size(shape).numel()
             out[name] = {**{key: b[offset : offset + size].view(shape).clone() for key, b in flat.items()}, **scalars}
     return out
+
+
+# nnScaler's own name for it (the reference document uses both).
+load_merged_state_dict = load_merged_state_dicts

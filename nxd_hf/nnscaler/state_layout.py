@@ -74,19 +74,25 @@ def unique_entries(module: nn.Module) -> list[tuple[str, torch.Tensor, bool]]:
 
 def original_param_names(module: nn.Module) -> list[str]:
     """The parameter names of the original (unparallelized) module, in its ``parameters()`` order."""
-    names = []
+    names, seen = [], set()
+
+    def add(prefix, named):  # a tensor shared by several names counts once, by its first name (as parameters())
+        for n, p in named:
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                names.append(prefix + n)
 
     def walk(m, prefix):
         state = state_of(m)
         if state is not None:
-            names.extend(prefix + n for n, _ in state.hf_model.named_parameters())
+            add(prefix, state.hf_model.named_parameters())
             return
-        names.extend(prefix + n for n, p in m._parameters.items() if p is not None)
+        add(prefix, m._parameters.items())
         for name, child in m._modules.items():
             if child is not None:
                 walk(child, f"{prefix}{name}.")
     walk(module, "")
-    return list(dict.fromkeys(names))
+    return names
 
 
 def tied_names(module: nn.Module) -> dict[str, str]:

@@ -113,3 +113,25 @@ def test_ignored_arguments_warn(tmp_path):
     with pytest.warns(UserWarning, match="init_module_params is ignored"):
         parallelize(cases.LLM, x, "dp", ComputeConfig(1, 1), gen_savedir=tmp_path, init_module_params=False,
                     load_module=False)
+
+
+def test_a_module_holding_a_parallel_module_is_refused(tmp_path):
+    """nnScaler's "Parallel modules can not be nested": planning a parallel part again would shard
+    its shards. The error is a ValueError and, for code written against nnScaler, a RuntimeError."""
+    inner = parallelize(torch.nn.Linear(3, 5), {"input": torch.ones(2, 3)}, "dp", ComputeConfig(1, 1),
+                        gen_savedir=tmp_path, instance_name="inner")
+    outer = torch.nn.Sequential(inner, torch.nn.ReLU())
+    for error in (ValueError, RuntimeError):
+        with pytest.raises(error, match="can not be nested: Sequential.0 is parallel already"):
+            parallelize(outer, {"input": torch.ones(2, 3)}, "dp", ComputeConfig(1, 1), gen_savedir=tmp_path,
+                        instance_name="outer")
+
+
+def test_original_parameter_order_counts_a_shared_parameter_once():
+    """The merged optimizer state is indexed by the original module's parameters() order, where a
+    parameter shared by two submodules appears once (under its first name)."""
+    from nxd_hf.nnscaler.state_layout import original_param_names
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    model[1].weight = model[0].weight
+    assert original_param_names(model) == [name for name, _ in model.named_parameters()]

@@ -76,8 +76,10 @@ def _other_save(directory: str, rel: str, index: dict) -> str | None:
         with safe_open(file, framework="pt") as f:
             found = (f.metadata() or {}).get(writer.SAVE_KEY)
     elif rel.endswith(".pt"):
-        blob = torch.load(file, weights_only=True)
-        found = blob.get("save") if isinstance(blob, dict) else None
+        blob = torch.load(file, weights_only=False)
+        if not isinstance(blob, dict) or "save" not in blob:  # not one of nxd_hf's blobs: a caller's side file
+            return None
+        found = blob["save"]
     else:
         return None
     return None if found == save else f"was written by save {found}, the index by save {save}: {TWO_JOBS}"

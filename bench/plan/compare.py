@@ -2,6 +2,7 @@
 
 import os
 
+from nxd_hf.plan.activations import trace_activations
 from nxd_hf.plan.api import load_config
 from nxd_hf.plan.cluster import PRESETS, make_cluster
 from nxd_hf.plan.layout import Layout
@@ -45,14 +46,16 @@ def compare_case(case: dict, ranks: list[dict]) -> dict:
                     global_batch_size=case["micro_batch"] * case["num_microbatches"] * case["dp"],
                     lora_r=case["lora_r"] if case["lora"] else 0, lora_targets=LORA_TARGETS if case["lora"] else ())
     counts = rank_params(config, model, tp=layout.tp, lora_config=_lora_config(case))
+    trace = trace_activations(config, micro_batch_size=work.micro_batch_size, seq_len=work.seq_len,
+                              lora_config=_lora_config(case), device="cpu")
     world = layout.tp * layout.pp * layout.dp
     # this machine: ranks beyond its cores share them
     cluster = make_cluster(world_size=world, device_memory="24GiB", preset="cpu",
                            flops=PRESETS["cpu"]["flops"] * min(1.0, (os.cpu_count() or 1) / world))
-    whole = predict(shape, counts, work, layout, cluster)
+    whole = predict(shape, counts, work, layout, cluster, trace=trace)
     out = []
     for r in ranks:
-        memory = rank_memory(shape, counts, work, layout, r["pp_rank"])
+        memory = rank_memory(shape, counts, work, layout, r["pp_rank"], trace=trace)
         terms = step_terms(shape, counts, work, layout, r["pp_rank"])
         predicted_comm = _by_axis_op((t.axis, t.op, t.payload_bytes) for t in terms)
         measured = _by_axis_op((c["axis"], c["op"], c["bytes"]) for c in r["comm"])

@@ -24,18 +24,21 @@ from bench.common import RESULTS
 from bench.common.stamp import stamp
 from bench.common.table import Column, table
 from bench.plan.compare import compare_case, spearman
-from bench.plan.models import GRID
+from bench.plan.models import EXTRA, GRID
 
 MICRO_BATCH, SEQ = 2, 128
 
 
-def cases(steps: int) -> list[dict]:
+GRIDS = {"grid": GRID, "extra": EXTRA}
+
+
+def cases(steps: int, grid: str = "grid", seq: int = SEQ) -> list[dict]:
     out = []
-    for model, tp, pp, dp, options in GRID:
+    for model, tp, pp, dp, options in GRIDS[grid]:
         out.append(dict(model=model, tp=tp, pp=pp, dp=dp, sequence_parallel=options.get("sequence_parallel", False),
                         recompute=options.get("recompute", False), lora=options.get("lora", False), lora_r=8,
                         zero_1=options.get("zero_1", False), schedule=options.get("schedule"),
-                        num_microbatches=options.get("num_microbatches", 1), micro_batch=MICRO_BATCH, seq=SEQ,
+                        num_microbatches=options.get("num_microbatches", 1), micro_batch=MICRO_BATCH, seq=seq,
                         steps=steps))
     return out
 
@@ -77,9 +80,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(RESULTS / "plan.json"))
     parser.add_argument("--steps", type=int, default=4, help="training steps per layout (the last is counted)")
+    parser.add_argument("--grid", choices=sorted(GRIDS), default="grid", help="which list of layouts")
+    parser.add_argument("--seq", type=int, default=SEQ, help="tokens per sequence")
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    all_cases = cases(args.steps)
+    all_cases = cases(args.steps, args.grid, args.seq)
     measured = measure(all_cases)
     rows = [compare_case(case, ranks) for case, ranks in zip(all_cases, measured)]
     print(format_rows(rows))
@@ -96,6 +101,6 @@ def main(argv: list[str] | None = None) -> None:
     print("\n" + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump(dict(**stamp(), micro_batch=MICRO_BATCH, seq_len=SEQ, steps=args.steps, summary=summary, rows=rows),
+        json.dump(dict(**stamp(), micro_batch=MICRO_BATCH, seq_len=args.seq, grid=args.grid, steps=args.steps, summary=summary, rows=rows),
                   f, indent=1)
     print(f"wrote {args.out}")

@@ -20,8 +20,9 @@ parameters and optimizer state."""
 
 import dataclasses
 
+from nxd_hf.plan.activations import ActivationTrace
 from nxd_hf.plan.layout import Layout
-from nxd_hf.plan.shapes import ModelShape, RankParams
+from nxd_hf.plan.shapes import PRE, ModelShape, RankParams
 from nxd_hf.parallel_layers.sharding import padded_size
 
 BUCKET_BYTES = 25 * 2**20  # parallelize's bucket_size_mb
@@ -99,8 +100,10 @@ def in_flight(layout: Layout, pp_rank: int) -> int:
     return min(layout.num_microbatches, layout.pp - pp_rank + (layout.pp if layout.virtual_stages > 1 else 0))
 
 
-def rank_memory(shape: ModelShape, params: RankParams, work: Workload, layout: Layout, pp_rank: int) -> dict:
-    """Itemized peak bytes of one pipeline rank (TP rank 0)."""
+def rank_memory(shape: ModelShape, params: RankParams, work: Workload, layout: Layout, pp_rank: int, *,
+                trace: ActivationTrace | None = None) -> dict:
+    """Itemized peak bytes of one pipeline rank (TP rank 0). ``trace``: the activations traced from
+    the model (``plan.activations``); without it they are counted from the config."""
     layers = stage_layers(shape.num_layers, layout.pp, layout.virtual_stages)[pp_rank]
     first, last = pp_rank == 0, pp_rank == layout.pp - 1
     n_params = params.stage(layers, first=first, last=last)
@@ -125,13 +128,21 @@ def rank_memory(shape: ModelShape, params: RankParams, work: Workload, layout: L
     tokens = work.micro_batch_size * work.seq_len
     act_bytes = work.param_bytes  # activations take the parameters' dtype
     moe_layers = set(range(shape.num_layers)) if shape.moe_layers == shape.num_layers else set()
-    per_layer = [layer_activation_elements(shape, work, layout, moe=i in moe_layers) * tokens * act_bytes
-                 for i in layers]
+    if trace is not None:
+        per_layer = [trace.place_bytes(i, tp=layout.tp, sequence_parallel=layout.sequence_parallel,
+                                       fractions=params.fractions) for i in layers]
+        # the embeddings' own (dropout masks, learned positions' sums), on the first stage
+        pre = trace.place_bytes(PRE, tp=layout.tp, sequence_parallel=False, fractions=params.fractions) if first else 0
+    else:
+        per_layer = [layer_activation_elements(shape, work, layout, moe=i in moe_layers) * tokens * act_bytes
+                     for i in layers]
+        pre = 0
     one_layer = max(per_layer, default=0)
     if layout.recompute:  # each layer keeps its input; backward recomputes one layer at a time
         per_microbatch = len(layers) * tokens * shape.hidden / (layout.tp if layout.sequence_parallel else 1) * act_bytes
     else:
         per_microbatch = sum(per_layer)
+    per_microbatch += pre
     loss_saved = loss_forward = loss_backward = head_grad = tied_grad = 0.0
     if last:
         vocab = padded_size(shape.vocab, layout.tp) / layout.tp
@@ -160,8 +171,9 @@ def rank_memory(shape: ModelShape, params: RankParams, work: Workload, layout: L
     return {k: int(v) for k, v in items.items()}
 
 
-def peak_memory(shape: ModelShape, params: RankParams, work: Workload, layout: Layout) -> dict:
+def peak_memory(shape: ModelShape, params: RankParams, work: Workload, layout: Layout, *,
+                trace: ActivationTrace | None = None) -> dict:
     """The itemized memory of the busiest pipeline rank."""
-    ranks = [rank_memory(shape, params, work, layout, r) for r in range(layout.pp)]
+    ranks = [rank_memory(shape, params, work, layout, r, trace=trace) for r in range(layout.pp)]
     worst = max(range(layout.pp), key=lambda r: ranks[r]["peak"])
     return {**ranks[worst], "pp_rank": worst}

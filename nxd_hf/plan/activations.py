@@ -43,7 +43,13 @@ class Saved:
     source: str | None
     """The column-parallel module (or experts) whose output it is part of; None: replicated."""
     gathered: bool
-    """Saved by a column-parallel layer as its input: the whole sequence even under SP."""
+    """Saved by a column-parallel layer as its input: the whole sequence even under SP, where each
+    such layer gathers (and saves) its own copy."""
+    split: bool
+    """Computed from the residual stream outside the sharded regions (norms, residual dropout):
+    split over the sequence under SP (rotary tables and masks are not)."""
+    key: int
+    """The tensor (views share it): without SP, saved once however many layers save it."""
 
 
 @dataclasses.dataclass
@@ -54,13 +60,14 @@ class ActivationTrace:
 
     def place_bytes(self, place, *, tp: int, sequence_parallel: bool, fractions: dict[str, float]) -> float:
         """Bytes one TP rank saves at ``place``."""
-        total = 0.0
+        total, counted = 0.0, set()
         for s in self.saved:
-            if s.place != place:
+            if s.place != place or (s.key in counted and not (sequence_parallel and s.gathered)):
                 continue
+            counted.add(s.key)
             if s.source is not None:
                 total += s.nbytes * fractions.get(s.source, 1.0 / tp)
-            elif sequence_parallel and not s.gathered and isinstance(place, int):
+            elif sequence_parallel and s.split and not s.gathered:
                 total += s.nbytes / tp
             else:
                 total += s.nbytes
@@ -68,13 +75,17 @@ class ActivationTrace:
 
 
 class _FusedAttention(torch.autograd.Function):
-    """What a fused SDPA kernel (flash, memory-efficient, cuDNN) saves: q, k, v, its output (laid out
-    [b, s, heads, d], so the transpose back to the projection is free) and the fp32 log-sum-exp."""
+    """What a fused SDPA kernel (flash, memory-efficient, cuDNN) saves: q, k, v, its output and the
+    fp32 log-sum-exp. A GPU kernel lays its output out [b, s, heads, d] (the transpose back to the
+    projection is free); a CPU's follows the query's strides (a copy when they are [b, heads, s, d])."""
 
     @staticmethod
-    def forward(ctx, query, key, value):
+    def forward(ctx, query, key, value, like_query):
         b, heads, s, _ = query.shape
-        out = query.new_empty(b, s, heads, value.shape[-1]).transpose(1, 2)
+        if like_query and value.shape[-1] == query.shape[-1]:
+            out = torch.empty_like(query)
+        else:
+            out = query.new_empty(b, s, heads, value.shape[-1]).transpose(1, 2)
         lse = query.new_empty(b, heads, s, dtype=torch.float32)
         ctx.save_for_backward(query, key, value, out, lse)
         return out
@@ -98,7 +109,7 @@ class _Attention(TorchFunctionMode):
         if func is not F.scaled_dot_product_attention or not self._fused(*args, **kwargs):
             return func(*args, **kwargs)
         query, key, value = args[:3] if len(args) >= 3 else (kwargs["query"], kwargs["key"], kwargs["value"])
-        return _FusedAttention.apply(query, key, value)
+        return _FusedAttention.apply(query, key, value, self.device == "cpu")
 
     def _fused(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                enable_gqa=False) -> bool:
@@ -114,8 +125,12 @@ class _Attention(TorchFunctionMode):
         return choice != int(SDPBackend.MATH)
 
 
+STREAM = ("s",)
+
+
 class _Follow(TorchDispatchMode):
-    """Tags each op's outputs: ("w", kind, name) a weight or a view of it, ("a", name) sharded by ``name``."""
+    """Tags each op's outputs: ("w", kind, name) a weight or a view of it, ("a", name) sharded by
+    ``name``, STREAM computed from a decoder layer's input outside the sharded regions."""
 
     def __init__(self, weights: dict[int, tuple]):
         super().__init__()
@@ -131,9 +146,9 @@ class _Follow(TorchDispatchMode):
             tag = weights[0]  # a transpose or view of a weight
         elif weights:
             _, kind, name = weights[0]
-            tag = ("a", name) if kind == "column" else None
+            tag = ("a", name) if kind == "column" else STREAM  # a row-parallel output is the stream again
         else:
-            tag = next((t for t in tags if t and t[0] == "a"), None)
+            tag = next((t for t in tags if t and t[0] == "a"), STREAM if STREAM in tags else None)
         if tag is not None:
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
@@ -180,10 +195,11 @@ def trace_activations(config, *, micro_batch_size: int, seq_len: int, dtype: tor
         sharded = {prefix + name: entry for name, entry in sharded.items()}
     model.train()
     patch = get_patch(config)
-    layers = _decoder_layers(model, patch)
+    layers = decoder_layers(model, patch)
     where, inside, handles = [PRE], [], []
     for index, layer in enumerate(layers):
-        handles.append(layer.register_forward_pre_hook(lambda m, a, i=index: where.__setitem__(0, i)))
+        handles.append(layer.register_forward_pre_hook(
+            lambda m, args, kwargs, i=index: _enter(i, args, kwargs), with_kwargs=True))
         handles.append(layer.register_forward_hook(lambda m, a, o: where.__setitem__(0, POST)))
     for name, (kind, _) in sharded.items():
         if kind == "column":
@@ -192,16 +208,28 @@ def trace_activations(config, *, micro_batch_size: int, seq_len: int, dtype: tor
             handles.append(module.register_forward_hook(lambda m, a, o: inside.pop() and None))
     params = {id(p) for p in model.parameters()}
     follow = _Follow(_weights(model, sharded))
+
+    def _enter(index, args, kwargs):
+        where[0] = index
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if isinstance(hidden, torch.Tensor):
+            follow.tags[id(hidden)] = STREAM
+            follow.keep.append(hidden)
     seen, saved = set(), []
 
     def pack(t):
         root = t._base if t._base is not None else t
-        if id(root) not in seen and id(root) not in params and follow.tags.get(id(root), ("",))[0] != "w":
-            seen.add(id(root))
+        if id(root) in params or follow.tags.get(id(root), ("",))[0] == "w":
+            return t
+        tag = follow.tags.get(id(t)) or follow.tags.get(id(root))
+        gathered = bool(inside) and (tag is None or tag == STREAM)
+        seen_as = (id(root), inside[-1] if gathered else None)
+        if seen_as not in seen:
+            seen.add(seen_as)
             follow.keep.append(root)
-            tag = follow.tags.get(id(t)) or follow.tags.get(id(root))
-            saved.append(Saved(place=where[0], nbytes=root.untyped_storage().nbytes(),
-                               source=_strip(tag[1]) if tag else None, gathered=bool(inside) and tag is None))
+            saved.append(Saved(place=where[0], nbytes=root.untyped_storage().nbytes(), key=id(root),
+                               source=_strip(tag[1]) if tag and tag[0] == "a" else None, gathered=gathered,
+                               split=tag == STREAM))
         return t
 
     ids = torch.zeros(micro_batch_size, seq_len, dtype=torch.long, device="meta")
@@ -236,7 +264,8 @@ def _strip(name: str) -> str:
     return name.removeprefix("base_model.model.")
 
 
-def _decoder_layers(model: nn.Module, patch) -> nn.ModuleList:
+def decoder_layers(model: nn.Module, patch) -> nn.ModuleList:
+    """The decoder layers of ``model`` (an HF causal LM or its peft wrapper)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     prefix = patch.base_model_prefix if patch.base_model_prefix is not None else base.base_model_prefix
     root = base.get_submodule(prefix) if prefix and hasattr(base, prefix) else base

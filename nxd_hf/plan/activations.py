@@ -65,13 +65,22 @@ class ActivationTrace:
             if s.place != place or (s.key in counted and not (sequence_parallel and s.gathered)):
                 continue
             counted.add(s.key)
-            if s.source is not None:
-                total += s.nbytes * fractions.get(s.source, 1.0 / tp)
-            elif sequence_parallel and s.split and not s.gathered:
-                total += s.nbytes / tp
-            else:
-                total += s.nbytes
+            total += _rank_bytes(s, tp, sequence_parallel, fractions)
         return total
+
+    def largest_bytes(self, place, *, tp: int, sequence_parallel: bool, fractions: dict[str, float]) -> float:
+        """The largest single tensor one TP rank saves at ``place``: backward's gradients of it
+        are the transient a layer's backward adds."""
+        return max((_rank_bytes(s, tp, sequence_parallel, fractions) for s in self.saved if s.place == place),
+                   default=0.0)
+
+
+def _rank_bytes(s: Saved, tp: int, sequence_parallel: bool, fractions: dict[str, float]) -> float:
+    if s.source is not None:
+        return s.nbytes * fractions.get(s.source, 1.0 / tp)
+    if sequence_parallel and s.split and not s.gathered:
+        return s.nbytes / tp
+    return s.nbytes
 
 
 class _FusedAttention(torch.autograd.Function):

@@ -127,6 +127,10 @@ def rank_memory(shape: ModelShape, params: RankParams, work: Workload, layout: L
         buffers = min(2 * BUCKET_BYTES, grad_bytes)
     tokens = work.micro_batch_size * work.seq_len
     act_bytes = work.param_bytes  # activations take the parameters' dtype
+    # the pipeline's receive buffers, one per microbatch and kept between steps: the hidden states
+    # a later stage receives, the gradients an earlier one receives
+    boundary = tokens * shape.hidden * act_bytes / (layout.tp if layout.sequence_parallel else 1)
+    pipeline_buffers = layout.num_microbatches * boundary * ((not first) + (not last)) if layout.pp > 1 else 0
     moe_layers = set(range(shape.num_layers)) if shape.moe_layers == shape.num_layers else set()
     if trace is not None:
         per_layer = [trace.place_bytes(i, tp=layout.tp, sequence_parallel=layout.sequence_parallel,
@@ -138,6 +142,15 @@ def rank_memory(shape: ModelShape, params: RankParams, work: Workload, layout: L
                      for i in layers]
         pre = 0
     one_layer = max(per_layer, default=0)
+    # backward of the stage's last layer: its weight gradients and the gradients of its largest
+    # activations (two alive at once) join everything still held
+    if trace is not None:
+        largest = max((trace.largest_bytes(i, tp=layout.tp, sequence_parallel=layout.sequence_parallel,
+                                           fractions=params.fractions) for i in layers), default=0)
+    else:
+        largest = tokens * act_bytes * max(shape.intermediate / layout.tp, shape.hidden)
+    table = params.lora_by_place if work.lora else params.by_place
+    layer_grads = max((table.get(i, 0) for i in layers), default=0) * (4 if work.lora else work.param_bytes)
     if layout.recompute:  # each layer keeps its input; backward recomputes one layer at a time
         per_microbatch = len(layers) * tokens * shape.hidden / (layout.tp if layout.sequence_parallel else 1) * act_bytes
     else:
@@ -161,13 +174,14 @@ def rank_memory(shape: ModelShape, params: RankParams, work: Workload, layout: L
     held = per_microbatch * flight + loss_saved * (flight - 1 if last else 0)
     end_of_forward = held + loss_forward
     start_of_backward = held + loss_saved + loss_backward + head_grad
+    first_layer_backward = held + head_grad + layer_grads + 2 * largest + (one_layer if layout.recompute else 0)
     end_of_backward = grad_bytes + one_layer + tied_grad + (per_microbatch + loss_saved * last) * after_first
     reduction = grad_bytes + buffers
     items = dict(parameters=n_params * work.param_bytes, lora=n_lora * 4, gradients=grad_bytes, optimizer_state=state,
                  activations=activations, loss=max(loss_forward, loss_saved + loss_backward),
-                 communication_buffers=buffers)
-    items["peak"] = int(items["parameters"] + items["lora"] + state
-                        + max(end_of_forward, start_of_backward, end_of_backward, reduction))
+                 communication_buffers=buffers + pipeline_buffers)
+    items["peak"] = int(items["parameters"] + items["lora"] + state + pipeline_buffers
+                        + max(end_of_forward, start_of_backward, first_layer_backward, end_of_backward, reduction))
     return {k: int(v) for k, v in items.items()}
 
 

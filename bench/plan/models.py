@@ -24,6 +24,18 @@ MODELS = {
     "phi3-s": lambda: transformers.Phi3Config(
         vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
         num_key_value_heads=8, max_position_embeddings=512, tie_word_embeddings=False, pad_token_id=0),
+    # Qwen3: per-head q/k norms, GQA 8/4
+    "qwen3-s": lambda: transformers.Qwen3Config(
+        vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=64, max_position_embeddings=512, tie_word_embeddings=False),
+    # GPT-NeoX: per-head fused qkv, parallel residual, partial rotary, plain GELU MLP
+    "neox-s": lambda: transformers.GPTNeoXConfig(
+        vocab_size=4096, hidden_size=512, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=8,
+        max_position_embeddings=512, tie_word_embeddings=False),
+    # Gemma: tied and scaled embeddings, GeGLU, GQA 8/2
+    "gemma-s": lambda: transformers.GemmaConfig(
+        vocab_size=4096, hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=64, max_position_embeddings=512),
 }
 
 # (model, tp, pp, dp, options); batch per DP replica and sequence length in run.py
@@ -52,3 +64,15 @@ EXTRA = [
     ("phi3-s", 2, 1, 1, {"sequence_parallel": True, "recompute": True}),
     ("qwen2-s", 1, 1, 2, {"zero_1": True, "lora": True}),
 ]
+
+# the architectures of the sweep validated with a few layouts each (``--grid sweep``; cases() drops
+# sequence parallelism where the architecture's patch refuses it and LoRA where it has no q_proj)
+SWEEP_MODELS = ["gpt2-s", "phi3-s", "qwen3-s", "neox-s", "gemma-s"]
+SWEEP_LAYOUTS = [
+    (2, 1, 1, {}),
+    (1, 2, 1, {"schedule": "1f1b", "num_microbatches": 2}),
+    (1, 1, 2, {"zero_1": True}),
+    (2, 1, 1, {"sequence_parallel": True, "recompute": True}),
+    (2, 1, 1, {"lora": True}),
+]
+SWEEP = [(m, tp, pp, dp, options) for m in SWEEP_MODELS for tp, pp, dp, options in SWEEP_LAYOUTS]

@@ -24,17 +24,37 @@ from bench.common import RESULTS
 from bench.common.stamp import stamp
 from bench.common.table import Column, table
 from bench.plan.compare import compare_case, spearman
-from bench.plan.models import EXTRA, GRID
+from bench.plan.models import EXTRA, GRID, MODELS, SWEEP
 
 MICRO_BATCH, SEQ = 2, 128
 
 
-GRIDS = {"grid": GRID, "extra": EXTRA}
+GRIDS = {"grid": GRID, "extra": EXTRA, "sweep": SWEEP}
+
+
+def _runs(model: str, options: dict) -> bool:
+    """Whether the sweep's layout applies to this architecture."""
+    import torch
+
+    from nxd_hf.architectures import get_patch
+
+    config = MODELS[model]()
+    if options.get("sequence_parallel") and not get_patch(config).sequence_parallel:
+        return False
+    if options.get("lora"):
+        with torch.device("meta"):
+            import transformers
+
+            names = [n for n, _ in transformers.AutoModelForCausalLM.from_config(config).named_modules()]
+        return any(n.endswith("q_proj") for n in names)
+    return True
 
 
 def cases(steps: int, grid: str = "grid", seq: int = SEQ) -> list[dict]:
     out = []
     for model, tp, pp, dp, options in GRIDS[grid]:
+        if grid == "sweep" and not _runs(model, options):
+            continue
         out.append(dict(model=model, tp=tp, pp=pp, dp=dp, sequence_parallel=options.get("sequence_parallel", False),
                         recompute=options.get("recompute", False), lora=options.get("lora", False), lora_r=8,
                         zero_1=options.get("zero_1", False), schedule=options.get("schedule"),
@@ -54,7 +74,7 @@ def measure(all_cases: list[dict]) -> list[list[dict]]:
     for world in sorted({c["tp"] * c["pp"] * c["dp"] for c in all_cases}):
         index = [i for i, c in enumerate(all_cases) if c["tp"] * c["pp"] * c["dp"] == world]
         start = time.perf_counter()
-        per_rank = run_distributed(run_cases, world, [all_cases[i] for i in index], timeout_s=600)
+        per_rank = run_distributed(run_cases, world, [all_cases[i] for i in index], timeout_s=max(600, 60 * len(index)))
         print(f"world {world}: {len(index)} layouts in {time.perf_counter() - start:.0f}s", flush=True)
         for j, i in enumerate(index):
             results[i] = [rank[j] for rank in per_rank]

@@ -12,7 +12,9 @@ of 1, 2 and 4 gloo ranks on CPU) each trained for a few steps through ``nxd_hf.p
   machine's cores) and measured times (the fastest step after the first, wall clock and the
   process's CPU time; absolute times on a shared CPU mean little).
 
-Run from the repo root: ``python -m bench.plan [--out PATH] [--steps N]``; JSON in bench/results/plan.json.
+Run from the repo root: ``python -m bench.plan [--out PATH] [--steps N] [--grid grid|extra|sweep] [--seq N]``;
+JSON in bench/results/plan.json. ``--grid extra``: layouts outside the grid (GPT-2 at tp2, Phi-3 under
+gpipe and SP + recompute, Qwen2 ZeRO-1 + LoRA); ``--grid sweep``: more architectures at a few layouts.
 """
 
 import argparse

@@ -123,8 +123,8 @@ def rank_memory(shape: ModelShape, params: RankParams, work: Workload, layout: L
     if layout.zero_1:
         state += 2 * 4 * trainable_sharded / dp_shard  # the fp32 master slice and its gradient
         buffers = min(BUCKET_BYTES, grad_bytes)  # the collective staging buffer (dp x a bucket's columns)
-    elif layout.dp > 1:  # flat buckets of the gradient all-reduce; the next is built while the last is held
-        buffers = min(2 * BUCKET_BYTES, grad_bytes)
+    # plain data parallelism: the gradients live in the all-reduce's flat buckets
+    # (``parallel_layers.grad_buckets``), so reducing them takes no buffer of its own
     tokens = work.micro_batch_size * work.seq_len
     act_bytes = work.param_bytes  # activations take the parameters' dtype
     # the pipeline's receive buffers, one per microbatch and kept between steps: the hidden states
@@ -162,8 +162,8 @@ def rank_memory(shape: ModelShape, params: RankParams, work: Workload, layout: L
         logits = tokens * 4 * vocab  # fp32
         loss_saved = logits + tokens * act_bytes * (3 * shape.hidden + 1)  # log-probs or softmax; final norm
         # end of forward: HF's loss holds the logits and log-probs; the vocab-parallel one (tp > 1) the
-        # logits, their fp32 masked copy, the shifted logits, their exp and a masked sum operand
-        loss_forward = logits * (2 if layout.tp == 1 else 5)
+        # logits and one fp32 copy it shifts, exponentiates and keeps as the softmax, all in place
+        loss_forward = logits * 2
         loss_backward = logits * (2 if layout.tp == 1 else 1)  # the gradients of log-probs and logits
         head_grad = 0 if work.lora else vocab * shape.hidden * work.param_bytes
         if params.tied_embedding and layout.pp == 1 and not work.lora:  # the lookup's gradient, then summed in

@@ -74,6 +74,19 @@ def compare_case(case: dict, ranks: list[dict]) -> dict:
                 measured_step_cpu_s=max(r.get("step_cpu_seconds", 0.0) for r in ranks), ranks=out)
 
 
+def measured_ranks(row: dict) -> list[dict]:
+    """A saved row's measurements in the form ``compare_case`` takes (to re-predict a saved run)."""
+    ranks = []
+    for r in row["ranks"]:
+        comm = [dict(axis=key.split(":")[0], op=key.split(":")[1], bytes=nbytes)
+                for key, nbytes in r["measured_comm"].items() if key != "pp:send"]
+        ranks.append(dict(rank=r["rank"], pp_rank=r["pp_rank"], peak_anon=r["measured_peak"], baseline_anon=0,
+                          comm=comm, p2p_send_bytes=r["measured_comm"].get("pp:send", 0),
+                          param_bytes=r["measured_param_bytes"], step_seconds=r["step_seconds"],
+                          step_cpu_seconds=row["measured_step_cpu_s"]))
+    return ranks
+
+
 def spearman(xs: list[float], ys: list[float]) -> float:
     """Spearman's rank correlation (average ranks for ties)."""
     def ranks(v):

@@ -25,7 +25,7 @@ import time
 from bench.common import RESULTS
 from bench.common.stamp import stamp
 from bench.common.table import Column, table
-from bench.plan.compare import compare_case, spearman
+from bench.plan.compare import compare_case, measured_ranks, spearman
 from bench.plan.models import EXTRA, GRID, MODELS, SWEEP
 
 MICRO_BATCH, SEQ = 2, 128
@@ -104,10 +104,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=4, help="training steps per layout (the last is counted)")
     parser.add_argument("--grid", choices=sorted(GRIDS), default="grid", help="which list of layouts")
     parser.add_argument("--seq", type=int, default=SEQ, help="tokens per sequence")
+    parser.add_argument("--repredict", metavar="JSON",
+                        help="no run: set a saved run's measurements beside the current cost model")
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    all_cases = cases(args.steps, args.grid, args.seq)
-    measured = measure(all_cases)
+    if args.repredict:
+        with open(args.repredict) as f:
+            saved = json.load(f)
+        all_cases = [row["case"] for row in saved["rows"]]
+        measured = [measured_ranks(row) for row in saved["rows"]]
+        args.seq, args.grid, args.steps = saved["seq_len"], saved.get("grid", "grid"), saved["steps"]
+    else:
+        all_cases = cases(args.steps, args.grid, args.seq)
+        measured = measure(all_cases)
     rows = [compare_case(case, ranks) for case, ranks in zip(all_cases, measured)]
     print(format_rows(rows))
     ratios = [r["memory_ratio"] for row in rows for r in row["ranks"]]

@@ -161,6 +161,8 @@ def rank_memory(shape: ModelShape, params: RankParams, work: Workload, layout: L
         vocab = padded_size(shape.vocab, layout.tp) / layout.tp
         logits = tokens * 4 * vocab  # fp32
         loss_saved = logits + tokens * act_bytes * (3 * shape.hidden + 1)  # log-probs or softmax; final norm
+        if layout.pp > 1:  # the schedule keeps the stage's output (the logits) until that microbatch's backward
+            loss_saved += tokens * act_bytes * vocab
         # end of forward: HF's loss holds the logits and log-probs; the vocab-parallel one (tp > 1) the
         # logits and one fp32 copy it shifts, exponentiates and keeps as the softmax, all in place
         loss_forward = logits * 2

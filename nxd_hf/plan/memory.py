@@ -122,7 +122,9 @@ def rank_memory(shape: ModelShape, params: RankParams, work: Workload, layout: L
     buffers = 0.0
     if layout.zero_1:
         state += 2 * 4 * trainable_sharded / dp_shard  # the fp32 master slice and its gradient
-        buffers = min(BUCKET_BYTES, grad_bytes)  # the collective staging buffer (dp x a bucket's columns)
+        # the staging buffers (dp x a bucket's columns) of the reduce-scatter overlapped with backward:
+        # two in flight (``optim.zero1_overlap.IN_FLIGHT``), held while the last layers run backward
+        buffers = min(2 * BUCKET_BYTES, grad_bytes)
     # plain data parallelism: the gradients live in the all-reduce's flat buckets
     # (``parallel_layers.grad_buckets``), so reducing them takes no buffer of its own
     tokens = work.micro_batch_size * work.seq_len
@@ -177,7 +179,8 @@ def rank_memory(shape: ModelShape, params: RankParams, work: Workload, layout: L
     end_of_forward = held + loss_forward
     start_of_backward = held + loss_saved + loss_backward + head_grad
     first_layer_backward = held + head_grad + layer_grads + 2 * largest + (one_layer if layout.recompute else 0)
-    end_of_backward = grad_bytes + one_layer + tied_grad + (per_microbatch + loss_saved * last) * after_first
+    end_of_backward = grad_bytes + one_layer + tied_grad + (per_microbatch + loss_saved * last) * after_first \
+        + (buffers if layout.zero_1 else 0)
     reduction = grad_bytes + buffers
     items = dict(parameters=n_params * work.param_bytes, lora=n_lora * 4, gradients=grad_bytes, optimizer_state=state,
                  activations=activations, loss=max(loss_forward, loss_saved + loss_backward),

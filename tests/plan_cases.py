@@ -93,3 +93,46 @@ def parallelize_with_auto_sizes() -> dict:
     torch.testing.assert_close(model(input_ids=ids, labels=labels).loss, reference(input_ids=ids, labels=labels).loss,
                                rtol=1e-4, atol=1e-5)
     return dict(tp=parallel_state.get_tensor_model_parallel_size(), pp=parallel_state.get_pipeline_model_parallel_size())
+
+
+def saved_activation_bytes(model_type: str, sequence_parallel: bool, overrides: dict, batch: int = 2,
+                           seq: int = 16) -> dict:
+    """Bytes autograd saves in each decoder layer of this rank in a training forward of the tiny
+    model at tp = world (unique storages, parameters excluded), beside ``nxd_hf.plan``'s trace."""
+    from nxd_hf.architectures import get_patch
+    from nxd_hf.plan.activations import decoder_layers, trace_activations
+    from nxd_hf.plan.shapes import meta_model, rank_params
+
+    parallel_state.destroy_model_parallel()
+    config_class, model_class, kwargs = hf_parity.TINY[model_type]
+    config = config_class(**{**kwargs, **overrides})
+    with torch.device("meta"):
+        model = model_class(config)
+    tp = torch.distributed.get_world_size()
+    model = nxd_hf.parallelize(model, tensor_parallel_size=tp, sequence_parallel=sequence_parallel,
+                               param_init_fn=_init, check_inputs=False)
+    model.train()
+    where = [None]
+    for index, layer in enumerate(decoder_layers(model, get_patch(config))):
+        layer.register_forward_pre_hook(lambda m, a, i=index: where.__setitem__(0, i))
+        layer.register_forward_hook(lambda m, a, o: where.__setitem__(0, None))
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    found = {}
+
+    def pack(t):
+        key = t.untyped_storage().data_ptr()
+        if where[0] is not None and key not in params:
+            found.setdefault(key, (where[0], t.untyped_storage().nbytes()))  # a shared tensor: its first layer
+        return t
+
+    ids = torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids)
+    measured = {}
+    for layer, nbytes in found.values():
+        measured[layer] = measured.get(layer, 0) + nbytes
+    trace = trace_activations(config, micro_batch_size=batch, seq_len=seq, device="cpu")
+    fractions = rank_params(config, meta_model(config), tp=tp).fractions
+    predicted = {i: trace.place_bytes(i, tp=tp, sequence_parallel=sequence_parallel, fractions=fractions)
+                 for i in measured}
+    return dict(measured=measured, predicted=predicted)

@@ -2,6 +2,7 @@
 
 import os
 
+from nxd_hf.plan.activations import trace_activations
 from nxd_hf.plan.api import load_config
 from nxd_hf.plan.cluster import PRESETS, make_cluster
 from nxd_hf.plan.layout import Layout
@@ -45,14 +46,16 @@ def compare_case(case: dict, ranks: list[dict]) -> dict:
                     global_batch_size=case["micro_batch"] * case["num_microbatches"] * case["dp"],
                     lora_r=case["lora_r"] if case["lora"] else 0, lora_targets=LORA_TARGETS if case["lora"] else ())
     counts = rank_params(config, model, tp=layout.tp, lora_config=_lora_config(case))
+    trace = trace_activations(config, micro_batch_size=work.micro_batch_size, seq_len=work.seq_len,
+                              lora_config=_lora_config(case), device="cpu")
     world = layout.tp * layout.pp * layout.dp
     # this machine: ranks beyond its cores share them
     cluster = make_cluster(world_size=world, device_memory="24GiB", preset="cpu",
                            flops=PRESETS["cpu"]["flops"] * min(1.0, (os.cpu_count() or 1) / world))
-    whole = predict(shape, counts, work, layout, cluster)
+    whole = predict(shape, counts, work, layout, cluster, trace=trace)
     out = []
     for r in ranks:
-        memory = rank_memory(shape, counts, work, layout, r["pp_rank"])
+        memory = rank_memory(shape, counts, work, layout, r["pp_rank"], trace=trace)
         terms = step_terms(shape, counts, work, layout, r["pp_rank"])
         predicted_comm = _by_axis_op((t.axis, t.op, t.payload_bytes) for t in terms)
         measured = _by_axis_op((c["axis"], c["op"], c["bytes"]) for c in r["comm"])
@@ -69,6 +72,19 @@ def compare_case(case: dict, ranks: list[dict]) -> dict:
     return dict(model=case["model"], layout=layout.name() + (" lora" if case["lora"] else ""), case=case,
                 predicted_step_s=whole.step_time, measured_step_s=max(r["step_seconds"] for r in ranks),
                 measured_step_cpu_s=max(r.get("step_cpu_seconds", 0.0) for r in ranks), ranks=out)
+
+
+def measured_ranks(row: dict) -> list[dict]:
+    """A saved row's measurements in the form ``compare_case`` takes (to re-predict a saved run)."""
+    ranks = []
+    for r in row["ranks"]:
+        comm = [dict(axis=key.split(":")[0], op=key.split(":")[1], bytes=nbytes)
+                for key, nbytes in r["measured_comm"].items() if key != "pp:send"]
+        ranks.append(dict(rank=r["rank"], pp_rank=r["pp_rank"], peak_anon=r["measured_peak"], baseline_anon=0,
+                          comm=comm, p2p_send_bytes=r["measured_comm"].get("pp:send", 0),
+                          param_bytes=r["measured_param_bytes"], step_seconds=r["step_seconds"],
+                          step_cpu_seconds=row["measured_step_cpu_s"]))
+    return ranks
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:

@@ -12,7 +12,9 @@ of 1, 2 and 4 gloo ranks on CPU) each trained for a few steps through ``nxd_hf.p
   machine's cores) and measured times (the fastest step after the first, wall clock and the
   process's CPU time; absolute times on a shared CPU mean little).
 
-Run from the repo root: ``python -m bench.plan [--out PATH] [--steps N]``; JSON in bench/results/plan.json.
+Run from the repo root: ``python -m bench.plan [--out PATH] [--steps N] [--grid grid|extra|sweep] [--seq N]``;
+JSON in bench/results/plan.json. ``--grid extra``: layouts outside the grid (GPT-2 at tp2, Phi-3 under
+gpipe and SP + recompute, Qwen2 ZeRO-1 + LoRA); ``--grid sweep``: more architectures at a few layouts.
 """
 
 import argparse
@@ -23,19 +25,42 @@ import time
 from bench.common import RESULTS
 from bench.common.stamp import stamp
 from bench.common.table import Column, table
-from bench.plan.compare import compare_case, spearman
-from bench.plan.models import GRID
+from bench.plan.compare import compare_case, measured_ranks, spearman
+from bench.plan.models import EXTRA, GRID, MODELS, SWEEP
 
 MICRO_BATCH, SEQ = 2, 128
 
 
-def cases(steps: int) -> list[dict]:
+GRIDS = {"grid": GRID, "extra": EXTRA, "sweep": SWEEP}
+
+
+def _runs(model: str, options: dict) -> bool:
+    """Whether the sweep's layout applies to this architecture."""
+    import torch
+
+    from nxd_hf.architectures import get_patch
+
+    config = MODELS[model]()
+    if options.get("sequence_parallel") and not get_patch(config).sequence_parallel:
+        return False
+    if options.get("lora"):
+        with torch.device("meta"):
+            import transformers
+
+            names = [n for n, _ in transformers.AutoModelForCausalLM.from_config(config).named_modules()]
+        return any(n.endswith("q_proj") for n in names)
+    return True
+
+
+def cases(steps: int, grid: str = "grid", seq: int = SEQ) -> list[dict]:
     out = []
-    for model, tp, pp, dp, options in GRID:
+    for model, tp, pp, dp, options in GRIDS[grid]:
+        if grid == "sweep" and not _runs(model, options):
+            continue
         out.append(dict(model=model, tp=tp, pp=pp, dp=dp, sequence_parallel=options.get("sequence_parallel", False),
                         recompute=options.get("recompute", False), lora=options.get("lora", False), lora_r=8,
                         zero_1=options.get("zero_1", False), schedule=options.get("schedule"),
-                        num_microbatches=options.get("num_microbatches", 1), micro_batch=MICRO_BATCH, seq=SEQ,
+                        num_microbatches=options.get("num_microbatches", 1), micro_batch=MICRO_BATCH, seq=seq,
                         steps=steps))
     return out
 
@@ -51,7 +76,7 @@ def measure(all_cases: list[dict]) -> list[list[dict]]:
     for world in sorted({c["tp"] * c["pp"] * c["dp"] for c in all_cases}):
         index = [i for i, c in enumerate(all_cases) if c["tp"] * c["pp"] * c["dp"] == world]
         start = time.perf_counter()
-        per_rank = run_distributed(run_cases, world, [all_cases[i] for i in index], timeout_s=600)
+        per_rank = run_distributed(run_cases, world, [all_cases[i] for i in index], timeout_s=max(600, 60 * len(index)))
         print(f"world {world}: {len(index)} layouts in {time.perf_counter() - start:.0f}s", flush=True)
         for j, i in enumerate(index):
             results[i] = [rank[j] for rank in per_rank]
@@ -77,10 +102,21 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(RESULTS / "plan.json"))
     parser.add_argument("--steps", type=int, default=4, help="training steps per layout (the last is counted)")
+    parser.add_argument("--grid", choices=sorted(GRIDS), default="grid", help="which list of layouts")
+    parser.add_argument("--seq", type=int, default=SEQ, help="tokens per sequence")
+    parser.add_argument("--repredict", metavar="JSON",
+                        help="no run: set a saved run's measurements beside the current cost model")
     args = parser.parse_args(argv)
     start = time.perf_counter()
-    all_cases = cases(args.steps)
-    measured = measure(all_cases)
+    if args.repredict:
+        with open(args.repredict) as f:
+            saved = json.load(f)
+        all_cases = [row["case"] for row in saved["rows"]]
+        measured = [measured_ranks(row) for row in saved["rows"]]
+        args.seq, args.grid, args.steps = saved["seq_len"], saved.get("grid", "grid"), saved["steps"]
+    else:
+        all_cases = cases(args.steps, args.grid, args.seq)
+        measured = measure(all_cases)
     rows = [compare_case(case, ranks) for case, ranks in zip(all_cases, measured)]
     print(format_rows(rows))
     ratios = [r["memory_ratio"] for row in rows for r in row["ranks"]]
@@ -96,6 +132,6 @@ def main(argv: list[str] | None = None) -> None:
     print("\n" + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump(dict(**stamp(), micro_batch=MICRO_BATCH, seq_len=SEQ, steps=args.steps, summary=summary, rows=rows),
+        json.dump(dict(**stamp(), micro_batch=MICRO_BATCH, seq_len=args.seq, grid=args.grid, steps=args.steps, summary=summary, rows=rows),
                   f, indent=1)
     print(f"wrote {args.out}")

@@ -20,8 +20,9 @@ parameters and optimizer state."""
 
 import dataclasses
 
+from nxd_hf.plan.activations import ActivationTrace
 from nxd_hf.plan.layout import Layout
-from nxd_hf.plan.shapes import ModelShape, RankParams
+from nxd_hf.plan.shapes import PRE, ModelShape, RankParams
 from nxd_hf.parallel_layers.sharding import padded_size
 
 BUCKET_BYTES = 25 * 2**20  # parallelize's bucket_size_mb
@@ -99,8 +100,10 @@ def in_flight(layout: Layout, pp_rank: int) -> int:
     return min(layout.num_microbatches, layout.pp - pp_rank + (layout.pp if layout.virtual_stages > 1 else 0))
 
 
-def rank_memory(shape: ModelShape, params: RankParams, work: Workload, layout: Layout, pp_rank: int) -> dict:
-    """Itemized peak bytes of one pipeline rank (TP rank 0)."""
+def rank_memory(shape: ModelShape, params: RankParams, work: Workload, layout: Layout, pp_rank: int, *,
+                trace: ActivationTrace | None = None) -> dict:
+    """Itemized peak bytes of one pipeline rank (TP rank 0). ``trace``: the activations traced from
+    the model (``plan.activations``); without it they are counted from the config."""
     layers = stage_layers(shape.num_layers, layout.pp, layout.virtual_stages)[pp_rank]
     first, last = pp_rank == 0, pp_rank == layout.pp - 1
     n_params = params.stage(layers, first=first, last=last)
@@ -119,27 +122,52 @@ def rank_memory(shape: ModelShape, params: RankParams, work: Workload, layout: L
     buffers = 0.0
     if layout.zero_1:
         state += 2 * 4 * trainable_sharded / dp_shard  # the fp32 master slice and its gradient
-        buffers = min(BUCKET_BYTES, grad_bytes)  # the collective staging buffer (dp x a bucket's columns)
-    elif layout.dp > 1:  # flat buckets of the gradient all-reduce; the next is built while the last is held
+        # the staging buffers (dp x a bucket's columns) of the reduce-scatter overlapped with backward:
+        # two in flight (``optim.zero1_overlap.IN_FLIGHT``), held while the last layers run backward
         buffers = min(2 * BUCKET_BYTES, grad_bytes)
+    # plain data parallelism: the gradients live in the all-reduce's flat buckets
+    # (``parallel_layers.grad_buckets``), so reducing them takes no buffer of its own
     tokens = work.micro_batch_size * work.seq_len
     act_bytes = work.param_bytes  # activations take the parameters' dtype
+    # the pipeline's receive buffers, one per microbatch and kept between steps: the hidden states
+    # a later stage receives, the gradients an earlier one receives
+    boundary = tokens * shape.hidden * act_bytes / (layout.tp if layout.sequence_parallel else 1)
+    pipeline_buffers = layout.num_microbatches * boundary * ((not first) + (not last)) if layout.pp > 1 else 0
     moe_layers = set(range(shape.num_layers)) if shape.moe_layers == shape.num_layers else set()
-    per_layer = [layer_activation_elements(shape, work, layout, moe=i in moe_layers) * tokens * act_bytes
-                 for i in layers]
+    if trace is not None:
+        per_layer = [trace.place_bytes(i, tp=layout.tp, sequence_parallel=layout.sequence_parallel,
+                                       fractions=params.fractions) for i in layers]
+        # the embeddings' own (dropout masks, learned positions' sums), on the first stage
+        pre = trace.place_bytes(PRE, tp=layout.tp, sequence_parallel=False, fractions=params.fractions) if first else 0
+    else:
+        per_layer = [layer_activation_elements(shape, work, layout, moe=i in moe_layers) * tokens * act_bytes
+                     for i in layers]
+        pre = 0
     one_layer = max(per_layer, default=0)
+    # backward of the stage's last layer: its weight gradients and the gradients of its largest
+    # activations (two alive at once) join everything still held
+    if trace is not None:
+        largest = max((trace.largest_bytes(i, tp=layout.tp, sequence_parallel=layout.sequence_parallel,
+                                           fractions=params.fractions) for i in layers), default=0)
+    else:
+        largest = tokens * act_bytes * max(shape.intermediate / layout.tp, shape.hidden)
+    table = params.lora_by_place if work.lora else params.by_place
+    layer_grads = max((table.get(i, 0) for i in layers), default=0) * (4 if work.lora else work.param_bytes)
     if layout.recompute:  # each layer keeps its input; backward recomputes one layer at a time
         per_microbatch = len(layers) * tokens * shape.hidden / (layout.tp if layout.sequence_parallel else 1) * act_bytes
     else:
         per_microbatch = sum(per_layer)
+    per_microbatch += pre
     loss_saved = loss_forward = loss_backward = head_grad = tied_grad = 0.0
     if last:
         vocab = padded_size(shape.vocab, layout.tp) / layout.tp
         logits = tokens * 4 * vocab  # fp32
         loss_saved = logits + tokens * act_bytes * (3 * shape.hidden + 1)  # log-probs or softmax; final norm
+        if layout.pp > 1:  # the schedule keeps the stage's output (the logits) until that microbatch's backward
+            loss_saved += tokens * act_bytes * vocab
         # end of forward: HF's loss holds the logits and log-probs; the vocab-parallel one (tp > 1) the
-        # logits, their fp32 masked copy, the shifted logits, their exp and a masked sum operand
-        loss_forward = logits * (2 if layout.tp == 1 else 5)
+        # logits and one fp32 copy it shifts, exponentiates and keeps as the softmax, all in place
+        loss_forward = logits * 2
         loss_backward = logits * (2 if layout.tp == 1 else 1)  # the gradients of log-probs and logits
         head_grad = 0 if work.lora else vocab * shape.hidden * work.param_bytes
         if params.tied_embedding and layout.pp == 1 and not work.lora:  # the lookup's gradient, then summed in
@@ -150,18 +178,21 @@ def rank_memory(shape: ModelShape, params: RankParams, work: Workload, layout: L
     held = per_microbatch * flight + loss_saved * (flight - 1 if last else 0)
     end_of_forward = held + loss_forward
     start_of_backward = held + loss_saved + loss_backward + head_grad
-    end_of_backward = grad_bytes + one_layer + tied_grad + (per_microbatch + loss_saved * last) * after_first
+    first_layer_backward = held + head_grad + layer_grads + 2 * largest + (one_layer if layout.recompute else 0)
+    end_of_backward = grad_bytes + one_layer + tied_grad + (per_microbatch + loss_saved * last) * after_first \
+        + (buffers if layout.zero_1 else 0)
     reduction = grad_bytes + buffers
     items = dict(parameters=n_params * work.param_bytes, lora=n_lora * 4, gradients=grad_bytes, optimizer_state=state,
                  activations=activations, loss=max(loss_forward, loss_saved + loss_backward),
-                 communication_buffers=buffers)
-    items["peak"] = int(items["parameters"] + items["lora"] + state
-                        + max(end_of_forward, start_of_backward, end_of_backward, reduction))
+                 communication_buffers=buffers + pipeline_buffers)
+    items["peak"] = int(items["parameters"] + items["lora"] + state + pipeline_buffers
+                        + max(end_of_forward, start_of_backward, first_layer_backward, end_of_backward, reduction))
     return {k: int(v) for k, v in items.items()}
 
 
-def peak_memory(shape: ModelShape, params: RankParams, work: Workload, layout: Layout) -> dict:
+def peak_memory(shape: ModelShape, params: RankParams, work: Workload, layout: Layout, *,
+                trace: ActivationTrace | None = None) -> dict:
     """The itemized memory of the busiest pipeline rank."""
-    ranks = [rank_memory(shape, params, work, layout, r) for r in range(layout.pp)]
+    ranks = [rank_memory(shape, params, work, layout, r, trace=trace) for r in range(layout.pp)]
     worst = max(range(layout.pp), key=lambda r: ranks[r]["peak"])
     return {**ranks[worst], "pp_rank": worst}

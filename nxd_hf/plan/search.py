@@ -4,6 +4,9 @@ that fit are ranked by predicted step time (then memory), the others kept with t
 
 import dataclasses
 
+import torch
+
+from nxd_hf.plan.activations import ActivationTrace, trace_activations
 from nxd_hf.plan.cluster import Cluster
 from nxd_hf.plan.compute import step_time
 from nxd_hf.plan.layout import Layout, Prediction, Rejected
@@ -23,6 +26,9 @@ class PlanResult:
     shape: ModelShape
     cluster: Cluster
     workload: Workload
+    activations: str = "traced"
+    """How activations were priced: "traced" (one meta-device forward of the model) or, when that
+    forward fails, the config formula and why."""
 
     @property
     def best(self) -> Prediction:
@@ -83,9 +89,11 @@ def why_not(shape: ModelShape, work: Workload, layout: Layout) -> str | None:
     return None
 
 
-def predict(shape: ModelShape, counts, work: Workload, layout: Layout, cluster: Cluster) -> Prediction:
-    """The cost model's numbers for one valid layout (``counts``: ``shapes.rank_params`` at its tp, ep)."""
-    memory = peak_memory(shape, counts, work, layout)
+def predict(shape: ModelShape, counts, work: Workload, layout: Layout, cluster: Cluster, *,
+            trace: ActivationTrace | None = None) -> Prediction:
+    """The cost model's numbers for one valid layout (``counts``: ``shapes.rank_params`` at its tp, ep;
+    ``trace``: the model's traced activations, ``plan.activations``)."""
+    memory = peak_memory(shape, counts, work, layout, trace=trace)
     terms = step_terms(shape, counts, work, layout, memory["pp_rank"])
     return Prediction(layout=layout, memory=memory, comm=terms, time=step_time(shape, work, layout, cluster, terms))
 
@@ -96,6 +104,7 @@ def search(config, model, shape: ModelShape, work: Workload, cluster: Cluster, *
     under ``(1 - memory_margin) x device_memory`` (the margin covers the allocator's slack)."""
     ranked, rejected, params = [], [], {}
     budget = cluster.device_memory * (1 - memory_margin)
+    trace, how = traced(config, work, lora_config, device="cpu" if cluster.name == "cpu" else "cuda")
     for layout in candidates(shape, cluster.world_size, work, fixed=fixed):
         reason = why_not(shape, work, layout)
         if reason is None and (layout.tp, layout.ep) not in params:
@@ -109,7 +118,7 @@ def search(config, model, shape: ModelShape, work: Workload, cluster: Cluster, *
         if reason is not None:
             rejected.append(Rejected(layout=layout, reason=reason))
             continue
-        prediction = predict(shape, params[layout.tp, layout.ep], work, layout, cluster)
+        prediction = predict(shape, params[layout.tp, layout.ep], work, layout, cluster, trace=trace)
         memory = prediction.memory
         if memory["peak"] > budget:
             rejected.append(Rejected(layout=layout, peak_memory=memory["peak"], reason=(
@@ -117,4 +126,15 @@ def search(config, model, shape: ModelShape, work: Workload, cluster: Cluster, *
             continue
         ranked.append(prediction)
     ranked.sort(key=lambda p: (p.step_time, p.peak_memory))
-    return PlanResult(ranked=ranked, rejected=rejected, shape=shape, cluster=cluster, workload=work)
+    return PlanResult(ranked=ranked, rejected=rejected, shape=shape, cluster=cluster, workload=work, activations=how)
+
+
+def traced(config, work: Workload, lora_config=None, device: str = "cuda") -> tuple[ActivationTrace | None, str]:
+    """The model's activations for ``work`` traced on the meta device, or None and why not (a model
+    whose forward cannot run on the meta device is priced by the config formula instead)."""
+    dtype = torch.float32 if work.param_bytes == 4 else torch.bfloat16
+    try:
+        return trace_activations(config, micro_batch_size=work.micro_batch_size, seq_len=work.seq_len, dtype=dtype,
+                                 lora_config=lora_config, device=device), "traced"
+    except Exception as error:  # a third-party forward that cannot run on meta falls back to the formula
+        return None, f"config formula (the meta-device forward failed: {type(error).__name__}: {error})"

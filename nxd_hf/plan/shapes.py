@@ -64,6 +64,9 @@ class RankParams:
     experts_by_layer: dict = dataclasses.field(default_factory=dict)
     """Elements of each decoder layer's local experts (in ``by_place`` too): ZeRO-1 shards them over
     the expert-data group (dp / ep ranks), not the data group."""
+    fractions: dict = dataclasses.field(default_factory=dict)
+    """Module name -> the share of its output a rank computes, for each column-parallel layer and
+    fused expert block: what its sharded activations scale by (``plan.activations``)."""
 
     def stage(self, layers: range, *, first: bool, last: bool, lora: bool = False) -> int:
         table = self.lora_by_place if lora else self.by_place
@@ -180,16 +183,19 @@ def rank_params(config, model: nn.Module, *, tp: int, ep: int = 1, lora_config=N
             raise ValueError(f"tensor_parallel_size={tp} exceeds the {num_heads} attention heads")
         kv = (getattr(text, patch.num_kv_heads_attr, None) if patch.num_kv_heads_attr else None) or num_heads
         layout = head_layout(num_heads, kv, config_head_dim(text, num_heads), 0, tp)
-    local, swapped, row_biases, moe_blocks, expert_ids = {}, {}, set(), [], set()
+    local, swapped, row_biases, moe_blocks, expert_ids, fractions = {}, {}, set(), [], set(), {}
     for name, module, style in match_plan(patch, model):
         if isinstance(style, (tp_plan.Column, tp_plan.Row, tp_plan.Embedding, tp_plan.LMHead)):
             for pname, numel in _linear_local(module, style, layout, tp).items():
                 local[id(getattr(module, pname))] = numel
             swapped[name] = style
+            if isinstance(style, tp_plan.Column):
+                fractions[name] = local[id(module.weight)] / module.weight.numel()
             if isinstance(style, tp_plan.Row) and getattr(module, "bias", None) is not None:
                 row_biases.add(id(module.bias))
         elif isinstance(style, tp_plan.Experts):
             moe_blocks.append(name.rpartition(".")[0] + ".")
+            fractions[name] = 1 / tp
             for pname, param in module.named_parameters(recurse=False):
                 local[id(param)] = _expert_local(param, pname, text.hidden_size, tp, ep)
                 expert_ids.add(id(param))
@@ -208,7 +214,7 @@ def rank_params(config, model: nn.Module, *, tp: int, ep: int = 1, lora_config=N
     tied = _tied_embedding(model, local)
     lora = _lora_params(model, swapped, layout, tp, lora_config, layers_prefix) if lora_config else {}
     return RankParams(by_place=by_place, lora_by_place=lora, tied_embedding=tied, replicated_by_layer=replicated,
-                      experts_by_layer=experts)
+                      experts_by_layer=experts, fractions=fractions)
 
 
 def _tied_embedding(model: nn.Module, local: dict) -> int:

@@ -43,6 +43,18 @@ def test_recompute_comm_bytes_equal_the_plan(ranks2, sequence_parallel):
         assert result["measured"] == result["predicted"], result
 
 
+@pytest.mark.parametrize("model_type,sequence_parallel,overrides", [
+    ("gpt2", False, dict(resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1)),  # Conv1D, dropout masks, math SDPA
+    ("phi3", True, {}),  # fused qkv/gate_up, each column layer's own gathered input
+    ("llama", True, {}),  # GQA, biases
+])
+def test_saved_activation_bytes_per_layer_equal_the_plan(ranks2, model_type, sequence_parallel, overrides):
+    """The plan's trace (one unsharded meta-device forward) priced at tp=2 equals, byte for byte,
+    what autograd saves in each decoder layer of a real tp=2 rank."""
+    for result in ranks2.run(plan_cases.saved_activation_bytes, model_type, sequence_parallel, overrides):
+        assert result["measured"] == result["predicted"], result
+
+
 def test_parallelize_takes_auto_sizes(ranks2):
     sizes = ranks2.run(plan_cases.parallelize_with_auto_sizes)
     assert sizes[0] == sizes[1] and 2 % (sizes[0]["tp"] * sizes[0]["pp"]) == 0, sizes

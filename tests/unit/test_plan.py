@@ -5,6 +5,7 @@ Parameter bytes per rank against real parallel models: tests/distributed/test_pl
 
 import json
 
+import peft
 import pytest
 import torch
 import transformers
@@ -12,6 +13,7 @@ import transformers
 import nxd_hf
 from nxd_hf import cli
 from nxd_hf.plan import Layout, parse_bytes
+from nxd_hf.plan.activations import trace_activations
 from nxd_hf.plan.memory import Workload, layer_activation_elements, stage_layers
 from nxd_hf.plan.shapes import meta_model, model_shape, rank_params
 
@@ -110,6 +112,26 @@ def test_activation_bytes_per_token_are_what_autograd_saves(name, lora):
     predicted = 4 * layer_activation_elements(shape, work, Layout(tp=1, pp=1, dp=1), moe=name == "mixtral")
     measured = _saved_bytes_per_token_layer(make_config, lora)
     assert predicted == pytest.approx(measured, rel=0.02), (predicted, measured)
+    lora_config = peft.LoraConfig(r=4, target_modules=list(lora)) if lora else None
+    # the second layer: under LoRA the first one's input (frozen embeddings) needs no gradient
+    trace = trace_activations(make_config(2), micro_batch_size=2, seq_len=32, lora_config=lora_config, device="cpu")
+    traced = trace.place_bytes(1, tp=1, sequence_parallel=False, fractions={}) / (2 * 32)
+    assert traced == pytest.approx(measured, rel=0.02), (traced, measured)
+
+
+def test_traced_activations_cover_gpt2_dropout_and_math_attention():
+    """GPT-2 in training saves dropout masks, and with attention dropout a CPU's SDPA takes its math
+    path (seq x seq probabilities saved); a GPU's fused kernel saves none of those. The config
+    formula saw neither."""
+    def make_config(n):
+        return transformers.GPT2Config(vocab_size=97, n_embd=64, n_inner=96, n_head=4, n_layer=n, n_positions=64)
+
+    measured = _saved_bytes_per_token_layer(make_config)
+    trace = trace_activations(make_config(1), micro_batch_size=2, seq_len=32, device="cpu")
+    assert trace.place_bytes(0, tp=1, sequence_parallel=False, fractions={}) / (2 * 32) == measured
+    on_gpu = trace_activations(make_config(1), micro_batch_size=2, seq_len=32, device="cuda")
+    saved = on_gpu.place_bytes(0, tp=1, sequence_parallel=False, fractions={})
+    assert saved < measured * 2 * 32 - 2 * 4 * 32 * 32 * 4  # no [b, heads, s, s] probabilities or their mask
 
 
 def test_stage_layers_match_the_pipeline_partition():

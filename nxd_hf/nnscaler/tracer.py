@@ -19,6 +19,8 @@ import torch
 from torch import fx, nn
 from torch.fx.proxy import TraceError
 
+from nxd_hf.pipeline.trace import untraced_module_calls
+
 _MISSING = object()
 FACTORIES = ("ones", "zeros", "full", "empty", "arange", "rand", "randn", "randint", "eye", "linspace", "tensor",
              "tril_indices", "triu_indices", "as_tensor")
@@ -141,7 +143,7 @@ class ConcreteTracer(fx.Tracer):
         if any(type(m).__module__.startswith("nxd_hf.parallel_layers") for m in module.modules()):
             # its collectives would run inside the trace (a rank failing there hangs the others)
             raise ValueError(f"{target} holds nxd_hf parallel layers: not run while tracing")
-        with _untraced_module_calls():
+        with untraced_module_calls():
             return module(*args, **kwargs)
 
 
@@ -169,19 +171,6 @@ def _traced_factories(tracer: fx.Tracer):
     finally:
         for name, fn in originals.items():
             setattr(torch, name, fn)
-
-
-@contextlib.contextmanager
-def _untraced_module_calls():
-    """Run a leaf module eagerly inside a trace (fx patches ``nn.Module.__call__``/``__getattr__``)."""
-    from torch.fx import _symbolic_trace as st
-
-    patched_call, patched_getattr = nn.Module.__call__, nn.Module.__getattr__
-    nn.Module.__call__, nn.Module.__getattr__ = st._orig_module_call, st._orig_module_getattr
-    try:
-        yield
-    finally:
-        nn.Module.__call__, nn.Module.__getattr__ = patched_call, patched_getattr
 
 
 __all__ = ["ConcreteProxy", "ConcreteTracer", "user_line"]

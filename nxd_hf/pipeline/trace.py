@@ -97,7 +97,7 @@ def _fake_value(kind: str, target, args, kwargs, root: nn.Module, mode: FakeTens
 
     args, kwargs = fx.node.map_aggregate(args, unwrap), fx.node.map_aggregate(kwargs, unwrap)
     try:
-        with mode, _untraced_module_calls(), fake_safe_experts():
+        with mode, untraced_module_calls(), fake_safe_experts():
             if kind == "call_function":
                 return target(*args, **kwargs)
             if kind == "call_method":
@@ -110,7 +110,7 @@ def _fake_value(kind: str, target, args, kwargs, root: nn.Module, mode: FakeTens
 
 
 @contextlib.contextmanager
-def _untraced_module_calls():
+def untraced_module_calls():
     """Run modules normally inside a trace (fx patches ``nn.Module.__call__``/``__getattr__``
     while tracing)."""
     from torch.fx import _symbolic_trace as st

@@ -40,8 +40,9 @@ def _locate(path: str, tag: str | None) -> tuple[str, dict]:
     index = None
     if problem is None:
         index, problem = store.read_index(directory)
-    if problem is None and index.get("save") and store.marker_save(directory) != index["save"]:
-        problem = (f"{os.path.join(directory, store.DONE)} was written by save {store.marker_save(directory)}, "
+    marker = store.marker_save(directory) if problem is None else None  # None: a marker of an older version
+    if problem is None and index.get("save") and marker is not None and marker != index["save"]:
+        problem = (f"{os.path.join(directory, store.DONE)} was written by save {marker}, "
                    f"{os.path.join(directory, store.INDEX)} by save {index['save']}: {TWO_JOBS}")
     advice = store.what_to_do(path, directory) if problem and directory is not None else ""
     raise_collectively([problem] if problem else [], f"from {path} (tag={tag!r})", advice)

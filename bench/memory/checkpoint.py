@@ -5,8 +5,9 @@ import json
 import math
 import os
 import time
+import tempfile
 
-DEFAULT_CKPT = "/tmp/nxd_hf_bench/llama-0.5b"
+DEFAULT_CKPT = os.path.join(tempfile.gettempdir(), "nxd_hf_bench", "llama-0.5b")  # built once, reused by later runs
 MODEL = dict(hidden_size=1280, intermediate_size=3456, num_hidden_layers=24, num_attention_heads=16,
              num_key_value_heads=8, vocab_size=32000, max_position_embeddings=2048, tie_word_embeddings=False)
 

@@ -3,7 +3,7 @@ nnscaler-parallel-module.md). A plain list of imports: each helper appends its o
 
 from nxd_hf.nnscaler.api import parallelize
 from nxd_hf.nnscaler.config import ComputeConfig
-from nxd_hf.nnscaler.derive import TracedGraph
+from nxd_hf.fx_tp.derive import TracedGraph
 from nxd_hf.nnscaler.module import ParallelModule
 from nxd_hf.nnscaler.policy import Plan
 from nxd_hf.nnscaler.reducer import Reducer, non_parallel_module_reducer

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from nxd_hf.model_state import state_of
-from nxd_hf.nnscaler import derive, policy
+from nxd_hf.fx_tp import derive
+from nxd_hf.nnscaler import policy
 from nxd_hf.nnscaler.config import ComputeConfig
 from nxd_hf.nnscaler.module import ParallelModule, Spec
 from nxd_hf.nnscaler.reuse import prepare_gen_savedir

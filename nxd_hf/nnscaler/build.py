@@ -10,28 +10,17 @@
 5-10. ``nxd_hf.model_setup.set_up_local_modules``: gradient reduction over the units, device.
 """
 
-import inspect
-
 import torch
 from torch import nn
 
 from nxd_hf import backend, parallel_state
+from nxd_hf.fx_tp import derive
+from nxd_hf.fx_tp.apply import apply_layouts, bind_graph_call, patch_of
 from nxd_hf.guards.fail_together import fail_together
 from nxd_hf.guards.input_check import InputCheck, resolve_mode
 from nxd_hf.model_setup import LocalSetup, set_up_whole_module
-from nxd_hf.nnscaler import derive, end2end
-from nxd_hf.tp import plan as tp_plan
+from nxd_hf.nnscaler import end2end
 from nxd_hf.tp.apply import apply_tensor_parallel
-
-STYLES = {"column": tp_plan.Column, "row": tp_plan.Row, "vocab": tp_plan.Embedding}
-
-
-def patch_of(layouts: dict[str, str]) -> tp_plan.ModelPatch:
-    """The ``ModelPatch`` naming each module exactly (``nxd_hf.tp.apply`` applies it)."""
-    return tp_plan.ModelPatch(model_type="nnscaler", plan={name: STYLES[lay]() for name, lay in layouts.items()
-                                                           if lay in STYLES},
-                              base_model_prefix="", lm_head=None, sequence_parallel=False)
-
 
 def build(pm, module: nn.Module, spec, *, init_params: bool = True) -> None:
     config, plan = spec.compute_config, spec.plan
@@ -55,9 +44,7 @@ def build(pm, module: nn.Module, spec, *, init_params: bool = True) -> None:
             derived = derive.derive_layouts(traced, plan.tp_size, columns=columns)
             assert {k: v for k, v in derived.items() if v != "vocab"} == {
                 k: v for k, v in plan.layouts.items() if v != "vocab"}, "the plan was derived from another module"
-            patch = patch_of(plan.layouts)
-            apply_tensor_parallel(module, patch, None, sequence_parallel=False)
-            derive.rewrite_shapes(traced, plan.tp_size)
+            patch = apply_layouts(module, traced, plan.layouts, plan.tp_size)
     state = set_up_whole_module(module, setup, tp_size=plan.tp_size, patch=patch, input_check=_input_check())
     policy = state.grad_reduction
     pm._adopt(module)
@@ -152,15 +139,3 @@ def _agree(module: nn.Module, spec, init_params: bool) -> bool:
                          + "; ".join(f"rank {i}: {r}" for i, r in enumerate(everyone))
                          + ". Call it with the same module, policy and ComputeConfig on every rank")
     return all(r["init_params"] for r in everyone)
-
-
-def bind_graph_call(module: nn.Module, graphs: dict, input_names: list[str]):
-    """``run(pm, *args, **kwargs)``: the traced graph of ``pm.training``'s mode, bound to ``pm``."""
-    signature = inspect.signature(module.forward)
-
-    def run(pm, *args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
-        graph = graphs[pm.training]
-        return type(graph).forward(pm, *[bound.arguments[n] for n in input_names])
-
-    return run

@@ -14,8 +14,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from nxd_hf.nnscaler import derive
-from nxd_hf.nnscaler.tracer import ConcreteTracer
+from nxd_hf.fx_tp import derive
+from nxd_hf.fx_tp.tracer import ConcreteTracer
 
 
 class LossScale(nn.Module):

@@ -1,7 +1,7 @@
 """PAS policies: what layout a module gets on the ``plan_ngpus`` ranks of a unit.
 
 A policy is a builtin name or a callable ``policy(graph, compute_config) -> Plan``. The callable
-receives the module's ``nxd_hf.nnscaler.derive.TracedGraph`` (torch.fx graphs of its forward in
+receives the module's ``nxd_hf.fx_tp.derive.TracedGraph`` (torch.fx graphs of its forward in
 training and eval mode, each node annotated with its shape and, in ``graph.derived``, nxd_hf's
 exact tensor-parallel layout for ``plan_ngpus`` ranks) and returns a ``Plan``: the tensor- and
 pipeline-parallel sizes and a layout per module ("column", "row", "vocab"; unnamed modules are
@@ -12,7 +12,7 @@ through ops that keep the split) and raises a ValueError naming the module other
 import dataclasses
 from collections.abc import Callable
 
-from nxd_hf.nnscaler import derive
+from nxd_hf.fx_tp import derive
 from nxd_hf.nnscaler.config import ComputeConfig
 
 BUILTIN = ("dp", "data", "tp", "pp", "hybrid", "autodist")

@@ -19,6 +19,7 @@ LAYERS = [
     ["nxd_hf.checkpoint"],
     ["nxd_hf.tp", "nxd_hf.optim", "nxd_hf.model_setup"],
     ["nxd_hf.lora", "nxd_hf.pipeline"],
+    ["nxd_hf.fx_tp"],  # any module's TP layout from its traced graph (the pipeline's untraced calls); nnscaler, trainer
     ["nxd_hf.architectures"],  # the one module that imports the bundled model_patches
     ["nxd_hf.plan"],  # the layout search: reads plans and sharding arithmetic; the trainer's "auto" sizes use it
     ["nxd_hf.setup_steps"],  # parallelize's steps 0-3b (groups, patch, head layout, layer swap, expert split)

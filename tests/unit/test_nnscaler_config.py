@@ -9,7 +9,7 @@ import torch
 
 import nnscaler_models as cases
 from nxd_hf.nnscaler import ComputeConfig, Plan, parallelize
-from nxd_hf.nnscaler.derive import derive_layouts, trace
+from nxd_hf.fx_tp.derive import derive_layouts, trace
 
 
 def test_compute_config_fields_and_units():

@@ -1,4 +1,4 @@
-"""``nxd_hf.nnscaler``'s tracer (``nxd_hf.nnscaler.tracer``) in-process: modules written as people
+"""``nxd_hf.nnscaler``'s tracer (``nxd_hf.fx_tp.tracer``) in-process: modules written as people
 write them trace with their dummy inputs (shapes read from tensors, tensor factories sized by
 them, Python control flow on shapes, nn.MultiheadAttention, buffers, tied parameters, submodules
 called twice), the graphs equal the module on other shapes too, the derived tensor-parallel layout
@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nnscaler_models import TOL, MaskDecoder
-from nxd_hf.nnscaler.derive import derive_layouts, trace
+from nxd_hf.fx_tp.derive import derive_layouts, trace
 
 
 class Idioms(nn.Module):

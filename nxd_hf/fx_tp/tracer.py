@@ -1,4 +1,5 @@
-"""The torch.fx tracer of ``nxd_hf.nnscaler``: tracing with the user's dummy inputs, as nnScaler does.
+"""The torch.fx tracer of ``nxd_hf.nnscaler`` and of the config API's plain modules at tp > 1:
+tracing with the user's dummy inputs, as nnScaler does.
 
 Every proxy carries the value its operation takes on ``dummy_forward_args`` (computed as the
 trace goes, without gradients). Shapes stay symbolic where torch.fx can record them
@@ -26,16 +27,16 @@ FACTORIES = ("ones", "zeros", "full", "empty", "arange", "rand", "randn", "randi
              "tril_indices", "triu_indices", "as_tensor")
 DATA_METHODS = ("item", "tolist", "nonzero", "numpy")
 """Methods whose value is the tensor's data (or a data-dependent shape): never concretized."""
-_HERE = os.path.dirname(os.path.abspath(__file__))
+_NXD_HF = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # frames of nxd_hf are not the user's
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 
 
 def user_line(tb=None) -> str:
-    """``file:line: code`` of the innermost frame outside torch and this package (the user's code)."""
+    """``file:line: code`` of the innermost frame outside torch and nxd_hf (the user's code)."""
     frames = traceback.extract_tb(tb) if tb is not None else traceback.extract_stack()
     for frame in reversed(frames):
         path = os.path.abspath(frame.filename)
-        if not path.startswith((_TORCH, _HERE)) and "/torch/fx/" not in path and frame.filename != "<eval_with_key>":
+        if not path.startswith((_TORCH, _NXD_HF)) and "/torch/fx/" not in path and frame.filename != "<eval_with_key>":
             return f"{frame.filename}:{frame.lineno}: {(frame.line or '').strip()}"
     return "<unknown line>"
 

@@ -1,4 +1,4 @@
-"""How one traced op carries a tensor sharded along one dimension (``nxd_hf.nnscaler.derive``).
+"""How one traced op carries a tensor sharded along one dimension (``nxd_hf.fx_tp.derive``).
 
 ``rule(node, sharded, shape, modules, tp)`` answers, for a node with at least one sharded input, one of:
 ``("dim", d)`` (its output is sharded along ``d``), ``("row",)`` (an ``nn.Linear`` whose input

@@ -6,7 +6,7 @@ every node annotated with its shape (``node.meta["tensor_meta"]``) and, once a l
 derived, with the dim its value is sharded along (``node.meta["nxd_sharded_dim"]``).
 
 ``derive_layouts`` picks the ``nn.Linear`` layers that can be column-parallel: a column
-layer's output is sharded along its last dim, and ``nxd_hf.nnscaler.shard_rules`` follows that
+layer's output is sharded along its last dim, and ``nxd_hf.fx_tp.shard_rules`` follows that
 sharding through the graph; the layout is kept only if every path ends in an ``nn.Linear`` over
 the sharded dim (row-parallel), so Linear -> elementwise -> Linear chains become column -> row
 pairs and attention blocks (q/k/v -> scaled_dot_product_attention or matmul-softmax-matmul ->
@@ -22,8 +22,8 @@ import torch
 from torch import fx, nn
 from torch.fx.passes.shape_prop import ShapeProp
 
-from nxd_hf.nnscaler import shard_rules
-from nxd_hf.nnscaler.tracer import ConcreteTracer, user_line
+from nxd_hf.fx_tp import shard_rules
+from nxd_hf.fx_tp.tracer import ConcreteTracer, user_line
 
 LAYOUTS = ("column", "row", "vocab", "replicate")
 

@@ -85,6 +85,9 @@ class NxDConfig:
     expert_parallel_size: int = 1
     """Ranks each mixture-of-experts layer's experts are split over, carved from the data-parallel ranks
     (``parallelize``'s; not in NxD)."""
+    dummy_forward_args: dict | None = None
+    """One small batch of the model's forward arguments by name: a plain PyTorch module at tp > 1 is traced on
+    it to derive its tensor-parallel layout (``nxd_hf.trainer.own_layout``; nnScaler's; not in NxD)."""
 
     def __getitem__(self, key: str):  # NxD hands the config around as a dict
         return getattr(self, key)
@@ -135,7 +138,7 @@ def neuronx_distributed_config(
     optimizer_config: dict | None = None, activation_checkpoint_config=None, pad_model: bool | str = "auto",
     sequence_parallel: bool = False, model_init_config: dict | None = None, lora_config=None,
     mixed_precision_config: dict | None = None, *, check_inputs: bool | str = True, timeout=None,
-    kv_size_multiplier: int | str = "auto", expert_parallel_size: int = 1,
+    kv_size_multiplier: int | str = "auto", expert_parallel_size: int = 1, dummy_forward_args: dict | None = None,
 ) -> NxDConfig:
     """Validate the training configuration and initialize model parallelism (see ``NxDConfig``)."""
     config = NxDConfig(
@@ -148,11 +151,11 @@ def neuronx_distributed_config(
         lora_config=lora_config,
         mixed_precision_config=_build(MixedPrecisionConfig, mixed_precision_config, "mixed_precision_config"),
         check_inputs=check_inputs, timeout=timeout, kv_size_multiplier=kv_size_multiplier,
-        expert_parallel_size=expert_parallel_size,
+        expert_parallel_size=expert_parallel_size, dummy_forward_args=dummy_forward_args,
     )
     hints = typing.get_type_hints(NxDConfig)
     for key in ("tensor_parallel_size", "pipeline_parallel_size", "pad_model", "sequence_parallel", "check_inputs",
-                "timeout", "kv_size_multiplier", "expert_parallel_size"):
+                "timeout", "kv_size_multiplier", "expert_parallel_size", "dummy_forward_args"):
         _check_type("neuronx_distributed_config", key, getattr(config, key), hints[key])
     _check_pipeline_config(config.pipeline_config)
     if not 1 <= config.model_init_config.sequential_move_factor <= 32:

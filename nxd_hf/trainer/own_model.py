@@ -7,8 +7,10 @@ swap): its layers are used as built, never sharded a second time. It runs the ge
 only: the pipeline split (``NxDPPModel`` with ``pipeline_config``'s ``transformer_layer_cls``,
 ``input_names``, ``output_loss_value_spec``, ``tracer_cls``) when pp > 1, then steps 5-10
 (``nxd_hf.model_setup``: weights, activation checkpointing, gradient reduction, device).
-A plain module has no tensor-parallel layout here: at tp > 1 it is refused (nxd_hf.nnscaler
-derives one for any module)."""
+A plain module at tp > 1 is sharded as ``nxd_hf.nnscaler`` shards one: its layout derived from its
+traced graph on ``dummy_forward_args`` (``nxd_hf.trainer.own_layout``), exact, the layers without
+an exact split replicated (a warning names them); pipeline stages then hold no such module: a plain
+module takes tp > 1 or pp > 1, not both."""
 
 import warnings
 
@@ -21,6 +23,7 @@ from nxd_hf.model_setup.activation_checkpoint import decoder_layer_types
 from nxd_hf.model_state import state_of
 from nxd_hf.parallel_layers.layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
 from nxd_hf.pipeline.model import NxDPPModel
+from nxd_hf.trainer.own_layout import shard_plain_module
 
 
 def is_own_model(model: nn.Module) -> bool:
@@ -47,6 +50,8 @@ def parallelize_own_model(model: nn.Module, nxd_config, *, param_init_fn, pipeli
         layer_types = ()
         if pp == 1 and nxd_config.activation_checkpoint_config == "full":
             layer_types = _full_checkpoint_layers(model)
+        if tp > 1 and not has_parallel_layers(model):
+            shard_plain_module(model, nxd_config.dummy_forward_args, tp)
     if pp > 1:
         pipe = NxDPPModel(model, setup=setup, **pipeline_kwargs)
         pipe.nxd.input_check = check
@@ -63,12 +68,10 @@ def _check_options(model: nn.Module, nxd_config) -> None:
         raise ValueError(f"{name} is already parallelized: model_fn must return the model as built, before "
                          "nxd_hf.parallelize or another initialize_parallel_model")
     if nxd_config.tensor_parallel_size > 1 and not has_parallel_layers(model):
-        raise ValueError(
-            f"tensor_parallel_size={nxd_config.tensor_parallel_size} but {name} is neither a Hugging Face model nor "
-            "built from nxd_hf's parallel layers, so nxd_hf has no way to shard it: build its large layers from "
-            "nxd_hf.parallel_layers (ColumnParallelLinear, RowParallelLinear, ParallelEmbedding, "
-            "parallel_cross_entropy), let nxd_hf.nnscaler.parallelize derive a layout for it, or use "
-            "tensor_parallel_size=1 (pipeline and data parallelism take any module)")
+        _check_plain_tp(name, nxd_config)
+    elif nxd_config.dummy_forward_args is not None:
+        warnings.warn(f"dummy_forward_args is ignored for {name}: only a plain PyTorch module at "
+                      "tensor_parallel_size > 1 is traced on it", stacklevel=4)
     if nxd_config.lora_config is not None:
         raise ValueError(f"lora_config needs a Hugging Face model: {name} is not one, or holds nxd_hf parallel "
                          "layers already. Train it without lora_config")
@@ -85,6 +88,20 @@ def _check_options(model: nn.Module, nxd_config) -> None:
     for key, (given, why) in ignored.items():
         if given:
             warnings.warn(f"{key} is ignored for {name}, which nxd_hf does not shard: {why}", stacklevel=4)
+
+
+def _check_plain_tp(name: str, nxd_config) -> None:
+    tp, pp = nxd_config.tensor_parallel_size, nxd_config.pipeline_parallel_size
+    if pp > 1:
+        raise ValueError(
+            f"tensor_parallel_size={tp} with pipeline_parallel_size={pp} for {name}, a plain PyTorch module: nxd_hf "
+            "derives a plain module's tensor-parallel layout for the whole module only (pp=1); build its layers "
+            "from nxd_hf.parallel_layers for tp x pp, or use nxd_hf.nnscaler.parallelize, or one of tp, pp alone")
+    if nxd_config.activation_checkpoint_config is not None:
+        raise ValueError(
+            f"activation_checkpoint_config with {name}, a plain PyTorch module at tensor_parallel_size={tp}: the "
+            "module runs as its traced graph (its layouts applied), which calls no layer module to recompute; "
+            "build its layers from nxd_hf.parallel_layers, or use activation_checkpoint_config=None or tp=1")
 
 
 def _full_checkpoint_layers(model: nn.Module) -> tuple[type, ...]:

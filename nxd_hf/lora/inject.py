@@ -33,6 +33,9 @@ def to_peft_config(config: NxDLoraConfig) -> peft.LoraConfig:
 def _resolve_targets(config: peft.LoraConfig, model_type: str | None) -> peft.LoraConfig:
     if config.target_modules is not None or config.target_parameters:
         return config
+    if model_type is None:
+        raise ValueError("LoRA on a model that is not a Hugging Face model (no config.model_type to take peft's "
+                         "default target_modules from): set target_modules to the names of its layers to adapt")
     targets = TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(model_type)
     if targets is None:
         raise ValueError(
@@ -106,7 +109,7 @@ def inject_lora(model, lora_config, *, adapter_name: str = "default", model_type
     if model_type is None:
         model_type = getattr(getattr(modules[0], "config", None), "model_type", None)
     lora_config = _resolve_targets(lora_config, model_type)
-    if hf_model is not None and not any(m is hf_model for m in modules):
+    if getattr(hf_model, "config", None) is not None and not any(m is hf_model for m in modules):
         lora_config = _converted_for_transformers(lora_config, hf_model)
     configs = [_module_config(m, lora_config, output_layer) for m in modules]
     matches = [_matching(m, c) for m, c in zip(modules, configs)]

@@ -6,21 +6,25 @@ Such a model skips ``nxd_hf.parallelize``'s Hugging Face steps 1-3 (patch, head 
 swap): its layers are used as built, never sharded a second time. It runs the generic steps
 only: the pipeline split (``NxDPPModel`` with ``pipeline_config``'s ``transformer_layer_cls``,
 ``input_names``, ``output_loss_value_spec``, ``tracer_cls``) when pp > 1, then steps 5-10
-(``nxd_hf.model_setup``: weights, activation checkpointing, gradient reduction, device).
+(``nxd_hf.model_setup``: weights, LoRA adapters on the layers ``lora_config.target_modules`` names,
+activation checkpointing, gradient reduction, device).
 A plain module at tp > 1 is sharded as ``nxd_hf.nnscaler`` shards one: its layout derived from its
 traced graph on ``dummy_forward_args`` (``nxd_hf.trainer.own_layout``), exact, the layers without
 an exact split replicated (a warning names them); pipeline stages then hold no such module: a plain
 module takes tp > 1 or pp > 1, not both."""
 
+import functools
 import warnings
 
 from torch import nn
 
+from nxd_hf import parallel_state
 from nxd_hf.guards.fail_together import fail_together
 from nxd_hf.guards.input_check import InputCheck, resolve_mode
 from nxd_hf.model_setup import LocalSetup, set_up_whole_module
 from nxd_hf.model_setup.activation_checkpoint import decoder_layer_types
-from nxd_hf.model_state import state_of
+from nxd_hf.lora.setup import setup_lora
+from nxd_hf.model_state import NxDModelState, state_of
 from nxd_hf.parallel_layers.layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
 from nxd_hf.pipeline.model import NxDPPModel
 from nxd_hf.trainer.own_layout import shard_plain_module
@@ -45,7 +49,8 @@ def parallelize_own_model(model: nn.Module, nxd_config, *, param_init_fn, pipeli
     with fail_together("initialize_parallel_model (a model built from parallel layers or plain)"):
         _check_options(model, nxd_config)
         setup = LocalSetup(param_init_fn=param_init_fn, activation_checkpoint_config=nxd_config.activation_checkpoint_config,
-                           fp32_grad_accumulation=nxd_config.mixed_precision_config.use_fp32_grad_acc)
+                           fp32_grad_accumulation=nxd_config.mixed_precision_config.use_fp32_grad_acc,
+                           add_adapters=_adapters(model, nxd_config))
         check = InputCheck(vocab_size=None, mode=resolve_mode(nxd_config.check_inputs))  # TP/PP ranks: the same batch
         layer_types = ()
         if pp == 1 and nxd_config.activation_checkpoint_config == "full":
@@ -53,9 +58,10 @@ def parallelize_own_model(model: nn.Module, nxd_config, *, param_init_fn, pipeli
         if tp > 1 and not has_parallel_layers(model):
             shard_plain_module(model, nxd_config.dummy_forward_args, tp)
     if pp > 1:
-        pipe = NxDPPModel(model, setup=setup, **pipeline_kwargs)
-        pipe.nxd.input_check = check
-        return pipe
+        # the state the pipeline takes over, where step 7 (LoRA) records the adapters, as parallelize's
+        model.nxd = NxDModelState(tp_size=tp, pp_size=pp, dp_size=parallel_state.get_data_parallel_size(),
+                                  hf_model=model, local_modules=[model], input_check=check)
+        return NxDPPModel(model, setup=setup, **pipeline_kwargs)
     state = set_up_whole_module(model, setup, tp_size=tp, input_check=check, layer_types=layer_types)
     state.grad_reduction.install_hooks(model)
     return model
@@ -72,9 +78,6 @@ def _check_options(model: nn.Module, nxd_config) -> None:
     elif nxd_config.dummy_forward_args is not None:
         warnings.warn(f"dummy_forward_args is ignored for {name}: only a plain PyTorch module at "
                       "tensor_parallel_size > 1 is traced on it", stacklevel=4)
-    if nxd_config.lora_config is not None:
-        raise ValueError(f"lora_config needs a Hugging Face model: {name} is not one, or holds nxd_hf parallel "
-                         "layers already. Train it without lora_config")
     if nxd_config.expert_parallel_size > 1:
         raise ValueError(f"expert_parallel_size > 1 splits the experts of Hugging Face mixture-of-experts layers; "
                          f"{name} is not sharded by nxd_hf: use expert_parallel_size=1")
@@ -88,6 +91,15 @@ def _check_options(model: nn.Module, nxd_config) -> None:
     for key, (given, why) in ignored.items():
         if given:
             warnings.warn(f"{key} is ignored for {name}, which nxd_hf does not shard: {why}", stacklevel=4)
+
+
+def _adapters(model: nn.Module, nxd_config):
+    """Step 7 (``LocalSetup.add_adapters``): LoRA as for a Hugging Face model, on the layers the
+    config's ``target_modules`` name (no model type to default them from)."""
+    if nxd_config.lora_config is None:
+        return None
+    return functools.partial(setup_lora, lora_config=nxd_config.lora_config, model=model,
+                             autocast_adapter_dtype=nxd_config.autocast_adapter_dtype)
 
 
 def _check_plain_tp(name: str, nxd_config) -> None:

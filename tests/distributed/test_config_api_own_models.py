@@ -155,12 +155,14 @@ def test_plain_decoder_tp2_dp2_zero1_trains_like_one_process(ranks4):
 
 def check_checkpoint_across_layouts(path: str, lora: bool, save: dict, load: dict) -> None:
     """save_checkpoint of the plain decoder at one layout, load_checkpoint into one built with
-    other weights at another: the same losses on as the model that went on training."""
+    other weights (LoRA: other adapters) at another: the same losses on as the model that went
+    on training."""
     model, optimizer = _build(False, lora=lora, **save)
     _train(model, optimizer, range(2))
     nxd_hf.save_checkpoint(path, tag="step2", model=model, optimizer=optimizer, user_content={"step": 2})
     expected = torch.stack(_train(model, optimizer, range(2, 4)))
-    model, optimizer = _build(False, seed=7, lora=lora, **load)
+    # LoRA: the checkpoint holds the adapters (and their optimizer state), the base comes from model_fn
+    model, optimizer = _build(False, seed=0 if lora else 7, lora=lora, **load)
     assert nxd_hf.load_checkpoint(path, model=model, optimizer=optimizer) == {"step": 2}
     torch.testing.assert_close(torch.stack(_train(model, optimizer, range(2, 4))), expected, **TOL)
 
@@ -214,3 +216,4 @@ def test_errors_name_the_fix(ranks2):
 def test_plain_tp_refusals(options, match):
     with pytest.raises(ValueError, match=match):
         _check_plain_tp("Plain", NxDConfig(tensor_parallel_size=2, **options))
+

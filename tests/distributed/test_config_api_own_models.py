@@ -121,6 +121,11 @@ def check_trains_like_one_process(parallel: bool, steps=3, lora=False, **layout)
     ref_params = dict(reference.named_parameters())
     for name, param in model.named_parameters():
         torch.testing.assert_close(full_tensor(param), ref_params[name].detach(), **TOL, msg=lambda m: f"{name}: {m}")
+    model.eval()  # a derived layout runs the eval-mode graph
+    ids, labels = (t.chunk(dp_size)[dp_rank] for t in own_models.batch(steps))
+    with torch.no_grad():
+        torch.testing.assert_close(model.run_eval(input_ids=ids, labels=labels),
+                                   reference.eval()(ids, labels), **TOL)  # this replica's rows
     kinds = {name: type(m.base_layer if hasattr(m, "base_layer") else m).__name__
              for name, m in model.named_modules() if name in ("embed", "head", "layers.0.q", "layers.0.o", "layers.0.down")}
     return {"kinds": kinds, "warnings": [str(w.message) for w in caught]}

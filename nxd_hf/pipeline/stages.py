@@ -109,6 +109,11 @@ def flat_boundary_values(nodes: list[fx.Node], kinds: dict[str, object]) -> list
     flat = []
     for node in nodes:
         kind, value = kinds[node.name], node.meta["val"]
+        if kind == "tensor" and not isinstance(value, torch.Tensor):  # a module that is not HF's: kinds unknown
+            raise ValueError(
+                f"{node.name} ({type(value).__name__}, not a tensor) crosses a pipeline stage boundary, where a module that is not "
+                "Hugging Face's may pass only tensors (its values are not known when it is split): compute it inside "
+                "the transformer_layer_cls layers that use it, or pass it as a tensor")
         if kind == "tensor":
             flat.append(value)
         elif kind in ("int", "ints"):

@@ -3,8 +3,8 @@ decoder at tp=2 (its layout derived from its traced graph, as ``nxd_hf.nnscaler`
 at tp=2 x dp=2 + ZeRO-1 and at pp=2 through torch.fx (NxD's ``tracer_cls="torch"``); LoRA
 (``lora_config``) on a plain decoder and on one built from nxd_hf's parallel layers, at tp=2 and
 pp=2; checkpoints of the derived layout across layouts; each against one process on the same
-weights and data (loss, gradients, weights after AdamW steps with clipping), and the errors
-that name the fix. (tp=2, pp=2, dp=2 + ZeRO-1 of the parallel-layers decoder and pp=2 / ZeRO-1
+weights and data (loss, gradients, weights after AdamW steps with clipping, the eval loss), and
+the errors that name the fix (a non-tensor between the stages of a plain module included). (tp=2, pp=2, dp=2 + ZeRO-1 of the parallel-layers decoder and pp=2 / ZeRO-1
 of the plain one: tests/distributed/test_trainer_api.py.)"""
 
 import warnings
@@ -222,3 +222,15 @@ def test_plain_tp_refusals(options, match):
     with pytest.raises(ValueError, match=match):
         _check_plain_tp("Plain", NxDConfig(tensor_parallel_size=2, **options))
 
+
+
+def test_non_tensor_at_a_stage_boundary_names_the_value():
+    """A plain module split into stages passes a Python int between its layers (``n = x.shape[1]``;
+    ``layer(h, n)``): it used to fail in run_train with AttributeError: 'int' object has no attribute 'shape'."""
+    from nxd_hf.pipeline.stages import flat_boundary_values
+
+    graph = torch.fx.symbolic_trace(lambda x: x.shape[1]).graph
+    node = [n for n in graph.nodes if n.op == "call_function"][-1]  # shape[1]
+    node.meta["val"] = 3
+    with pytest.raises(ValueError, match=r"getitem \(int, not a tensor\) crosses a pipeline stage boundary"):
+        flat_boundary_values([node], {node.name: "tensor"})

@@ -14,6 +14,7 @@ tied across pipeline stages once, data-parallel replicas not summed) as
 """
 
 import warnings
+import weakref
 
 import torch
 from torch import nn
@@ -32,8 +33,20 @@ class ParallelOptimizer:
     """What ``build_optimizer`` adds to nxd_hf's optimizers (see the module docstring); the type of
     its results (nnScaler's ``ParallelOptimizer``)."""
 
-    def _init_nnscaler(self, module: nn.Module, names: dict[int, str], non_parallel: list[torch.Tensor]) -> None:
+    def _init_nnscaler(self, module: nn.Module, params: list[torch.Tensor], names: dict[int, str],
+                       non_parallel: list[torch.Tensor]) -> None:
         self._module, self._names, self._synced = module, names, False
+        # As nnScaler's (its forward re-arms the sync): a new gradient re-arms sync_shard_grad, a
+        # step does not, so clip_gnorm/sync_shard_grad after step() read the synchronized (and
+        # scaled) gradients instead of reducing the local ones again.
+        this = weakref.ref(self)
+
+        def rearm(_param):
+            optimizer = this()
+            if optimizer is not None:
+                optimizer._synced = False
+        for p in params:
+            p.register_post_accumulate_grad_hook(rearm)
         dp_group = parallel_state.get_data_parallel_group()
         self._non_parallel_module_reducer = Reducer(non_parallel, dp_group) if non_parallel else None
         self._non_parallel_ids = {id(p) for p in non_parallel}
@@ -43,7 +56,7 @@ class ParallelOptimizer:
         return self.reducers + ([self._non_parallel_module_reducer] if self._non_parallel_module_reducer else [])
 
     def sync_shard_grad(self) -> None:
-        """Reduce the gradients over data parallelism (once per step; ``step()`` calls it)."""
+        """Reduce the gradients over data parallelism (once per backward; ``step()`` calls it)."""
         if not self._synced:
             self._sync()
             self._synced = True
@@ -74,7 +87,6 @@ class ParallelOptimizer:
                 loss = closure()
         self.sync_shard_grad()
         self._step_synced()
-        self._synced = False
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -95,7 +107,7 @@ class PlainParallelOptimizer(ParallelOptimizer, NxDOptimizer):
     def __init__(self, module, params, optimizer_fn, names, non_parallel, **kwargs):
         NxDOptimizer.__init__(self, [{"params": params}], optimizer_fn, max_grad_norm=None, use_master_weights=False,
                               **kwargs)
-        self._init_nnscaler(module, names, non_parallel)
+        self._init_nnscaler(module, params, names, non_parallel)
         parallel = [p for p in params if id(p) not in self._non_parallel_ids]
         self.reducers = [Reducer(parallel, parallel_state.get_data_parallel_group())] if parallel else []
 
@@ -147,10 +159,11 @@ class PlainParallelOptimizer(ParallelOptimizer, NxDOptimizer):
 class ZeroParallelOptimizer(ParallelOptimizer, NeuronZero1Optimizer):
     """``optimizer_fn``'s optimizer on ZeRO-1's master slices (its ``parameters for optimizer``)."""
 
-    def __init__(self, module, params, optimizer_fn, names, non_parallel, **kwargs):
+    def __init__(self, module, params, optimizer_fn, names, non_parallel, *, zero_use_reduce_scatter=False, **kwargs):
         NeuronZero1Optimizer.__init__(self, params, optimizer_fn, grad_clipping=False, overlap_reduce_scatter=False,
                                       **kwargs)  # nnScaler's reducers run the reduce-scatter
-        self._init_nnscaler(module, names, non_parallel)
+        self._init_nnscaler(module, params, names, non_parallel)
+        self._zero_use_reduce_scatter = zero_use_reduce_scatter
         self.reducers = [Reducer([p for fg in self.flat_groups for p in fg.params], self.sharding_group,
                                  grad_of=self.grad_source, reduce=self._reduce_scatter)]
 
@@ -174,6 +187,26 @@ class ZeroParallelOptimizer(ParallelOptimizer, NeuronZero1Optimizer):
             self._non_parallel_module_reducer.sync_grads()
         for reducer in self.reducers:
             reducer.sync_grads()
+        if not self._zero_use_reduce_scatter:
+            self._gather_grads()
+
+    @torch.no_grad()
+    def _gather_grads(self) -> None:
+        """Every parameter's gradient becomes the reduced one (after the post hooks), as nnScaler's
+        ZeRO all-reduce leaves it in the buffer its ``.grad`` views: one all-gather of the slices."""
+        with backend.comm_tag("zero1"):
+            for fg, master in zip(self.flat_groups, self.masters):
+                staging = self._staging(master.grad.dtype, fg.device)
+                for c0, c1 in fg.buckets():
+                    width = c1 - c0
+                    backend.all_gather_into(staging[: fg.dp_size * width], master.grad[c0:c1], self.group_of(fg))
+                    for j in range(fg.dp_size):
+                        start = fg.row_start(j, c0, c1)
+                        piece = staging[j * width : (j + 1) * width]
+                        for p, a, b, at in fg._overlapping(start, start + width):
+                            grad = self.grad_source(p)
+                            if grad is not None:
+                                grad.view(-1)[a:b].copy_(piece[at : at + b - a])
 
     def _stepped_grads(self):
         return [master.grad for master in self.masters]
@@ -247,5 +280,6 @@ def build_optimizer(module: nn.Module, optimizer_fn, compute_config=None, **kwar
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="NeuronZero1Optimizer: the sharding")  # warned above
             return ZeroParallelOptimizer(module, params, optimizer_fn, names, non_parallel,
+                                         zero_use_reduce_scatter=bool(getattr(config, "zero_use_reduce_scatter", False)),
                                          elementwise=_elementwise(optimizer_fn, kwargs), **kwargs)
     return PlainParallelOptimizer(module, params, optimizer_fn, names, non_parallel, **kwargs)

@@ -40,11 +40,13 @@ class ParallelOptimizer:
         # step does not, so clip_gnorm/sync_shard_grad after step() read the synchronized (and
         # scaled) gradients instead of reducing the local ones again.
         this = weakref.ref(self)
+        self._grad_seen: set[int] = set()  # parameters given a gradient by a backward of this process
 
-        def rearm(_param):
+        def rearm(param):
             optimizer = this()
             if optimizer is not None:
                 optimizer._synced = False
+                optimizer._grad_seen.add(id(param))
         for p in params:
             p.register_post_accumulate_grad_hook(rearm)
         dp_group = parallel_state.get_data_parallel_group()
@@ -236,9 +238,13 @@ class ZeroParallelOptimizer(ParallelOptimizer, NeuronZero1Optimizer):
         super().load_state_dict({k: v for k, v in state_dict.items() if k != OPTIMIZER_EXTRA_KEY})
 
     def _layout_extra(self) -> dict:
+        # ZeRO-1 steps every parameter of the flat buffer; torch's optimizers give no state to one
+        # that never had a gradient. Those are named, so the merge leaves out their (zero) state.
         flat = [{"names": [self._names[id(p)] for p in fg.params], "offsets": list(fg.offsets),
                  "shapes": [list(p.shape) for p in fg.params], "pieces": fg.pieces(),
-                 "shard_numel": fg.shard_numel} for fg in self.flat_groups]
+                 "shard_numel": fg.shard_numel,
+                 "no_grad": [self._names[id(p)] for p in fg.params if id(p) not in self._grad_seen]}
+                for fg in self.flat_groups]
         return {"kind": "zero1", "flat_groups": flat}
 
 

@@ -34,12 +34,8 @@ _ZERO_HOOKS = (
     "bucket): the pre hook's grad.div_(2) stays on .grad, so clip_gnorm, which reads .grad, gives half "
     "the norm of the run without hooks (the weights are equal)")
 KNOWN_DIFFERENCES = {
-    "parallel_module/test_checkpoint_shared.py::test_checkpoint_load_from_raw_checkpoint[sub-True]": _UNUSED_PARAMETERS,
-    "parallel_module/test_checkpoint_shared.py::test_checkpoint_load_from_raw_checkpoint[sub-False]": _UNUSED_PARAMETERS,
-    **{f"parallel_module/test_checkpoint_shared.py::test_checkpoint_load_from_raw_checkpoint[{kind}-{zero}]":
-       _PIPELINE_PARAM_GROUPS for kind in ("pipeline", "pipeline2") for zero in (True, False)},
-    "parallel_module/test_checkpoint_unused.py::test_checkpoint_load_from_raw_checkpoint[True]": _UNUSED_PARAMETERS,
-    "parallel_module/test_checkpoint_unused.py::test_checkpoint_load_from_raw_checkpoint[False]": _UNUSED_PARAMETERS,
+
+
 }
 
 

@@ -110,8 +110,13 @@ class PlainParallelOptimizer(ParallelOptimizer, NxDOptimizer):
         NxDOptimizer.__init__(self, [{"params": params}], optimizer_fn, max_grad_norm=None, use_master_weights=False,
                               **kwargs)
         self._init_nnscaler(module, params, names, non_parallel)
-        parallel = [p for p in params if id(p) not in self._non_parallel_ids]
-        self.reducers = [Reducer(parallel, parallel_state.get_data_parallel_group())] if parallel else []
+        self.reducers = []
+        for _, part in parallel_parts(module):  # one reducer per parallel module, as nnScaler's
+            mine = {id(p) for p in part.parameters()}
+            held = [p for p in params if id(p) in mine and id(p) not in self._non_parallel_ids]
+            reducers = [Reducer(held, parallel_state.get_data_parallel_group())] if held else []
+            _set_reducers(part, reducers)
+            self.reducers += reducers
 
     def _outer_groups(self):
         return self.optimizer.param_groups
@@ -168,6 +173,8 @@ class ZeroParallelOptimizer(ParallelOptimizer, NeuronZero1Optimizer):
         self._zero_use_reduce_scatter = zero_use_reduce_scatter
         self.reducers = [Reducer([p for fg in self.flat_groups for p in fg.params], self.sharding_group,
                                  grad_of=self.grad_source, reduce=self._reduce_scatter)]
+        for _, part in parallel_parts(module):  # one flat buffer: the parallel modules share its reducer
+            _set_reducers(part, self.reducers)
 
     def _outer_groups(self):
         return self.param_groups
@@ -246,6 +253,12 @@ class ZeroParallelOptimizer(ParallelOptimizer, NeuronZero1Optimizer):
                  "no_grad": [self._names[id(p)] for p in fg.params if id(p) not in self._grad_seen]}
                 for fg in self.flat_groups]
         return {"kind": "zero1", "flat_groups": flat}
+
+
+def _set_reducers(part: nn.Module, reducers: list[Reducer]) -> None:
+    """A ParallelModule's ``reducers`` (nnScaler's attribute): those of the optimizer built last."""
+    if "reducers" in part.__dict__:
+        part.__dict__["reducers"] = list(reducers)
 
 
 def _elementwise(optimizer_fn, kwargs: dict) -> bool:

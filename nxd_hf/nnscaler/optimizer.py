@@ -3,11 +3,12 @@
 
 The data-parallel gradient mean moves from the end of backward into the optimizer (it registers
 with the models' gradient-reduction policies), where it is a ``Reducer`` with nnScaler's pre/post
-hooks: the parallel parts' gradients are averaged over data parallelism (all-reduce; under ZeRO
-ZeRO-1's reduce-scatter, whose post hooks see each rank's reduced slice), the plain rest of the
-module (nnScaler's Example 2) by ``_non_parallel_module_reducer`` (all-reduce over data
-parallelism: inside a unit its replicas saw the same input). ``sync_shard_grad()`` runs them once
-per step (``step()`` calls it; ``zero_grad()`` re-arms it). ``clip_gnorm`` is the norm of the
+hooks: each parallel module's gradients are averaged over data parallelism (all-reduce; under
+ZeRO ZeRO-1's reduce-scatter, whose post hooks see each rank's reduced slice, then an all-gather
+so ``.grad`` is the reduced gradient), the plain rest of the module (nnScaler's Example 2) by
+``_non_parallel_module_reducer`` (all-reduce over data parallelism: inside a unit its replicas
+saw the same input). ``sync_shard_grad()`` runs them once per backward (``step()`` calls it; a
+new gradient or ``zero_grad()`` re-arms it, ``step()`` does not). ``clip_gnorm`` is the norm of the
 original module's gradient (TP shards summed, TP replicas and replicated K/V rows once, a weight
 tied across pipeline stages once, data-parallel replicas not summed) as
 ``torch.nn.utils.clip_grad_norm_`` computes it on the unparallelized module.

@@ -231,7 +231,8 @@ def hf_submodule_matches(tmp, steps=3):
         _compare(model, ref)
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
     assert any(is_sharded(p) for p in model.llama.parameters())
-    assert seen[0] == "pre" and seen[-1] == "post" and len(seen) == 2 * steps * len(reducer.params)
+    # as nnScaler's: one pre and one post call per bucket and step (these parameters fill one bucket)
+    assert seen[0] == "pre" and seen[-1] == "post" and len(seen) == 2 * steps
 
 
 def training_flag_and_class_path(tmp):

@@ -19,8 +19,9 @@ from nxd_hf.fx_tp.apply import apply_layouts, bind_graph_call, patch_of
 from nxd_hf.guards.fail_together import fail_together
 from nxd_hf.guards.input_check import InputCheck, resolve_mode
 from nxd_hf.model_setup import LocalSetup, set_up_whole_module
-from nxd_hf.nnscaler import end2end
+from nxd_hf.nnscaler import end2end, unused
 from nxd_hf.tp.apply import apply_tensor_parallel
+
 
 def build(pm, module: nn.Module, spec, *, init_params: bool = True) -> None:
     config, plan = spec.compute_config, spec.plan
@@ -38,6 +39,7 @@ def build(pm, module: nn.Module, spec, *, init_params: bool = True) -> None:
         return _build_pipeline(pm, module, spec, setup)
     with fail_together("nxd_hf.nnscaler.parallelize"):
         traced = derive.trace(module, spec.dummy_forward_args)
+        unused.drop_unused_parameters(module, list(traced.graphs.values()))  # as nnScaler's ParallelModule
         patch = None
         if plan.tp_size > 1:
             columns = {n for n, lay in plan.layouts.items() if lay == "column"}

@@ -13,7 +13,6 @@ IGNORED = {  # field -> (its default, why nxd_hf ignores it)
     "constant_folding": (False, "nxd_hf runs the traced graph without folding constants"),
     "trace_strategy": ("cuda_run_cpu_offload", "nxd_hf traces with torch.fx on the dummy inputs where they are"),
     "zero_ngroups": (1, "ZeRO-1 shards over the whole data-parallel group"),
-    "zero_use_reduce_scatter": (False, "nxd_hf's ZeRO-1 always reduce-scatters"),
     "use_async_reducer": (False, "gradients are reduced at the end of backward (nxd_hf.parallel_layers.grad_reduction)"),
 }
 
@@ -36,7 +35,9 @@ class ComputeConfig:
     zero_ngroups: int = 1
     """Ignored (warns when set)."""
     zero_use_reduce_scatter: bool = False
-    """Ignored (warns when set)."""
+    """ZeRO-1 reduce-scatters the gradients either way; False (nnScaler's all-reduce) then all-gathers
+    the reduced slices, so every parameter's ``.grad`` is the synchronized gradient; True leaves
+    ``.grad`` local (only the optimizer's slices are reduced)."""
     inference_only: bool = False
     """The module is only run with ``infer_step``/``forward`` under ``no_grad``: no gradient
     reduction is installed."""

@@ -57,6 +57,7 @@ class ParallelModule(nn.Module):
         from nxd_hf.nnscaler.build import build
 
         self._pipeline = None
+        self.reducers = []  # nnScaler's: the gradient reducers; build_optimizer sets them (nxd_hf's are the optimizer's)
         training = module.training
         build(self, module, spec, init_params=init_params)
         self.train(training)  # nnScaler's: the parallel module is in the mode the module was in

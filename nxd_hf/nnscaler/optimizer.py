@@ -3,17 +3,19 @@
 
 The data-parallel gradient mean moves from the end of backward into the optimizer (it registers
 with the models' gradient-reduction policies), where it is a ``Reducer`` with nnScaler's pre/post
-hooks: the parallel parts' gradients are averaged over data parallelism (all-reduce; under ZeRO
-ZeRO-1's reduce-scatter, whose post hooks see each rank's reduced slice), the plain rest of the
-module (nnScaler's Example 2) by ``_non_parallel_module_reducer`` (all-reduce over data
-parallelism: inside a unit its replicas saw the same input). ``sync_shard_grad()`` runs them once
-per step (``step()`` calls it; ``zero_grad()`` re-arms it). ``clip_gnorm`` is the norm of the
+hooks: each parallel module's gradients are averaged over data parallelism (all-reduce; under
+ZeRO ZeRO-1's reduce-scatter, whose post hooks see each rank's reduced slice, then an all-gather
+so ``.grad`` is the reduced gradient), the plain rest of the module (nnScaler's Example 2) by
+``_non_parallel_module_reducer`` (all-reduce over data parallelism: inside a unit its replicas
+saw the same input). ``sync_shard_grad()`` runs them once per backward (``step()`` calls it; a
+new gradient or ``zero_grad()`` re-arms it, ``step()`` does not). ``clip_gnorm`` is the norm of the
 original module's gradient (TP shards summed, TP replicas and replicated K/V rows once, a weight
 tied across pipeline stages once, data-parallel replicas not summed) as
 ``torch.nn.utils.clip_grad_norm_`` computes it on the unparallelized module.
 """
 
 import warnings
+import weakref
 
 import torch
 from torch import nn
@@ -32,8 +34,22 @@ class ParallelOptimizer:
     """What ``build_optimizer`` adds to nxd_hf's optimizers (see the module docstring); the type of
     its results (nnScaler's ``ParallelOptimizer``)."""
 
-    def _init_nnscaler(self, module: nn.Module, names: dict[int, str], non_parallel: list[torch.Tensor]) -> None:
+    def _init_nnscaler(self, module: nn.Module, params: list[torch.Tensor], names: dict[int, str],
+                       non_parallel: list[torch.Tensor]) -> None:
         self._module, self._names, self._synced = module, names, False
+        # As nnScaler's (its forward re-arms the sync): a new gradient re-arms sync_shard_grad, a
+        # step does not, so clip_gnorm/sync_shard_grad after step() read the synchronized (and
+        # scaled) gradients instead of reducing the local ones again.
+        this = weakref.ref(self)
+        self._grad_seen: set[int] = set()  # parameters given a gradient by a backward of this process
+
+        def rearm(param):
+            optimizer = this()
+            if optimizer is not None:
+                optimizer._synced = False
+                optimizer._grad_seen.add(id(param))
+        for p in params:
+            p.register_post_accumulate_grad_hook(rearm)
         dp_group = parallel_state.get_data_parallel_group()
         self._non_parallel_module_reducer = Reducer(non_parallel, dp_group) if non_parallel else None
         self._non_parallel_ids = {id(p) for p in non_parallel}
@@ -43,7 +59,7 @@ class ParallelOptimizer:
         return self.reducers + ([self._non_parallel_module_reducer] if self._non_parallel_module_reducer else [])
 
     def sync_shard_grad(self) -> None:
-        """Reduce the gradients over data parallelism (once per step; ``step()`` calls it)."""
+        """Reduce the gradients over data parallelism (once per backward; ``step()`` calls it)."""
         if not self._synced:
             self._sync()
             self._synced = True
@@ -74,7 +90,6 @@ class ParallelOptimizer:
                 loss = closure()
         self.sync_shard_grad()
         self._step_synced()
-        self._synced = False
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -95,9 +110,14 @@ class PlainParallelOptimizer(ParallelOptimizer, NxDOptimizer):
     def __init__(self, module, params, optimizer_fn, names, non_parallel, **kwargs):
         NxDOptimizer.__init__(self, [{"params": params}], optimizer_fn, max_grad_norm=None, use_master_weights=False,
                               **kwargs)
-        self._init_nnscaler(module, names, non_parallel)
-        parallel = [p for p in params if id(p) not in self._non_parallel_ids]
-        self.reducers = [Reducer(parallel, parallel_state.get_data_parallel_group())] if parallel else []
+        self._init_nnscaler(module, params, names, non_parallel)
+        self.reducers = []
+        for _, part in parallel_parts(module):  # one reducer per parallel module, as nnScaler's
+            mine = {id(p) for p in part.parameters()}
+            held = [p for p in params if id(p) in mine and id(p) not in self._non_parallel_ids]
+            reducers = [Reducer(held, parallel_state.get_data_parallel_group())] if held else []
+            _set_reducers(part, reducers)
+            self.reducers += reducers
 
     def _outer_groups(self):
         return self.optimizer.param_groups
@@ -147,12 +167,15 @@ class PlainParallelOptimizer(ParallelOptimizer, NxDOptimizer):
 class ZeroParallelOptimizer(ParallelOptimizer, NeuronZero1Optimizer):
     """``optimizer_fn``'s optimizer on ZeRO-1's master slices (its ``parameters for optimizer``)."""
 
-    def __init__(self, module, params, optimizer_fn, names, non_parallel, **kwargs):
+    def __init__(self, module, params, optimizer_fn, names, non_parallel, *, zero_use_reduce_scatter=False, **kwargs):
         NeuronZero1Optimizer.__init__(self, params, optimizer_fn, grad_clipping=False, overlap_reduce_scatter=False,
                                       **kwargs)  # nnScaler's reducers run the reduce-scatter
-        self._init_nnscaler(module, names, non_parallel)
+        self._init_nnscaler(module, params, names, non_parallel)
+        self._zero_use_reduce_scatter = zero_use_reduce_scatter
         self.reducers = [Reducer([p for fg in self.flat_groups for p in fg.params], self.sharding_group,
                                  grad_of=self.grad_source, reduce=self._reduce_scatter)]
+        for _, part in parallel_parts(module):  # one flat buffer: the parallel modules share its reducer
+            _set_reducers(part, self.reducers)
 
     def _outer_groups(self):
         return self.param_groups
@@ -174,6 +197,26 @@ class ZeroParallelOptimizer(ParallelOptimizer, NeuronZero1Optimizer):
             self._non_parallel_module_reducer.sync_grads()
         for reducer in self.reducers:
             reducer.sync_grads()
+        if not self._zero_use_reduce_scatter:
+            self._gather_grads()
+
+    @torch.no_grad()
+    def _gather_grads(self) -> None:
+        """Every parameter's gradient becomes the reduced one (after the post hooks), as nnScaler's
+        ZeRO all-reduce leaves it in the buffer its ``.grad`` views: one all-gather of the slices."""
+        with backend.comm_tag("zero1"):
+            for fg, master in zip(self.flat_groups, self.masters):
+                staging = self._staging(master.grad.dtype, fg.device)
+                for c0, c1 in fg.buckets():
+                    width = c1 - c0
+                    backend.all_gather_into(staging[: fg.dp_size * width], master.grad[c0:c1], self.group_of(fg))
+                    for j in range(fg.dp_size):
+                        start = fg.row_start(j, c0, c1)
+                        piece = staging[j * width : (j + 1) * width]
+                        for p, a, b, at in fg._overlapping(start, start + width):
+                            grad = self.grad_source(p)
+                            if grad is not None:
+                                grad.view(-1)[a:b].copy_(piece[at : at + b - a])
 
     def _stepped_grads(self):
         return [master.grad for master in self.masters]
@@ -203,10 +246,20 @@ class ZeroParallelOptimizer(ParallelOptimizer, NeuronZero1Optimizer):
         super().load_state_dict({k: v for k, v in state_dict.items() if k != OPTIMIZER_EXTRA_KEY})
 
     def _layout_extra(self) -> dict:
+        # ZeRO-1 steps every parameter of the flat buffer; torch's optimizers give no state to one
+        # that never had a gradient. Those are named, so the merge leaves out their (zero) state.
         flat = [{"names": [self._names[id(p)] for p in fg.params], "offsets": list(fg.offsets),
                  "shapes": [list(p.shape) for p in fg.params], "pieces": fg.pieces(),
-                 "shard_numel": fg.shard_numel} for fg in self.flat_groups]
+                 "shard_numel": fg.shard_numel,
+                 "no_grad": [self._names[id(p)] for p in fg.params if id(p) not in self._grad_seen]}
+                for fg in self.flat_groups]
         return {"kind": "zero1", "flat_groups": flat}
+
+
+def _set_reducers(part: nn.Module, reducers: list[Reducer]) -> None:
+    """A ParallelModule's ``reducers`` (nnScaler's attribute): those of the optimizer built last."""
+    if "reducers" in part.__dict__:
+        part.__dict__["reducers"] = list(reducers)
 
 
 def _elementwise(optimizer_fn, kwargs: dict) -> bool:
@@ -247,5 +300,6 @@ def build_optimizer(module: nn.Module, optimizer_fn, compute_config=None, **kwar
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="NeuronZero1Optimizer: the sharding")  # warned above
             return ZeroParallelOptimizer(module, params, optimizer_fn, names, non_parallel,
+                                         zero_use_reduce_scatter=bool(getattr(config, "zero_use_reduce_scatter", False)),
                                          elementwise=_elementwise(optimizer_fn, kwargs), **kwargs)
     return PlainParallelOptimizer(module, params, optimizer_fn, names, non_parallel, **kwargs)

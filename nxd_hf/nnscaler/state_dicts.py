@@ -137,11 +137,17 @@ def _merge_optimizer(by_rank: dict, layouts: dict, states: dict) -> dict:
     out_state = {}
     for name, keyed in per_param.items():
         out_state[order[name]] = {key: _merged_value(f"{name}::{key}", values) for key, values in keyed.items()}
-    groups = []
+    groups, listed = [], set()
     for g, options in enumerate(extra["group_options"]):
         names = {n for osd in by_rank.values() for n in osd[EXTRA_STATE_KEY]["groups"][g]}
         indices = sorted({order.get(n, order.get(tied.get(n))) for n in names} - {None})
         groups.append({**options, "params": indices})
+        listed.update(indices)
+    # As nnScaler's: every parameter of the original module is listed, also those no rank holds
+    # (unused, dropped by the trace), so an optimizer over the original parameters() loads it.
+    rest = set(range(len(order))) - listed
+    if rest and groups:
+        groups[0]["params"] = sorted(groups[0]["params"] + list(rest))
     return {"state": dict(sorted(out_state.items())), "param_groups": groups}
 
 
@@ -244,9 +250,14 @@ def _zero_states(osds: list[dict]) -> dict[str, dict]:
                         buffer[lo:hi] = piece[at : at + hi - lo]
                 else:
                     scalars.setdefault(key, value)
+        # no gradient on any rank and zero state: stepped by ZeRO-1 only, torch's optimizer has no state for it
+        no_grad = set.intersection(*(set(osd[EXTRA_STATE_KEY]["flat_groups"][k].get("no_grad", ())) for osd in osds))
         for name, offset, shape in zip(fg["names"], fg["offsets"], fg["shapes"]):
             size = torch.Size(shape).numel()
-            out[name] = {**{key: b[offset : offset + size].view(shape).clone() for key, b in flat.items()}, **scalars}
+            tensors = {key: b[offset : offset + size].view(shape).clone() for key, b in flat.items()}
+            if name in no_grad and not any(bool(t.any()) for t in tensors.values()):
+                continue
+            out[name] = {**tensors, **scalars}
     return out
 
 

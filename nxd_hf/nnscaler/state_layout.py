@@ -14,6 +14,7 @@ from torch import nn
 from nxd_hf import backend, parallel_state
 from nxd_hf.checkpoint.hf_safetensors import tied_weights
 from nxd_hf.model_state import state_of
+from nxd_hf.nnscaler import unused
 from nxd_hf.parallel_layers.sharding import is_sharded, shard_from_full
 
 
@@ -85,7 +86,12 @@ def original_param_names(module: nn.Module) -> list[str]:
     def walk(m, prefix):
         state = state_of(m)
         if state is not None:
-            add(prefix, state.hf_model.named_parameters())
+            recorded = unused.original_param_names(state.hf_model)  # also the parameters it dropped
+            if recorded is not None:
+                names.extend(prefix + n for n in recorded)
+                seen.update(id(p) for p in state.hf_model.parameters())
+            else:
+                add(prefix, state.hf_model.named_parameters())
             return
         add(prefix, m._parameters.items())
         for name, child in m._modules.items():

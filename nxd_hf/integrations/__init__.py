@@ -3,7 +3,8 @@
 TRL is an optional extra). All imported on first use."""
 
 _LAZY = {"parallel_trainer": "nxd_hf.integrations.subclass", "parallel_arguments": "nxd_hf.integrations.subclass",
-         "NxDSFTTrainer": "nxd_hf.integrations.trl", "NxDSFTConfig": "nxd_hf.integrations.trl"}
+         "NxDSFTTrainer": "nxd_hf.integrations.trl", "NxDSFTConfig": "nxd_hf.integrations.trl",
+         "NxDDPOTrainer": "nxd_hf.integrations.dpo", "NxDDPOConfig": "nxd_hf.integrations.dpo"}
 
 
 def __getattr__(name: str):

@@ -1,0 +1,158 @@
+"""TRL's DPOTrainer on nxd_hf (nxd_hf.NxDDPOTrainer, also what nxd_hf.parallel_trainer(DPOTrainer)
+returns) against plain DPOTrainer on one process, on the same preference data and seed: the loss,
+grad norm, rewards (chosen, rejected, margins, accuracies), log-probabilities, logits means,
+entropy and token accuracy every step and at every evaluation; the saved model / adapter loading
+in plain transformers / peft. At tp=2 (the reference a frozen parallel copy), dp=2 with ZeRO-1
+(each replica takes its chosen/rejected pairs) and tp=2 with LoRA (the reference: adapters
+disabled); what is refused (pp, precompute_ref_log_probs, ...) is refused by name. TRL's own
+trl/scripts/dpo.py with the two names swapped equals the plain script at tp=2, and
+examples/dpo_trl.py runs under torchrun."""
+
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import peft
+import pytest
+import torch
+import transformers
+import trl
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # TRL's trainers send telemetry otherwise
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY = os.path.join(ROOT, "examples", "data", "tiny-llama")
+WORDS = open(os.path.join(ROOT, "examples", "data", "tiny_corpus.txt")).read().split()[:400]
+STEPS = 4
+TOL = dict(rtol=1e-5, atol=1e-6)
+TRAIN_KEYS = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
+              "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected", "entropy", "mean_token_accuracy",
+              "num_tokens")
+EVAL_KEYS = tuple(f"eval_{k}" for k in ("loss", *TRAIN_KEYS[2:-1]))
+
+
+def preferences(n: int = 22, seed: int = 5):
+    """(train, eval) prompt / chosen / rejected datasets of varied lengths."""
+    from datasets import Dataset
+
+    rng = random.Random(seed)
+
+    def sentence(k):
+        return " ".join(rng.choice(WORDS) for _ in range(k))
+
+    rows = [{"prompt": sentence(2 + i % 4), "chosen": " " + sentence(2 + i % 5), "rejected": " " + sentence(1 + i % 3)}
+            for i in range(n)]
+    return Dataset.from_list(rows[6:]), Dataset.from_list(rows[:6])
+
+
+def model():
+    return transformers.AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32)
+
+
+def tokenizer():
+    return transformers.AutoTokenizer.from_pretrained(TINY)
+
+
+def lora_config():
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0,
+                           task_type="CAUSAL_LM")
+
+
+def common(**overrides) -> dict:
+    return {**dict(max_steps=STEPS, learning_rate=1e-3, logging_steps=1, eval_strategy="steps", eval_steps=2,
+                   save_strategy="no", report_to=[], seed=7, max_grad_norm=0.5, disable_tqdm=True, warmup_steps=1,
+                   bf16=False, gradient_checkpointing=False, max_length=24, per_device_eval_batch_size=4,
+                   dataset_num_proc=None, beta=0.5), **overrides}
+
+
+def run_pair(out: str, *, batch: int, lora: bool = False, dpo=None, **layout):
+    """(plain DPOTrainer on one process, nxd_hf.parallel_trainer(DPOTrainer)) after STEPS steps."""
+    import nxd_hf
+    from nxd_hf import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    dpo = dpo or {}
+    train, evaluation = preferences()
+    dp = 2 // (layout.get("tensor_parallel_size", 1) * layout.get("pipeline_parallel_size", 1))
+    ref = trl.DPOTrainer(model(), args=trl.DPOConfig(output_dir=f"{out}/ref", per_device_train_batch_size=batch * dp,
+                                                     **common(**dpo)),
+                         train_dataset=train, eval_dataset=evaluation, processing_class=tokenizer(),
+                         peft_config=lora_config() if lora else None)
+    ref.train()
+    trainer_cls, config_cls = nxd_hf.parallel_trainer(trl.DPOTrainer), nxd_hf.parallel_arguments(trl.DPOConfig)
+    args = config_cls(output_dir=f"{out}/nxd", per_device_train_batch_size=batch, **common(**dpo), **layout)
+    ours = trainer_cls(model(), args=args, train_dataset=train, eval_dataset=evaluation,
+                       processing_class=tokenizer(), peft_config=lora_config() if lora else None)
+    ours.train()
+    return ref, ours
+
+
+def logged(trainer, key):
+    return [(h["step"], h[key]) for h in trainer.state.log_history if key in h]
+
+
+def check_logs(ref, ours, case) -> None:
+    for key in (*TRAIN_KEYS, *EVAL_KEYS):
+        got, want = logged(ours, key), logged(ref, key)
+        steps = list(range(1, STEPS + 1)) if key in TRAIN_KEYS else list(range(2, STEPS + 1, 2))
+        assert [s for s, _ in got] == [s for s, _ in want] == steps, (case, key, got, want)
+        # grad_norm: the global norm's summation order differs (sharded vs whole tensors)
+        tol = dict(rtol=1e-4, atol=1e-5) if key == "grad_norm" else TOL
+        torch.testing.assert_close(torch.tensor([v for _, v in got], dtype=torch.float64),
+                                   torch.tensor([v for _, v in want], dtype=torch.float64), **tol,
+                                   msg=lambda m: f"{case} {key}: {m}")
+
+
+def check_saved(ours, directory: str, *, lora: bool, case) -> None:
+    """save_model's directory, opened in plain transformers / peft, evaluates (plain DPOTrainer)
+    to the run's evaluation."""
+    from nxd_hf import backend
+
+    want = ours.evaluate()
+    ours.save_model(directory)
+    backend.barrier()
+    if lora:
+        plain = peft.PeftModel.from_pretrained(model(), directory, is_trainable=True)
+        assert any("lora_B" in n for n, _ in plain.named_parameters())
+        assert "ref" not in plain.peft_config, case  # the reference is the base model, not a saved adapter
+    else:
+        plain = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    _, evaluation = preferences()
+    args = trl.DPOConfig(output_dir=f"{directory}-eval", **common())
+    # the reference of the plain evaluation: the untrained model (as in training)
+    got = trl.DPOTrainer(plain, ref_model=None if lora else model(), args=args, train_dataset=evaluation,
+                         eval_dataset=evaluation, processing_class=tokenizer()).evaluate()
+    for key in EVAL_KEYS:
+        assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (case, key, got, want)
+    backend.barrier()
+
+
+def shared_dir(local: str) -> str:
+    from nxd_hf import backend
+
+    return backend.all_gather_object(local)[0]
+
+
+CASES = {  # name: (per-replica batch, LoRA, DPOConfig overrides, layout)
+    "tp2": (4, False, {}, {"tensor_parallel_size": 2}),
+    "dp2-zero1-accumulate": (2, False, {"gradient_accumulation_steps": 2}, {"zero_1": True}),
+    "tp2-lora": (4, True, {}, {"tensor_parallel_size": 2}),
+}
+
+
+def dpo_case(name: str) -> None:
+    batch, lora, dpo, layout = CASES[name]
+    with tempfile.TemporaryDirectory() as out:
+        out = shared_dir(out)
+        ref, ours = run_pair(out, batch=batch, lora=lora, dpo=dpo, **layout)
+        check_logs(ref, ours, name)
+        check_saved(ours, f"{out}/final", lora=lora, case=name)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_dpo_trainer_parity(ranks2, name):
+    ranks2.run(dpo_case, name, timeout_s=600)

@@ -83,8 +83,14 @@ class _DPOInit(DPOTrainer):
     def __init__(self, model, args, *trainer_args, ref_model=None, **trainer_kwargs):
         if ref_model is not None:
             ref_model = _frozen_parallel_copy(ref_model, args)
+        elif self.nxd_config.lora_config is not None:
+            ref_model = AdaptersDisabled(model)
         DPOTrainer.__init__(self, model, ref_model, args, *trainer_args, **trainer_kwargs)
-        if self.ref_model is not None:
+        if isinstance(ref_model, AdaptersDisabled):
+            # DPOTrainer patched its forward with TRL's fused head, which would run the policy's
+            # backbone with the adapters on: its own forward calls the policy (nxd_hf's head)
+            ref_model.__dict__.pop("forward")
+        else:
             fused_head.install(self.ref_model)
 
 
@@ -125,6 +131,34 @@ class NxDDPOTrainer(ParallelTrainerMixin, _DPOInit):
     def _save_checkpoint(self, model, trial):
         self.create_model_card(model_name=self.args.output_dir.rstrip("/").split("/")[-1])
         super()._save_checkpoint(model, trial)
+
+
+class AdaptersDisabled(nn.Module):
+    """DPO's reference under LoRA: the policy with its adapters disabled (what DPOTrainer gets
+    from ``peft``'s ``disable_adapter``). The policy is not a submodule: nothing of it is the
+    reference's own."""
+
+    def __init__(self, policy: nn.Module):
+        super().__init__()
+        self.__dict__["policy"] = policy
+
+    @property
+    def config(self):
+        return self.policy.config
+
+    def forward(self, *args, **kwargs):
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        layers = [m for m in self.policy.modules() if isinstance(m, BaseTunerLayer)]
+        # peft's enable_adapters would also flip requires_grad, which the optimizer's parameter
+        # lists rely on: only the flag its layers read in forward is set
+        for layer in layers:
+            layer._disable_adapters = True
+        try:
+            return self.policy(*args, **kwargs)
+        finally:
+            for layer in layers:
+                layer._disable_adapters = False
 
 
 def _frozen_parallel_copy(model: nn.Module, args) -> nn.Module:

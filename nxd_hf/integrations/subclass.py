@@ -22,6 +22,7 @@ number:
   reason its behaviour is kept.
 """
 
+import torch
 import transformers
 
 from nxd_hf import backend, parallel_state
@@ -121,8 +122,9 @@ def dp_gather(value):
         return type(value)(dp_gather(v) for v in value)
     if isinstance(value, dict):
         return {k: dp_gather(v) for k, v in value.items()}
-    rows = value.reshape(1) if value.dim() == 0 else value
-    return backend.all_gather(rows.contiguous(), 0, parallel_state.get_data_parallel_group())
+    rows = value.detach().reshape(1) if value.dim() == 0 else value.detach()
+    with torch.no_grad():  # as accelerate's gather: values for metrics, no gradient
+        return backend.all_gather(rows.contiguous(), 0, parallel_state.get_data_parallel_group())
 
 
 def parallel_trainer(trainer_cls: type) -> type:

@@ -100,8 +100,11 @@ def check_logs(ref, ours, case) -> None:
         got, want = logged(ours, key), logged(ref, key)
         steps = list(range(1, STEPS + 1)) if key in TRAIN_KEYS else list(range(2, STEPS + 1, 2))
         assert [s for s, _ in got] == [s for s, _ in want] == steps, (case, key, got, want)
-        # grad_norm: the global norm's summation order differs (sharded vs whole tensors)
-        tol = dict(rtol=1e-4, atol=1e-5) if key == "grad_norm" else TOL
+        tol = TOL
+        if key == "grad_norm":  # the global norm's summation order differs (sharded vs whole tensors)
+            tol = dict(rtol=1e-4, atol=1e-5)
+        elif "rewards/" in key:  # beta x (policy - reference) sums of ~30 log-probs each: near-zero differences
+            tol = dict(rtol=1e-5, atol=1e-5)  # of values ~40 carry their fp32 rounding, ~40 x 1.2e-7 each
         torch.testing.assert_close(torch.tensor([v for _, v in got], dtype=torch.float64),
                                    torch.tensor([v for _, v in want], dtype=torch.float64), **tol,
                                    msg=lambda m: f"{case} {key}: {m}")
@@ -115,19 +118,21 @@ def check_saved(ours, directory: str, *, lora: bool, case) -> None:
     want = ours.evaluate()
     ours.save_model(directory)
     backend.barrier()
-    if lora:
-        plain = peft.PeftModel.from_pretrained(model(), directory, is_trainable=True)
+    if lora:  # merged into the base model: plain DPOTrainer would take a peft model's adapter as the reference
+        plain = peft.PeftModel.from_pretrained(model(), directory)
+        assert list(plain.peft_config) == ["default"], case  # the reference is the base model, not a saved adapter
         assert any("lora_B" in n for n, _ in plain.named_parameters())
-        assert "ref" not in plain.peft_config, case  # the reference is the base model, not a saved adapter
+        plain = plain.merge_and_unload()
     else:
         plain = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
     _, evaluation = preferences()
     args = trl.DPOConfig(output_dir=f"{directory}-eval", **common())
     # the reference of the plain evaluation: the untrained model (as in training)
-    got = trl.DPOTrainer(plain, ref_model=None if lora else model(), args=args, train_dataset=evaluation,
+    got = trl.DPOTrainer(plain, ref_model=model(), args=args, train_dataset=evaluation,
                          eval_dataset=evaluation, processing_class=tokenizer()).evaluate()
     for key in EVAL_KEYS:
-        assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (case, key, got, want)
+        near_zero = 1e-5 if "rewards/" in key else 1e-6  # as in check_logs
+        assert got[key] == pytest.approx(want[key], rel=1e-4, abs=near_zero), (case, key, got, want)
     backend.barrier()
 
 

@@ -91,11 +91,12 @@ def run_pair(out: str, *, batch: int, lora: bool = False, dpo=None, **layout):
     return ref, ours
 
 
-def logged(trainer, key):
-    return [(h["step"], h[key]) for h in trainer.state.log_history if key in h]
+def logged(history: list, key):
+    return [(h["step"], h[key]) for h in history if key in h]
 
 
-def check_logs(ref, ours, case) -> None:
+def check_logs(ref: list, ours: list, case) -> None:
+    """The log histories of the plain run and ours: every key at every step."""
     for key in (*TRAIN_KEYS, *EVAL_KEYS):
         got, want = logged(ours, key), logged(ref, key)
         steps = list(range(1, STEPS + 1)) if key in TRAIN_KEYS else list(range(2, STEPS + 1, 2))
@@ -108,6 +109,25 @@ def check_logs(ref, ours, case) -> None:
         torch.testing.assert_close(torch.tensor([v for _, v in got], dtype=torch.float64),
                                    torch.tensor([v for _, v in want], dtype=torch.float64), **tol,
                                    msg=lambda m: f"{case} {key}: {m}")
+
+
+def check_reference(ours, *, lora: bool, case) -> None:
+    """The reference is nxd_hf's: a frozen copy sharded like the policy (its LM head a vocabulary
+    shard, nxd_hf's fused head), or under LoRA the policy itself with adapters disabled."""
+    from nxd_hf.integrations import dpo, fused_head
+    from nxd_hf.model_state import state_of
+
+    if lora:
+        assert isinstance(ours.ref_model, dpo.AdaptersDisabled) and not list(ours.ref_model.parameters()), case
+        assert ours.ref_model.policy is ours.nxd_model.hf_model, case
+        return
+    tp = ours.args.tensor_parallel_size
+    assert state_of(ours.ref_model) is not None, case
+    assert ours.ref_model.get_output_embeddings().weight.shape[0] == -(-ours.ref_model.config.vocab_size // tp), case
+    assert fused_head.trl_settings(ours.ref_model) is None, case  # TRL's head (whole-vocabulary) replaced
+    assert not any(p.requires_grad for p in ours.ref_model.parameters()), case
+    policy = dict(ours.nxd_model.named_parameters())
+    assert all(p.data_ptr() != policy[n].data_ptr() for n, p in ours.ref_model.named_parameters()), case
 
 
 def check_saved(ours, directory: str, *, lora: bool, case) -> None:
@@ -154,10 +174,95 @@ def dpo_case(name: str) -> None:
     with tempfile.TemporaryDirectory() as out:
         out = shared_dir(out)
         ref, ours = run_pair(out, batch=batch, lora=lora, dpo=dpo, **layout)
-        check_logs(ref, ours, name)
+        check_logs(ref.state.log_history, ours.state.log_history, name)
+        check_reference(ours, lora=lora, case=name)
         check_saved(ours, f"{out}/final", lora=lora, case=name)
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_dpo_trainer_parity(ranks2, name):
     ranks2.run(dpo_case, name, timeout_s=600)
+
+
+def _write_preferences(directory: str) -> None:
+    """The preference data as the dataset directory trl/scripts/dpo.py's --dataset_name loads."""
+    train, evaluation = preferences()
+    os.makedirs(directory, exist_ok=True)
+    train.to_json(f"{directory}/train.jsonl")
+    evaluation.to_json(f"{directory}/test.jsonl")
+
+
+def script_case(extra: tuple) -> None:
+    """TRL's own trl/scripts/dpo.py and its copy with DPOTrainer/DPOConfig swapped for nxd_hf's
+    (trl_dpo_script.py) at tp=2: the same logs every step and evaluation, the same saved model."""
+    import json
+    from unittest import mock
+
+    from safetensors.torch import load_file
+    from trl.scripts import dpo as plain_script
+
+    import trl_dpo_script
+    from nxd_hf import backend
+
+    with tempfile.TemporaryDirectory() as out:
+        out = shared_dir(out)
+        if backend.rank() == 0:
+            _write_preferences(f"{out}/data")
+        backend.barrier()
+        flags = ["--dataset_name", f"{out}/data", "--model_name_or_path", TINY, "--max_steps", str(STEPS),
+                 "--learning_rate", "1e-3", "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "4",
+                 "--logging_steps", "1", "--eval_strategy", "steps", "--eval_steps", "2", "--save_strategy", "steps",
+                 "--save_steps", str(STEPS), "--report_to", "none", "--max_length", "24", "--beta", "0.5", "--seed", "7",
+                 "--max_grad_norm", "0.5", "--warmup_steps", "1", "--disable_tqdm", "true", "--bf16", "false",
+                 "--gradient_checkpointing", "false", "--no_remove_unused_columns", *extra]
+        # Trainer.end destroys the default process group: the pool's ranks run further cases on it
+        with mock.patch.object(transformers.Trainer, "end", lambda self: None):
+            if backend.rank() == 0:  # the plain script: one process
+                plain_script.main(*plain_script.make_parser().parse_args_and_config(
+                    [*flags, "--output_dir", f"{out}/plain"], fail_with_unknown_args=False))
+            backend.barrier()
+            trl_dpo_script.main(*trl_dpo_script.make_parser().parse_args_and_config(
+                [*flags, "--output_dir", f"{out}/nxd", "--tensor_parallel_size", "2"], fail_with_unknown_args=False))
+        backend.barrier()
+        histories = []
+        for run in ("plain", "nxd"):
+            with open(f"{out}/{run}/checkpoint-{STEPS}/trainer_state.json") as f:
+                histories.append(json.load(f)["log_history"])
+        check_logs(*histories, case=f"trl/scripts/dpo.py {extra}")
+        weights = "adapter_model.safetensors" if "--use_peft" in extra else "model.safetensors"
+        want = load_file(f"{out}/plain/{weights}")
+        if "--use_peft" in extra:
+            got = load_file(f"{out}/nxd/{weights}")
+            assert not os.path.exists(f"{out}/nxd/ref")  # no reference adapter: the base model is the reference
+        else:
+            got = transformers.AutoModelForCausalLM.from_pretrained(f"{out}/nxd", dtype=torch.float32).state_dict()
+        assert set(want) <= set(got), sorted(set(want) - set(got))
+        for key, value in want.items():
+            torch.testing.assert_close(got[key], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{key}: {m}")
+        backend.barrier()
+
+
+def test_trl_dpo_script_copy_changes_only_the_two_names():
+    import difflib
+    import inspect
+
+    from trl.scripts import dpo as plain_script
+
+    import trl_dpo_script
+
+    changed = [line for line in difflib.unified_diff(inspect.getsource(plain_script).splitlines(),
+                                                      inspect.getsource(trl_dpo_script).splitlines(), n=0)
+               if line[:1] in "+-" and line[:3] not in ("+++", "---") and line[1:].strip()]
+    assert [line for line in changed if line.startswith("-")] == [
+        "-    from trl import DPOTrainer, get_dataset, get_peft_config, get_quantization_config",
+        "-    from trl import DatasetMixtureConfig, DPOConfig, ModelConfig, ScriptArguments, TrlParser"]
+    code = [line for line in changed if line.startswith("+") and not line.lstrip("+ ").startswith(("#", "TRL", "swapped", "the original"))]
+    assert code == ["+    from trl import get_dataset, get_peft_config, get_quantization_config",
+                    "+    from nxd_hf import NxDDPOTrainer as DPOTrainer  # nxd_hf: the one changed line (and DPOConfig's below)",
+                    "+    from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, TrlParser",
+                    "+    from nxd_hf import NxDDPOConfig as DPOConfig  # nxd_hf: the other changed line"], code
+
+
+@pytest.mark.parametrize("extra", [(), ("--use_peft", "--lora_r", "4", "--lora_alpha", "8")], ids=["tp2", "tp2-use-peft"])
+def test_trl_dpo_script_equals_the_plain_script(ranks2, extra):
+    ranks2.run(script_case, extra, timeout_s=600)

@@ -51,6 +51,10 @@ class NxDDPOConfig(combined_arguments(DPOConfig)):
                 raise ValueError(f"{name} is not supported by nxd_hf.NxDDPOTrainer: {fix}")
 
 
+# DPOTrainer's losses that are not a mean of per-pair terms
+BATCH_COUPLED_LOSSES = {"sft", "aot", "aot_unpaired"}
+
+
 def pair_rows(batch: dict) -> dict:
     """This data-parallel replica's rows of a preference batch ``[chosen (B); rejected (B)]``: its
     pairs' chosen rows then the same pairs' rejected rows (per-pair tensors, ``[B]``, sliced
@@ -81,6 +85,11 @@ class _DPOInit(DPOTrainer):
     the policy's layout created."""
 
     def __init__(self, model, args, *trainer_args, ref_model=None, **trainer_kwargs):
+        coupled = sorted(set(args.loss_type) & BATCH_COUPLED_LOSSES)
+        if coupled and parallel_state.get_data_parallel_size() > 1:
+            raise ValueError(f"loss_type {coupled} couples the rows of a batch (a token mean over it, or a sort of it): "
+                             "data-parallel replicas would each compute it over their own rows, not the global batch's. "
+                             "Use tensor_parallel_size = the world size, or per-pair losses ('sigmoid', 'ipo', ...)")
         if ref_model is not None:
             ref_model = _frozen_parallel_copy(ref_model, args)
         elif self.nxd_config.lora_config is not None:
@@ -163,7 +172,12 @@ class AdaptersDisabled(nn.Module):
 
 def _frozen_parallel_copy(model: nn.Module, args) -> nn.Module:
     """``model`` sharded with the policy's layout, without gradients, in evaluation mode."""
+    from nxd_hf.model_state import state_of
     from nxd_hf.parallelize import parallelize
+
+    if not hasattr(model, "config") or state_of(model) is not None:
+        raise ValueError("ref_model must be a plain Hugging Face model (not parallelized: nxd_hf shards it like the "
+                         f"policy), got {type(model).__name__}; or omit it: a frozen copy of the model is the reference")
 
     ref = parallelize(model, tensor_parallel_size=args.tensor_parallel_size, pad_model={
         "auto": "auto", "true": True, "false": False}[str(args.pad_model).lower()],

@@ -69,7 +69,7 @@ def common(**overrides) -> dict:
                    dataset_num_proc=None, beta=0.5), **overrides}
 
 
-def run_pair(out: str, *, batch: int, lora: bool = False, dpo=None, **layout):
+def run_pair(out: str, *, batch: int, lora: bool = False, given_ref: bool = False, dpo=None, **layout):
     """(plain DPOTrainer on one process, nxd_hf.parallel_trainer(DPOTrainer)) after STEPS steps."""
     import nxd_hf
     from nxd_hf import parallel_state
@@ -78,14 +78,14 @@ def run_pair(out: str, *, batch: int, lora: bool = False, dpo=None, **layout):
     dpo = dpo or {}
     train, evaluation = preferences()
     dp = 2 // (layout.get("tensor_parallel_size", 1) * layout.get("pipeline_parallel_size", 1))
-    ref = trl.DPOTrainer(model(), args=trl.DPOConfig(output_dir=f"{out}/ref", per_device_train_batch_size=batch * dp,
+    ref = trl.DPOTrainer(model(), model() if given_ref else None, args=trl.DPOConfig(output_dir=f"{out}/ref", per_device_train_batch_size=batch * dp,
                                                      **common(**dpo)),
                          train_dataset=train, eval_dataset=evaluation, processing_class=tokenizer(),
                          peft_config=lora_config() if lora else None)
     ref.train()
     trainer_cls, config_cls = nxd_hf.parallel_trainer(trl.DPOTrainer), nxd_hf.parallel_arguments(trl.DPOConfig)
     args = config_cls(output_dir=f"{out}/nxd", per_device_train_batch_size=batch, **common(**dpo), **layout)
-    ours = trainer_cls(model(), args=args, train_dataset=train, eval_dataset=evaluation,
+    ours = trainer_cls(model(), model() if given_ref else None, args=args, train_dataset=train, eval_dataset=evaluation,
                        processing_class=tokenizer(), peft_config=lora_config() if lora else None)
     ours.train()
     return ref, ours
@@ -130,7 +130,7 @@ def check_reference(ours, *, lora: bool, case) -> None:
     assert all(p.data_ptr() != policy[n].data_ptr() for n, p in ours.ref_model.named_parameters()), case
 
 
-def check_saved(ours, directory: str, *, lora: bool, case) -> None:
+def check_saved(ours, directory: str, *, lora: bool, case, dpo: dict) -> None:
     """save_model's directory, opened in plain transformers / peft, evaluates (plain DPOTrainer)
     to the run's evaluation."""
     from nxd_hf import backend
@@ -146,7 +146,7 @@ def check_saved(ours, directory: str, *, lora: bool, case) -> None:
     else:
         plain = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
     _, evaluation = preferences()
-    args = trl.DPOConfig(output_dir=f"{directory}-eval", **common())
+    args = trl.DPOConfig(output_dir=f"{directory}-eval", **common(**dpo))
     # the reference of the plain evaluation: the untrained model (as in training)
     got = trl.DPOTrainer(plain, ref_model=model(), args=args, train_dataset=evaluation,
                          eval_dataset=evaluation, processing_class=tokenizer()).evaluate()
@@ -162,21 +162,24 @@ def shared_dir(local: str) -> str:
     return backend.all_gather_object(local)[0]
 
 
-CASES = {  # name: (per-replica batch, LoRA, DPOConfig overrides, layout)
-    "tp2": (4, False, {}, {"tensor_parallel_size": 2}),
-    "dp2-zero1-accumulate": (2, False, {"gradient_accumulation_steps": 2}, {"zero_1": True}),
-    "tp2-lora": (4, True, {}, {"tensor_parallel_size": 2}),
+CASES = {  # name: (per-replica batch, LoRA, ref_model given, DPOConfig overrides, layout)
+    "tp2-sigmoid-sft": (4, False, False, {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.5]},
+                        {"tensor_parallel_size": 2}),
+    "dp2-zero1-accumulate-ref-model-ld-alpha": (2, False, True, {"gradient_accumulation_steps": 2, "ld_alpha": 0.5},
+                                                {"zero_1": True}),
+    # WPO weights (use_weighting): from log_sum_sq_probs of the vocab-parallel logits
+    "tp2-lora-wpo": (4, True, False, {"use_weighting": True}, {"tensor_parallel_size": 2}),
 }
 
 
 def dpo_case(name: str) -> None:
-    batch, lora, dpo, layout = CASES[name]
+    batch, lora, given_ref, dpo, layout = CASES[name]
     with tempfile.TemporaryDirectory() as out:
         out = shared_dir(out)
-        ref, ours = run_pair(out, batch=batch, lora=lora, dpo=dpo, **layout)
+        ref, ours = run_pair(out, batch=batch, lora=lora, given_ref=given_ref, dpo=dpo, **layout)
         check_logs(ref.state.log_history, ours.state.log_history, name)
         check_reference(ours, lora=lora, case=name)
-        check_saved(ours, f"{out}/final", lora=lora, case=name)
+        check_saved(ours, f"{out}/final", lora=lora, case=name, dpo=dpo)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -214,7 +217,7 @@ def script_case(extra: tuple) -> None:
                  "--logging_steps", "1", "--eval_strategy", "steps", "--eval_steps", "2", "--save_strategy", "steps",
                  "--save_steps", str(STEPS), "--report_to", "none", "--max_length", "24", "--beta", "0.5", "--seed", "7",
                  "--max_grad_norm", "0.5", "--warmup_steps", "1", "--disable_tqdm", "true", "--bf16", "false",
-                 "--gradient_checkpointing", "false", "--no_remove_unused_columns", *extra]
+                 "--no_remove_unused_columns", *extra]
         # Trainer.end destroys the default process group: the pool's ranks run further cases on it
         with mock.patch.object(transformers.Trainer, "end", lambda self: None):
             if backend.rank() == 0:  # the plain script: one process

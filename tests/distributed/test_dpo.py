@@ -269,3 +269,83 @@ def test_trl_dpo_script_copy_changes_only_the_two_names():
 @pytest.mark.parametrize("extra", [(), ("--use_peft", "--lora_r", "4", "--lora_alpha", "8")], ids=["tp2", "tp2-use-peft"])
 def test_trl_dpo_script_equals_the_plain_script(ranks2, extra):
     ranks2.run(script_case, extra, timeout_s=600)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"pipeline_parallel_size": 2}, "pipeline_parallel_size is not supported"),
+    ({"precompute_ref_log_probs": True}, "precompute_ref_log_probs"),
+    ({"sync_ref_model": True}, "sync_ref_model"),
+    ({"activation_offloading": True}, "activation_offloading"),
+    ({"tensor_parallel_size": 2, "sequence_parallel": True}, "sequence_parallel"),
+])
+def test_dpo_config_refuses_what_it_cannot_do(monkeypatch, tmp_path, fields, message):
+    import nxd_hf
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=f"{message}.*NxDDPOTrainer"):
+        nxd_hf.NxDDPOConfig(output_dir=str(tmp_path), **fields)
+
+
+def test_parallel_trainer_of_dpo_trainer_is_nxd_dpo_trainer(tmp_path):
+    """parallel_trainer(DPOTrainer) used to refuse at every layout (DPOTrainer's _save_checkpoint
+    and training_step are hooks nxd_hf replaces): it is NxDDPOTrainer, whose overrides all run."""
+    import nxd_hf
+    from nxd_hf.integrations.subclass import refused_overrides
+
+    assert nxd_hf.parallel_trainer(trl.DPOTrainer) is nxd_hf.NxDDPOTrainer
+    assert nxd_hf.parallel_arguments(trl.DPOConfig) is nxd_hf.NxDDPOConfig
+    assert refused_overrides(nxd_hf.NxDDPOTrainer, pipelined=False) == []
+    train, _ = preferences()
+    args = nxd_hf.NxDDPOConfig(output_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="NxDDPOConfig"):
+        nxd_hf.NxDDPOTrainer(model(), args=trl.DPOConfig(output_dir=str(tmp_path), bf16=False), train_dataset=train)
+    with pytest.raises(ValueError, match="ref_model with peft_config"):
+        nxd_hf.NxDDPOTrainer(model(), model(), args=args, train_dataset=train, peft_config=lora_config())
+    with pytest.raises(ValueError, match="quantization_config"):
+        nxd_hf.NxDDPOTrainer(model(), args=args, train_dataset=train, quantization_config=object())
+    policy = model()
+    with pytest.raises(ValueError, match="cannot be the same object"):
+        nxd_hf.NxDDPOTrainer(policy, policy, args=args, train_dataset=train)
+
+
+def refusal_case() -> None:
+    """At dp=2: a loss over the whole batch (DPO's "sft" term) would be each replica's; an already
+    parallel ref_model cannot be sharded again. Both refused on every rank, by name."""
+    import nxd_hf
+
+    train, _ = preferences()
+    args = nxd_hf.NxDDPOConfig(output_dir="unused", **common(loss_type=["sigmoid", "sft"], loss_weights=[1.0, 1.0]))
+    with pytest.raises(ValueError, match=r"loss_type \['sft'\] couples the rows"):
+        nxd_hf.NxDDPOTrainer(model(), args=args, train_dataset=train, processing_class=tokenizer())
+    from nxd_hf import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    args = nxd_hf.NxDDPOConfig(output_dir="unused", tensor_parallel_size=2, **common())
+    parallel_ref = nxd_hf.parallelize(model(), tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="ref_model must be a plain Hugging Face model"):
+        nxd_hf.NxDDPOTrainer(model(), parallel_ref, args=args, train_dataset=train, processing_class=tokenizer())
+
+
+def test_dpo_trainer_refuses_at_dp2_what_replicas_cannot_split(ranks2):
+    ranks2.run(refusal_case)
+
+
+@pytest.mark.usefixtures("no_rank_pool")
+def test_example_dpo_trl_under_torchrun(tmp_path):
+    """examples/dpo_trl.py (capped) at tp=2 with LoRA under torchrun: the reward margin grows, and
+    the adapter it saves loads in plain peft (the example's other layouts: the parity cases above)."""
+    import json
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "examples/dpo_trl.py",
+               "--tensor_parallel_size", "2", "--lora", "--max_steps", "12", "--logging_steps", "4",
+               "--output_dir", str(tmp_path)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "reward margin" in result.stdout, result.stdout[-3000:]
+    with open(tmp_path / "trainer_state.json") as f:
+        margins = [h["rewards/margins"] for h in json.load(f)["log_history"] if "rewards/margins" in h]
+    assert len(margins) == 3 and margins[-1] > margins[0], margins
+    plain = peft.PeftModel.from_pretrained(model(), str(tmp_path / "final"))
+    assert list(plain.peft_config) == ["default"]
+    assert any(n.endswith("lora_B.default.weight") and p.abs().sum() > 0 for n, p in plain.named_parameters())

@@ -137,6 +137,16 @@ class NxDDPOTrainer(ParallelTrainerMixin, _DPOInit):
     def _nxd_replica_rows(self, batch: dict) -> dict:
         return pair_rows(batch)
 
+    def get_train_dataloader(self):
+        dp_size = parallel_state.get_data_parallel_size()
+        step_pairs = self.args.per_device_train_batch_size * dp_size
+        last = len(self.train_dataset) % step_pairs if hasattr(self.train_dataset, "__len__") else 0
+        if last % dp_size and not self.args.dataloader_drop_last:  # its metrics gather rows of unequal replicas
+            raise ValueError(f"the train_dataset's {len(self.train_dataset)} pairs leave a last batch of {last}, which "
+                             f"the {dp_size} data-parallel replicas cannot split evenly: set dataloader_drop_last=True, "
+                             f"or use a multiple of {dp_size} pairs in the last batch")
+        return super().get_train_dataloader()
+
     def _save_checkpoint(self, model, trial):
         self.create_model_card(model_name=self.args.output_dir.rstrip("/").split("/")[-1])
         super()._save_checkpoint(model, trial)
@@ -159,6 +169,7 @@ class AdaptersDisabled(nn.Module):
         from peft.tuners.tuners_utils import BaseTunerLayer
 
         layers = [m for m in self.policy.modules() if isinstance(m, BaseTunerLayer)]
+        was = [layer._disable_adapters for layer in layers]
         # peft's enable_adapters would also flip requires_grad, which the optimizer's parameter
         # lists rely on: only the flag its layers read in forward is set
         for layer in layers:
@@ -166,8 +177,8 @@ class AdaptersDisabled(nn.Module):
         try:
             return self.policy(*args, **kwargs)
         finally:
-            for layer in layers:
-                layer._disable_adapters = False
+            for layer, disabled in zip(layers, was):
+                layer._disable_adapters = disabled
 
 
 def _frozen_parallel_copy(model: nn.Module, args) -> nn.Module:

@@ -159,9 +159,7 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
         batches, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
         return [self._nxd_replica_rows(batch) for batch in batches], num_items_in_batch
 
-    def _nxd_replica_rows(self, batch: dict) -> dict:
-        """This replica's rows of a global batch (a trainer whose rows go together, DPO's chosen and
-        rejected pairs, splits them its own way)."""
+    def _nxd_replica_rows(self, batch: dict) -> dict:  # DPO's trainer keeps chosen/rejected pairs together
         return replica_rows(batch)
 
     # -- the step

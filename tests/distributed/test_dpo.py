@@ -72,6 +72,11 @@ def common(**overrides) -> dict:
 def run_pair(out: str, *, batch: int, lora: bool = False, given_ref: bool = False, dpo=None, **layout):
     """(plain DPOTrainer on one process, nxd_hf.parallel_trainer(DPOTrainer)) after STEPS steps."""
     import nxd_hf
+    args = nxd_hf.NxDDPOConfig(output_dir="unused", per_device_train_batch_size=2, **common(eval_strategy="no"))
+    trainer = nxd_hf.NxDDPOTrainer(model(), args=args, train_dataset=train.select(range(15)),
+                                   processing_class=tokenizer())
+    with pytest.raises(ValueError, match="last batch of 3, which the 2 data-parallel replicas cannot split"):
+        trainer.train()
     from nxd_hf import parallel_state
 
     parallel_state.destroy_model_parallel()
@@ -309,14 +314,20 @@ def test_parallel_trainer_of_dpo_trainer_is_nxd_dpo_trainer(tmp_path):
 
 
 def refusal_case() -> None:
-    """At dp=2: a loss over the whole batch (DPO's "sft" term) would be each replica's; an already
-    parallel ref_model cannot be sharded again. Both refused on every rank, by name."""
+    """At dp=2: a loss over the whole batch (DPO's "sft" term) would be each replica's; a last batch
+    of an odd number of pairs cannot be split evenly; an already parallel ref_model cannot be
+    sharded again. All refused on every rank, by name."""
     import nxd_hf
 
     train, _ = preferences()
     args = nxd_hf.NxDDPOConfig(output_dir="unused", **common(loss_type=["sigmoid", "sft"], loss_weights=[1.0, 1.0]))
     with pytest.raises(ValueError, match=r"loss_type \['sft'\] couples the rows"):
         nxd_hf.NxDDPOTrainer(model(), args=args, train_dataset=train, processing_class=tokenizer())
+    args = nxd_hf.NxDDPOConfig(output_dir="unused", per_device_train_batch_size=2, **common(eval_strategy="no"))
+    trainer = nxd_hf.NxDDPOTrainer(model(), args=args, train_dataset=train.select(range(15)),
+                                   processing_class=tokenizer())
+    with pytest.raises(ValueError, match="last batch of 3, which the 2 data-parallel replicas cannot split"):
+        trainer.train()
     from nxd_hf import parallel_state
 
     parallel_state.destroy_model_parallel()

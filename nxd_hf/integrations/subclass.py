@@ -22,6 +22,7 @@ number:
   reason its behaviour is kept.
 """
 
+import torch
 import transformers
 
 from nxd_hf import backend, parallel_state
@@ -37,7 +38,13 @@ KEPT = {
     "trl.trainer.sft_trainer.SFTTrainer.training_step": "enters activation offloading only (refused by "
                                                         "NxDSFTConfig) before Trainer's step",
     "trl.trainer.sft_trainer.SFTTrainer._save_checkpoint": "writes a model card (NxDSFTTrainer does too)",
+    "trl.trainer.dpo_trainer.DPOTrainer.training_step": "enters activation offloading only (refused by "
+                                                        "NxDDPOConfig) before Trainer's step",
+    "trl.trainer.dpo_trainer.DPOTrainer._save_checkpoint": "writes a model card (NxDDPOTrainer does too)",
 }
+# trainers whose nxd_hf version needs more than the generic composition: "module.Class" -> "module:Class"
+SPECIALIZED = {"trl.trainer.dpo_trainer.DPOTrainer": "nxd_hf.integrations.dpo:NxDDPOTrainer"}
+SPECIALIZED_ARGUMENTS = {"trl.trainer.dpo_config.DPOConfig": "nxd_hf.integrations.dpo:NxDDPOConfig"}
 
 
 def _overrides(trainer_cls: type) -> dict[str, str]:
@@ -115,8 +122,9 @@ def dp_gather(value):
         return type(value)(dp_gather(v) for v in value)
     if isinstance(value, dict):
         return {k: dp_gather(v) for k, v in value.items()}
-    rows = value.reshape(1) if value.dim() == 0 else value
-    return backend.all_gather(rows.contiguous(), 0, parallel_state.get_data_parallel_group())
+    rows = value.detach().reshape(1) if value.dim() == 0 else value.detach()
+    with torch.no_grad():  # as accelerate's gather: values for metrics, no gradient
+        return backend.all_gather(rows.contiguous(), 0, parallel_state.get_data_parallel_group())
 
 
 def parallel_trainer(trainer_cls: type) -> type:
@@ -127,6 +135,8 @@ def parallel_trainer(trainer_cls: type) -> type:
         raise ValueError(f"parallel_trainer takes a transformers.Trainer subclass, got {trainer_cls!r}")
     if issubclass(trainer_cls, NxDTrainer):
         return trainer_cls
+    if _qualified(trainer_cls) in SPECIALIZED:
+        return _specialized(SPECIALIZED[_qualified(trainer_cls)])
     return type(f"NxD{trainer_cls.__name__}", (ParallelTrainerMixin, trainer_cls),
                 {"__module__": __name__, "__doc__": f"{trainer_cls.__name__} on nxd_hf (nxd_hf.parallel_trainer)."})
 
@@ -135,11 +145,29 @@ def parallel_arguments(arguments_cls: type) -> type:
     """``NxD<Name>``: a dataclass with the fields of ``NxDTrainingArguments`` and of
     ``arguments_cls`` (a ``TrainingArguments`` subclass, e.g. TRL's ``SFTConfig``), usable in one
     ``HfArgumentParser``; an instance is both."""
-    import dataclasses
-
     if not (isinstance(arguments_cls, type) and issubclass(arguments_cls, transformers.TrainingArguments)):
         raise ValueError(f"parallel_arguments takes a transformers.TrainingArguments subclass, got {arguments_cls!r}")
     if issubclass(arguments_cls, NxDTrainingArguments):
         return arguments_cls
+    if _qualified(arguments_cls) in SPECIALIZED_ARGUMENTS:
+        return _specialized(SPECIALIZED_ARGUMENTS[_qualified(arguments_cls)])
+    return combined_arguments(arguments_cls)
+
+
+def combined_arguments(arguments_cls: type) -> type:
+    """``parallel_arguments``' generic dataclass (without looking for a specialized one)."""
+    import dataclasses
+
     combined = type(f"NxD{arguments_cls.__name__}", (NxDTrainingArguments, arguments_cls), {"__module__": __name__})
     return dataclasses.dataclass(kw_only=True)(combined)
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _specialized(where: str) -> type:
+    import importlib
+
+    module, name = where.split(":")
+    return getattr(importlib.import_module(module), name)

@@ -157,7 +157,10 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
     def get_batch_samples(self, epoch_iterator, num_batches: int, device):
         """Global batches and their token count, then this replica's rows of each."""
         batches, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
-        return [replica_rows(batch) for batch in batches], num_items_in_batch
+        return [self._nxd_replica_rows(batch) for batch in batches], num_items_in_batch
+
+    def _nxd_replica_rows(self, batch: dict) -> dict:  # DPO's trainer keeps chosen/rejected pairs together
+        return replica_rows(batch)
 
     # -- the step
     def create_optimizer(self, model=None):

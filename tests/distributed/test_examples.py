@@ -172,6 +172,10 @@ COVERED = {  # docstring command (as written, comment dropped) -> the test that 
     "torchrun --nproc_per_node 4 examples/train_with_config_api.py --pp 2 --zero1":
         "test_train_with_config_api_pp2_zero1_loss_falls",
     "torchrun --nproc_per_node 2 examples/sft_trl.py --tensor_parallel_size 2 --lora": "test_trl.py",
+    # under torchrun: the LoRA command; the other two layouts: test_dpo.py's parity cases in the rank pool
+    "torchrun --nproc_per_node 2 examples/dpo_trl.py --tensor_parallel_size 2 --lora": "test_dpo.py",
+    "torchrun --nproc_per_node 2 examples/dpo_trl.py --tensor_parallel_size 2": "test_dpo.py",
+    "torchrun --nproc_per_node 2 examples/dpo_trl.py --zero_1 true": "test_dpo.py",
     "torchrun --nproc_per_node 2 examples/lightning_causal_lm.py --tp 2": "test_lightning.py (under torchrun)",
     "torchrun --nproc_per_node 2 examples/lightning_causal_lm.py --zero1 --resume lightning_out/last.ckpt":
         "test_lightning.py (under torchrun)",
@@ -182,6 +186,7 @@ COVERED = {  # docstring command (as written, comment dropped) -> the test that 
 }
 CAPPED = {  # script -> what is appended to each of its commands: a few steps, output under the test's directory
     "classify_bert.py": ["--max_steps", "4", "--output_dir", "{out}"],
+    "dpo_trl.py": ["--max_steps", "4", "--output_dir", "{out}"],
     "finetune_causal_lm.py": ["--max_steps", "4", "--output_dir", "{out}"],
     "lightning_causal_lm.py": ["--max-steps", "4", "--output-dir", "{out}"],
     "make_tiny_model.py": [],  # [--out DIR] is given: the default would rewrite the bundled model

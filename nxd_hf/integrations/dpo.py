@@ -1,0 +1,197 @@
+"""TRL's ``DPOTrainer`` on nxd_hf: ``NxDDPOTrainer`` and ``NxDDPOConfig`` (TRL is an optional
+extra, ``pip install nxd_hf[trl]``); ``nxd_hf.parallel_trainer(DPOTrainer)`` returns this class.
+
+``NxDDPOTrainer`` is ``DPOTrainer`` with ``NxDTrainer`` first in the method order (see
+``nxd_hf.integrations.subclass``). What DPO needs beyond that:
+
+- the policy's and the reference's per-token log-probabilities come from TRL's fused LM head,
+  which nxd_hf replaces on both models by one computing them from the vocab-parallel logits
+  (``nxd_hf.integrations.fused_head``): the full vocabulary is never gathered;
+- the reference model is a frozen copy of the policy parallelized with the same layout (or the
+  ``ref_model`` given, parallelized likewise); with ``peft_config`` there is none: the reference
+  is the policy with its adapters disabled, as DPOTrainer does;
+- a batch is ``[chosen rows; rejected rows]``: each data-parallel replica takes its pairs, its
+  slice of the chosen rows and the same slice of the rejected rows (``pair_rows``).
+"""
+
+import copy
+import dataclasses
+
+import torch
+from torch import nn
+from trl import DPOConfig, DPOTrainer
+
+from nxd_hf import parallel_state
+from nxd_hf.integrations import fused_head
+from nxd_hf.integrations.subclass import ParallelTrainerMixin, combined_arguments
+from nxd_hf.trainer.batches import FILLER_ROWS, ROW_WEIGHT, _check_rows
+
+
+@dataclasses.dataclass(kw_only=True)
+class NxDDPOConfig(combined_arguments(DPOConfig)):
+    """TRL's ``DPOConfig`` and ``NxDTrainingArguments`` in one dataclass (one ``HfArgumentParser``)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        refused = {
+            "pipeline_parallel_size": (self.pipeline_parallel_size > 1, "use tensor_parallel_size and data "
+                                       "parallelism: the reference model's log-probabilities under a pipeline "
+                                       "schedule are not implemented"),
+            "activation_offloading": (self.activation_offloading, "drop it (gradient_checkpointing checkpoints every "
+                                      "layer with nxd_hf)"),
+            "use_liger_kernel": (self.use_liger_kernel, "drop it: nxd_hf's parallel layers replace the kernels"),
+            "precompute_ref_log_probs": (self.precompute_ref_log_probs, "drop it: the reference is a frozen "
+                                         "parallel copy, computed at every step"),
+            "sync_ref_model": (self.sync_ref_model, "drop it (not supported with nxd_hf yet)"),
+            "sequence_parallel": (self.sequence_parallel, "drop it (the preference batches are not padded to a "
+                                  "multiple of tensor_parallel_size)"),
+        }
+        for name, (is_set, fix) in refused.items():
+            if is_set:
+                raise ValueError(f"{name} is not supported by nxd_hf.NxDDPOTrainer: {fix}")
+
+
+# DPOTrainer's losses that are not a mean of per-pair terms
+BATCH_COUPLED_LOSSES = {"sft", "aot", "aot_unpaired"}
+
+
+def pair_rows(batch: dict) -> dict:
+    """This data-parallel replica's rows of a preference batch ``[chosen (B); rejected (B)]``: its
+    pairs' chosen rows then the same pairs' rejected rows (per-pair tensors, ``[B]``, sliced
+    alike), and the weight of its pairs in the global batch (``replica_rows``'s keys)."""
+    dp_size, dp_rank = parallel_state.get_data_parallel_size(), parallel_state.get_data_parallel_rank()
+    rows = batch["input_ids"].shape[0]
+    _check_rows(batch, rows)
+    pairs = rows // 2
+    assert 2 * pairs == rows, "DataCollatorForPreference stacks the chosen rows over the rejected ones"
+    mine = torch.arange(pairs).tensor_split(dp_size)[dp_rank]
+    if len(mine) == 0:  # a short last batch: a stand-in pair whose loss and gradients count for nothing
+        mine = torch.arange(1)
+    local = dict(batch)
+    for key, value in batch.items():
+        if torch.is_tensor(value) and value.dim() > 0 and value.shape[0] == rows:
+            local[key] = torch.cat([value[mine], value[mine + pairs]])
+        elif torch.is_tensor(value) and value.dim() > 0 and value.shape[0] == pairs:
+            local[key] = value[mine]
+    filler = len(torch.arange(pairs).tensor_split(dp_size)[dp_rank]) == 0
+    local[ROW_WEIGHT] = 0.0 if filler else len(mine) * dp_size / pairs
+    local[FILLER_ROWS] = int(filler)
+    return type(batch)(local) if isinstance(batch, dict) else local
+
+
+class _DPOInit(DPOTrainer):
+    """DPOTrainer's ``__init__`` as ``NxDTrainer`` calls its next class's (``model, args`` first),
+    given the policy already parallelized: the reference is parallelized here, with the groups
+    the policy's layout created."""
+
+    def __init__(self, model, args, *trainer_args, ref_model=None, **trainer_kwargs):
+        coupled = sorted(set(args.loss_type) & BATCH_COUPLED_LOSSES)
+        if coupled and parallel_state.get_data_parallel_size() > 1:
+            raise ValueError(f"loss_type {coupled} couples the rows of a batch (a token mean over it, or a sort of it): "
+                             "data-parallel replicas would each compute it over their own rows, not the global batch's. "
+                             "Use tensor_parallel_size = the world size, or per-pair losses ('sigmoid', 'ipo', ...)")
+        if ref_model is not None:
+            ref_model = _frozen_parallel_copy(ref_model, args)
+        elif self.nxd_config.lora_config is not None:
+            ref_model = AdaptersDisabled(model)
+        DPOTrainer.__init__(self, model, ref_model, args, *trainer_args, **trainer_kwargs)
+        if isinstance(ref_model, AdaptersDisabled):
+            # DPOTrainer patched its forward with TRL's fused head, which would run the policy's
+            # backbone with the adapters on: its own forward calls the policy (nxd_hf's head)
+            ref_model.__dict__.pop("forward")
+        else:
+            fused_head.install(self.ref_model)
+
+
+class NxDDPOTrainer(ParallelTrainerMixin, _DPOInit):
+    """``trl.DPOTrainer`` with tensor and data parallelism (ZeRO-1) and LoRA; ``args``: ``NxDDPOConfig``
+    (module docstring). Takes DPOTrainer's arguments; ``model`` may be a name or a directory, as
+    DPOTrainer's (loaded with ``args.model_init_kwargs``)."""
+
+    def __init__(self, model=None, ref_model=None, args: NxDDPOConfig | None = None, *trainer_args,
+                 peft_config=None, quantization_config=None, **trainer_kwargs):
+        if not isinstance(args, NxDDPOConfig):
+            raise ValueError("NxDDPOTrainer takes args=nxd_hf.NxDDPOConfig(...) (or nxd_hf.parallel_arguments("
+                             "DPOConfig)(...)): DPOConfig's fields and the parallel layout in one dataclass")
+        if quantization_config is not None:
+            raise ValueError("quantization_config is not supported by nxd_hf.NxDDPOTrainer: train the model in "
+                             "fp32 or bf16 (bf16=True)")
+        from transformers import set_seed
+
+        set_seed(args.seed)  # DPOTrainer seeds before it creates the model and its adapter: the same weights
+        if isinstance(model, str):
+            from trl.trainer.utils import create_model_from_path
+
+            model = create_model_from_path(model, **dict(args.model_init_kwargs or {}))
+            args.model_init_kwargs = None  # used: DPOTrainer would warn that they are ignored
+        if ref_model is not None and ref_model is model:
+            raise ValueError("`model` and `ref_model` cannot be the same object: omit ref_model (a frozen copy of the "
+                             "model is the reference)")
+        if ref_model is not None and peft_config is not None:
+            raise ValueError("ref_model with peft_config: the reference is the model with its adapters disabled; "
+                             "omit ref_model")
+        if ref_model is None and peft_config is None:
+            ref_model = copy.deepcopy(model)  # before the policy is sharded in place
+        super().__init__(model, args, *trainer_args, ref_model=ref_model, peft_config=peft_config, **trainer_kwargs)
+
+    def _nxd_replica_rows(self, batch: dict) -> dict:
+        return pair_rows(batch)
+
+    def get_train_dataloader(self):
+        dp_size = parallel_state.get_data_parallel_size()
+        step_pairs = self.args.per_device_train_batch_size * dp_size
+        last = len(self.train_dataset) % step_pairs if hasattr(self.train_dataset, "__len__") else 0
+        if last % dp_size and not self.args.dataloader_drop_last:  # its metrics gather rows of unequal replicas
+            raise ValueError(f"the train_dataset's {len(self.train_dataset)} pairs leave a last batch of {last}, which "
+                             f"the {dp_size} data-parallel replicas cannot split evenly: set dataloader_drop_last=True, "
+                             f"or use a multiple of {dp_size} pairs in the last batch")
+        return super().get_train_dataloader()
+
+    def _save_checkpoint(self, model, trial):
+        self.create_model_card(model_name=self.args.output_dir.rstrip("/").split("/")[-1])
+        super()._save_checkpoint(model, trial)
+
+
+class AdaptersDisabled(nn.Module):
+    """DPO's reference under LoRA: the policy with its adapters disabled (what DPOTrainer gets
+    from ``peft``'s ``disable_adapter``). The policy is not a submodule: nothing of it is the
+    reference's own."""
+
+    def __init__(self, policy: nn.Module):
+        super().__init__()
+        self.__dict__["policy"] = policy
+
+    @property
+    def config(self):
+        return self.policy.config
+
+    def forward(self, *args, **kwargs):
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        layers = [m for m in self.policy.modules() if isinstance(m, BaseTunerLayer)]
+        was = [layer._disable_adapters for layer in layers]
+        # peft's enable_adapters would also flip requires_grad, which the optimizer's parameter
+        # lists rely on: only the flag its layers read in forward is set
+        for layer in layers:
+            layer._disable_adapters = True
+        try:
+            return self.policy(*args, **kwargs)
+        finally:
+            for layer, disabled in zip(layers, was):
+                layer._disable_adapters = disabled
+
+
+def _frozen_parallel_copy(model: nn.Module, args) -> nn.Module:
+    """``model`` sharded with the policy's layout, without gradients, in evaluation mode."""
+    from nxd_hf.model_state import state_of
+    from nxd_hf.parallelize import parallelize
+
+    if not hasattr(model, "config") or state_of(model) is not None:
+        raise ValueError("ref_model must be a plain Hugging Face model (not parallelized: nxd_hf shards it like the "
+                         f"policy), got {type(model).__name__}; or omit it: a frozen copy of the model is the reference")
+
+    ref = parallelize(model, tensor_parallel_size=args.tensor_parallel_size, pad_model={
+        "auto": "auto", "true": True, "false": False}[str(args.pad_model).lower()],
+        kv_size_multiplier="auto" if args.kv_size_multiplier == "auto" else int(args.kv_size_multiplier))
+    ref.requires_grad_(False)
+    return ref.eval()

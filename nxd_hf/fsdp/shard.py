@@ -1,0 +1,148 @@
+"""``fully_shard`` over the data-parallel group of an nxd_hf model (see the package docstring).
+
+ZeRO-3: parameters, gradients and optimizer state sharded; each layer's parameters are
+all-gathered before its forward and again before its backward (FSDP2's
+``reshard_after_forward=True``). ZeRO-2: the same shards at rest, but a layer's gathered
+parameters stay from its forward to its backward (``reshard_after_forward=False``: one
+all-gather per layer and step, more memory during the step). In both, FSDP2's reduce-scatter
+averages the gradients over the DP ranks, and a torch optimizer built on ``model.parameters()``
+(DTensors) keeps its state for this rank's shards only.
+
+Why it composes with nxd_hf's layers: ``fully_shard`` replaces each parameter by a DTensor
+sharded along dim 0 over the DP mesh and, during forward and backward, by a plain unsharded
+parameter of the TP-local shape. The layers never see the DTensor, so tensor and sequence
+parallelism run unchanged. Two things need help:
+
+- the new parameters lose nxd_hf's sharding metadata (``tensor_model_parallel``,
+  ``partition_dim``, ``partial_grad_over_tp``, ...), which the gradient norm, ``full_tensor``
+  and the checkpoints read: it is copied onto them;
+- a replicated parameter whose gradient is partial per TP rank must be summed over TP, and
+  after backward its unsharded gradient no longer exists: each backward's contribution is
+  summed over TP by a hook on the unsharded parameter, before FSDP2 reduce-scatters it.
+"""
+
+import contextlib
+from typing import Literal
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from nxd_hf import backend, parallel_state
+from nxd_hf.parallel_layers.sharding import full_tensor, has_partial_grad_over_tp
+
+DataParallelSharding = Literal["zero3", "zero2"]
+DATA_PARALLEL_SHARDING = ("zero3", "zero2")
+_HOOKED = "_nxd_tp_partial_hook"  # marks an unsharded parameter whose gradient hook is installed
+
+
+def check_data_parallel_sharding(mode, *, pipeline_parallel_size: int, expert_parallel_size: int,
+                                 fp32_grad_accumulation: bool, lora_config=None, pipeline_kwargs=None) -> None:
+    """A clear ValueError for what ``data_parallel_sharding`` does not compose with (yet)."""
+    if mode is None:
+        return
+    if mode not in DATA_PARALLEL_SHARDING:
+        raise ValueError(f"data_parallel_sharding must be one of {DATA_PARALLEL_SHARDING} or None, got {mode!r}")
+    if (pipeline_kwargs or {}).get("use_zero1_optimizer"):
+        raise ValueError(f"data_parallel_sharding={mode!r} already shards the optimizer state over the data-parallel "
+                         "ranks: use a torch optimizer, not ZeRO-1 (use_zero1_optimizer)")
+    refused = {
+        "pipeline_parallel_size > 1": pipeline_parallel_size > 1,
+        "expert_parallel_size > 1": expert_parallel_size > 1,
+        "fp32_grad_accumulation=True (FSDP2 reduces gradients in its own buffers; use a bf16/fp32 "
+        "MixedPrecisionPolicy instead)": fp32_grad_accumulation,
+        "lora_config (adapters are trained replicated; shard the frozen base with tensor parallelism)": lora_config
+        is not None,
+    }
+    for what, present in refused.items():
+        if present:
+            raise ValueError(f"data_parallel_sharding={mode!r} is not supported with {what}: "
+                             "use data_parallel_sharding=None (docs/fsdp.md)")
+
+
+def shard_data_parallel(model: nn.Module, mode: DataParallelSharding, *, policy,
+                        layer_types: tuple[type, ...] | None = None) -> None:
+    """``fully_shard`` every module of ``layer_types`` (default: the transformer layers, HF's
+    ``_no_split_modules``) and then ``model`` over the DP group; ``policy`` (the model's
+    ``GradReduction``) leaves the DP mean to FSDP2's reduce-scatter."""
+    from torch.distributed.fsdp import fully_shard
+
+    layer_types = transformer_layer_types(model) if layer_types is None else layer_types
+    mesh = data_parallel_mesh()
+    reshard = mode == "zero3"
+    metadata = {name: dict(vars(p)) for name, p in model.named_parameters(remove_duplicate=False)}
+    for module in [m for m in model.modules() if layer_types and isinstance(m, layer_types)]:
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        for key, value in metadata[name].items():
+            setattr(param, key, value)
+    if parallel_state.get_tensor_model_parallel_size() > 1:
+        _install_partial_sums(model)
+    policy.reduce_in_optimizer()  # nobody else averages over DP: FSDP2's reduce-scatter does
+    model.no_sync = lambda: _no_sync(model)
+
+
+def transformer_layer_types(model: nn.Module) -> tuple[type, ...]:
+    """The module classes HF names in ``_no_split_modules`` (the decoder layers); none for a
+    plain module (then only the root is sharded, as one group)."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    return tuple({type(m) for m in model.modules() if type(m).__name__ in names})
+
+
+def data_parallel_mesh():
+    """A 1-D device mesh over nxd_hf's data-parallel group (not a second set of ranks)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    group = parallel_state.get_data_parallel_group()
+    return DeviceMesh.from_group(group, backend.default_device().type, mesh_dim_names=("dp",))
+
+
+@contextlib.contextmanager
+def _no_sync(model):
+    """Accumulate without reduce-scattering (DDP's ``no_sync``): FSDP2 keeps the unsharded
+    gradients until the first backward outside the block."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def _install_partial_sums(model: nn.Module) -> None:
+    """Sum over TP each backward's gradient of the parameters marked partial over TP. During
+    forward, a module's attribute is FSDP2's unsharded parameter (created once, reused every step):
+    a forward pre-hook on the owning module hooks it the first time it appears."""
+    for module in model.modules():
+        names = [n for n, p in module.named_parameters(recurse=False) if has_partial_grad_over_tp(p)]
+        if names:
+            module.register_forward_pre_hook(lambda m, _args, names=tuple(names): _hook_unsharded(m, names))
+
+
+def _hook_unsharded(module: nn.Module, names: tuple[str, ...]) -> None:
+    for name in names:
+        param = getattr(module, name)
+        if isinstance(param, DTensor) or getattr(param, _HOOKED, False) or not param.requires_grad:
+            continue
+        param.register_hook(_sum_over_tp)
+        setattr(param, _HOOKED, True)
+
+
+def _sum_over_tp(grad: torch.Tensor) -> torch.Tensor:
+    """This backward's partial gradient, summed over the TP group (in a copy: a hook must not
+    change its argument)."""
+    return backend.all_reduce(grad.clone(), parallel_state.get_tensor_model_parallel_group())
+
+
+def is_dp_sharded(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` (a parameter or its gradient) is sharded over the DP ranks by FSDP2."""
+    return isinstance(tensor, DTensor)
+
+
+def logical_tensor(param: torch.Tensor, tensor: torch.Tensor | None = None) -> torch.Tensor:
+    """The whole (logical) ``tensor`` of ``param`` (default: ``param``; e.g. its grad): gathered
+    over the DP ranks when FSDP2 shards it, then over TP (``full_tensor``). Every rank calls it."""
+    tensor = param if tensor is None else tensor
+    if isinstance(tensor, DTensor):
+        tensor = tensor.full_tensor()
+    return full_tensor(param, tensor)

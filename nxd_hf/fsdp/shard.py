@@ -95,7 +95,10 @@ def data_parallel_mesh():
     from torch.distributed.device_mesh import DeviceMesh
 
     group = parallel_state.get_data_parallel_group()
-    return DeviceMesh.from_group(group, backend.default_device().type, mesh_dim_names=("dp",))
+    # Meshes over the same ranks compare equal, and DTensor caches its sharding decisions (which
+    # hold the mesh) by them: named after the group, a mesh of groups re-created after
+    # ``destroy_model_parallel`` is never mistaken for the old one (whose groups are gone).
+    return DeviceMesh.from_group(group, backend.default_device().type, mesh_dim_names=(f"dp_{group.group_name}",))
 
 
 @contextlib.contextmanager

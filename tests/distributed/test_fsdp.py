@@ -8,7 +8,7 @@ import torch
 
 import hf_parity
 import nxd_hf
-from nxd_hf import parallel_state
+from nxd_hf import backend, parallel_state
 from nxd_hf.fsdp import is_dp_sharded, logical_tensor
 from nxd_hf.parallel_layers.grads import clip_grad_norm
 
@@ -55,7 +55,11 @@ def check_fsdp_matches_hf(mode: str, tp: int, sp: bool) -> None:
     ref_grads = {}
     for step, (ids, labels) in enumerate(_batches()):
         ref_loss, ref_norm = _step(reference, ids, labels, dp_rank=0, dp_size=1, clip=torch.nn.utils.clip_grad_norm_)
-        loss, norm = _step(model, ids, labels, dp_rank=dp_rank, dp_size=dp_size, clip=clip_grad_norm)
+        with backend.count_comm() as records:
+            loss, norm = _step(model, ids, labels, dp_rank=dp_rank, dp_size=dp_size, clip=clip_grad_norm)
+        dp_ranks = tuple(torch.distributed.get_process_group_ranks(parallel_state.get_data_parallel_group()))
+        dp_all_reduces = [r for r in records if r.op == "all_reduce" and r.ranks == dp_ranks]
+        assert len(dp_all_reduces) == 1, records  # the norm's sum of shards: FSDP2's reduce-scatter did the mean
         assert ref_norm > MAX_NORM, "clipping must act"
         torch.distributed.all_reduce(loss, group=parallel_state.get_data_parallel_group())
         torch.testing.assert_close(loss / dp_size, ref_loss, **TOL)
@@ -83,3 +87,83 @@ def test_zero2_matches_hf_dp2(ranks2):
 
 def test_zero3_matches_hf_tp2_dp2_sequence_parallel(ranks4):
     ranks4.run(check_fsdp_matches_hf, "zero3", 2, True)
+
+
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one buffer counted once)."""
+    storages = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def check_bytes_per_rank(mode: str, tp: int) -> None:
+    """Parameters, gradients and AdamW state held per rank: each TP-local tensor of dim 0 size n0
+    and row size r keeps ceil(n0 / dp) rows (FSDP2 pads dim 0 to a multiple of dp); over all
+    ranks that is the logical model once, plus what TP replicates by design (norms on every TP
+    rank) and the padding rows of TP (odd vocab) and of FSDP."""
+    parallel_state.destroy_model_parallel()
+    reference, model = hf_parity.build_pair("llama", attention_bias=False)
+    nxd_hf.parallelize(model, tensor_parallel_size=tp, data_parallel_sharding=mode)
+    dp, dp_rank = parallel_state.get_data_parallel_size(), parallel_state.get_data_parallel_rank()
+    params = list(model.parameters())
+    rows = {id(p): min(max(p.shape[0] - dp_rank * -(-p.shape[0] // dp), 0), -(-p.shape[0] // dp)) for p in params}
+    row_numel = {id(p): p[0].numel() for p in params}  # p.shape: the TP-local shape; p.to_local(): this rank's rows
+    padded = sum(-(-p.shape[0] // dp) * row_numel[id(p)] for p in params)
+    local = sum(rows[id(p)] * row_numel[id(p)] for p in params)
+    assert sum(p.to_local().numel() for p in params) == local
+    assert _storage_bytes(p.to_local() for p in params) == 4 * padded  # fp32, FSDP2's padded shards
+
+    # over the world: the logical model once per DP group, plus TP's replicas and padding
+    logical = sum(p.numel() for p in reference.parameters())
+    replicated = sum(p.numel() for p in params if not getattr(p, "tensor_model_parallel", False))
+    tp_padding = sum((p.shape[p.partition_dim] * tp - p.logical_size) * p.numel() // p.shape[p.partition_dim]
+                     for p in params if getattr(p, "tensor_model_parallel", False))
+    world = torch.tensor(local)
+    torch.distributed.all_reduce(world)
+    assert world.item() == logical + (tp - 1) * replicated + tp_padding, (world.item(), logical, replicated, tp_padding)
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    ids, labels = _batches()[0]
+    _step(model, ids, labels, dp_rank=dp_rank, dp_size=dp, clip=clip_grad_norm)
+    grads = [p.grad.to_local() for p in params]
+    assert sum(g.numel() for g in grads) == local
+    grad_bytes = _storage_bytes(grads)
+    optimizer.step()
+    state = [t.to_local() if is_dp_sharded(t) else t for s in optimizer.state.values() for t in s.values()]
+    moments = [t for t in state if t.dim() > 0]
+    assert sum(m.numel() for m in moments) == 2 * local  # exp_avg and exp_avg_sq of this rank's rows only
+    assert _storage_bytes(moments) == 2 * 4 * local
+    steps = [t for t in state if t.dim() == 0]  # AdamW's step count: one scalar per parameter, replicated
+    assert len(steps) == len(params)
+    assert grad_bytes == 4 * padded  # FSDP2's reduce-scatter output: the padded shards
+
+
+def test_bytes_per_rank_zero3_dp2(ranks2):
+    ranks2.run(check_bytes_per_rank, "zero3", 1)
+
+
+def test_bytes_per_rank_zero2_tp2_dp2(ranks4):
+    ranks4.run(check_bytes_per_rank, "zero2", 2)
+
+
+def check_refusals() -> None:
+    parallel_state.destroy_model_parallel()
+    for kwargs, match in ((dict(data_parallel_sharding="full_shard"), "must be one of"),
+                          (dict(data_parallel_sharding="zero3", pipeline_parallel_size=2), "pipeline_parallel_size"),
+                          (dict(data_parallel_sharding="zero3", fp32_grad_accumulation=True), "fp32_grad_accumulation")):
+        _, model = hf_parity.build_pair("llama", attention_bias=False)
+        with pytest.raises(ValueError, match=match):
+            nxd_hf.parallelize(model, **kwargs)
+        parallel_state.destroy_model_parallel()
+    _, model = hf_parity.build_pair("llama", attention_bias=False)
+    nxd_hf.parallelize(model, data_parallel_sharding="zero3")
+    from nxd_hf.optim import NeuronZero1Optimizer
+
+    with pytest.raises(ValueError, match="already sharded over the data-parallel ranks"):
+        NeuronZero1Optimizer(model.parameters(), torch.optim.AdamW, lr=LR)
+
+
+def test_refusals(ranks2):
+    ranks2.run(check_refusals)

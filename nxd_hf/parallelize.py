@@ -123,7 +123,7 @@ def parallelize(
     with fail_together("nxd_hf.parallelize"):  # no collective inside: a rank failing alone fails every rank
         check_data_parallel_sharding(data_parallel_sharding, pipeline_parallel_size=pipeline_parallel_size,
                                      expert_parallel_size=expert_parallel_size, lora_config=lora_config,
-                                     fp32_grad_accumulation=fp32_grad_accumulation, pipeline_kwargs=pipeline_kwargs)
+                                     pipeline_kwargs=pipeline_kwargs)
         if pipeline_kwargs and pipeline_parallel_size == 1:
             raise ValueError(f"{sorted(pipeline_kwargs)} are pipeline options: they need pipeline_parallel_size > 1")
         if fused_loss and pipeline_parallel_size > 1:

@@ -37,7 +37,7 @@ _HOOKED = "_nxd_tp_partial_hook"  # marks an unsharded parameter whose gradient 
 
 
 def check_data_parallel_sharding(mode, *, pipeline_parallel_size: int, expert_parallel_size: int,
-                                 fp32_grad_accumulation: bool, lora_config=None, pipeline_kwargs=None) -> None:
+                                 lora_config=None, pipeline_kwargs=None) -> None:
     """A clear ValueError for what ``data_parallel_sharding`` does not compose with (yet)."""
     if mode is None:
         return
@@ -49,8 +49,6 @@ def check_data_parallel_sharding(mode, *, pipeline_parallel_size: int, expert_pa
     refused = {
         "pipeline_parallel_size > 1": pipeline_parallel_size > 1,
         "expert_parallel_size > 1": expert_parallel_size > 1,
-        "fp32_grad_accumulation=True (FSDP2 reduces gradients in its own buffers; use a bf16/fp32 "
-        "MixedPrecisionPolicy instead)": fp32_grad_accumulation,
         "lora_config (adapters are trained replicated; shard the frozen base with tensor parallelism)": lora_config
         is not None,
     }
@@ -68,6 +66,10 @@ def shard_data_parallel(model: nn.Module, mode: DataParallelSharding, *, policy,
     from torch.distributed.fsdp import fully_shard
 
     layer_types = transformer_layer_types(model) if layer_types is None else layer_types
+    if any(hasattr(p, "main_grad") for p in model.parameters()):
+        raise ValueError("data_parallel_sharding does not support fp32 gradient accumulation of bf16/fp16 parameters "
+                         "(fp32_grad_accumulation / use_fp32_grad_acc): FSDP2 accumulates in its own gradient buffers; "
+                         "train fp32 parameters (with bf16 autocast) or turn fp32 gradient accumulation off")
     mesh = data_parallel_mesh()
     reshard = mode == "zero3"
     metadata = {name: dict(vars(p)) for name, p in model.named_parameters(remove_duplicate=False)}

@@ -152,7 +152,7 @@ def check_refusals() -> None:
     parallel_state.destroy_model_parallel()
     for kwargs, match in ((dict(data_parallel_sharding="full_shard"), "must be one of"),
                           (dict(data_parallel_sharding="zero3", pipeline_parallel_size=2), "pipeline_parallel_size"),
-                          (dict(data_parallel_sharding="zero3", fp32_grad_accumulation=True), "fp32_grad_accumulation")):
+                          (dict(data_parallel_sharding="zero3", lora_config=object()), "lora_config")):
         _, model = hf_parity.build_pair("llama", attention_bias=False)
         with pytest.raises(ValueError, match=match):
             nxd_hf.parallelize(model, **kwargs)
@@ -167,3 +167,48 @@ def check_refusals() -> None:
 
 def test_refusals(ranks2):
     ranks2.run(check_refusals)
+
+
+def check_trainer_matches_trainer(fsdp: str, accumulate: int) -> None:
+    """NxDTrainer(fsdp=...) at dp=2 against transformers.Trainer on one process: logged losses and
+    grad norms every step, final parameters."""
+    import tempfile
+
+    from test_nxd_trainer import STEPS as TRAINER_STEPS, _losses, _run_case
+
+    with tempfile.TemporaryDirectory() as out_dir:
+        ref, ours = _run_case(out_dir, batch=4 // accumulate, accumulate=accumulate, fsdp=fsdp)
+    assert ours.args.data_parallel_sharding == {"full_shard": "zero3", "shard_grad_op": "zero2"}[fsdp.split()[0]]
+    assert all(is_dp_sharded(p) for p in ours.nxd_model.parameters())
+    for key in ("loss", "grad_norm"):
+        got, want = _losses(ours, key), _losses(ref, key)
+        assert [s for s, _ in got] == [s for s, _ in want] == list(range(1, TRAINER_STEPS + 1)), (key, got)
+        torch.testing.assert_close(torch.tensor([v for _, v in got]), torch.tensor([v for _, v in want]), **TOL)
+    ref_params = dict(ref.model.named_parameters())
+    for name, param in ours.nxd_model.named_parameters():
+        torch.testing.assert_close(logical_tensor(param), ref_params[name].detach(), **TOL, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("fsdp,accumulate", [("full_shard auto_wrap", 1), ("shard_grad_op", 2)])
+def test_nxd_trainer_fsdp_matches_trainer(ranks2, fsdp, accumulate):
+    ranks2.run(check_trainer_matches_trainer, fsdp, accumulate)
+
+
+def test_trainer_arguments_read_hf_fsdp_and_refuse_the_rest():
+    from nxd_hf.fsdp.hf_options import read_hf_fsdp
+
+    assert read_hf_fsdp("full_shard auto_wrap", None).data_parallel_sharding == "zero3"
+    assert read_hf_fsdp("shard_grad_op", {"fsdp_version": 2}).data_parallel_sharding == "zero2"
+    assert read_hf_fsdp(True, {"reshard_after_forward": False}).data_parallel_sharding == "zero2"
+    assert read_hf_fsdp("full_shard", {"activation_checkpointing": True}).activation_checkpointing
+    assert read_hf_fsdp(None, None).data_parallel_sharding is None
+    for fsdp, config, match in (("full_shard offload", None, "offload"), ("hybrid_shard", None, "HSDP"),
+                                ("full_shard", {"min_num_params": 1000}, "min_num_params"),
+                                ("full_shard", {"version": 1}, "version 1"), ("full_shard", {"xla": True}, "xla"),
+                                ("sharded", None, "unknown fsdp option"), (None, {"version": 2}, "without fsdp")):
+        with pytest.raises(ValueError, match=match):
+            read_hf_fsdp(fsdp, config)
+    args = nxd_hf.NxDTrainingArguments(output_dir="unused", fsdp="full_shard", report_to=[])
+    assert args.data_parallel_sharding == "zero3" and not args.fsdp  # accelerate never sees fsdp
+    with pytest.raises(ValueError, match="drop zero_1"):
+        nxd_hf.NxDTrainingArguments(output_dir="unused", fsdp="full_shard", zero_1=True, report_to=[])

@@ -212,3 +212,56 @@ def test_trainer_arguments_read_hf_fsdp_and_refuse_the_rest():
     assert args.data_parallel_sharding == "zero3" and not args.fsdp  # accelerate never sees fsdp
     with pytest.raises(ValueError, match="drop zero_1"):
         nxd_hf.NxDTrainingArguments(output_dir="unused", fsdp="full_shard", zero_1=True, report_to=[])
+
+
+def _train(model, optimizer, batches, *, zero1: bool = False):
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_size()
+    losses = []
+    for ids, labels in batches:
+        loss, _ = _step(model, ids, labels, dp_rank=dp_rank, dp_size=dp_size,
+                        clip=(lambda params, norm: None) if zero1 else clip_grad_norm)  # ZeRO-1 clips in step()
+        optimizer.step()
+        optimizer.zero_grad()
+        torch.distributed.all_reduce(loss, group=parallel_state.get_data_parallel_group())
+        losses.append(loss / dp_size)
+    return torch.stack(losses), {n: logical_tensor(p) for n, p in model.named_parameters()}
+
+
+def check_checkpoint_resumes_at_other_layouts(tmp_dir: str) -> None:
+    """Two ZeRO-3 steps, a checkpoint (model and AdamW state), two more steps; the checkpoint loaded
+    at ZeRO-1 (dp=2), at tp=2 and at ZeRO-3 again makes the same two steps. ``save_pretrained``
+    of the ZeRO-3 model opens in plain transformers."""
+    from nxd_hf.optim import NeuronZero1Optimizer
+
+    batches = _batches()
+    parallel_state.destroy_model_parallel()
+    reference, model = hf_parity.build_pair("llama", attention_bias=False)
+    nxd_hf.parallelize(model, data_parallel_sharding="zero3")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    _train(model, optimizer, batches[:2])
+    nxd_hf.save_checkpoint(tmp_dir, "step2", model=model, optimizer=optimizer)
+    model.save_pretrained(f"{tmp_dir}/hf")
+    want_losses, want_params = _train(model, optimizer, batches[2:])
+    saved = type(reference).from_pretrained(f"{tmp_dir}/hf")  # plain transformers, the weights after two steps
+    for layout in ("zero1", "tp2", "zero3"):
+        parallel_state.destroy_model_parallel()
+        _, other = hf_parity.build_pair("llama", attention_bias=False)
+        nxd_hf.parallelize(other, tensor_parallel_size=2 if layout == "tp2" else 1,
+                           data_parallel_sharding="zero3" if layout == "zero3" else None)
+        if layout == "zero1":
+            other_optimizer = NeuronZero1Optimizer(other.parameters(), torch.optim.AdamW, lr=LR, weight_decay=0.1,
+                                                   max_norm=MAX_NORM)
+        else:
+            other_optimizer = torch.optim.AdamW(other.parameters(), lr=LR, weight_decay=0.1)
+        nxd_hf.load_checkpoint(tmp_dir, "step2", model=other, optimizer=other_optimizer)
+        if layout == "zero1":
+            for name, param in saved.named_parameters():
+                torch.testing.assert_close(logical_tensor(dict(other.named_parameters())[name]), param.detach())
+        losses, params = _train(other, other_optimizer, batches[2:], zero1=layout == "zero1")
+        torch.testing.assert_close(losses, want_losses, **TOL, msg=lambda m: f"{layout} losses: {m}")
+        for name, param in params.items():
+            torch.testing.assert_close(param, want_params[name], **TOL, msg=lambda m: f"{layout} {name}: {m}")
+
+
+def test_checkpoint_resumes_at_zero1_and_tp2(ranks2, tmp_path):
+    ranks2.run(check_checkpoint_resumes_at_other_layouts, str(tmp_path))

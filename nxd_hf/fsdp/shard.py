@@ -49,8 +49,6 @@ def check_data_parallel_sharding(mode, *, pipeline_parallel_size: int, expert_pa
     refused = {
         "pipeline_parallel_size > 1": pipeline_parallel_size > 1,
         "expert_parallel_size > 1": expert_parallel_size > 1,
-        "lora_config (adapters are trained replicated; shard the frozen base with tensor parallelism)": lora_config
-        is not None,
     }
     for what, present in refused.items():
         if present:

@@ -152,7 +152,7 @@ def check_refusals() -> None:
     parallel_state.destroy_model_parallel()
     for kwargs, match in ((dict(data_parallel_sharding="full_shard"), "must be one of"),
                           (dict(data_parallel_sharding="zero3", pipeline_parallel_size=2), "pipeline_parallel_size"),
-                          (dict(data_parallel_sharding="zero3", lora_config=object()), "lora_config")):
+                          (dict(data_parallel_sharding="zero3", expert_parallel_size=2), "expert_parallel_size")):
         _, model = hf_parity.build_pair("llama", attention_bias=False)
         with pytest.raises(ValueError, match=match):
             nxd_hf.parallelize(model, **kwargs)
@@ -265,3 +265,51 @@ def check_checkpoint_resumes_at_other_layouts(tmp_dir: str) -> None:
 
 def test_checkpoint_resumes_at_zero1_and_tp2(ranks2, tmp_path):
     ranks2.run(check_checkpoint_resumes_at_other_layouts, str(tmp_path))
+
+
+def check_lora_matches_peft(tp: int) -> None:
+    """parallelize(lora_config=..., data_parallel_sharding="zero3"): the frozen base sharded, the
+    adapters trained, against plain peft on the one-process model."""
+    import copy
+
+    import peft
+
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])
+    parallel_state.destroy_model_parallel()
+    reference, model = hf_parity.build_pair("llama", attention_bias=False)
+    torch.manual_seed(7)
+    reference = peft.get_peft_model(reference, copy.deepcopy(config))
+    torch.manual_seed(7)
+    nxd_hf.parallelize(model, tensor_parallel_size=tp, lora_config=copy.deepcopy(config),
+                       data_parallel_sharding="zero3")
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_size()
+    ref_named = {n.removeprefix("base_model.model."): p for n, p in reference.named_parameters()}
+    trained = [(n.removeprefix("base_model.model."), p) for n, p in model.named_parameters() if p.requires_grad]
+    assert trained and {n for n, _ in trained} == {n for n, p in ref_named.items() if p.requires_grad}
+    assert all(is_dp_sharded(p) for p in model.parameters())  # the frozen base too
+    ref_optimizer = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=LR)
+    optimizer = torch.optim.AdamW([p for _, p in trained], lr=LR)
+    for step, (ids, labels) in enumerate(_batches()):
+        ref_loss, ref_norm = _step(reference, ids, labels, dp_rank=0, dp_size=1, clip=torch.nn.utils.clip_grad_norm_)
+        loss, norm = _step(model, ids, labels, dp_rank=dp_rank, dp_size=dp_size,
+                           clip=lambda params, max_norm: clip_grad_norm([p for p in params if p.requires_grad], max_norm))
+        torch.distributed.all_reduce(loss, group=parallel_state.get_data_parallel_group())
+        torch.testing.assert_close(loss / dp_size, ref_loss, **TOL)
+        torch.testing.assert_close(norm, ref_norm, **TOL)
+        for name, param in trained:
+            torch.testing.assert_close(_logical_grad(param), ref_named[name].grad, **TOL,
+                                       msg=lambda m: f"lora step {step} grad {name}: {m}")
+        for opt in (ref_optimizer, optimizer):
+            opt.step()
+            opt.zero_grad()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(logical_tensor(param), ref_named[name.removeprefix("base_model.model.")].detach(),
+                                   **TOL, msg=lambda m: f"lora param {name}: {m}")
+
+
+def test_lora_zero3_matches_peft_dp2(ranks2):
+    ranks2.run(check_lora_matches_peft, 1)
+
+
+def test_lora_zero3_matches_peft_tp2_dp2(ranks4):
+    ranks4.run(check_lora_matches_peft, 2)

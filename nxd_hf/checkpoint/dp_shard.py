@@ -34,12 +34,16 @@ def as_dp_shard(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
                               shape=param.shape, stride=param.stride())
 
 
-def dp_rows(param: DTensor) -> tuple[int, int]:
-    """(start, number) of the rows along dim 0 of the TP-local tensor this DP rank holds."""
+def dp_rows(param: DTensor) -> tuple[int, int, bool]:
+    """(start, number) of the rows along dim 0 of the TP-local tensor this DP rank holds, and
+    whether it is the first of its copies (HSDP replicates each shard across groups of DP ranks)."""
+    mesh_dim = next(i for i, placement in enumerate(param.placements) if placement.is_shard())
+    mesh = param.device_mesh
     rows = param.shape[0]
-    chunk = -(-rows // param.device_mesh.size())
-    start = min(param.device_mesh.get_local_rank() * chunk, rows)
-    return start, local_of(param).shape[0]
+    chunk = -(-rows // mesh.size(mesh_dim))
+    start = min(mesh.get_local_rank(mesh_dim) * chunk, rows)
+    first_copy = all(mesh.get_local_rank(d) == 0 for d in range(mesh.ndim) if d != mesh_dim)
+    return start, local_of(param).shape[0], first_copy
 
 
 def describe_dp_shard(name: str, model_name: str, param: DTensor, tp_rank: int, owned_runs):
@@ -51,7 +55,8 @@ def describe_dp_shard(name: str, model_name: str, param: DTensor, tp_rank: int, 
         raise ValueError(f"{model_name}: checkpoints of data_parallel_sharding models with HF Conv1D weights "
                          "(GPT-2 style) are not supported yet: save without data_parallel_sharding")
     local = local_of(param)
-    start, count = dp_rows(param)
+    start, count, first_copy = dp_rows(param)
+    # an HSDP copy of the shard (first_copy False) writes nothing: the first copy writes it
     shape = list(param.shape)
     rows = torch.arange(start, start + count)
     dp_first = parallel_state.get_data_parallel_rank() == 0
@@ -59,13 +64,14 @@ def describe_dp_shard(name: str, model_name: str, param: DTensor, tp_rank: int, 
                   writes_whole=dp_first and tp_rank == 0)
     if not is_sharded(param):
         return LogicalTensor(**common, shape=tuple(shape), rows=rows,
-                             runs=[(0, count, start)] if count and tp_rank == 0 else [])
+                             runs=[(0, count, start)] if count and tp_rank == 0 and first_copy else [])
     dim, shard_index = param.partition_dim, param.shard_index
     shape[dim] = param.logical_size
     tp_runs = owned_runs(shard_index, tp_rank)
     if dim == 0:  # the TP shard's runs, cut to this DP rank's rows
         runs = [(max(a, start) - start, min(b, start + count) - start, first + max(a, start) - a)
-                for a, b, first in tp_runs if max(a, start) < min(b, start + count)]
+                for a, b, first in tp_runs if max(a, start) < min(b, start + count) and first_copy]
         return LogicalTensor(**common, shape=tuple(shape), rows=shard_index[start:start + count], runs=runs)
-    return LogicalTensor(**common, shape=tuple(shape), rows=rows, runs=[(0, count, start)] if count and tp_runs else [],
+    return LogicalTensor(**common, shape=tuple(shape), rows=rows,
+                         runs=[(0, count, start)] if count and tp_runs and first_copy else [],
                          inner_dim=dim, inner_rows=shard_index, inner_runs=tp_runs)

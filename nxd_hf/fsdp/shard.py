@@ -57,10 +57,12 @@ def check_data_parallel_sharding(mode, *, pipeline_parallel_size: int, expert_pa
 
 
 def shard_data_parallel(model: nn.Module, mode: DataParallelSharding, *, policy,
-                        layer_types: tuple[type, ...] | None = None) -> None:
+                        layer_types: tuple[type, ...] | None = None, shard_size: int | None = None) -> None:
     """``fully_shard`` every module of ``layer_types`` (default: the transformer layers, HF's
     ``_no_split_modules``) and then ``model`` over the DP group; ``policy`` (the model's
-    ``GradReduction``) leaves the DP mean to FSDP2's reduce-scatter."""
+    ``GradReduction``) leaves the DP mean to FSDP2's reduce-scatter. ``shard_size``: hybrid
+    sharding (HSDP), sharded over groups of that many DP ranks and replicated across the groups
+    (``data_parallel_mesh``); None: over every DP rank."""
     from torch.distributed.fsdp import fully_shard
 
     layer_types = transformer_layer_types(model) if layer_types is None else layer_types
@@ -68,7 +70,7 @@ def shard_data_parallel(model: nn.Module, mode: DataParallelSharding, *, policy,
         raise ValueError("data_parallel_sharding does not support fp32 gradient accumulation of bf16/fp16 parameters "
                          "(fp32_grad_accumulation / use_fp32_grad_acc): FSDP2 accumulates in its own gradient buffers; "
                          "train fp32 parameters (with bf16 autocast) or turn fp32 gradient accumulation off")
-    mesh = data_parallel_mesh()
+    mesh = data_parallel_mesh(shard_size)
     reshard = mode == "zero3"
     metadata = {name: dict(vars(p)) for name, p in model.named_parameters(remove_duplicate=False)}
     for module in [m for m in model.modules() if layer_types and isinstance(m, layer_types)]:
@@ -90,15 +92,52 @@ def transformer_layer_types(model: nn.Module) -> tuple[type, ...]:
     return tuple({type(m) for m in model.modules() if type(m).__name__ in names})
 
 
-def data_parallel_mesh():
-    """A 1-D device mesh over nxd_hf's data-parallel group (not a second set of ranks)."""
+def data_parallel_mesh(shard_size: int | None = None):
+    """A device mesh over nxd_hf's data-parallel group (not a second set of ranks): 1-D, or with
+    ``shard_size`` 2-D (replicate, shard) for HSDP: the DP ranks in consecutive blocks of
+    ``shard_size`` shard, the same position in every block replicates."""
     from torch.distributed.device_mesh import DeviceMesh
 
     group = parallel_state.get_data_parallel_group()
+    device_type = backend.default_device().type
     # Meshes over the same ranks compare equal, and DTensor caches its sharding decisions (which
     # hold the mesh) by them: named after the group, a mesh of groups re-created after
     # ``destroy_model_parallel`` is never mistaken for the old one (whose groups are gone).
-    return DeviceMesh.from_group(group, backend.default_device().type, mesh_dim_names=(f"dp_{group.group_name}",))
+    if shard_size is None or shard_size == parallel_state.get_data_parallel_size():
+        return DeviceMesh.from_group(group, device_type, mesh_dim_names=(f"dp_{group.group_name}",))
+    dp_size = parallel_state.get_data_parallel_size()
+    if shard_size < 1 or dp_size % shard_size:
+        raise ValueError(f"data_parallel_shard_size={shard_size} must divide the data-parallel size {dp_size}")
+    replicate_group, shard_group, ranks = _hybrid_groups(shard_size)
+    return DeviceMesh.from_group([replicate_group, shard_group], device_type, mesh=ranks,
+                                 mesh_dim_names=(f"dp_replicate_{group.group_name}", f"dp_shard_{group.group_name}"))
+
+
+def _hybrid_groups(shard_size: int):
+    """(replicate group, shard group, this DP group's ranks as [replicas, shard_size]); the groups
+    are created on every rank, in the same order, and destroyed with the parallel state."""
+    mine = torch.distributed.get_rank()
+    found = {}
+    for dp_ranks in parallel_state.get_data_parallel_group(as_list=True):
+        grid = torch.tensor(dp_ranks).reshape(-1, shard_size)
+        for kind, rows in (("shard", grid.tolist()), ("replicate", grid.t().tolist())):
+            for ranks in rows:
+                pg = backend.new_group(ranks, timeout=parallel_state.get_collective_timeout(), name=f"dp {kind}")
+                _HYBRID_GROUPS.append(pg)
+                if mine in ranks:
+                    found[kind] = pg
+        if mine in dp_ranks:
+            found["grid"] = grid
+    parallel_state.register_before_destroy(_destroy_hybrid_groups)
+    return found["replicate"], found["shard"], found["grid"]
+
+
+_HYBRID_GROUPS: list = []
+
+
+def _destroy_hybrid_groups() -> None:
+    while _HYBRID_GROUPS:
+        backend.destroy_group(_HYBRID_GROUPS.pop())
 
 
 @contextlib.contextmanager

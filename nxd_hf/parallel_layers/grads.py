@@ -140,7 +140,7 @@ def get_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) ->
             if grad.numel():
                 total = torch.maximum(total, grad.abs().max().float())
         if dp_sharded:
-            backend.all_reduce(total, parallel_state.get_data_parallel_group(), op="max")
+            backend.all_reduce(total, _shard_group(counted), op="max")
         backend.all_reduce(total, parallel_state.get_expert_parallel_group(), op="max")
         backend.all_reduce(total, parallel_state.get_model_parallel_group(), op="max")
         return total
@@ -148,7 +148,7 @@ def get_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) ->
     total = _power_sum([p for p in dense if not isinstance(p.grad, DTensor)], norm_type, device)
     if dp_sharded:
         shards = _power_sum([p for p in dense if isinstance(p.grad, DTensor)], norm_type, device)
-        total = total + backend.all_reduce(shards, parallel_state.get_data_parallel_group())
+        total = total + backend.all_reduce(shards, _shard_group(counted))
     experts = _power_sum([p for p in counted if is_expert_parallel(p)], norm_type, device)
     if parallel_state.get_expert_parallel_size() > 1:  # every rank joins, with or without experts
         total = total + backend.all_reduce(experts, parallel_state.get_expert_parallel_group())
@@ -187,12 +187,25 @@ def _replica_weighted_power(p: torch.Tensor, norm_type: float) -> torch.Tensor:
     replicas = getattr(p, "num_replicas", 1)
     if isinstance(replicas, torch.Tensor):  # per row along partition_dim (fused Q + replicated K/V)
         if isinstance(p.grad, DTensor) and p.partition_dim == 0:  # FSDP2's dim-0 chunk of the rows
-            chunk = -(-p.grad.shape[0] // p.grad.device_mesh.size())
-            start = min(p.grad.device_mesh.get_local_rank() * chunk, p.grad.shape[0])
+            mesh_dim = _shard_mesh_dim(p.grad)
+            chunk = -(-p.grad.shape[0] // p.grad.device_mesh.size(mesh_dim))
+            start = min(p.grad.device_mesh.get_local_rank(mesh_dim) * chunk, p.grad.shape[0])
             replicas = replicas[start:start + grad.shape[0]]
         per_row = grad.abs().pow(norm_type).movedim(p.partition_dim, 0).reshape(grad.shape[p.partition_dim], -1)
         return (per_row.sum(1) / replicas.to(per_row.device)).sum()
     return torch.linalg.vector_norm(grad, norm_type) ** norm_type / replicas
+
+
+def _shard_mesh_dim(grad: DTensor) -> int:
+    """The mesh dim FSDP2 shards a gradient along (under HSDP the other one replicates it)."""
+    return next(i for i, placement in enumerate(grad.placements) if placement.is_shard())
+
+
+def _shard_group(params: list[torch.Tensor]):
+    """The group over which the DP-sharded gradients of ``params`` are split (the DP group, or
+    HSDP's shard group): their parts' ``|g|^p`` sum over it."""
+    grad = next(p.grad for p in params if isinstance(p.grad, DTensor))
+    return grad.device_mesh.get_group(_shard_mesh_dim(grad))
 
 
 def _local(grad: torch.Tensor) -> torch.Tensor:

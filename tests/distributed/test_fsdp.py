@@ -44,12 +44,17 @@ def _logical_grad(param):
     return full.t() if getattr(param, "hf_transposed", False) else full
 
 
-def check_fsdp_matches_hf(mode: str, tp: int, sp: bool) -> None:
+def check_fsdp_matches_hf(mode: str, tp: int, sp: bool, shard_size: int | None = None) -> None:
+    """``shard_size``: HSDP, sharded over that many DP ranks and replicated across the groups."""
     parallel_state.destroy_model_parallel()
     reference, model = hf_parity.build_pair("llama", attention_bias=False)
-    nxd_hf.parallelize(model, tensor_parallel_size=tp, sequence_parallel=sp, data_parallel_sharding=mode)
+    nxd_hf.parallelize(model, tensor_parallel_size=tp, sequence_parallel=sp, data_parallel_sharding=mode,
+                       data_parallel_shard_size=shard_size)
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_size()
-    assert dp_size == 2 and all(is_dp_sharded(p) for p in model.parameters())
+    assert dp_size == torch.distributed.get_world_size() // tp and all(is_dp_sharded(p) for p in model.parameters())
+    mesh = next(model.parameters()).device_mesh
+    assert mesh.ndim == (1 if shard_size is None else 2) and mesh.size(mesh.ndim - 1) == (shard_size or dp_size)
+    norm_ranks = tuple(torch.distributed.get_process_group_ranks(mesh.get_group(mesh.ndim - 1)))
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     ref_grads = {}
@@ -58,8 +63,9 @@ def check_fsdp_matches_hf(mode: str, tp: int, sp: bool) -> None:
         with backend.count_comm() as records:
             loss, norm = _step(model, ids, labels, dp_rank=dp_rank, dp_size=dp_size, clip=clip_grad_norm)
         dp_ranks = tuple(torch.distributed.get_process_group_ranks(parallel_state.get_data_parallel_group()))
-        dp_all_reduces = [r for r in records if r.op == "all_reduce" and r.ranks == dp_ranks]
+        dp_all_reduces = [r for r in records if r.op == "all_reduce" and r.ranks in (dp_ranks, norm_ranks)]
         assert len(dp_all_reduces) == 1, records  # the norm's sum of shards: FSDP2's reduce-scatter did the mean
+        assert dp_all_reduces[0].ranks == norm_ranks  # under HSDP over the shard group: the replicas hold copies
         assert ref_norm > MAX_NORM, "clipping must act"
         torch.distributed.all_reduce(loss, group=parallel_state.get_data_parallel_group())
         torch.testing.assert_close(loss / dp_size, ref_loss, **TOL)
@@ -87,6 +93,10 @@ def test_zero2_matches_hf_dp2(ranks2):
 
 def test_zero3_matches_hf_tp2_dp2_sequence_parallel(ranks4):
     ranks4.run(check_fsdp_matches_hf, "zero3", 2, True)
+
+
+def test_hybrid_zero3_matches_hf_dp4_shard2(ranks4):
+    ranks4.run(check_fsdp_matches_hf, "zero3", 1, False, 2)
 
 
 def _storage_bytes(tensors) -> int:

@@ -323,3 +323,30 @@ def test_lora_zero3_matches_peft_dp2(ranks2):
 
 def test_lora_zero3_matches_peft_tp2_dp2(ranks4):
     ranks4.run(check_lora_matches_peft, 2)
+
+
+def check_hybrid_checkpoint_loads_unsharded(tmp_dir: str) -> None:
+    """An HSDP checkpoint (dp=4 as 2 copies of 2 shards, one step trained) loads into the plain
+    DDP model and into tp=2 x dp=2 ZeRO-3 with the same logical parameters and AdamW moments."""
+    parallel_state.destroy_model_parallel()
+    _, model = hf_parity.build_pair("llama", attention_bias=False)
+    nxd_hf.parallelize(model, data_parallel_sharding="zero3", data_parallel_shard_size=2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    _train(model, optimizer, _batches()[:1])
+    nxd_hf.save_checkpoint(tmp_dir, "hsdp", model=model, optimizer=optimizer)
+    want = {n: logical_tensor(p) for n, p in model.named_parameters()}
+    want_moments = {n: logical_tensor(p, optimizer.state[p]["exp_avg"]) for n, p in model.named_parameters()}
+    for layout in (dict(), dict(tensor_parallel_size=2, data_parallel_sharding="zero3")):
+        parallel_state.destroy_model_parallel()
+        _, other = hf_parity.build_pair("llama", attention_bias=False)
+        nxd_hf.parallelize(other, **layout)
+        other_optimizer = torch.optim.AdamW(other.parameters(), lr=LR)
+        nxd_hf.load_checkpoint(tmp_dir, "hsdp", model=other, optimizer=other_optimizer)
+        for name, param in other.named_parameters():
+            torch.testing.assert_close(logical_tensor(param), want[name], rtol=0, atol=0)
+            torch.testing.assert_close(logical_tensor(param, other_optimizer.state[param]["exp_avg"]),
+                                       want_moments[name], rtol=0, atol=0)
+
+
+def test_hybrid_checkpoint_loads_at_ddp_and_tp2_zero3(ranks4, tmp_path):
+    ranks4.run(check_hybrid_checkpoint_loads_unsharded, str(tmp_path))

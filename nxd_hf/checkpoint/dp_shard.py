@@ -46,11 +46,9 @@ def dp_rows(param: DTensor) -> tuple[int, int, bool]:
     return start, local_of(param).shape[0], first_copy
 
 
-def describe_dp_shard(name: str, model_name: str, param: DTensor, tp_rank: int, owned_runs):
-    """``param``'s ``LogicalTensor`` (see the module docstring); ``owned_runs(rows, tp_rank)`` is
-    ``logical._owned_runs`` (collective over TP: every TP rank holds the same DP rows)."""
-    from nxd_hf.checkpoint.logical import LogicalTensor
-
+def describe_dp_shard(name: str, model_name: str, param: DTensor, tp_rank: int, owned_runs) -> dict:
+    """The fields of ``param``'s ``LogicalTensor`` (see the module docstring); ``owned_runs(rows,
+    tp_rank)`` is ``logical._owned_runs`` (collective over TP: every TP rank holds the same DP rows)."""
     if getattr(param, "hf_transposed", False):
         raise ValueError(f"{model_name}: checkpoints of data_parallel_sharding models with HF Conv1D weights "
                          "(GPT-2 style) are not supported yet: save without data_parallel_sharding")
@@ -63,7 +61,7 @@ def describe_dp_shard(name: str, model_name: str, param: DTensor, tp_rank: int, 
     common = dict(name=name, tensor=local, transposed=False, model_name=model_name, dim=0,
                   writes_whole=dp_first and tp_rank == 0)
     if not is_sharded(param):
-        return LogicalTensor(**common, shape=tuple(shape), rows=rows,
+        return dict(**common, shape=tuple(shape), rows=rows,
                              runs=[(0, count, start)] if count and tp_rank == 0 and first_copy else [])
     dim, shard_index = param.partition_dim, param.shard_index
     shape[dim] = param.logical_size
@@ -71,7 +69,7 @@ def describe_dp_shard(name: str, model_name: str, param: DTensor, tp_rank: int, 
     if dim == 0:  # the TP shard's runs, cut to this DP rank's rows
         runs = [(max(a, start) - start, min(b, start + count) - start, first + max(a, start) - a)
                 for a, b, first in tp_runs if max(a, start) < min(b, start + count) and first_copy]
-        return LogicalTensor(**common, shape=tuple(shape), rows=shard_index[start:start + count], runs=runs)
-    return LogicalTensor(**common, shape=tuple(shape), rows=rows,
+        return dict(**common, shape=tuple(shape), rows=shard_index[start:start + count], runs=runs)
+    return dict(**common, shape=tuple(shape), rows=rows,
                          runs=[(0, count, start)] if count and tp_runs and first_copy else [],
                          inner_dim=dim, inner_rows=shard_index, inner_runs=tp_runs)

@@ -1,7 +1,9 @@
 """ZeRO-3 / ZeRO-2 on torch's FSDP2 over nxd_hf's data-parallel ranks (``data_parallel_sharding``):
 several AdamW steps with active gradient clipping against the one-process HF model (loss, norm,
-every gathered gradient, the parameters), at dp=2 and tp=2 x dp=2 (+SP); exact bytes per rank of
-parameters, gradients and optimizer state; what is refused."""
+every gathered gradient, the parameters), at dp=2, tp=2 x dp=2 (+SP) and HSDP (dp=4 as 2 x 2);
+exact bytes per rank of parameters, gradients and optimizer state; NxDTrainer(fsdp=...) against
+one-process Trainer; checkpoints resumed at other layouts; LoRA against plain peft; refusals.
+The ranks2 cases come first, then the ranks4 ones: one pool of each size is started once."""
 
 import pytest
 import torch
@@ -91,14 +93,6 @@ def test_zero2_matches_hf_dp2(ranks2):
     ranks2.run(check_fsdp_matches_hf, "zero2", 1, False)
 
 
-def test_zero3_matches_hf_tp2_dp2_sequence_parallel(ranks4):
-    ranks4.run(check_fsdp_matches_hf, "zero3", 2, True)
-
-
-def test_hybrid_zero3_matches_hf_dp4_shard2(ranks4):
-    ranks4.run(check_fsdp_matches_hf, "zero3", 1, False, 2)
-
-
 def _storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind ``tensors`` (views of one buffer counted once)."""
     storages = {}
@@ -152,10 +146,6 @@ def check_bytes_per_rank(mode: str, tp: int) -> None:
 
 def test_bytes_per_rank_zero3_dp2(ranks2):
     ranks2.run(check_bytes_per_rank, "zero3", 1)
-
-
-def test_bytes_per_rank_zero2_tp2_dp2(ranks4):
-    ranks4.run(check_bytes_per_rank, "zero2", 2)
 
 
 def check_refusals() -> None:
@@ -321,10 +311,6 @@ def test_lora_zero3_matches_peft_dp2(ranks2):
     ranks2.run(check_lora_matches_peft, 1)
 
 
-def test_lora_zero3_matches_peft_tp2_dp2(ranks4):
-    ranks4.run(check_lora_matches_peft, 2)
-
-
 def check_hybrid_checkpoint_loads_unsharded(tmp_dir: str) -> None:
     """An HSDP checkpoint (dp=4 as 2 copies of 2 shards, one step trained) loads into the plain
     DDP model and into tp=2 x dp=2 ZeRO-3 with the same logical parameters and AdamW moments."""
@@ -346,6 +332,22 @@ def check_hybrid_checkpoint_loads_unsharded(tmp_dir: str) -> None:
             torch.testing.assert_close(logical_tensor(param), want[name], rtol=0, atol=0)
             torch.testing.assert_close(logical_tensor(param, other_optimizer.state[param]["exp_avg"]),
                                        want_moments[name], rtol=0, atol=0)
+
+
+def test_zero3_matches_hf_tp2_dp2_sequence_parallel(ranks4):
+    ranks4.run(check_fsdp_matches_hf, "zero3", 2, True)
+
+
+def test_hybrid_zero3_matches_hf_dp4_shard2(ranks4):
+    ranks4.run(check_fsdp_matches_hf, "zero3", 1, False, 2)
+
+
+def test_bytes_per_rank_zero2_tp2_dp2(ranks4):
+    ranks4.run(check_bytes_per_rank, "zero2", 2)
+
+
+def test_lora_zero3_matches_peft_tp2_dp2(ranks4):
+    ranks4.run(check_lora_matches_peft, 2)
 
 
 def test_hybrid_checkpoint_loads_at_ddp_and_tp2_zero3(ranks4, tmp_path):

@@ -82,7 +82,7 @@ def shard_data_parallel(model: nn.Module, mode: DataParallelSharding, *, policy,
     if parallel_state.get_tensor_model_parallel_size() > 1:
         _install_partial_sums(model)
     policy.reduce_in_optimizer()  # nobody else averages over DP: FSDP2's reduce-scatter does
-    model.no_sync = lambda: _no_sync(model)
+    model.no_sync = policy.no_sync = lambda: _no_sync(model)  # NxDTrainer's accumulation calls the policy's
 
 
 def transformer_layer_types(model: nn.Module) -> tuple[type, ...]:

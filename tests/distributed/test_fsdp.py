@@ -338,6 +338,10 @@ def test_zero3_matches_hf_tp2_dp2_sequence_parallel(ranks4):
     ranks4.run(check_fsdp_matches_hf, "zero3", 2, True)
 
 
+def test_zero2_matches_hf_tp2_dp2_sequence_parallel(ranks4):
+    ranks4.run(check_fsdp_matches_hf, "zero2", 2, True)
+
+
 def test_hybrid_zero3_matches_hf_dp4_shard2(ranks4):
     ranks4.run(check_fsdp_matches_hf, "zero3", 1, False, 2)
 

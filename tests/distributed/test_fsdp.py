@@ -334,6 +334,24 @@ def check_hybrid_checkpoint_loads_unsharded(tmp_dir: str) -> None:
                                        want_moments[name], rtol=0, atol=0)
 
 
+def check_trainer_checkpoints_and_resume(out_dir: str) -> None:
+    """NxDTrainer(fsdp="full_shard") at dp=2 saves every 2 steps; resuming from checkpoint-4 at the
+    same layout gives the same last two steps, and so does resuming at tp=2 (no FSDP)."""
+    from test_nxd_trainer import _losses, _train_nxd
+
+    whole = _train_nxd(f"{out_dir}/a", steps=6, batch=2, fsdp="full_shard")
+    want = torch.tensor([v for _, v in _losses(whole)[-2:]])
+    for layout, where in ((dict(fsdp="full_shard", batch=2), "b"), (dict(tensor_parallel_size=2), "c")):
+        resumed = _train_nxd(f"{out_dir}/{where}", steps=6, resume=f"{out_dir}/a/checkpoint-4", **layout)
+        torch.testing.assert_close(torch.tensor([v for _, v in _losses(resumed)[-2:]]), want, **TOL,
+                                   msg=lambda m: f"resumed at {layout}: {m}")
+
+
+def test_nxd_trainer_fsdp_checkpoints_and_resume(ranks2, tmp_path):
+    ranks2.run(check_trainer_checkpoints_and_resume, str(tmp_path))
+
+
+
 def test_zero3_matches_hf_tp2_dp2_sequence_parallel(ranks4):
     ranks4.run(check_fsdp_matches_hf, "zero3", 2, True)
 

@@ -39,6 +39,7 @@ import zlib
 
 from nxd_hf import backend, parallel_state
 from nxd_hf.checkpoint.consolidate import save_pretrained
+from nxd_hf.fsdp import DataParallelSharding, check_data_parallel_sharding, shard_data_parallel
 from nxd_hf.model_setup import LocalSetup, set_up_local_modules
 from nxd_hf.model_setup.activation_checkpoint import decoder_layer_types
 from nxd_hf.model_setup.materialize import refuse_deferred_init
@@ -56,6 +57,7 @@ def parallelize(
     bucket_size_mb: float = 25, param_init_fn=None, load_weights=None, activation_checkpoint_config=None,
     fp32_grad_accumulation: bool = False, device=None, check_inputs: bool | str = True, timeout=None,
     lora_config=None, autocast_adapter_dtype: bool = True, fused_loss: bool = False, expert_parallel_size: int = 1,
+    data_parallel_sharding: DataParallelSharding | None = None, data_parallel_shard_size: int | None = None,
     **pipeline_kwargs,
 ):
     """Shard a Hugging Face model (real or meta weights) in place and return it.
@@ -91,6 +93,11 @@ def parallelize(
     expert_parallel_size: ranks the experts of each mixture-of-experts layer are split over,
         carved from the data-parallel ranks (must divide them); tokens reach their experts by
         all-to-all (``nxd_hf.moe.ep_dispatch``, docs/moe.md).
+    data_parallel_sharding: "zero3" (parameters, gradients and optimizer state) or "zero2" (gradients and
+        optimizer state) sharded over the data-parallel ranks by torch's FSDP2 (``nxd_hf.fsdp``,
+        docs/fsdp.md); None: every DP rank holds the whole TP shard (DDP, or ZeRO-1's optimizer).
+    data_parallel_shard_size: with data_parallel_sharding, shard over groups of this many DP ranks and
+        replicate across the groups (HSDP); None: shard over every DP rank.
     pipeline_kwargs: with pipeline_parallel_size > 1, ``NxDPPModel`` arguments (num_microbatches,
         schedule, virtual_pipeline_size, pipeline_cuts, use_zero1_optimizer, ...); the result is
         then an ``NxDPPModel`` trained with ``run_train``.
@@ -113,9 +120,13 @@ def parallelize(
                           pad_model=pad_model, kv_size_multiplier=kv_size_multiplier, gather_logits=gather_logits,
                           check_inputs=check_inputs, lora_config=type(lora_config).__name__, fused_loss=fused_loss,
                           activation_checkpoint_config=repr(activation_checkpoint_config),
-                          pipeline_options=sorted(pipeline_kwargs), expert_parallel_size=expert_parallel_size)
+                          pipeline_options=sorted(pipeline_kwargs), expert_parallel_size=expert_parallel_size,
+                          data_parallel_sharding=data_parallel_sharding, data_parallel_shard_size=data_parallel_shard_size)
     init_parallel_state(tensor_parallel_size, pipeline_parallel_size, timeout, expert_parallel_size)
     with fail_together("nxd_hf.parallelize"):  # no collective inside: a rank failing alone fails every rank
+        check_data_parallel_sharding(data_parallel_sharding, pipeline_parallel_size=pipeline_parallel_size,
+                                     expert_parallel_size=expert_parallel_size, lora_config=lora_config,
+                                     pipeline_kwargs=pipeline_kwargs)
         if pipeline_kwargs and pipeline_parallel_size == 1:
             raise ValueError(f"{sorted(pipeline_kwargs)} are pipeline options: they need pipeline_parallel_size > 1")
         if fused_loss and pipeline_parallel_size > 1:
@@ -146,9 +157,12 @@ def parallelize(
         return pp_model
     layer_types = decoder_layer_types(model) if activation_checkpoint_config == "full" else ()
     policy = set_up_local_modules([model], setup, layer_types=layer_types)
-    policy.install_hooks(model)
+    if data_parallel_sharding is None:
+        policy.install_hooks(model)
     model.nxd.grad_reduction = policy
     model.no_sync = policy.no_sync
+    if data_parallel_sharding is not None:  # ZeRO-2/3: FSDP2 over the DP group (nxd_hf.fsdp) does the DP mean
+        shard_data_parallel(model, data_parallel_sharding, policy=policy, shard_size=data_parallel_shard_size)
     model.save_pretrained = _save_pretrained(model, lora_config)
     return model
 

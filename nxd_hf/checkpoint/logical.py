@@ -210,6 +210,10 @@ def describe_experts(name: str, model_name: str, tensor: torch.Tensor, writes_he
 
 def describe(name: str, model_name: str, tensor: torch.Tensor, tp_rank: int, writes_here: bool) -> LogicalTensor:
     """``tensor``'s ``LogicalTensor`` under the on-disk ``name`` (collective over TP when it is sharded)."""
+    if type(tensor).__name__ == "DTensor":  # sharded over DP by FSDP2 (ZeRO-2/3): every DP rank writes its rows
+        from nxd_hf.checkpoint.dp_shard import describe_dp_shard
+
+        return LogicalTensor(**describe_dp_shard(name, model_name, tensor, tp_rank, _owned_runs))
     transposed = bool(getattr(tensor, "hf_transposed", False))
     shape = list(tensor.shape)
     writes_whole = writes_here and tp_rank == 0

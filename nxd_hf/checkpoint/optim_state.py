@@ -16,6 +16,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from nxd_hf.checkpoint.dp_shard import as_dp_shard, local_of
+
 MASTER = "master"
 
 ParamStates = dict[int, tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -45,11 +47,17 @@ def shards_state(optimizer) -> bool:
 
 def param_states(optimizer) -> ParamStates:
     if isinstance(optimizer, OptimizerState):
-        return optimizer.param_states()
-    return {id(p): (p, tensor_state(optimizer.state.get(p, {}))) for g in optimizer.param_groups for p in g["params"]}
+        states = optimizer.param_states()
+    else:
+        states = {id(p): (p, tensor_state(optimizer.state.get(p, {}))) for g in optimizer.param_groups for p in g["params"]}
+    # a parameter FSDP2 shards over DP (ZeRO-2/3) stands in the checkpoint as its local shard (``dp_shard``)
+    return {id(local_of(p)): (local_of(p), {k: local_of(v) for k, v in state.items()}) for p, state in states.values()}
 
 
 def load_param_states(optimizer, states: dict[int, dict]) -> None:
+    for p in (p for g in optimizer.param_groups for p in g["params"]):  # keyed by a DP-sharded parameter's local shard
+        if local_of(p) is not p and id(local_of(p)) in states:
+            states[id(p)] = {k: as_dp_shard(p, v) for k, v in states[id(local_of(p))].items()}
     if isinstance(optimizer, OptimizerState):
         optimizer.load_param_states(states)
         return

@@ -114,6 +114,9 @@ class NeuronZero1Optimizer(Zero1ExpertsMixin, Zero1StateMixin, torch.optim.Optim
             raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
         self._layout_done = False
         super().__init__(params, defaults)
+        if any(type(p).__name__ == "DTensor" for g in self.param_groups for p in g["params"]):  # ZeRO-2/3 (FSDP2)
+            raise ValueError("NeuronZero1Optimizer: these parameters are already sharded over the data-parallel ranks "
+                             "(data_parallel_sharding / FSDP): use a torch optimizer such as torch.optim.AdamW on them")
         self.max_norm, self.norm_type, self.pin_layout = max_norm, float(norm_type), pin_layout
         self.optimizer_dtype = optimizer_dtype or torch.float32
         self.save_master_weights, self.higher_cc_precision = save_master_weights, higher_cc_precision

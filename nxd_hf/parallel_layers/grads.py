@@ -13,12 +13,14 @@
   TP-replicated parameters counted once (on TP rank 0), each replicated K/V row once
   (``num_replicas``), parameters marked ``count_in_grad_norm = False`` (a tied weight's second
   copy on another pipeline stage) skipped, and DP replicas (identical after sync) not summed;
-  expert-parallel parameters summed over the expert-parallel group (each rank holds other experts).
+  expert-parallel parameters summed over the expert-parallel group (each rank holds other experts);
+  gradients sharded over the DP ranks by FSDP2 (``nxd_hf.fsdp``: DTensors) summed over the DP group.
 """
 
 from collections.abc import Iterable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from nxd_hf import backend, parallel_state
 from nxd_hf.parallel_layers.sharding import has_partial_grad_over_tp, is_expert_parallel, is_sharded
@@ -128,15 +130,25 @@ def get_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) ->
         p for p in _as_list(parameters)
         if p.grad is not None and getattr(p, "count_in_grad_norm", True) and (is_sharded(p) or tp_rank == 0)
     ]
-    device = counted[0].grad.device if counted else backend.collective_device(parallel_state.get_model_parallel_group())
+    device = _local(counted[0].grad).device if counted else backend.collective_device(
+        parallel_state.get_model_parallel_group())
+    dp_sharded = any(isinstance(p.grad, DTensor) for p in counted)  # ZeRO-2/3: every DP rank holds a part
     if norm_type == float("inf"):
         total = torch.zeros((), dtype=torch.float32, device=device)
         for p in counted:
-            total = torch.maximum(total, p.grad.detach().abs().max().float())
+            grad = _local(p.grad).detach()
+            if grad.numel():
+                total = torch.maximum(total, grad.abs().max().float())
+        if dp_sharded:
+            backend.all_reduce(total, _shard_group(counted), op="max")
         backend.all_reduce(total, parallel_state.get_expert_parallel_group(), op="max")
         backend.all_reduce(total, parallel_state.get_model_parallel_group(), op="max")
         return total
-    total = _power_sum([p for p in counted if not is_expert_parallel(p)], norm_type, device)
+    dense = [p for p in counted if not is_expert_parallel(p)]
+    total = _power_sum([p for p in dense if not isinstance(p.grad, DTensor)], norm_type, device)
+    if dp_sharded:
+        shards = _power_sum([p for p in dense if isinstance(p.grad, DTensor)], norm_type, device)
+        total = total + backend.all_reduce(shards, _shard_group(counted))
     experts = _power_sum([p for p in counted if is_expert_parallel(p)], norm_type, device)
     if parallel_state.get_expert_parallel_size() > 1:  # every rank joins, with or without experts
         total = total + backend.all_reduce(experts, parallel_state.get_expert_parallel_group())
@@ -158,7 +170,8 @@ def _power_sum(params: list[torch.Tensor], norm_type: float, device) -> torch.Te
         if isinstance(replicas, torch.Tensor):  # per-row copies: its own reduction
             total = total + _replica_weighted_power(p, norm_type).to(device)
         else:
-            groups.setdefault((p.grad.device, p.grad.dtype, replicas), []).append(p.grad.detach())
+            grad = _local(p.grad)
+            groups.setdefault((grad.device, grad.dtype, replicas), []).append(grad.detach())
     for (grad_device, _, replicas), grads in groups.items():
         if grad_device.type in _FOREACH_DEVICES:
             norms = torch._foreach_norm(grads, norm_type, dtype=torch.float32)
@@ -170,12 +183,34 @@ def _power_sum(params: list[torch.Tensor], norm_type: float, device) -> torch.Te
 
 def _replica_weighted_power(p: torch.Tensor, norm_type: float) -> torch.Tensor:
     """sum |g|^p, each row divided by its number of copies across the TP group."""
-    grad = p.grad.detach().float()
+    grad = _local(p.grad).detach().float()
     replicas = getattr(p, "num_replicas", 1)
     if isinstance(replicas, torch.Tensor):  # per row along partition_dim (fused Q + replicated K/V)
+        if isinstance(p.grad, DTensor) and p.partition_dim == 0:  # FSDP2's dim-0 chunk of the rows
+            mesh_dim = _shard_mesh_dim(p.grad)
+            chunk = -(-p.grad.shape[0] // p.grad.device_mesh.size(mesh_dim))
+            start = min(p.grad.device_mesh.get_local_rank(mesh_dim) * chunk, p.grad.shape[0])
+            replicas = replicas[start:start + grad.shape[0]]
         per_row = grad.abs().pow(norm_type).movedim(p.partition_dim, 0).reshape(grad.shape[p.partition_dim], -1)
         return (per_row.sum(1) / replicas.to(per_row.device)).sum()
     return torch.linalg.vector_norm(grad, norm_type) ** norm_type / replicas
+
+
+def _shard_mesh_dim(grad: DTensor) -> int:
+    """The mesh dim FSDP2 shards a gradient along (under HSDP the other one replicates it)."""
+    return next(i for i, placement in enumerate(grad.placements) if placement.is_shard())
+
+
+def _shard_group(params: list[torch.Tensor]):
+    """The group over which the DP-sharded gradients of ``params`` are split (the DP group, or
+    HSDP's shard group): their parts' ``|g|^p`` sum over it."""
+    grad = next(p.grad for p in params if isinstance(p.grad, DTensor))
+    return grad.device_mesh.get_group(_shard_mesh_dim(grad))
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a gradient FSDP2 shards over the DP ranks (a DTensor); else itself."""
+    return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
 def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -187,7 +222,8 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float, norm_typ
     groups: dict[tuple, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is not None:
-            groups.setdefault((p.grad.device, p.grad.dtype), []).append(p.grad.detach())
+            grad = _local(p.grad)
+            groups.setdefault((grad.device, grad.dtype), []).append(grad.detach())
     for (device, dtype), grads in groups.items():  # one kernel per group, as torch's clip_grad_norm_
         if device.type in _FOREACH_DEVICES:
             torch._foreach_mul_(grads, clip_coef.to(device, dtype))

@@ -15,7 +15,9 @@ HF's fields keep HF's meaning; the table says what nxd_hf does with each one tha
 ``save_*``, ``eval_*``, logging   honoured
 ``use_cpu``                       accepted (CPU is used anyway without a GPU); refused with one
 ``fp16``                          refused: use ``bf16``
-``deepspeed``, ``fsdp``           refused: nxd_hf does the parallelism
+``deepspeed``                     refused: nxd_hf does the parallelism
+``fsdp``, ``fsdp_config``         "full_shard" / "shard_grad_op": nxd_hf's ZeRO-3 / ZeRO-2 on FSDP2
+                                  over its DP ranks (``nxd_hf.fsdp.hf_options``, docs/fsdp.md)
 ``torch_compile``                 honoured: the parallelized model is compiled (docs/gpu_speed.md)
 ``label_smoothing_factor``        refused: HF's label smoother needs full logits
 ``train_sampling_strategy``       "random" and "sequential"; others refused
@@ -40,6 +42,7 @@ import torch
 from transformers import TrainingArguments
 
 from nxd_hf import backend
+from nxd_hf.fsdp.hf_options import read_hf_fsdp
 from nxd_hf.trainer.config import NxDConfig, neuronx_distributed_config
 
 
@@ -74,14 +77,23 @@ class NxDTrainingArguments(TrainingArguments):
     expert_parallel_size: int = dataclasses.field(
         default=1, metadata={"help": "Ranks each mixture-of-experts layer's experts are split over, carved from the "
                                      "data-parallel ranks (docs/moe.md)."})
+    data_parallel_sharding: str | None = dataclasses.field(
+        default=None, metadata={"help": "zero3 or zero2 over the data-parallel ranks (FSDP2); set from fsdp= too."})
     overlap_grad_reduce: bool = dataclasses.field(
         default=True, metadata={"help": "Reduce gradients over DP during backward, overlapped (ZeRO-1's reduce-scatter "
                                         "too), on the last micro-step of an accumulation only."})
 
     def __post_init__(self):
         self.use_cpu = _check_use_cpu(self.use_cpu)
+        fsdp = read_hf_fsdp(self.fsdp, self.fsdp_config)  # nxd_hf shards over DP itself: accelerate must not
+        self.fsdp, self.fsdp_config = None, None
+        self.data_parallel_sharding = fsdp.data_parallel_sharding or self.data_parallel_sharding
+        if self.data_parallel_sharding and self.zero_1:
+            raise ValueError(f"NxDTrainingArguments: fsdp / data_parallel_sharding={self.data_parallel_sharding!r} "
+                             "already shards the optimizer state over the data-parallel ranks: drop zero_1")
         _refuse_unsupported(self)
-        checkpoint_layers = bool(self.activation_checkpointing or self.gradient_checkpointing)
+        checkpoint_layers = bool(self.activation_checkpointing or self.gradient_checkpointing
+                                 or fsdp.activation_checkpointing)
         if "RANK" in os.environ:  # under torchrun: nxd_hf's backend ($NXD_HF_BACKEND honoured), not accelerate's
             backend.init_process_group_from_env(datetime.timedelta(seconds=self.ddp_timeout))  # as accelerate
         super().__post_init__()  # accelerate's device: cuda:LOCAL_RANK % GPUs on a GPU, as backend.default_device()
@@ -184,6 +196,7 @@ class NxDTrainingArguments(TrainingArguments):
             activation_checkpoint_config="full" if self.nxd_activation_checkpointing else None,
             mixed_precision_config={"use_master_weights": True, "use_fp32_grad_acc": self.bf16_master_weights},
             lora_config=lora_config, expert_parallel_size=self.expert_parallel_size,
+            data_parallel_sharding=self.data_parallel_sharding,
         )
         config.fused_loss = self.fused_loss
         return config
@@ -235,7 +248,6 @@ def _check_use_cpu(use_cpu: bool) -> bool:
 _REFUSED = {
     "fp16": "fp16 is not supported: use bf16=True (autocast) or bf16 parameters with bf16_master_weights=True",
     "deepspeed": "deepspeed is not used with NxDTrainer: nxd_hf does the parallelism (zero_1=True for ZeRO-1)",
-    "fsdp": "fsdp is not used with NxDTrainer: nxd_hf does the parallelism (tensor/pipeline parallel, zero_1)",
     "label_smoothing_factor": "label_smoothing_factor needs the full logits, which tensor parallelism never "
                               "gathers in training: drop it",
 }

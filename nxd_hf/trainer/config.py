@@ -88,6 +88,8 @@ class NxDConfig:
     dummy_forward_args: dict | None = None
     """One small batch of the model's forward arguments by name: a plain PyTorch module at tp > 1 is traced on
     it to derive its tensor-parallel layout (``nxd_hf.trainer.own_layout``; nnScaler's; not in NxD)."""
+    data_parallel_sharding: Literal["zero3", "zero2"] | None = None
+    """ZeRO-3 / ZeRO-2 over the data-parallel ranks on FSDP2 (``parallelize``'s; docs/fsdp.md; not in NxD)."""
 
     def __getitem__(self, key: str):  # NxD hands the config around as a dict
         return getattr(self, key)
@@ -139,6 +141,7 @@ def neuronx_distributed_config(
     sequence_parallel: bool = False, model_init_config: dict | None = None, lora_config=None,
     mixed_precision_config: dict | None = None, *, check_inputs: bool | str = True, timeout=None,
     kv_size_multiplier: int | str = "auto", expert_parallel_size: int = 1, dummy_forward_args: dict | None = None,
+    data_parallel_sharding: str | None = None,
 ) -> NxDConfig:
     """Validate the training configuration and initialize model parallelism (see ``NxDConfig``)."""
     config = NxDConfig(
@@ -152,10 +155,11 @@ def neuronx_distributed_config(
         mixed_precision_config=_build(MixedPrecisionConfig, mixed_precision_config, "mixed_precision_config"),
         check_inputs=check_inputs, timeout=timeout, kv_size_multiplier=kv_size_multiplier,
         expert_parallel_size=expert_parallel_size, dummy_forward_args=dummy_forward_args,
+        data_parallel_sharding=data_parallel_sharding,
     )
     hints = typing.get_type_hints(NxDConfig)
     for key in ("tensor_parallel_size", "pipeline_parallel_size", "pad_model", "sequence_parallel", "check_inputs",
-                "timeout", "kv_size_multiplier", "expert_parallel_size", "dummy_forward_args"):
+                "timeout", "kv_size_multiplier", "expert_parallel_size", "dummy_forward_args", "data_parallel_sharding"):
         _check_type("neuronx_distributed_config", key, getattr(config, key), hints[key])
     _check_pipeline_config(config.pipeline_config)
     if not 1 <= config.model_init_config.sequential_move_factor <= 32:
@@ -165,6 +169,9 @@ def neuronx_distributed_config(
     if lora_config is not None and type(lora_config).__name__ != "LoraConfig":
         raise ValueError(f"lora_config must be nxd_hf.modules.lora.LoraConfig (or a peft.LoraConfig), "
                          f"got {type(lora_config).__name__}")
+    if data_parallel_sharding is not None and config.optimizer_config.zero_one_enabled:
+        raise ValueError(f"data_parallel_sharding={data_parallel_sharding!r} already shards the optimizer state over "
+                         "the data-parallel ranks: drop optimizer_config zero_one_enabled")
     if config.pipeline_config and pipeline_parallel_size == 1:
         raise ValueError("pipeline_config is given but pipeline_parallel_size is 1: set pipeline_parallel_size > 1")
     parallel_state.check_expert_parallel_size(expert_parallel_size)

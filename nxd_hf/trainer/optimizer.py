@@ -22,4 +22,5 @@ def initialize_parallel_optimizer(nxd_config: NxDConfig, optimizer_class, parame
                                     overlap_reduce_scatter=opt_config.overlap_grad_reduce, **defaults)
     return NxDOptimizer(parameters, optimizer_class, max_grad_norm=max_norm,
                         use_master_weights=precision.use_master_weights,
-                        reduce_in_backward=opt_config.overlap_grad_reduce, **defaults)
+                        reduce_in_backward=opt_config.overlap_grad_reduce or nxd_config.data_parallel_sharding is not None,
+                        **defaults)  # under data_parallel_sharding FSDP2's reduce-scatter in backward does the DP mean

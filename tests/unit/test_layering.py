@@ -18,7 +18,7 @@ LAYERS = [
     ["nxd_hf.moe"],  # mixture-of-experts math and wrappers (TP experts, EP dispatch, aux loss across stages/replicas)
     ["nxd_hf.checkpoint"],
     ["nxd_hf.tp", "nxd_hf.optim", "nxd_hf.model_setup"],
-    ["nxd_hf.lora", "nxd_hf.pipeline"],
+    ["nxd_hf.lora", "nxd_hf.pipeline", "nxd_hf.fsdp"],  # fsdp: ZeRO-2/3 on FSDP2 over the DP group
     ["nxd_hf.fx_tp"],  # any module's TP layout from its traced graph (the pipeline's untraced calls); nnscaler, trainer
     ["nxd_hf.architectures"],  # the one module that imports the bundled model_patches
     ["nxd_hf.plan"],  # the layout search: reads plans and sharding arithmetic; the trainer's "auto" sizes use it

@@ -1,0 +1,190 @@
+"""``fully_shard`` over the data-parallel group of an nxd_hf model (see the package docstring).
+
+ZeRO-3: parameters, gradients and optimizer state sharded; each layer's parameters are
+all-gathered before its forward and again before its backward (FSDP2's
+``reshard_after_forward=True``). ZeRO-2: the same shards at rest, but a layer's gathered
+parameters stay from its forward to its backward (``reshard_after_forward=False``: one
+all-gather per layer and step, more memory during the step). In both, FSDP2's reduce-scatter
+averages the gradients over the DP ranks, and a torch optimizer built on ``model.parameters()``
+(DTensors) keeps its state for this rank's shards only.
+
+Why it composes with nxd_hf's layers: ``fully_shard`` replaces each parameter by a DTensor
+sharded along dim 0 over the DP mesh and, during forward and backward, by a plain unsharded
+parameter of the TP-local shape. The layers never see the DTensor, so tensor and sequence
+parallelism run unchanged. Two things need help:
+
+- the new parameters lose nxd_hf's sharding metadata (``tensor_model_parallel``,
+  ``partition_dim``, ``partial_grad_over_tp``, ...), which the gradient norm, ``full_tensor``
+  and the checkpoints read: it is copied onto them;
+- a replicated parameter whose gradient is partial per TP rank must be summed over TP, and
+  after backward its unsharded gradient no longer exists: each backward's contribution is
+  summed over TP by a hook on the unsharded parameter, before FSDP2 reduce-scatters it.
+"""
+
+import contextlib
+from typing import Literal
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from nxd_hf import backend, parallel_state
+from nxd_hf.parallel_layers.sharding import full_tensor, has_partial_grad_over_tp
+
+DataParallelSharding = Literal["zero3", "zero2"]
+DATA_PARALLEL_SHARDING = ("zero3", "zero2")
+_HOOKED = "_nxd_tp_partial_hook"  # marks an unsharded parameter whose gradient hook is installed
+
+
+def check_data_parallel_sharding(mode, *, pipeline_parallel_size: int, expert_parallel_size: int,
+                                 lora_config=None, pipeline_kwargs=None) -> None:
+    """A clear ValueError for what ``data_parallel_sharding`` does not compose with (yet)."""
+    if mode is None:
+        return
+    if mode not in DATA_PARALLEL_SHARDING:
+        raise ValueError(f"data_parallel_sharding must be one of {DATA_PARALLEL_SHARDING} or None, got {mode!r}")
+    if (pipeline_kwargs or {}).get("use_zero1_optimizer"):
+        raise ValueError(f"data_parallel_sharding={mode!r} already shards the optimizer state over the data-parallel "
+                         "ranks: use a torch optimizer, not ZeRO-1 (use_zero1_optimizer)")
+    refused = {
+        "pipeline_parallel_size > 1": pipeline_parallel_size > 1,
+        "expert_parallel_size > 1": expert_parallel_size > 1,
+    }
+    for what, present in refused.items():
+        if present:
+            raise ValueError(f"data_parallel_sharding={mode!r} is not supported with {what}: "
+                             "use data_parallel_sharding=None (docs/fsdp.md)")
+
+
+def shard_data_parallel(model: nn.Module, mode: DataParallelSharding, *, policy,
+                        layer_types: tuple[type, ...] | None = None, shard_size: int | None = None) -> None:
+    """``fully_shard`` every module of ``layer_types`` (default: the transformer layers, HF's
+    ``_no_split_modules``) and then ``model`` over the DP group; ``policy`` (the model's
+    ``GradReduction``) leaves the DP mean to FSDP2's reduce-scatter. ``shard_size``: hybrid
+    sharding (HSDP), sharded over groups of that many DP ranks and replicated across the groups
+    (``data_parallel_mesh``); None: over every DP rank."""
+    from torch.distributed.fsdp import fully_shard
+
+    layer_types = transformer_layer_types(model) if layer_types is None else layer_types
+    if any(hasattr(p, "main_grad") for p in model.parameters()):
+        raise ValueError("data_parallel_sharding does not support fp32 gradient accumulation of bf16/fp16 parameters "
+                         "(fp32_grad_accumulation / use_fp32_grad_acc): FSDP2 accumulates in its own gradient buffers; "
+                         "train fp32 parameters (with bf16 autocast) or turn fp32 gradient accumulation off")
+    mesh = data_parallel_mesh(shard_size)
+    reshard = mode == "zero3"
+    metadata = {name: dict(vars(p)) for name, p in model.named_parameters(remove_duplicate=False)}
+    for module in [m for m in model.modules() if layer_types and isinstance(m, layer_types)]:
+        fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        for key, value in metadata[name].items():
+            setattr(param, key, value)
+    if parallel_state.get_tensor_model_parallel_size() > 1:
+        _install_partial_sums(model)
+    policy.reduce_in_optimizer()  # nobody else averages over DP: FSDP2's reduce-scatter does
+    model.no_sync = policy.no_sync = lambda: _no_sync(model)  # NxDTrainer's accumulation calls the policy's
+
+
+def transformer_layer_types(model: nn.Module) -> tuple[type, ...]:
+    """The module classes HF names in ``_no_split_modules`` (the decoder layers); none for a
+    plain module (then only the root is sharded, as one group)."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    return tuple({type(m) for m in model.modules() if type(m).__name__ in names})
+
+
+def data_parallel_mesh(shard_size: int | None = None):
+    """A device mesh over nxd_hf's data-parallel group (not a second set of ranks): 1-D, or with
+    ``shard_size`` 2-D (replicate, shard) for HSDP: the DP ranks in consecutive blocks of
+    ``shard_size`` shard, the same position in every block replicates."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    group = parallel_state.get_data_parallel_group()
+    device_type = backend.default_device().type
+    # Meshes over the same ranks compare equal, and DTensor caches its sharding decisions (which
+    # hold the mesh) by them: named after the group, a mesh of groups re-created after
+    # ``destroy_model_parallel`` is never mistaken for the old one (whose groups are gone).
+    if shard_size is None or shard_size == parallel_state.get_data_parallel_size():
+        return DeviceMesh.from_group(group, device_type, mesh_dim_names=(f"dp_{group.group_name}",))
+    dp_size = parallel_state.get_data_parallel_size()
+    if shard_size < 1 or dp_size % shard_size:
+        raise ValueError(f"data_parallel_shard_size={shard_size} must divide the data-parallel size {dp_size}")
+    replicate_group, shard_group, ranks = _hybrid_groups(shard_size)
+    return DeviceMesh.from_group([replicate_group, shard_group], device_type, mesh=ranks,
+                                 mesh_dim_names=(f"dp_replicate_{group.group_name}", f"dp_shard_{group.group_name}"))
+
+
+def _hybrid_groups(shard_size: int):
+    """(replicate group, shard group, this DP group's ranks as [replicas, shard_size]); the groups
+    are created on every rank, in the same order, and destroyed with the parallel state."""
+    mine = torch.distributed.get_rank()
+    found = {}
+    for dp_ranks in parallel_state.get_data_parallel_group(as_list=True):
+        grid = torch.tensor(dp_ranks).reshape(-1, shard_size)
+        for kind, rows in (("shard", grid.tolist()), ("replicate", grid.t().tolist())):
+            for ranks in rows:
+                pg = backend.new_group(ranks, timeout=parallel_state.get_collective_timeout(), name=f"dp {kind}")
+                _HYBRID_GROUPS.append(pg)
+                if mine in ranks:
+                    found[kind] = pg
+        if mine in dp_ranks:
+            found["grid"] = grid
+    parallel_state.register_before_destroy(_destroy_hybrid_groups)
+    return found["replicate"], found["shard"], found["grid"]
+
+
+_HYBRID_GROUPS: list = []
+
+
+def _destroy_hybrid_groups() -> None:
+    while _HYBRID_GROUPS:
+        backend.destroy_group(_HYBRID_GROUPS.pop())
+
+
+@contextlib.contextmanager
+def _no_sync(model):
+    """Accumulate without reduce-scattering (DDP's ``no_sync``): FSDP2 keeps the unsharded
+    gradients until the first backward outside the block."""
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def _install_partial_sums(model: nn.Module) -> None:
+    """Sum over TP each backward's gradient of the parameters marked partial over TP. During
+    forward, a module's attribute is FSDP2's unsharded parameter (created once, reused every step):
+    a forward pre-hook on the owning module hooks it the first time it appears."""
+    for module in model.modules():
+        names = [n for n, p in module.named_parameters(recurse=False) if has_partial_grad_over_tp(p)]
+        if names:
+            module.register_forward_pre_hook(lambda m, _args, names=tuple(names): _hook_unsharded(m, names))
+
+
+def _hook_unsharded(module: nn.Module, names: tuple[str, ...]) -> None:
+    for name in names:
+        param = getattr(module, name)
+        if isinstance(param, DTensor) or getattr(param, _HOOKED, False) or not param.requires_grad:
+            continue
+        param.register_hook(_sum_over_tp)
+        setattr(param, _HOOKED, True)
+
+
+def _sum_over_tp(grad: torch.Tensor) -> torch.Tensor:
+    """This backward's partial gradient, summed over the TP group (in a copy: a hook must not
+    change its argument)."""
+    return backend.all_reduce(grad.clone(), parallel_state.get_tensor_model_parallel_group())
+
+
+def is_dp_sharded(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` (a parameter or its gradient) is sharded over the DP ranks by FSDP2."""
+    return isinstance(tensor, DTensor)
+
+
+def logical_tensor(param: torch.Tensor, tensor: torch.Tensor | None = None) -> torch.Tensor:
+    """The whole (logical) ``tensor`` of ``param`` (default: ``param``; e.g. its grad): gathered
+    over the DP ranks when FSDP2 shards it, then over TP (``full_tensor``). Every rank calls it."""
+    tensor = param if tensor is None else tensor
+    if isinstance(tensor, DTensor):
+        tensor = tensor.full_tensor()
+    return full_tensor(param, tensor)

@@ -1,0 +1,193 @@
+"""Context parallelism (nxd_hf.context) against one process: the attention functions against
+SDPA on the whole sequence (outputs and q/k/v gradients), and parallelized HF models against
+the plain model on the same weights and batch (loss, every gathered gradient, AdamW steps)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import nxd_hf
+from nxd_hf import parallel_state
+from nxd_hf.context.attention import register
+from nxd_hf.context.ring import RingAttention
+from nxd_hf.context.split import ContextBatch, documents, local_index, split_sequence
+from nxd_hf.context.ulysses import all_to_all_attention
+
+import hf_parity
+
+TOL = dict(rtol=1e-4, atol=1e-5)
+
+
+# -- the attention functions
+
+
+def _reference_mask(seq_len, doc, key_valid):
+    index = torch.arange(seq_len)
+    mask = (index[:, None] >= index[None, :])[None]
+    if doc is not None:
+        mask = mask & (doc[:, :, None] == doc[:, None, :])
+    if key_valid is not None:
+        mask = mask & key_valid[:, None, :]
+    return mask
+
+
+def _inputs(heads, kv_heads, seq_len, masking):
+    torch.manual_seed(0)
+    b, d = 2, 8
+    q, k, v = torch.randn(b, heads, seq_len, d), torch.randn(b, kv_heads, seq_len, d), torch.randn(b, kv_heads, seq_len, d)
+    weight = torch.randn(b, heads, seq_len, d)
+    doc = key_valid = None
+    if masking == "packed":  # row 0: documents of 5, 7 and the rest; row 1: one document
+        positions = torch.stack([torch.cat([torch.arange(5), torch.arange(7), torch.arange(seq_len - 12)]),
+                                 torch.arange(seq_len)])
+        doc = documents(positions)
+    elif masking == "padding":  # left padding of 3 tokens in row 0
+        key_valid = torch.ones(b, seq_len, dtype=torch.bool)
+        key_valid[0, :3] = False
+    mask = _reference_mask(seq_len, doc, key_valid)
+    sees = mask.any(-1)  # queries that see no key (padding) are left out of the comparison
+    weight = weight * sees[:, None, :, None]
+    return (q, k, v, weight), doc, key_valid, mask | ~sees[..., None], sees
+
+
+def check_attention(kind, cp, heads, kv_heads, masking, seq_len=24):
+    parallel_state.initialize_model_parallel(context_parallel_size=cp)
+    (q, k, v, weight), doc, key_valid, ref_mask, sees = _inputs(heads, kv_heads, seq_len, masking)
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    rep = heads // kv_heads
+    ref_out = F.scaled_dot_product_attention(ref[0], ref[1].repeat_interleave(rep, 1), ref[2].repeat_interleave(rep, 1),
+                                             attn_mask=ref_mask[:, None], scale=0.3)
+    (ref_out * weight).sum().backward()
+
+    rank = parallel_state.get_context_parallel_rank()
+    batch = ContextBatch(seq_len=seq_len, cp_rank=rank, cp_size=cp, doc=doc, key_valid=key_valid)
+    local = [split_sequence(t, rank, cp, dim=2).requires_grad_() for t in (q, k, v)]
+    group = parallel_state.get_context_parallel_group()
+    if kind == "ring":
+        out = RingAttention.apply(*local, batch, 0.3, group)
+    else:
+        out = all_to_all_attention(*local, batch, 0.3, group)
+    (out * split_sequence(weight, rank, cp, dim=2)).sum().backward()
+
+    seen = split_sequence(sees, rank, cp, dim=1)[:, None, :, None]
+    torch.testing.assert_close(out * seen, split_sequence(ref_out, rank, cp, dim=2) * seen, **TOL)
+    for name, mine, theirs in zip("qkv", local, ref):
+        torch.testing.assert_close(mine.grad, split_sequence(theirs.grad, rank, cp, dim=2), **TOL,
+                                   msg=lambda m: f"d{name}: {m}")
+
+
+def test_load_balanced_split_holds_both_ends():
+    assert local_index(8, 0, 2).tolist() == [0, 1, 6, 7]
+    assert local_index(8, 1, 2).tolist() == [2, 3, 4, 5]
+    assert sorted(torch.cat([local_index(16, r, 4) for r in range(4)]).tolist()) == list(range(16))
+
+
+@pytest.mark.parametrize("kind", ["ring", "all_to_all"])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 2), (4, 4), (2, 1)])
+@pytest.mark.parametrize("masking", ["causal", "packed", "padding"])
+def test_attention_matches_sdpa_cp2(ranks2, kind, heads, kv_heads, masking):
+    ranks2.run(check_attention, kind, 2, heads, kv_heads, masking)
+
+
+def test_ring_attention_any_head_count_cp2(ranks2):
+    ranks2.run(check_attention, "ring", 2, 3, 3, "causal")
+
+
+@pytest.mark.parametrize("kind", ["ring", "all_to_all"])
+def test_attention_matches_sdpa_cp4(ranks4, kind):
+    ranks4.run(check_attention, kind, 4, 4, 4, "packed", seq_len=32)
+    ranks4.run(check_attention, kind, 4, 8, 4, "padding", seq_len=32)
+
+
+# -- parallelized HF models
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def check_model(model_type, cp, tp, kind, *, masking="causal", seq_len=22, steps=3, **overrides):
+    reference, model = hf_parity.build_pair(model_type, **overrides)
+    nxd_hf.parallelize(model, tensor_parallel_size=tp, context_parallel_size=cp, context_parallel_attention=kind)
+    ids, labels = hf_parity.batch(b=2, s=seq_len)
+    inputs = dict(input_ids=ids, labels=labels)
+    if masking == "padding":  # left padding in row 0: HF's positions stay 0..S-1 in training
+        mask = torch.ones_like(ids)
+        mask[0, :4] = 0
+        labels = labels.clone()
+        labels[0, :4] = -100
+        inputs = dict(input_ids=ids, labels=labels, attention_mask=mask)
+    elif masking == "packed":
+        positions = torch.cat([torch.arange(9), torch.arange(seq_len - 9)]).expand(2, seq_len)
+        inputs = dict(input_ids=ids, labels=labels, position_ids=positions)
+    ref_opt, opt = _adamw(reference.parameters()), _adamw(model.parameters())
+    ref_params = dict(reference.named_parameters())
+    for step in range(steps):
+        ref_loss = reference(**inputs).loss
+        ref_loss.backward()
+        loss = model(**inputs).loss
+        loss.backward()
+        torch.testing.assert_close(loss, ref_loss, **TOL, msg=lambda m: f"step {step} loss: {m}")
+        if step == 0:
+            for name, param in model.named_parameters():
+                torch.testing.assert_close(hf_parity.gathered_grad(param), ref_params[name].grad, **TOL,
+                                           msg=lambda m: f"step {step} {name}: {m}")
+        ref_opt.step(), opt.step()
+        ref_opt.zero_grad(), opt.zero_grad()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(_full(param), ref_params[name].detach(), **TOL, msg=lambda m: f"{name}: {m}")
+
+
+def _full(param):
+    from nxd_hf.parallel_layers.sharding import full_tensor
+
+    return full_tensor(param, param.detach())
+
+
+@pytest.mark.parametrize("kind", ["ring", "all_to_all"])
+def test_llama_cp2_matches_one_process(ranks2, kind):
+    ranks2.run(check_model, "llama", 2, 1, kind, num_attention_heads=4)
+
+
+@pytest.mark.parametrize("masking", ["padding", "packed"])
+def test_llama_cp2_masks_match_one_process(ranks2, masking):
+    ranks2.run(check_model, "llama", 2, 1, "ring", masking=masking, steps=1)
+
+
+def test_qwen2_cp2_matches_one_process(ranks2):
+    ranks2.run(check_model, "qwen2", 2, 1, "all_to_all", num_attention_heads=4, steps=2)
+
+
+def test_llama_tp2_cp2_matches_one_process(ranks4):
+    ranks4.run(check_model, "llama", 2, 2, "ring", steps=2)
+    ranks4.run(check_model, "llama", 2, 2, "all_to_all", num_attention_heads=8, num_key_value_heads=2, steps=1)
+
+
+def test_llama_cp4_matches_one_process(ranks4):
+    ranks4.run(check_model, "llama", 4, 1, "ring", steps=2, seq_len=30)
+
+
+# -- refusals
+
+
+def check_refusal(kind, overrides, match, **parallel):
+    _, model = hf_parity.build_pair("llama", **overrides)
+    with pytest.raises(ValueError, match=match):
+        nxd_hf.parallelize(model, context_parallel_attention=kind, **parallel)
+
+
+def test_all_to_all_refuses_heads_not_divisible(ranks2):
+    ranks2.run(check_refusal, "all_to_all", dict(num_attention_heads=3, num_key_value_heads=1), "not divisible",
+               context_parallel_size=2)
+
+
+def test_context_parallel_refuses_bad_input(ranks2):
+    ranks2.run(check_refusal, "sideways", {}, "context_parallel_attention must be", context_parallel_size=2)
+    ranks2.run(check_refusal, "ring", {}, "pipeline_parallel_size", context_parallel_size=2, pipeline_parallel_size=2)
+
+
+def test_registered_in_attention_interface():
+    from transformers import AttentionInterface
+
+    register()
+    assert {"nxd_cp_ring", "nxd_cp_all_to_all"} <= set(AttentionInterface._global_mapping)

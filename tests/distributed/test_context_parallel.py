@@ -103,7 +103,8 @@ def test_attention_matches_sdpa_cp4(ranks4, kind):
 
 
 def _adamw(params):
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    # Adam turns the rounding of a near-zero gradient into a step of ~lr; eps bounds that
+    return torch.optim.AdamW(params, lr=1e-3, eps=1e-4, weight_decay=0.1)
 
 
 def check_model(model_type, cp, tp, kind, *, masking="causal", seq_len=22, steps=3, **overrides):

@@ -192,3 +192,54 @@ def test_registered_in_attention_interface():
 
     register()
     assert {"nxd_cp_ring", "nxd_cp_all_to_all"} <= set(AttentionInterface._global_mapping)
+
+
+# -- NxDTrainer: the user splits nothing
+
+
+def _dataset(n=12, s=14, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(n):
+        ids = torch.randint(0, hf_parity.VOCAB, (s,), generator=g)
+        labels = ids.clone()
+        labels[: i % 4] = -100  # a different number of ignored tokens per sample
+        rows.append({"input_ids": ids, "labels": labels})
+    return rows
+
+
+def check_trainer(kind, steps=4, **layout):
+    import tempfile
+
+    import transformers
+
+    import accelerate_view
+    from nxd_hf.parallel_layers.sharding import full_tensor
+
+    common = dict(max_steps=steps, learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[], seed=7,
+                  max_grad_norm=0.5, disable_tqdm=True, weight_decay=0.1, warmup_steps=1, adam_epsilon=1e-4)
+    reference, model = hf_parity.build_pair("llama", num_attention_heads=4)
+    replicas = 2 // (2 * layout.get("tensor_parallel_size", 1))
+    with tempfile.TemporaryDirectory() as out_dir:
+        ref_args = accelerate_view.one_process_reference_args(
+            output_dir=f"{out_dir}/ref", per_device_train_batch_size=4 * max(replicas, 1), **common)
+        ref = transformers.Trainer(reference, ref_args, train_dataset=_dataset())
+        ref.train()
+        args = nxd_hf.NxDTrainingArguments(output_dir=f"{out_dir}/nxd", per_device_train_batch_size=4,
+                                           context_parallel_size=2, context_parallel_attention=kind, **common,
+                                           **layout)
+        ours = nxd_hf.NxDTrainer(model, args, train_dataset=_dataset())
+        ours.train()
+    for key in ("loss", "grad_norm"):
+        got = [h[key] for h in ours.state.log_history if key in h]
+        want = [h[key] for h in ref.state.log_history if key in h]
+        assert len(got) == len(want) == steps, (key, got, want)
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(want), **TOL, msg=lambda m: f"{key}: {m}")
+    ref_params = dict(ref.model.named_parameters())
+    for name, param in ours.nxd_model.named_parameters():
+        torch.testing.assert_close(full_tensor(param), ref_params[name].detach(), **TOL, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("kind", ["ring", "all_to_all"])
+def test_nxd_trainer_cp2_matches_trainer(ranks2, kind):
+    ranks2.run(check_trainer, kind)

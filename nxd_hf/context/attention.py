@@ -50,6 +50,10 @@ def _attention(kind: str):
         """q [b, hq, s/cp, d], k/v [b, hkv, s/cp, d] -> ([b, s/cp, hq, d], None), as HF's sdpa."""
         _check_unsupported(module, dropout, kwargs)
         batch = current_batch()
+        if query.shape[2] != 2 * batch.chunk:
+            raise ValueError(f"context-parallel attention got {query.shape[2]} tokens but the current batch gives this "
+                             f"rank {2 * batch.chunk}: call the model parallelized with context_parallel_size > 1 "
+                             "(its forward splits the sequence), not a submodule of it")
         scale = query.shape[-1] ** -0.5 if scaling is None else scaling
         group = parallel_state.get_context_parallel_group()
         if kind == "ring":

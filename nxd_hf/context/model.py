@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from nxd_hf import backend, parallel_state
-from nxd_hf.context.attention import IMPLEMENTATIONS, check_heads, register, set_batch
+from nxd_hf.context.attention import IMPLEMENTATIONS, check_heads, current_batch, register, set_batch
 from nxd_hf.context.split import (IGNORE_INDEX, ContextBatch, documents, pad_to_multiple, shift_labels,
                                   split_sequence)
 
@@ -59,6 +59,7 @@ def install_context_parallel(model: nn.Module, *, kind: str, sequence_parallel: 
     model.set_attn_implementation(IMPLEMENTATIONS[kind])
     multiple = 2 * cp_size * (tp_size if sequence_parallel else 1)
     model.register_forward_pre_hook(_split_hook(multiple), with_kwargs=True, prepend=True)
+    model.register_forward_hook(_gather_logits)
     _wrap_loss(model)
 
 
@@ -69,6 +70,16 @@ def _split_hook(multiple: int):
         return args, split_inputs(kwargs, multiple)
 
     return split
+
+
+def _gather_logits(module, args, output):
+    """Outside autograd in evaluation (``Trainer.evaluate``/``predict``, ``torch.no_grad``), the
+    logits of the whole sequence, in order, on every CP rank; in training this rank's chunks."""
+    logits = getattr(output, "logits", None)
+    if logits is None or module.training or torch.is_grad_enabled():
+        return output
+    output.logits = current_batch().gather(logits, parallel_state.get_context_parallel_group())
+    return output
 
 
 def split_inputs(kwargs: dict, multiple: int) -> dict:
@@ -100,7 +111,7 @@ def split_inputs(kwargs: dict, multiple: int) -> dict:
     key_valid = None if mask is None or bool(mask.all()) else pad_to_multiple(mask.bool(), multiple, None)
     doc = documents(positions) if mask is None else None  # as HF: packing is read from positions without a mask
     padded = pad_to_multiple(positions, multiple, None)
-    set_batch(ContextBatch(seq_len=padded.shape[1], cp_rank=cp_rank, cp_size=cp_size, device=tokens.device,
+    set_batch(ContextBatch(seq_len=padded.shape[1], num_tokens=seq_len, cp_rank=cp_rank, cp_size=cp_size, device=tokens.device,
                            doc=None if doc is None else pad_to_multiple(doc, multiple, None), key_valid=key_valid))
     out["position_ids"] = split_sequence(padded, cp_rank, cp_size)
     for name in ("input_ids", "inputs_embeds"):

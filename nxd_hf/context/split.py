@@ -13,10 +13,11 @@ real token (causality hides them) and its labels are ignored.
 """
 
 import dataclasses
-import functools
 
 import torch
 import torch.nn.functional as F
+
+from nxd_hf import backend
 
 IGNORE_INDEX = -100
 
@@ -55,13 +56,23 @@ class ContextBatch:
     before the split). ``doc``: [b, S] document ids or None; ``key_valid``: [b, S] False at
     padding keys, or None."""
 
-    seq_len: int
+    seq_len: int  # padded to a multiple of 2 x cp
+    num_tokens: int  # before the padding
     cp_rank: int
     cp_size: int
     device: torch.device = torch.device("cpu")
     doc: torch.Tensor | None = None
     key_valid: torch.Tensor | None = None
     _blocks: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    def gather(self, local: torch.Tensor, group) -> torch.Tensor:
+        """The full sequence [b, num_tokens, ...] from every CP rank's chunks of it [b, s/cp, ...]
+        (no gradient: for outputs read in evaluation)."""
+        gathered = backend.all_gather(local.detach().contiguous(), 1, group)
+        order = torch.cat([local_index(self.seq_len, r, self.cp_size) for r in range(self.cp_size)])
+        full = torch.empty_like(gathered)
+        full[:, order.to(full.device)] = gathered
+        return full[:, :self.num_tokens]
 
     @property
     def chunk(self) -> int:
@@ -97,12 +108,14 @@ class ContextBatch:
                 blocks.append((slice(qi * c, (qi + 1) * c), slice(ki * c, (ki + 1) * c), mask))
         return blocks
 
-    @functools.cached_property
+    @property
     def gathered_mask(self) -> torch.Tensor | None:
         """The mask of the whole sequence in the order an all-to-all gathers it (CP rank by rank,
         each rank's two chunks)."""
-        order = torch.cat([local_index(self.seq_len, r, self.cp_size) for r in range(self.cp_size)]).to(self.device)
-        return self.mask(order, order)
+        if "gathered" not in self._blocks:  # the same for every layer of this batch
+            order = torch.cat([local_index(self.seq_len, r, self.cp_size) for r in range(self.cp_size)])
+            self._blocks["gathered"] = self.mask(order.to(self.device), order.to(self.device))
+        return self._blocks["gathered"]
 
 
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:

@@ -60,7 +60,7 @@ def check_attention(kind, cp, heads, kv_heads, masking, seq_len=24):
     (ref_out * weight).sum().backward()
 
     rank = parallel_state.get_context_parallel_rank()
-    batch = ContextBatch(seq_len=seq_len, cp_rank=rank, cp_size=cp, doc=doc, key_valid=key_valid)
+    batch = ContextBatch(seq_len=seq_len, num_tokens=seq_len, cp_rank=rank, cp_size=cp, doc=doc, key_valid=key_valid)
     local = [split_sequence(t, rank, cp, dim=2).requires_grad_() for t in (q, k, v)]
     group = parallel_state.get_context_parallel_group()
     if kind == "ring":
@@ -107,9 +107,10 @@ def _adamw(params):
     return torch.optim.AdamW(params, lr=1e-3, eps=1e-4, weight_decay=0.1)
 
 
-def check_model(model_type, cp, tp, kind, *, masking="causal", seq_len=22, steps=3, **overrides):
+def check_model(model_type, cp, tp, kind, *, masking="causal", seq_len=22, steps=3, sp=False, **overrides):
     reference, model = hf_parity.build_pair(model_type, **overrides)
-    nxd_hf.parallelize(model, tensor_parallel_size=tp, context_parallel_size=cp, context_parallel_attention=kind)
+    nxd_hf.parallelize(model, tensor_parallel_size=tp, context_parallel_size=cp, context_parallel_attention=kind,
+                       sequence_parallel=sp)
     ids, labels = hf_parity.batch(b=2, s=seq_len)
     inputs = dict(input_ids=ids, labels=labels)
     if masking == "padding":  # left padding in row 0: HF's positions stay 0..S-1 in training
@@ -137,6 +138,13 @@ def check_model(model_type, cp, tp, kind, *, masking="causal", seq_len=22, steps
         ref_opt.zero_grad(), opt.zero_grad()
     for name, param in model.named_parameters():
         torch.testing.assert_close(_full(param), ref_params[name].detach(), **TOL, msg=lambda m: f"{name}: {m}")
+    reference.eval(), model.eval()
+    with torch.no_grad():  # evaluation: the whole sequence's logits, in order, on every CP rank
+        inputs.pop("labels")
+        want, got = reference(**inputs).logits, model(**inputs).logits
+    if masking == "padding":  # padding queries see nothing: their outputs are arbitrary
+        want, got = want[inputs["attention_mask"].bool()], got[inputs["attention_mask"].bool()]
+    torch.testing.assert_close(got, want, **TOL)
 
 
 def _full(param):
@@ -161,11 +169,14 @@ def test_qwen2_cp2_matches_one_process(ranks2):
 
 def test_llama_tp2_cp2_matches_one_process(ranks4):
     ranks4.run(check_model, "llama", 2, 2, "ring", steps=2)
+    ranks4.run(check_model, "llama", 2, 2, "ring", steps=1, sp=True)
     ranks4.run(check_model, "llama", 2, 2, "all_to_all", num_attention_heads=8, num_key_value_heads=2, steps=1)
 
 
 def test_llama_cp4_matches_one_process(ranks4):
     ranks4.run(check_model, "llama", 4, 1, "ring", steps=2, seq_len=30)
+    ranks4.run(check_model, "llama", 4, 1, "all_to_all", steps=1, seq_len=30, num_attention_heads=4,
+               num_key_value_heads=4)
 
 
 # -- refusals
@@ -230,6 +241,10 @@ def check_trainer(kind, steps=4, **layout):
                                            **layout)
         ours = nxd_hf.NxDTrainer(model, args, train_dataset=_dataset())
         ours.train()
+        held_out = _dataset(n=4, seed=9)
+        want, got = ref.predict(held_out), ours.predict(held_out)
+    torch.testing.assert_close(torch.as_tensor(got.predictions), torch.as_tensor(want.predictions), **TOL)
+    assert got.metrics["test_loss"] == pytest.approx(want.metrics["test_loss"], rel=1e-4)
     for key in ("loss", "grad_norm"):
         got = [h[key] for h in ours.state.log_history if key in h]
         want = [h[key] for h in ref.state.log_history if key in h]
@@ -243,3 +258,40 @@ def check_trainer(kind, steps=4, **layout):
 @pytest.mark.parametrize("kind", ["ring", "all_to_all"])
 def test_nxd_trainer_cp2_matches_trainer(ranks2, kind):
     ranks2.run(check_trainer, kind)
+
+
+# -- LoRA
+
+
+def check_lora(kind, steps=3):
+    import copy
+
+    import peft
+
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])
+    reference, model = hf_parity.build_pair("llama", num_attention_heads=4)
+    model = nxd_hf.parallelize(model, context_parallel_size=2, context_parallel_attention=kind)
+    torch.manual_seed(7)
+    ref_peft = peft.get_peft_model(reference, copy.deepcopy(config))
+    torch.manual_seed(7)
+    par_peft = peft.get_peft_model(model, copy.deepcopy(config))
+    ref_opt = _adamw([p for p in ref_peft.parameters() if p.requires_grad])
+    opt = _adamw([p for p in par_peft.parameters() if p.requires_grad])
+    for step in range(steps):
+        ids, labels = hf_parity.batch(seed=20 + step, b=2, s=20)
+        ref_loss = ref_peft(input_ids=ids, labels=labels).loss
+        ref_loss.backward()
+        loss = par_peft(input_ids=ids, labels=labels).loss
+        loss.backward()
+        torch.testing.assert_close(loss, ref_loss, **TOL, msg=lambda m: f"step {step} loss: {m}")
+        ref_opt.step(), opt.step()
+        ref_opt.zero_grad(), opt.zero_grad()
+    ref = dict(ref_peft.named_parameters())
+    trainable = [(n, p) for n, p in par_peft.named_parameters() if p.requires_grad]
+    assert trainable
+    for name, param in trainable:
+        torch.testing.assert_close(_full(param), ref[name].detach(), **TOL, msg=lambda m: f"{name}: {m}")
+
+
+def test_lora_cp2_matches_peft(ranks2):
+    ranks2.run(check_lora, "ring")

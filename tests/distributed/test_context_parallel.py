@@ -76,6 +76,50 @@ def check_attention(kind, cp, heads, kv_heads, masking, seq_len=24):
                                    msg=lambda m: f"d{name}: {m}")
 
 
+def check_comm_bytes(kind, cp, heads=4, kv_heads=2, seq_len=32, d=8):
+    """Attention's bytes per rank against the formulas (fp32, b=2, local s = seq_len / cp):
+    ring, forward (cp-1) K/V hops, backward (cp-1) K/V and cp dK/dV hops; all-to-all, forward
+    Q, K, V and the output once each, backward their gradients once each."""
+    from nxd_hf.backend import count_comm
+
+    parallel_state.initialize_model_parallel(context_parallel_size=cp)
+    (q, k, v, weight), doc, key_valid, _, _ = _inputs(heads, kv_heads, seq_len, "causal")
+    rank = parallel_state.get_context_parallel_rank()
+    batch = ContextBatch(seq_len=seq_len, num_tokens=seq_len, cp_rank=rank, cp_size=cp)
+    local = [split_sequence(t, rank, cp, dim=2).requires_grad_() for t in (q, k, v)]
+    group = parallel_state.get_context_parallel_group()
+    with count_comm() as records:
+        if kind == "ring":
+            out = RingAttention.apply(*local, batch, 0.3, group)
+        else:
+            out = all_to_all_attention(*local, batch, 0.3, group)
+        (out * split_sequence(weight, rank, cp, dim=2)).sum().backward()
+    kv_bytes = 2 * local[1].numel() * 4  # K and V of this rank
+    q_bytes = local[0].numel() * 4
+    if kind == "ring":
+        want = (cp - 1) * kv_bytes + (cp - 1) * kv_bytes + cp * kv_bytes
+    else:
+        want = 2 * (2 * q_bytes + kv_bytes)
+    got = sum(r.payload_bytes for r in records)
+    assert got == want, (kind, cp, got, want)
+    return got / want
+
+
+@pytest.mark.parametrize("kind", ["ring", "all_to_all"])
+def test_attention_comm_bytes_match_formula(ranks2, kind):
+    assert ranks2.run(check_comm_bytes, kind, 2) == [1.0, 1.0]
+
+
+def test_context_groups_nearest_to_tp():
+    from nxd_hf.parallel_state import rank_lists
+
+    lists = rank_lists(8, 2, 1, cp=2)
+    assert lists["context"] == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert lists["data"] == [[0, 2, 4, 6], [1, 3, 5, 7]]  # gradients are averaged over dp x cp
+    with pytest.raises(ValueError, match="context_parallel_size"):
+        rank_lists(6, 2, 1, cp=2)
+
+
 def test_load_balanced_split_holds_both_ends():
     assert local_index(8, 0, 2).tolist() == [0, 1, 6, 7]
     assert local_index(8, 1, 2).tolist() == [2, 3, 4, 5]

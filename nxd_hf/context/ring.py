@@ -11,13 +11,26 @@ arrive back at the rank that owns it. Per block, with P = exp(S - lse) and D = r
     dV = P^T dO,   dS = P * (dO V^T - D),   dQ = scale dS K,   dK = scale dS^T Q
 
 K/V travel with their own (fewer, under GQA) heads and are repeated to the query heads per
-block. Arithmetic runs in fp32.
+block. Arithmetic runs in fp32. A block is computed ``QUERY_TILE`` query rows at a time, so the
+scores held at once are [b, h, QUERY_TILE, s/2cp], not [b, h, s/2cp, s/2cp].
 """
 
 import torch
 
 from nxd_hf import backend
 from nxd_hf.context.split import ContextBatch
+
+
+QUERY_TILE = 512
+
+
+def _tiles(blocks):
+    """(query slice, key slice, mask) of every block, its query rows cut into ``QUERY_TILE``s."""
+    for qs, ks, mask in blocks:
+        for start in range(qs.start, qs.stop, QUERY_TILE):
+            stop = min(start + QUERY_TILE, qs.stop)
+            rows = slice(start - qs.start, stop - qs.start)
+            yield slice(start, stop), ks, None if mask is None else mask[:, rows]
 
 
 def _repeat(kv: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -83,7 +96,7 @@ class RingAttention(torch.autograd.Function):
         kv = [k.float(), v.float()]
         for step in range(batch.cp_size):
             pending = backend.ring_shift(kv, group) if step < batch.cp_size - 1 else None
-            for qs, ks, mask in batch.ring_blocks(step):
+            for qs, ks, mask in _tiles(batch.ring_blocks(step)):
                 block_out, block_lse = block_forward(qf[:, :, qs], _repeat(kv[0][:, :, ks], n_rep),
                                                      _repeat(kv[1][:, :, ks], n_rep), mask, scale)
                 merge(out[:, :, qs], lse[:, :, qs], block_out, block_lse)
@@ -105,7 +118,7 @@ class RingAttention(torch.autograd.Function):
         grad_kv = [torch.zeros_like(kv[0]), torch.zeros_like(kv[1])]
         for step in range(batch.cp_size):
             pending = backend.ring_shift(kv, group) if step < batch.cp_size - 1 else None
-            for qs, ks, mask in batch.ring_blocks(step):
+            for qs, ks, mask in _tiles(batch.ring_blocks(step)):
                 dq, dk, dv = block_backward(qf[:, :, qs], _repeat(kv[0][:, :, ks], n_rep),
                                             _repeat(kv[1][:, :, ks], n_rep), mask, scale, lse[:, :, qs],
                                             grad_out[:, :, qs], delta[:, :, qs])

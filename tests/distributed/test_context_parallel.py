@@ -137,6 +137,21 @@ def test_ring_attention_any_head_count_cp2(ranks2):
     ranks2.run(check_attention, "ring", 2, 3, 3, "causal")
 
 
+def check_tiled_ring(masking):
+    from nxd_hf.context import ring
+
+    tile, ring.QUERY_TILE = ring.QUERY_TILE, 4  # blocks of 6 query rows: tiles of 4 and 2
+    try:
+        check_attention("ring", 2, 4, 2, masking)
+    finally:
+        ring.QUERY_TILE = tile
+
+
+def test_ring_attention_query_tiles_cp2(ranks2):
+    ranks2.run(check_tiled_ring, "packed")
+    ranks2.run(check_tiled_ring, "padding")
+
+
 @pytest.mark.parametrize("kind", ["ring", "all_to_all"])
 def test_attention_matches_sdpa_cp4(ranks4, kind):
     ranks4.run(check_attention, kind, 4, 4, 4, "packed", seq_len=32)

@@ -11,8 +11,9 @@ arrive back at the rank that owns it. Per block, with P = exp(S - lse) and D = r
     dV = P^T dO,   dS = P * (dO V^T - D),   dQ = scale dS K,   dK = scale dS^T Q
 
 K/V travel with their own (fewer, under GQA) heads and are repeated to the query heads per
-block. Arithmetic runs in fp32. A block is computed ``QUERY_TILE`` query rows at a time, so the
-scores held at once are [b, h, QUERY_TILE, s/2cp], not [b, h, s/2cp, s/2cp].
+block. Arithmetic runs in fp32. A block is computed in tiles of ``TILE`` queries x ``TILE`` keys
+(fully masked tiles skipped), so the scores held at once are [b, h, TILE, TILE] whatever the
+sequence length, not [b, h, s/2cp, s/2cp].
 """
 
 import torch
@@ -21,16 +22,23 @@ from nxd_hf import backend
 from nxd_hf.context.split import ContextBatch
 
 
-QUERY_TILE = 512
+TILE = 256
 
 
 def _tiles(blocks):
-    """(query slice, key slice, mask) of every block, its query rows cut into ``QUERY_TILE``s."""
+    """(query slice, key slice, mask) of every block cut into ``TILE`` x ``TILE`` tiles, those
+    that see nothing left out."""
     for qs, ks, mask in blocks:
-        for start in range(qs.start, qs.stop, QUERY_TILE):
-            stop = min(start + QUERY_TILE, qs.stop)
-            rows = slice(start - qs.start, stop - qs.start)
-            yield slice(start, stop), ks, None if mask is None else mask[:, rows]
+        for q0 in range(0, qs.stop - qs.start, TILE):
+            rows = slice(q0, min(q0 + TILE, qs.stop - qs.start))
+            for k0 in range(0, ks.stop - ks.start, TILE):
+                cols = slice(k0, min(k0 + TILE, ks.stop - ks.start))
+                tile = None if mask is None else mask[:, rows, cols]
+                if tile is not None and not bool(tile.any()):
+                    continue
+                yield (slice(qs.start + rows.start, qs.start + rows.stop),
+                       slice(ks.start + cols.start, ks.start + cols.stop),
+                       None if tile is None or bool(tile.all()) else tile)
 
 
 def _repeat(kv: torch.Tensor, n_rep: int) -> torch.Tensor:

@@ -140,11 +140,11 @@ def test_ring_attention_any_head_count_cp2(ranks2):
 def check_tiled_ring(masking):
     from nxd_hf.context import ring
 
-    tile, ring.QUERY_TILE = ring.QUERY_TILE, 4  # blocks of 6 query rows: tiles of 4 and 2
+    tile, ring.TILE = ring.TILE, 4  # blocks of 6 tokens: tiles of 4 and 2, some fully masked
     try:
         check_attention("ring", 2, 4, 2, masking)
     finally:
-        ring.QUERY_TILE = tile
+        ring.TILE = tile
 
 
 def test_ring_attention_query_tiles_cp2(ranks2):

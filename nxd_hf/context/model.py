@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from nxd_hf import backend, parallel_state
+from nxd_hf.guards.fingerprint import fingerprint
 from nxd_hf.context.attention import IMPLEMENTATIONS, check_heads, current_batch, register, set_batch
 from nxd_hf.context.split import (IGNORE_INDEX, ContextBatch, documents, pad_to_multiple, shift_labels,
                                   split_sequence)
@@ -64,12 +65,35 @@ def install_context_parallel(model: nn.Module, *, kind: str, sequence_parallel: 
 
 
 def _split_hook(multiple: int):
+    checked = []
+
     def split(module, args, kwargs):
         if args:
             raise ValueError("a context-parallel model takes its inputs by name (input_ids=..., labels=...)")
+        if not checked:  # the first forward: a batch split as under data parallelism would train silently wrong
+            _check_same_batch(kwargs)
+            checked.append(True)
         return args, split_inputs(kwargs, multiple)
 
     return split
+
+
+def _check_same_batch(kwargs: dict) -> None:
+    """ValueError on every CP rank unless they all got the same batch."""
+    tensors = {k: v for k, v in kwargs.items() if torch.is_tensor(v) and k in _BATCH_KEYS}
+    if not tensors:
+        return
+    group = parallel_state.get_context_parallel_group()
+    mine = fingerprint(tensors, backend.collective_device(group))
+    everyone = backend.all_gather(mine, 0, group).view(-1, mine.numel())
+    if not bool((everyone == everyone[0]).all()):
+        raise ValueError("the context-parallel ranks of a replica got different batches: every CP rank must pass the "
+                         "same full sequences (the model splits them), as tensor-parallel ranks do. Split the data "
+                         "over parallel_state.get_data_parallel_replicas() replicas "
+                         "(rank parallel_state.get_data_parallel_replica_rank()), not over the data-parallel ranks")
+
+
+_BATCH_KEYS = ("input_ids", "inputs_embeds", "labels", "attention_mask", "position_ids", "shift_labels")
 
 
 def _gather_logits(module, args, output):

@@ -257,6 +257,18 @@ def test_context_parallel_refuses_bad_input(ranks2):
     ranks2.run(check_refusal, "ring", {}, "pipeline_parallel_size", context_parallel_size=2, pipeline_parallel_size=2)
 
 
+def check_different_batches_refused():
+    _, model = hf_parity.build_pair("llama")
+    nxd_hf.parallelize(model, context_parallel_size=2)
+    ids, labels = hf_parity.batch(seed=1 + parallel_state.get_context_parallel_rank(), b=2, s=8)
+    with pytest.raises(ValueError, match="got different batches"):
+        model(input_ids=ids, labels=labels)
+
+
+def test_cp_ranks_given_different_batches_refused(ranks2):
+    ranks2.run(check_different_batches_refused)
+
+
 def test_registered_in_attention_interface():
     from transformers import AttentionInterface
 

@@ -51,6 +51,10 @@ def install_context_parallel(model: nn.Module, *, kind: str, sequence_parallel: 
     if cp_size == 1:
         return
     kind = resolve_attention(kind)
+    if getattr(model.config, "output_router_logits", False):
+        raise ValueError("context parallelism does not compute the mixture-of-experts load-balancing loss over the "
+                         "whole sequence yet (each rank would see its own tokens only): set the config's "
+                         "output_router_logits=False, or use context_parallel_size=1")
     tp_size = parallel_state.get_tensor_model_parallel_size()
     for module in model.modules():
         if hasattr(module, "num_key_value_groups") and hasattr(module, "head_dim"):

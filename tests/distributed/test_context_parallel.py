@@ -238,6 +238,27 @@ def test_llama_cp4_matches_one_process(ranks4):
                num_key_value_heads=4)
 
 
+def check_moe(model_type, kind):
+    import moe_cases
+
+    reference, model = moe_cases.build_pair(model_type, output_router_logits=False)
+    nxd_hf.parallelize(model, context_parallel_size=2, context_parallel_attention=kind)
+    ids, labels = hf_parity.batch(b=2, s=20)
+    ref_loss = reference(input_ids=ids, labels=labels).loss
+    ref_loss.backward()
+    loss = model(input_ids=ids, labels=labels).loss
+    loss.backward()
+    torch.testing.assert_close(loss, ref_loss, **TOL)
+    ref_params = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(hf_parity.gathered_grad(param), ref_params[name].grad, **TOL,
+                                   msg=lambda m: f"{name}: {m}")
+
+
+def test_mixtral_cp2_matches_one_process(ranks2):
+    ranks2.run(check_moe, "mixtral", "ring")
+
+
 # -- refusals
 
 
@@ -252,7 +273,16 @@ def test_all_to_all_refuses_heads_not_divisible(ranks2):
                context_parallel_size=2)
 
 
+def check_router_loss_refused():
+    import moe_cases
+
+    _, model = moe_cases.build_pair("mixtral")
+    with pytest.raises(ValueError, match="output_router_logits=False"):
+        nxd_hf.parallelize(model, context_parallel_size=2)
+
+
 def test_context_parallel_refuses_bad_input(ranks2):
+    ranks2.run(check_router_loss_refused)
     ranks2.run(check_refusal, "sideways", {}, "context_parallel_attention must be", context_parallel_size=2)
     ranks2.run(check_refusal, "ring", {}, "pipeline_parallel_size", context_parallel_size=2, pipeline_parallel_size=2)
 

@@ -361,6 +361,10 @@ def test_nxd_trainer_cp2_matches_trainer(ranks2, kind):
     ranks2.run(check_trainer, kind)
 
 
+def test_nxd_trainer_cp2_zero1_recompute_matches_trainer(ranks2):
+    ranks2.run(check_trainer, "ring", steps=3, zero_1=True, gradient_checkpointing=True)
+
+
 # -- LoRA
 
 

@@ -138,7 +138,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     for kind, rank_groups in lists.items():
         for ranks in rank_groups:  # every rank must create every group
             group = backend.new_group(ranks, timeout=timeout, name=GROUP_NAMES[kind],
-                                      point_to_point=kind == "pipeline")
+                                      point_to_point=kind in ("pipeline", "context"))  # context: ring attention
             if me in ranks:
                 groups[kind], my_ranks[kind] = group, ranks.index(me)
     dp = world // (tp * pp)

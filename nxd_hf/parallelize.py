@@ -121,8 +121,8 @@ def parallelize(
                           pipeline_options=sorted(pipeline_kwargs), expert_parallel_size=expert_parallel_size,
                           context_parallel_size=context_parallel_size,
                           context_parallel_attention=context_parallel_attention)
-    check_context_parallel(context_parallel_size, context_parallel_attention, pipeline_parallel_size=pipeline_parallel_size,
-                           expert_parallel_size=expert_parallel_size)
+    check_context_parallel(context_parallel_size, context_parallel_attention,
+                           pipeline_parallel_size=pipeline_parallel_size, expert_parallel_size=expert_parallel_size)
     init_parallel_state(tensor_parallel_size, pipeline_parallel_size, timeout, expert_parallel_size,
                         context_parallel_size)
     with fail_together("nxd_hf.parallelize"):  # no collective inside: a rank failing alone fails every rank

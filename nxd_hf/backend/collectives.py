@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from nxd_hf.backend.devices import _served_devices
-from nxd_hf.backend.groups import _named_errors, group_rank, group_size, world_size
+from nxd_hf.backend.groups import _named_errors, group_rank, group_size, p2p_group, world_size
 
 
 # torch >= 2.13 renamed the flat collectives; torch-xla's torch (2.9) has only the old names.
@@ -314,13 +314,18 @@ def ring_shift(tensors: list[torch.Tensor], group) -> RingShift:
         return RingShift([], list(tensors))
     me = group_rank(group)
     to, frm = dist.get_global_rank(group, (me + 1) % size), dist.get_global_rank(group, (me - 1) % size)
+    twin = p2p_group(group)  # a plain gloo twin when gloo computes on CUDA: sends staged through the CPU
     ops, received = [], []
     for tensor in tensors:
-        tensor = tensor.contiguous()
-        _record("send", tensor, group)
+        tensor = tensor.contiguous() if twin is group else tensor.cpu()
+        _record("send", tensor, twin)
         out = torch.empty_like(tensor)
-        ops += [dist.P2POp(dist.isend, tensor, to, group), dist.P2POp(dist.irecv, out, frm, group)]
+        ops += [dist.P2POp(dist.isend, tensor, to, twin), dist.P2POp(dist.irecv, out, frm, twin)]
         received.append(out)
     with _named_errors("send/recv", group):
         works = dist.batch_isend_irecv(ops)
+    if twin is not group:
+        for work in works:
+            work.wait()
+        return RingShift([], [out.to(t.device) for out, t in zip(received, tensors)])
     return RingShift(works, received)

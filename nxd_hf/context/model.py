@@ -139,7 +139,8 @@ def split_inputs(kwargs: dict, multiple: int) -> dict:
     key_valid = None if mask is None or bool(mask.all()) else pad_to_multiple(mask.bool(), multiple, None)
     doc = documents(positions) if mask is None else None  # as HF: packing is read from positions without a mask
     padded = pad_to_multiple(positions, multiple, None)
-    set_batch(ContextBatch(seq_len=padded.shape[1], num_tokens=seq_len, cp_rank=cp_rank, cp_size=cp_size, device=tokens.device,
+    set_batch(ContextBatch(seq_len=padded.shape[1], num_tokens=seq_len, cp_rank=cp_rank, cp_size=cp_size,
+                           device=tokens.device,
                            doc=None if doc is None else pad_to_multiple(doc, multiple, None), key_valid=key_valid))
     out["position_ids"] = split_sequence(padded, cp_rank, cp_size)
     for name in ("input_ids", "inputs_embeds"):

@@ -34,7 +34,8 @@ def _reference_mask(seq_len, doc, key_valid):
 def _inputs(heads, kv_heads, seq_len, masking):
     torch.manual_seed(0)
     b, d = 2, 8
-    q, k, v = torch.randn(b, heads, seq_len, d), torch.randn(b, kv_heads, seq_len, d), torch.randn(b, kv_heads, seq_len, d)
+    q = torch.randn(b, heads, seq_len, d)
+    k, v = torch.randn(b, kv_heads, seq_len, d), torch.randn(b, kv_heads, seq_len, d)
     weight = torch.randn(b, heads, seq_len, d)
     doc = key_valid = None
     if masking == "packed":  # row 0: documents of 5, 7 and the rest; row 1: one document
@@ -331,10 +332,12 @@ def check_trainer(kind, steps=4, **layout):
     common = dict(max_steps=steps, learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[], seed=7,
                   max_grad_norm=0.5, disable_tqdm=True, weight_decay=0.1, warmup_steps=1, adam_epsilon=1e-4)
     reference, model = hf_parity.build_pair("llama", num_attention_heads=4)
-    replicas = 2 // (2 * layout.get("tensor_parallel_size", 1))
+    from nxd_hf import backend
+
+    replicas = backend.world_size() // (2 * layout.get("tensor_parallel_size", 1))
     with tempfile.TemporaryDirectory() as out_dir:
         ref_args = accelerate_view.one_process_reference_args(
-            output_dir=f"{out_dir}/ref", per_device_train_batch_size=4 * max(replicas, 1), **common)
+            output_dir=f"{out_dir}/ref", per_device_train_batch_size=4 * replicas, **common)
         ref = transformers.Trainer(reference, ref_args, train_dataset=_dataset())
         ref.train()
         args = nxd_hf.NxDTrainingArguments(output_dir=f"{out_dir}/nxd", per_device_train_batch_size=4,
@@ -359,6 +362,10 @@ def check_trainer(kind, steps=4, **layout):
 @pytest.mark.parametrize("kind", ["ring", "all_to_all"])
 def test_nxd_trainer_cp2_matches_trainer(ranks2, kind):
     ranks2.run(check_trainer, kind)
+
+
+def test_nxd_trainer_dp2_cp2_matches_trainer(ranks4):
+    ranks4.run(check_trainer, "ring", steps=2)
 
 
 def test_nxd_trainer_cp2_zero1_recompute_matches_trainer(ranks2):

@@ -153,12 +153,6 @@ def test_ring_attention_query_tiles_cp2(ranks2):
     ranks2.run(check_tiled_ring, "padding")
 
 
-@pytest.mark.parametrize("kind", ["ring", "all_to_all"])
-def test_attention_matches_sdpa_cp4(ranks4, kind):
-    ranks4.run(check_attention, kind, 4, 4, 4, "packed", seq_len=32)
-    ranks4.run(check_attention, kind, 4, 8, 4, "padding", seq_len=32)
-
-
 # -- parallelized HF models
 
 
@@ -225,18 +219,6 @@ def test_llama_cp2_masks_match_one_process(ranks2, masking):
 
 def test_qwen2_cp2_matches_one_process(ranks2):
     ranks2.run(check_model, "qwen2", 2, 1, "all_to_all", num_attention_heads=4, steps=2)
-
-
-def test_llama_tp2_cp2_matches_one_process(ranks4):
-    ranks4.run(check_model, "llama", 2, 2, "ring", steps=2)
-    ranks4.run(check_model, "llama", 2, 2, "ring", steps=1, sp=True)
-    ranks4.run(check_model, "llama", 2, 2, "all_to_all", num_attention_heads=8, num_key_value_heads=2, steps=1)
-
-
-def test_llama_cp4_matches_one_process(ranks4):
-    ranks4.run(check_model, "llama", 4, 1, "ring", steps=2, seq_len=30)
-    ranks4.run(check_model, "llama", 4, 1, "all_to_all", steps=1, seq_len=30, num_attention_heads=4,
-               num_key_value_heads=4)
 
 
 def check_moe(model_type, kind):
@@ -364,10 +346,6 @@ def test_nxd_trainer_cp2_matches_trainer(ranks2, kind):
     ranks2.run(check_trainer, kind)
 
 
-def test_nxd_trainer_dp2_cp2_matches_trainer(ranks4):
-    ranks4.run(check_trainer, "ring", steps=2)
-
-
 def test_nxd_trainer_cp2_zero1_recompute_matches_trainer(ranks2):
     ranks2.run(check_trainer, "ring", steps=3, zero_1=True, gradient_checkpointing=True)
 
@@ -407,3 +385,28 @@ def check_lora(kind, steps=3):
 
 def test_lora_cp2_matches_peft(ranks2):
     ranks2.run(check_lora, "ring")
+
+
+# -- world 4 (last: one pool lives at a time, so the world-2 cases above share one)
+
+
+@pytest.mark.parametrize("kind", ["ring", "all_to_all"])
+def test_attention_matches_sdpa_cp4(ranks4, kind):
+    ranks4.run(check_attention, kind, 4, 4, 4, "packed", seq_len=32)
+    ranks4.run(check_attention, kind, 4, 8, 4, "padding", seq_len=32)
+
+
+def test_llama_tp2_cp2_matches_one_process(ranks4):
+    ranks4.run(check_model, "llama", 2, 2, "ring", steps=2)
+    ranks4.run(check_model, "llama", 2, 2, "ring", steps=1, sp=True)
+    ranks4.run(check_model, "llama", 2, 2, "all_to_all", num_attention_heads=8, num_key_value_heads=2, steps=1)
+
+
+def test_llama_cp4_matches_one_process(ranks4):
+    ranks4.run(check_model, "llama", 4, 1, "ring", steps=2, seq_len=30)
+    ranks4.run(check_model, "llama", 4, 1, "all_to_all", steps=1, seq_len=30, num_attention_heads=4,
+               num_key_value_heads=4)
+
+
+def test_nxd_trainer_dp2_cp2_matches_trainer(ranks4):
+    ranks4.run(check_trainer, "ring", steps=2)

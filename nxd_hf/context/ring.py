@@ -12,8 +12,8 @@ arrive back at the rank that owns it. Per block, with P = exp(S - lse) and D = r
 
 K/V travel with their own (fewer, under GQA) heads and are repeated to the query heads per
 block. Arithmetic runs in fp32. A block is computed in tiles of ``TILE`` queries x ``TILE`` keys
-(fully masked tiles skipped), so the scores held at once are [b, h, TILE, TILE] whatever the
-sequence length, not [b, h, s/2cp, s/2cp].
+(``ContextBatch.ring_tiles``: fully masked tiles skipped, masks only where a tile needs one), so
+the scores held at once are [b, h, TILE, TILE] whatever the sequence length.
 """
 
 import torch
@@ -23,22 +23,6 @@ from nxd_hf.context.split import ContextBatch
 
 
 TILE = 256
-
-
-def _tiles(blocks):
-    """(query slice, key slice, mask) of every block cut into ``TILE`` x ``TILE`` tiles, those
-    that see nothing left out."""
-    for qs, ks, mask in blocks:
-        for q0 in range(0, qs.stop - qs.start, TILE):
-            rows = slice(q0, min(q0 + TILE, qs.stop - qs.start))
-            for k0 in range(0, ks.stop - ks.start, TILE):
-                cols = slice(k0, min(k0 + TILE, ks.stop - ks.start))
-                tile = None if mask is None else mask[:, rows, cols]
-                if tile is not None and not bool(tile.any()):
-                    continue
-                yield (slice(qs.start + rows.start, qs.start + rows.stop),
-                       slice(ks.start + cols.start, ks.start + cols.stop),
-                       None if tile is None or bool(tile.all()) else tile)
 
 
 def _repeat(kv: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -104,7 +88,7 @@ class RingAttention(torch.autograd.Function):
         kv = [k.float(), v.float()]
         for step in range(batch.cp_size):
             pending = backend.ring_shift(kv, group) if step < batch.cp_size - 1 else None
-            for qs, ks, mask in _tiles(batch.ring_blocks(step)):
+            for qs, ks, mask in batch.ring_tiles(step, TILE):
                 block_out, block_lse = block_forward(qf[:, :, qs], _repeat(kv[0][:, :, ks], n_rep),
                                                      _repeat(kv[1][:, :, ks], n_rep), mask, scale)
                 merge(out[:, :, qs], lse[:, :, qs], block_out, block_lse)
@@ -126,7 +110,7 @@ class RingAttention(torch.autograd.Function):
         grad_kv = [torch.zeros_like(kv[0]), torch.zeros_like(kv[1])]
         for step in range(batch.cp_size):
             pending = backend.ring_shift(kv, group) if step < batch.cp_size - 1 else None
-            for qs, ks, mask in _tiles(batch.ring_blocks(step)):
+            for qs, ks, mask in batch.ring_tiles(step, TILE):
                 dq, dk, dv = block_backward(qf[:, :, qs], _repeat(kv[0][:, :, ks], n_rep),
                                             _repeat(kv[1][:, :, ks], n_rep), mask, scale, lse[:, :, qs],
                                             grad_out[:, :, qs], delta[:, :, qs])

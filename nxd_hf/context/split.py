@@ -87,26 +87,35 @@ class ContextBatch:
             allowed = allowed & self.key_valid[:, None, k_index]
         return None if bool(allowed.all()) else allowed
 
-    def ring_blocks(self, step: int) -> list[tuple[slice, slice, torch.Tensor | None]]:
+    def ring_tiles(self, step: int, tile: int) -> list[tuple[slice, slice, torch.Tensor | None]]:
         """At ring step ``step`` this rank holds the K/V of CP rank ``(cp_rank - step) % cp``: the
-        (local query slice, received key slice, mask) pairs of chunks that see each other at all
-        (the others, above the causal diagonal or across documents only, are skipped)."""
-        if step in self._blocks:  # the same for every layer of this batch
-            return self._blocks[step]
-        c = self.chunk
-        src = (self.cp_rank - step) % self.cp_size
-        blocks = self._blocks[step] = []
-        for qi, q_chunk in enumerate(chunk_ids(self.cp_rank, self.cp_size)):
-            for ki, k_chunk in enumerate(chunk_ids(src, self.cp_size)):
+        (local query slice, received key slice, mask) of every ``tile`` x ``tile`` tile that sees
+        anything (tiles above the causal diagonal or across documents only are skipped; a tile
+        below the diagonal, in one document, without padding has no mask). Masks exist for
+        tiles only, so their memory grows with the sequence, not its square."""
+        if (step, tile) in self._blocks:  # the same for every layer of this batch
+            return self._blocks[step, tile]
+        c, cp = self.chunk, self.cp_size
+        tiles = self._blocks[step, tile] = []
+        for qi, q_chunk in enumerate(chunk_ids(self.cp_rank, cp)):
+            for ki, k_chunk in enumerate(chunk_ids((self.cp_rank - step) % cp, cp)):
                 if k_chunk > q_chunk:
                     continue
-                q_index = torch.arange(q_chunk * c, (q_chunk + 1) * c, device=self.device)
-                k_index = torch.arange(k_chunk * c, (k_chunk + 1) * c, device=self.device)
-                mask = self.mask(q_index, k_index)
-                if mask is not None and not bool(mask.any()):
-                    continue
-                blocks.append((slice(qi * c, (qi + 1) * c), slice(ki * c, (ki + 1) * c), mask))
-        return blocks
+                for q0 in range(0, c, tile):
+                    q1 = min(q0 + tile, c)
+                    for k0 in range(0, c, tile):
+                        k1 = min(k0 + tile, c)
+                        qa, ka = q_chunk * c, k_chunk * c  # global index of the chunks' first tokens
+                        if ka + k0 > qa + q1 - 1:
+                            continue
+                        mask = None
+                        if ka + k1 - 1 > qa + q0 or self.doc is not None or self.key_valid is not None:
+                            mask = self.mask(torch.arange(qa + q0, qa + q1, device=self.device),
+                                             torch.arange(ka + k0, ka + k1, device=self.device))
+                            if mask is not None and not bool(mask.any()):
+                                continue
+                        tiles.append((slice(qi * c + q0, qi * c + q1), slice(ki * c + k0, ki * c + k1), mask))
+        return tiles
 
     @property
     def gathered_mask(self) -> torch.Tensor | None:

@@ -212,9 +212,10 @@ def test_llama_cp2_matches_one_process(ranks2, kind):
     ranks2.run(check_model, "llama", 2, 1, kind, num_attention_heads=4)
 
 
+@pytest.mark.parametrize("kind", ["ring", "all_to_all"])
 @pytest.mark.parametrize("masking", ["padding", "packed"])
-def test_llama_cp2_masks_match_one_process(ranks2, masking):
-    ranks2.run(check_model, "llama", 2, 1, "ring", masking=masking, steps=1)
+def test_llama_cp2_masks_match_one_process(ranks2, masking, kind):
+    ranks2.run(check_model, "llama", 2, 1, kind, masking=masking, steps=1, num_attention_heads=4)
 
 
 def test_qwen2_cp2_matches_one_process(ranks2):

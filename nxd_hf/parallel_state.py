@@ -25,6 +25,7 @@ class _State:
     pp_size: int
     dp_size: int
     ep_size: int
+    cp_size: int = 1  # context parallelism, carved from dp like ep (nxd_hf.context)
     groups: dict  # kind -> this rank's group
     ranks: dict  # kind -> this rank's index within its group of that kind
     rank_lists: dict  # kind -> list of rank lists, one per group of that kind
@@ -36,7 +37,7 @@ _state: _State | None = None
 
 GROUP_NAMES = {"tensor": "tensor-parallel (tp)", "data": "data-parallel (dp)", "pipeline": "pipeline-parallel (pp)",
                "model": "model-parallel (tp x pp)", "expert": "expert-parallel (ep)",
-               "expert_data": "expert-data-parallel (dp / ep)"}
+               "expert_data": "expert-data-parallel (dp / ep)", "context": "context-parallel (cp)"}
 
 
 def check_sizes(tensor_parallel_size, pipeline_parallel_size) -> None:
@@ -67,7 +68,7 @@ def check_expert_parallel_size(expert_parallel_size) -> None:
                          "expert_parallel_size=2")
 
 
-def rank_lists(world_size: int, tp: int, pp: int, ep: int = 1) -> dict[str, list[list[int]]]:
+def rank_lists(world_size: int, tp: int, pp: int, ep: int = 1, cp: int = 1) -> dict[str, list[list[int]]]:
     """Every group of every kind for a [PP, DP, TP] layout, plus the "expert" and "expert_data"
     groups carved from DP when ``ep`` > 1 (pure; unit-tested)."""
     if tp < 1 or pp < 1:
@@ -101,12 +102,18 @@ def rank_lists(world_size: int, tp: int, pp: int, ep: int = 1) -> dict[str, list
                            for b in blocks]
         lists["expert_data"] = [[rank(p, b * ep + e, t) for b in blocks] for p in range(pp) for t in range(tp)
                                 for e in range(ep)]
+    if cp > 1:  # consecutive blocks of each data group, nearest to TP (Megatron's [pp, dp, cp, tp] order)
+        if dp % cp != 0:
+            raise ValueError(
+                f"context_parallel_size ({cp}) must divide the data-parallel size {dp} (world {world_size} / (tp {tp} "
+                f"x pp {pp})): launch {tp * pp * cp} x k processes, or use a context_parallel_size dividing {dp}")
+        lists["context"] = [ranks[i:i + cp] for ranks in lists["data"] for i in range(0, dp, cp)]
     return lists
 
 
 def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_model_parallel_size: int = 1, *,
                               timeout: float | datetime.timedelta | None = None,
-                              expert_parallel_size: int = 1) -> None:
+                              expert_parallel_size: int = 1, context_parallel_size: int = 1) -> None:
     """Create the TP, PP, DP and model-parallel groups; initializes torch.distributed from the
     torchrun environment if needed. Calling it again first destroys the previous groups.
 
@@ -125,18 +132,18 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
         destroy_model_parallel()
     world = backend.world_size()
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
-    lists = rank_lists(world, tp, pp, expert_parallel_size)
+    lists = rank_lists(world, tp, pp, expert_parallel_size, context_parallel_size)
     me = backend.rank()
     groups, my_ranks = {}, {}
     for kind, rank_groups in lists.items():
         for ranks in rank_groups:  # every rank must create every group
             group = backend.new_group(ranks, timeout=timeout, name=GROUP_NAMES[kind],
-                                      point_to_point=kind == "pipeline")
+                                      point_to_point=kind in ("pipeline", "context"))  # context: ring attention
             if me in ranks:
                 groups[kind], my_ranks[kind] = group, ranks.index(me)
     dp = world // (tp * pp)
     _state = _State(tp_size=tp, pp_size=pp, dp_size=dp, ep_size=expert_parallel_size, groups=groups, ranks=my_ranks, rank_lists=lists,
-                    timeout=timeout)
+                    timeout=timeout, cp_size=context_parallel_size)
 
 
 _before_destroy: list = []
@@ -257,6 +264,31 @@ def get_expert_data_parallel_rank() -> int:
 def get_expert_data_parallel_group(as_list: bool = False):
     """The ranks holding the same experts (the data group at ep = 1)."""
     return _group("expert_data" if get_expert_parallel_size() > 1 else "data", as_list)
+
+
+# -- context parallel (carved from data parallel: nxd_hf/context/groups.py)
+def get_context_parallel_size() -> int:
+    return _state.cp_size if _state else 1
+
+
+def get_context_parallel_rank() -> int:
+    return _rank_in("context") if get_context_parallel_size() > 1 else 0
+
+
+def get_context_parallel_group(as_list: bool = False):
+    """The ranks splitting one replica's sequences among them (this rank alone at cp = 1)."""
+    if get_context_parallel_size() > 1:
+        return _group("context", as_list)
+    return [[r] for r in range(backend.world_size())] if as_list else backend.SELF
+
+
+def get_data_parallel_replicas() -> int:
+    """Data-parallel ranks holding different batches: dp / cp (the cp ranks of one replica share one)."""
+    return get_data_parallel_size() // get_context_parallel_size()
+
+
+def get_data_parallel_replica_rank() -> int:
+    return get_data_parallel_rank() // get_context_parallel_size()
 
 
 # NxD spells some of these two ways; both work.

@@ -40,6 +40,7 @@ import zlib
 from nxd_hf import backend, parallel_state
 from nxd_hf.checkpoint.consolidate import save_pretrained
 from nxd_hf.fsdp import DataParallelSharding, check_data_parallel_sharding, shard_data_parallel
+from nxd_hf.context import check_context_parallel, install_context_parallel
 from nxd_hf.model_setup import LocalSetup, set_up_local_modules
 from nxd_hf.model_setup.activation_checkpoint import decoder_layer_types
 from nxd_hf.model_setup.materialize import refuse_deferred_init
@@ -58,7 +59,7 @@ def parallelize(
     fp32_grad_accumulation: bool = False, device=None, check_inputs: bool | str = True, timeout=None,
     lora_config=None, autocast_adapter_dtype: bool = True, fused_loss: bool = False, expert_parallel_size: int = 1,
     data_parallel_sharding: DataParallelSharding | None = None, data_parallel_shard_size: int | None = None,
-    **pipeline_kwargs,
+    context_parallel_size: int = 1, context_parallel_attention: str = "auto", **pipeline_kwargs,
 ):
     """Shard a Hugging Face model (real or meta weights) in place and return it.
 
@@ -98,6 +99,10 @@ def parallelize(
         docs/fsdp.md); None: every DP rank holds the whole TP shard (DDP, or ZeRO-1's optimizer).
     data_parallel_shard_size: with data_parallel_sharding, shard over groups of this many DP ranks and
         replicate across the groups (HSDP); None: shard over every DP rank.
+    context_parallel_size: ranks each sequence is split over, through attention itself, carved
+        from the data-parallel ranks; every CP rank of a replica passes the same full batch
+        (``nxd_hf.context``, docs/context_parallel.md).
+    context_parallel_attention: "ring", "all_to_all" (heads divisible by tp x cp) or "auto" (ring).
     pipeline_kwargs: with pipeline_parallel_size > 1, ``NxDPPModel`` arguments (num_microbatches,
         schedule, virtual_pipeline_size, pipeline_cuts, use_zero1_optimizer, ...); the result is
         then an ``NxDPPModel`` trained with ``run_train``.
@@ -121,8 +126,13 @@ def parallelize(
                           check_inputs=check_inputs, lora_config=type(lora_config).__name__, fused_loss=fused_loss,
                           activation_checkpoint_config=repr(activation_checkpoint_config),
                           pipeline_options=sorted(pipeline_kwargs), expert_parallel_size=expert_parallel_size,
-                          data_parallel_sharding=data_parallel_sharding, data_parallel_shard_size=data_parallel_shard_size)
-    init_parallel_state(tensor_parallel_size, pipeline_parallel_size, timeout, expert_parallel_size)
+                          data_parallel_sharding=data_parallel_sharding, data_parallel_shard_size=data_parallel_shard_size,
+                          context_parallel_size=context_parallel_size,
+                          context_parallel_attention=context_parallel_attention)
+    check_context_parallel(context_parallel_size, context_parallel_attention,
+                           pipeline_parallel_size=pipeline_parallel_size, expert_parallel_size=expert_parallel_size)
+    init_parallel_state(tensor_parallel_size, pipeline_parallel_size, timeout, expert_parallel_size,
+                        context_parallel_size)
     with fail_together("nxd_hf.parallelize"):  # no collective inside: a rank failing alone fails every rank
         check_data_parallel_sharding(data_parallel_sharding, pipeline_parallel_size=pipeline_parallel_size,
                                      expert_parallel_size=expert_parallel_size, lora_config=lora_config,
@@ -137,6 +147,7 @@ def parallelize(
         swap_layers(model, patch, layout, sequence_parallel=sequence_parallel, gather_logits=gather_logits,
                     fused_loss=fused_loss, check_ranges=resolve_mode(check_inputs) != "off")
         split_experts(model, patch)
+        install_context_parallel(model, kind=context_parallel_attention, sequence_parallel=sequence_parallel)
         check = install_input_check(model, check_inputs)
     if pipeline_parallel_size == 1:  # the pipeline computes the global aux loss itself (pipeline.router_aux)
         install_global_aux_loss(model)

@@ -19,7 +19,7 @@ from nxd_hf.tp.plan import Experts, ModelPatch
 
 
 def init_parallel_state(tensor_parallel_size: int, pipeline_parallel_size: int, timeout,
-                        expert_parallel_size: int = 1) -> None:
+                        expert_parallel_size: int = 1, context_parallel_size: int = 1) -> None:
     """Step 0."""
     parallel_state.check_sizes(tensor_parallel_size, pipeline_parallel_size)
     parallel_state.check_expert_parallel_size(expert_parallel_size)
@@ -37,9 +37,14 @@ def init_parallel_state(tensor_parallel_size: int, pipeline_parallel_size: int, 
             raise ValueError(
                 f"parallel_state is initialized with expert_parallel_size={parallel_state.get_expert_parallel_size()} "
                 f"but parallelize was asked for expert_parallel_size={expert_parallel_size}: pass the same to both")
+        if parallel_state.get_context_parallel_size() != context_parallel_size:
+            raise ValueError(
+                f"parallel_state is initialized with context_parallel_size={parallel_state.get_context_parallel_size()}"
+                f" but parallelize was asked for context_parallel_size={context_parallel_size}: pass the same to both")
         return
     parallel_state.initialize_model_parallel(tensor_parallel_size, pipeline_parallel_size, timeout=timeout,
-                                             expert_parallel_size=expert_parallel_size)
+                                             expert_parallel_size=expert_parallel_size,
+                                             context_parallel_size=context_parallel_size)
 
 
 def resolve_patch(model, *, sequence_parallel: bool, pipeline_parallel_size: int = 1) -> ModelPatch:

@@ -45,7 +45,7 @@ from nxd_hf.backend.collectives import (  # noqa: F401
     reduce_scatter_into,
 )
 from nxd_hf.backend.collectives import (  # noqa: F401
-    CombineTokens, DispatchRows, DispatchTokens, all_to_all, exchange_counts,
+    CombineTokens, DispatchRows, DispatchTokens, RingShift, all_to_all, exchange_counts, ring_shift,
 )
 from nxd_hf.backend.devices import (  # noqa: F401
     _computes_on_cuda, _config_devices, _served_devices, collective_device, default_backend, default_device,

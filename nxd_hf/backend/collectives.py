@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from nxd_hf.backend.devices import _served_devices
-from nxd_hf.backend.groups import _named_errors, group_rank, group_size, world_size
+from nxd_hf.backend.groups import _named_errors, group_rank, group_size, p2p_group, world_size
 
 
 # torch >= 2.13 renamed the flat collectives; torch-xla's torch (2.9) has only the old names.
@@ -291,3 +291,41 @@ def reduce_scatter_async(out: torch.Tensor, tensor: torch.Tensor, group):
         works = [dist.reduce(chunks[j], dst=dist.get_global_rank(group, j), group=group, async_op=True)
                  for j in range(size)]
         return _ReduceScatterWork(works, out, chunks[group_rank(group)])
+
+
+class RingShift:
+    """Pending ``ring_shift``: ``wait()`` returns the tensors received from the previous rank."""
+
+    def __init__(self, works: list, received: list[torch.Tensor]):
+        self.works, self.received = works, received
+
+    def wait(self) -> list[torch.Tensor]:
+        for work in self.works:
+            work.wait()
+        return self.received
+
+
+def ring_shift(tensors: list[torch.Tensor], group) -> RingShift:
+    """Start sending each tensor to the next rank of ``group`` (group rank + 1, wrapping) and
+    receiving the previous rank's tensors of the same shapes (ring attention's K/V hop). Counted
+    as "send" with the payload of the tensors this rank sends."""
+    size = group_size(group)
+    if size == 1:
+        return RingShift([], list(tensors))
+    me = group_rank(group)
+    to, frm = dist.get_global_rank(group, (me + 1) % size), dist.get_global_rank(group, (me - 1) % size)
+    twin = p2p_group(group)  # a plain gloo twin when gloo computes on CUDA: sends staged through the CPU
+    ops, received = [], []
+    for tensor in tensors:
+        tensor = tensor.contiguous() if twin is group else tensor.cpu()
+        _record("send", tensor, twin)
+        out = torch.empty_like(tensor)
+        ops += [dist.P2POp(dist.isend, tensor, to, twin), dist.P2POp(dist.irecv, out, frm, twin)]
+        received.append(out)
+    with _named_errors("send/recv", group):
+        works = dist.batch_isend_irecv(ops)
+    if twin is not group:
+        for work in works:
+            work.wait()
+        return RingShift([], [out.to(t.device) for out, t in zip(received, tensors)])
+    return RingShift(works, received)

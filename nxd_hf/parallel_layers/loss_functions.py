@@ -131,9 +131,11 @@ def loss_normalizer(labels: torch.Tensor, num_items_in_batch=None, *, ignore_ind
     """What this rank divides its summed token loss by, so that gradients averaged over data
     parallelism equal those of one batch holding the whole step: the step's count of
     non-ignored (shifted) label tokens over all DP ranks and micro-steps — ``num_items_in_batch``
-    when given, else this call's count summed over DP — divided by the DP size."""
+    when given, else this call's count summed over DP — divided by the number of batch replicas
+    (the DP size over the context-parallel size: the cp ranks of a replica share its rows)."""
     if num_items_in_batch is None:
         num_items_in_batch = (labels[..., 1:] != ignore_index).sum().to(torch.float32)
         backend.all_reduce(num_items_in_batch, parallel_state.get_data_parallel_group())
+        num_items_in_batch /= parallel_state.get_context_parallel_size()  # its cp ranks count a replica's rows
     count = torch.as_tensor(num_items_in_batch, dtype=torch.float32, device=labels.device)
-    return count / parallel_state.get_data_parallel_size()
+    return count / parallel_state.get_data_parallel_replicas()

@@ -79,6 +79,11 @@ class NxDTrainingArguments(TrainingArguments):
                                      "data-parallel ranks (docs/moe.md)."})
     data_parallel_sharding: str | None = dataclasses.field(
         default=None, metadata={"help": "zero3 or zero2 over the data-parallel ranks (FSDP2); set from fsdp= too."})
+    context_parallel_size: int = dataclasses.field(
+        default=1, metadata={"help": "Ranks each sequence is split over through attention, carved from the "
+                                     "data-parallel ranks (docs/context_parallel.md)."})
+    context_parallel_attention: Literal["auto", "ring", "all_to_all"] = dataclasses.field(
+        default="auto", metadata={"help": "Attention across the context-parallel ranks: auto (ring), ring, all_to_all."})
     overlap_grad_reduce: bool = dataclasses.field(
         default=True, metadata={"help": "Reduce gradients over DP during backward, overlapped (ZeRO-1's reduce-scatter "
                                         "too), on the last micro-step of an accumulation only."})
@@ -116,7 +121,7 @@ class NxDTrainingArguments(TrainingArguments):
 
     def _check_layout(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "num_microbatches", "virtual_pipeline_size",
-                     "expert_parallel_size"):
+                     "expert_parallel_size", "context_parallel_size"):
             value = getattr(self, name)
             if name == "num_microbatches" and value is None:
                 continue
@@ -197,6 +202,8 @@ class NxDTrainingArguments(TrainingArguments):
             mixed_precision_config={"use_master_weights": True, "use_fp32_grad_acc": self.bf16_master_weights},
             lora_config=lora_config, expert_parallel_size=self.expert_parallel_size,
             data_parallel_sharding=self.data_parallel_sharding,
+            context_parallel_size=self.context_parallel_size,
+            context_parallel_attention=self.context_parallel_attention,
         )
         config.fused_loss = self.fused_loss
         return config

@@ -23,7 +23,8 @@ def replica_rows(batch: dict) -> dict:
     since every collective of it (the gradient reduction, ZeRO-1's reduce-scatter and all-gather)
     needs every replica, on a copy of the batch's first row marked ``FILLER_ROWS``: the trainer
     makes its loss and gradients zero."""
-    dp_size, dp_rank = parallel_state.get_data_parallel_size(), parallel_state.get_data_parallel_rank()
+    # the context-parallel ranks of a replica share its rows (they split the sequence)
+    dp_size, dp_rank = parallel_state.get_data_parallel_replicas(), parallel_state.get_data_parallel_replica_rank()
     rows = next(v.shape[0] for v in batch.values() if torch.is_tensor(v) and v.dim() > 0)
     _check_rows(batch, rows)
     local_rows = len(torch.arange(rows).tensor_split(dp_size)[dp_rank])
@@ -38,7 +39,7 @@ def replica_rows(batch: dict) -> dict:
 
 def check_dataset_size(dataset, name: str) -> None:
     """Every data-parallel replica needs a sample (the same check on every rank: same dataset)."""
-    dp_size = parallel_state.get_data_parallel_size()
+    dp_size = parallel_state.get_data_parallel_replicas()
     size = len(dataset) if dataset is not None and hasattr(dataset, "__len__") else None
     if size is not None and size < dp_size:
         raise ValueError(f"the {name} has {size} samples but there are {dp_size} data-parallel replicas: each needs "

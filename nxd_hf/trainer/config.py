@@ -90,6 +90,10 @@ class NxDConfig:
     it to derive its tensor-parallel layout (``nxd_hf.trainer.own_layout``; nnScaler's; not in NxD)."""
     data_parallel_sharding: Literal["zero3", "zero2"] | None = None
     """ZeRO-3 / ZeRO-2 over the data-parallel ranks on FSDP2 (``parallelize``'s; docs/fsdp.md; not in NxD)."""
+    context_parallel_size: int = 1
+    """Ranks each sequence is split over through attention, carved from the data-parallel ranks (not in NxD)."""
+    context_parallel_attention: Literal["auto", "ring", "all_to_all"] = "auto"
+    """Attention across the context-parallel ranks (``parallelize``'s; not in NxD)."""
 
     def __getitem__(self, key: str):  # NxD hands the config around as a dict
         return getattr(self, key)
@@ -141,7 +145,7 @@ def neuronx_distributed_config(
     sequence_parallel: bool = False, model_init_config: dict | None = None, lora_config=None,
     mixed_precision_config: dict | None = None, *, check_inputs: bool | str = True, timeout=None,
     kv_size_multiplier: int | str = "auto", expert_parallel_size: int = 1, dummy_forward_args: dict | None = None,
-    data_parallel_sharding: str | None = None,
+    data_parallel_sharding: str | None = None, context_parallel_size: int = 1, context_parallel_attention: str = "auto",
 ) -> NxDConfig:
     """Validate the training configuration and initialize model parallelism (see ``NxDConfig``)."""
     config = NxDConfig(
@@ -155,11 +159,13 @@ def neuronx_distributed_config(
         mixed_precision_config=_build(MixedPrecisionConfig, mixed_precision_config, "mixed_precision_config"),
         check_inputs=check_inputs, timeout=timeout, kv_size_multiplier=kv_size_multiplier,
         expert_parallel_size=expert_parallel_size, dummy_forward_args=dummy_forward_args,
-        data_parallel_sharding=data_parallel_sharding,
+        data_parallel_sharding=data_parallel_sharding, context_parallel_size=context_parallel_size,
+        context_parallel_attention=context_parallel_attention,
     )
     hints = typing.get_type_hints(NxDConfig)
     for key in ("tensor_parallel_size", "pipeline_parallel_size", "pad_model", "sequence_parallel", "check_inputs",
-                "timeout", "kv_size_multiplier", "expert_parallel_size", "dummy_forward_args", "data_parallel_sharding"):
+                "timeout", "kv_size_multiplier", "expert_parallel_size", "dummy_forward_args", "data_parallel_sharding",
+                "context_parallel_size", "context_parallel_attention"):
         _check_type("neuronx_distributed_config", key, getattr(config, key), hints[key])
     _check_pipeline_config(config.pipeline_config)
     if not 1 <= config.model_init_config.sequential_move_factor <= 32:
@@ -176,7 +182,8 @@ def neuronx_distributed_config(
         raise ValueError("pipeline_config is given but pipeline_parallel_size is 1: set pipeline_parallel_size > 1")
     parallel_state.check_expert_parallel_size(expert_parallel_size)
     parallel_state.initialize_model_parallel(tensor_parallel_size, pipeline_parallel_size, timeout=timeout,
-                                             expert_parallel_size=expert_parallel_size)
+                                             expert_parallel_size=expert_parallel_size,
+                                             context_parallel_size=context_parallel_size)
     return config
 
 

@@ -137,7 +137,7 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
         check_dataset_size(self.train_dataset, "train_dataset")
         self._one_process()
         per_replica = self._train_batch_size
-        self._train_batch_size = per_replica * parallel_state.get_data_parallel_size()
+        self._train_batch_size = per_replica * parallel_state.get_data_parallel_replicas()
         try:
             return super().get_train_dataloader()
         finally:
@@ -152,7 +152,7 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
         return super().get_test_dataloader(test_dataset)
 
     def get_total_train_batch_size(self, args) -> int:
-        return args.train_batch_size * args.gradient_accumulation_steps * parallel_state.get_data_parallel_size()
+        return args.train_batch_size * args.gradient_accumulation_steps * parallel_state.get_data_parallel_replicas()
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device):
         """Global batches and their token count, then this replica's rows of each."""

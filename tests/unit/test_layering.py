@@ -17,7 +17,7 @@ LAYERS = [
     ["nxd_hf.modules", "nxd_hf.model_state"],  # model.nxd: read by checkpoint/ and everything above
     ["nxd_hf.moe"],  # mixture-of-experts math and wrappers (TP experts, EP dispatch, aux loss across stages/replicas)
     ["nxd_hf.checkpoint"],
-    ["nxd_hf.tp", "nxd_hf.optim", "nxd_hf.model_setup"],
+    ["nxd_hf.tp", "nxd_hf.optim", "nxd_hf.model_setup", "nxd_hf.context"],  # context: sequence split, CP attention
     ["nxd_hf.lora", "nxd_hf.pipeline", "nxd_hf.fsdp"],  # fsdp: ZeRO-2/3 on FSDP2 over the DP group
     ["nxd_hf.fx_tp"],  # any module's TP layout from its traced graph (the pipeline's untraced calls); nnscaler, trainer
     ["nxd_hf.architectures"],  # the one module that imports the bundled model_patches

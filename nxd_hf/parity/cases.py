@@ -111,7 +111,7 @@ def _agree(status: str, message: str) -> tuple[str, str]:
 def _failure(exc: BaseException, *, setup: bool) -> tuple[str, str]:
     """A ValueError that nxd_hf raises while setting up is a refusal; anything else a crash."""
     where = traceback.extract_tb(exc.__traceback__)[-1].filename if exc.__traceback__ else ""
-    if setup and isinstance(exc, ValueError) and ("/nxd_hf/" in where or "/model_patches/" in where):
+    if setup and isinstance(exc, ValueError) and ("/nxd_hf/" in where):
         return "refused", str(exc)
     tail = "".join(traceback.format_exception(exc)[-3:])
     return "crash", f"{type(exc).__name__}: {exc}\n{tail}"[:2000]

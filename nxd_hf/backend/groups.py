@@ -99,6 +99,14 @@ def new_group(ranks: list[int], *, timeout: datetime.timedelta | None = None, na
     return group
 
 
+def new_host_group(name: str):
+    """A gloo group of every rank beside the default one, for host-side agreement that must never
+    pair with a collective a failed peer left waiting on another group. Called on every rank."""
+    group = dist.new_group(backend="gloo")
+    _group_names[group] = (name, list(range(world_size())), None)
+    return group
+
+
 def destroy_group(group) -> None:
     _group_names.pop(group, None)
     twin = _p2p_twins.pop(group, None)

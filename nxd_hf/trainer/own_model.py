@@ -16,7 +16,7 @@ from torch import nn
 
 from nxd_hf.guards.fail_together import fail_together
 from nxd_hf.guards.input_check import InputCheck, resolve_mode
-from nxd_hf.model_setup import LocalSetup, set_up_whole_module
+from nxd_hf.model_setup import LocalSetup, SetupRecord, finish_parallel_model
 from nxd_hf.model_setup.activation_checkpoint import decoder_layer_types
 from nxd_hf.model_state import state_of
 from nxd_hf.parallel_layers.layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
@@ -38,21 +38,19 @@ def has_parallel_layers(model: nn.Module) -> bool:
 
 def parallelize_own_model(model: nn.Module, nxd_config, *, param_init_fn, pipeline_kwargs: dict) -> nn.Module:
     """``model`` set up as the module docstring says; returns it (pp=1) or its ``NxDPPModel``."""
-    tp, pp = nxd_config.tensor_parallel_size, nxd_config.pipeline_parallel_size
+    pp = nxd_config.pipeline_parallel_size
     with fail_together("initialize_parallel_model (a model built from parallel layers or plain)"):
         _check_options(model, nxd_config)
-        setup = LocalSetup(param_init_fn=param_init_fn, activation_checkpoint_config=nxd_config.activation_checkpoint_config,
-                           fp32_grad_accumulation=nxd_config.mixed_precision_config.use_fp32_grad_acc)
         check = InputCheck(vocab_size=None, mode=resolve_mode(nxd_config.check_inputs))  # TP/PP ranks: the same batch
+        setup = LocalSetup(param_init_fn=param_init_fn, activation_checkpoint_config=nxd_config.activation_checkpoint_config,
+                           fp32_grad_accumulation=nxd_config.mixed_precision_config.use_fp32_grad_acc,
+                           record=SetupRecord(input_check=check))
         layer_types = ()
         if pp == 1 and nxd_config.activation_checkpoint_config == "full":
             layer_types = _full_checkpoint_layers(model)
     if pp > 1:
-        pipe = NxDPPModel(model, setup=setup, **pipeline_kwargs)
-        pipe.nxd.input_check = check
-        return pipe
-    state = set_up_whole_module(model, setup, tp_size=tp, input_check=check, layer_types=layer_types)
-    state.grad_reduction.install_hooks(model)
+        return NxDPPModel(model, setup=setup, **pipeline_kwargs)
+    finish_parallel_model(model, [model], setup, carriers=[model], layer_types=layer_types, hooks_on=model)
     return model
 
 

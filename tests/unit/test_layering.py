@@ -11,6 +11,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 # Lowest first. A module is placed by its longest matching prefix.
 LAYERS = [
     ["nxd_hf.backend", "nxd_hf.utils"],
+    ["nxd_hf.parallel_sizes"],  # the one value of the layout (pure)
     ["nxd_hf.parallel_state"],
     ["nxd_hf.guards"],  # setup guards: every rank raises the same ValueError (fail_together, input check)
     ["nxd_hf.parallel_layers"],
@@ -47,7 +48,12 @@ def _modules() -> dict[str, pathlib.Path]:
 def _imports(path: pathlib.Path, known: set[str]) -> set[str]:
     """The project modules ``path`` imports anywhere in its body."""
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    annotations_only = {id(n) for block in ast.walk(tree) if _is_type_checking(block)
+                        for stmt in block.body for n in ast.walk(stmt)}
+    for node in ast.walk(tree):
+        if id(node) in annotations_only:  # ``if TYPE_CHECKING:`` imports never run: annotations may name upper layers
+            continue
         if isinstance(node, ast.Import):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -56,6 +62,10 @@ def _imports(path: pathlib.Path, known: set[str]) -> set[str]:
             continue
         found.update(n for n in names if n in known)
     return found
+
+
+def _is_type_checking(node) -> bool:
+    return isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
 
 
 def _layer(module: str) -> int:

@@ -12,6 +12,7 @@ import transformers
 
 import nxd_hf
 from nxd_hf import cli
+from nxd_hf.parallel_sizes import ParallelSizes
 from nxd_hf.plan import Layout, parse_bytes
 from nxd_hf.plan.activations import trace_activations
 from nxd_hf.plan.memory import Workload, layer_activation_elements, stage_layers
@@ -109,7 +110,7 @@ def test_activation_bytes_per_token_are_what_autograd_saves(name, lora):
     }[name]
     shape = model_shape(make_config(1))
     work = Workload(micro_batch_size=2, seq_len=32, global_batch_size=2, lora_r=4 if lora else 0, lora_targets=lora)
-    predicted = 4 * layer_activation_elements(shape, work, Layout(tp=1, pp=1, dp=1), moe=name == "mixtral")
+    predicted = 4 * layer_activation_elements(shape, work, Layout(sizes=ParallelSizes()), moe=name == "mixtral")
     measured = _saved_bytes_per_token_layer(make_config, lora)
     assert predicted == pytest.approx(measured, rel=0.02), (predicted, measured)
     lora_config = peft.LoraConfig(r=4, target_modules=list(lora)) if lora else None
@@ -176,7 +177,7 @@ def test_recompute_and_sequence_parallel_lower_activations(tmp_path):
                          global_batch_size=4)
 
     def memory(**fields) -> dict:
-        layout = Layout(tp=2, pp=1, dp=4, num_microbatches=1, **fields)
+        layout = Layout(sizes=ParallelSizes(tp=2, pp=1, dp=4), num_microbatches=1, **fields)
         return next(p.memory for p in result.ranked if p.layout == layout)
 
     plain = memory()
@@ -240,8 +241,13 @@ def test_auto_sizes_resolve_from_the_plan():
                                        pipeline_parallel_size="1", report_to=[], per_device_train_batch_size=2)
     assert args.has_auto_sizes and args.pipeline_parallel_size == 1
     model = transformers.AutoModelForCausalLM.from_pretrained(TINY)
-    chosen = nxd_hf.plan.resolve_auto_sizes(args, model, world_size=1, device_memory=2**30, seq_len=64)
-    assert chosen == {"tensor_parallel_size": 1} and args.tensor_parallel_size == 1 and not args.has_auto_sizes
+    sizes = nxd_hf.plan.resolve_auto_sizes(model, tensor_parallel_size=args.tensor_parallel_size,
+                                           pipeline_parallel_size=args.pipeline_parallel_size,
+                                           micro_batch_size=args.per_device_train_batch_size, world_size=1,
+                                           device_memory=2**30, seq_len=64)
+    assert sizes == ParallelSizes(tp=1, pp=1, dp=1) and args.tensor_parallel_size == "auto"  # a new value
+    args.use_sizes(sizes)
+    assert args.tensor_parallel_size == 1 and not args.has_auto_sizes
 
 
 def test_autodist_policy_returns_the_best_layout():
@@ -266,8 +272,8 @@ def test_expert_parallel_layouts_are_priced_with_their_all_to_all(tmp_path):
     result = nxd_hf.plan_layout(path, world_size=8, device_memory="10TB", seq_len=1024, dtype="bfloat16")
     ep = [p for p in result.ranked if p.layout.ep > 1]
     assert ep and all(any(t.op == "all_to_all" and t.axis == "ep" for t in p.comm) for p in ep)
-    plain = next(p for p in result.ranked if p.layout == Layout(tp=1, pp=1, dp=8, num_microbatches=1))
-    sharded = next(p for p in result.ranked if p.layout == Layout(tp=1, pp=1, dp=8, ep=8, num_microbatches=1))
+    plain = next(p for p in result.ranked if p.layout == Layout(sizes=ParallelSizes(dp=8), num_microbatches=1))
+    sharded = next(p for p in result.ranked if p.layout == Layout(sizes=ParallelSizes(dp=8, ep=8), num_microbatches=1))
     assert sharded.memory["parameters"] < plain.memory["parameters"] / 4  # experts are most of Mixtral
 
 
@@ -277,7 +283,7 @@ def test_zero1_with_expert_parallelism_shards_experts_over_expert_data(tmp_path)
     result = nxd_hf.plan_layout(path, world_size=8, device_memory="10TB", seq_len=1024, dtype="bfloat16")
 
     def state(**fields) -> float:
-        layout = Layout(tp=1, pp=1, dp=8, num_microbatches=1, **fields)
+        layout = Layout(sizes=ParallelSizes(tp=1, pp=1, dp=8), num_microbatches=1, **fields)
         return next(p.memory["optimizer_state"] for p in result.ranked if p.layout == layout)
 
     assert state(ep=2, zero_1=True) == pytest.approx(state(zero_1=True))

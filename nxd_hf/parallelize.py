@@ -121,7 +121,8 @@ def parallelize(
     check_same_on_every_rank("nxd_hf.parallelize", {**arguments, **model_summary(model)}, noun="arguments",
                              timeout=timeout, fix="Every rank must call it with the same arguments and the same model")
     if not auto:
-        sizes = requested_sizes(tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+        sizes = requested_sizes(tensor_parallel_size=tensor_parallel_size,
+                                pipeline_parallel_size=pipeline_parallel_size,
                                 expert_parallel_size=expert_parallel_size, timeout=timeout)
     init_parallel_state(sizes, timeout)
     with fail_together("nxd_hf.parallelize"):  # no collective inside: a rank failing alone fails every rank

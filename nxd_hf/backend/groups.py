@@ -66,6 +66,11 @@ def init_process_group_from_env(timeout: datetime.timedelta | None = None) -> No
     atexit.register(_destroy_world_at_exit)
 
 
+def is_initialized() -> bool:
+    """Whether torch.distributed's default process group exists (someone started it)."""
+    return dist.is_available() and dist.is_initialized()
+
+
 def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 

@@ -271,7 +271,8 @@ def _resolve_auto_sizes(args: NxDTrainingArguments, model, peft_config) -> None:
         gradient_accumulation_steps=args.gradient_accumulation_steps, lora_config=peft_config)
     from nxd_hf.utils.logger import get_logger
 
-    chosen = {name: getattr(sizes, axis) for name, axis in (("tensor_parallel_size", "tp"), ("pipeline_parallel_size", "pp"))
+    chosen = {name: getattr(sizes, axis) for name, axis in (("tensor_parallel_size", "tp"),
+                                                            ("pipeline_parallel_size", "pp"))
               if getattr(args, name) == "auto"}
     get_logger().info(f"nxd_hf.plan chose {chosen} for the 'auto' sizes")
     args.use_sizes(sizes)

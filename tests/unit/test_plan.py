@@ -146,7 +146,7 @@ def test_stage_layers_match_the_pipeline_partition():
 
 def test_rejections_say_why():
     result = nxd_hf.plan_layout(TINY, world_size=8, device_memory="1GiB", seq_len=63, micro_batch_size=1,
-                         global_batch_size=8)
+                                global_batch_size=8)
     reasons = {r.layout.name(): r.reason for r in result.rejected}
     assert "exceeds the 4 attention heads" in reasons["tp8 pp1 dp1 mb8"]
     assert "4 pipeline stages for 2 layers" in reasons["tp1 pp4 dp2 mb4 1f1b"]
@@ -155,14 +155,15 @@ def test_rejections_say_why():
     assert not small.ranked and all("does not fit" in r.reason or "stages" in r.reason for r in small.rejected)
     with pytest.raises(ValueError, match="no layout of llama fits 2 ranks"):
         small.best
-    odd = nxd_hf.plan_layout(TINY, world_size=4, device_memory="1GiB", seq_len=64, micro_batch_size=3, global_batch_size=8)
+    odd = nxd_hf.plan_layout(TINY, world_size=4, device_memory="1GiB", seq_len=64, micro_batch_size=3,
+                             global_batch_size=8)
     assert any("does not divide into dp=" in r.reason for r in odd.rejected)
 
 
 def test_ranking_is_by_step_time_and_respects_slow_links(tmp_path):
     path = _write(tmp_path, "llama8b", LLAMA_8B)
     result = nxd_hf.plan_layout(path, world_size=16, nodes=2, device_memory="80GB", seq_len=4096, micro_batch_size=1,
-                         global_batch_size=64, dtype="bfloat16")
+                                global_batch_size=64, dtype="bfloat16")
     times = [p.step_time for p in result.ranked]
     assert times == sorted(times)
     assert result.best.layout.tp <= 8  # TP across the slow inter-node links is never best
@@ -173,8 +174,8 @@ def test_ranking_is_by_step_time_and_respects_slow_links(tmp_path):
 
 def test_recompute_and_sequence_parallel_lower_activations(tmp_path):
     path = _write(tmp_path, "llama8b", LLAMA_8B)
-    result = nxd_hf.plan_layout(path, world_size=8, device_memory="1TB", seq_len=4096, micro_batch_size=1, dtype="bfloat16",
-                         global_batch_size=4)
+    result = nxd_hf.plan_layout(path, world_size=8, device_memory="1TB", seq_len=4096, micro_batch_size=1,
+                                dtype="bfloat16", global_batch_size=4)
 
     def memory(**fields) -> dict:
         layout = Layout(sizes=ParallelSizes(tp=2, pp=1, dp=4), num_microbatches=1, **fields)
@@ -189,7 +190,7 @@ def test_recompute_and_sequence_parallel_lower_activations(tmp_path):
 def test_llama_8b_top_layout_fits(tmp_path):
     path = _write(tmp_path, "llama8b", LLAMA_8B)
     result = nxd_hf.plan_layout(path, world_size=8, device_memory="80GB", seq_len=4096, micro_batch_size=1,
-                         global_batch_size=32, dtype="bfloat16")
+                                global_batch_size=32, dtype="bfloat16")
     assert result.best.peak_memory <= 80e9 * 0.9
     assert any(r.reason.startswith("does not fit") for r in result.rejected)  # tp1 dp8: 16 B/param does not fit
 
@@ -199,7 +200,7 @@ def test_mixtral_moe_plan(tmp_path):
 
     path = _write(tmp_path, "mixtral", MIXTRAL)
     result = nxd_hf.plan_layout(path, world_size=8, device_memory="80GB", seq_len=4096, micro_batch_size=1,
-                         dtype="bfloat16", lora_config=peft.LoraConfig(r=16, target_modules=["q_proj", "v_proj"]))
+                                dtype="bfloat16", lora_config=peft.LoraConfig(r=16, target_modules=["q_proj", "v_proj"]))
     assert result.shape.num_experts == 8 and result.shape.top_k == 2
     assert result.shape.total_params == 46_702_792_704
     assert result.best.peak_memory <= 80e9 * 0.9
@@ -282,8 +283,8 @@ def test_zero1_with_expert_parallelism_shards_experts_over_expert_data(tmp_path)
     path = _write(tmp_path, "mixtral", MIXTRAL)
     result = nxd_hf.plan_layout(path, world_size=8, device_memory="10TB", seq_len=1024, dtype="bfloat16")
 
-    def state(**fields) -> float:
-        layout = Layout(sizes=ParallelSizes(tp=1, pp=1, dp=8), num_microbatches=1, **fields)
+    def state(ep: int = 1, **fields) -> float:
+        layout = Layout(sizes=ParallelSizes(dp=8, ep=ep), num_microbatches=1, **fields)
         return next(p.memory["optimizer_state"] for p in result.ranked if p.layout == layout)
 
     assert state(ep=2, zero_1=True) == pytest.approx(state(zero_1=True))

@@ -200,7 +200,8 @@ def test_mixtral_moe_plan(tmp_path):
 
     path = _write(tmp_path, "mixtral", MIXTRAL)
     result = nxd_hf.plan_layout(path, world_size=8, device_memory="80GB", seq_len=4096, micro_batch_size=1,
-                                dtype="bfloat16", lora_config=peft.LoraConfig(r=16, target_modules=["q_proj", "v_proj"]))
+                                dtype="bfloat16",
+                                lora_config=peft.LoraConfig(r=16, target_modules=["q_proj", "v_proj"]))
     assert result.shape.num_experts == 8 and result.shape.top_k == 2
     assert result.shape.total_params == 46_702_792_704
     assert result.best.peak_memory <= 80e9 * 0.9

@@ -120,7 +120,7 @@ def parallelize(
         pipeline_options=sorted(pipeline_kwargs), expert_parallel_size=expert_parallel_size)
     check_same_on_every_rank("nxd_hf.parallelize", {**arguments, **model_summary(model)}, noun="arguments",
                              timeout=timeout, fix="Every rank must call it with the same arguments and the same model")
-    if not auto:
+    if not auto:  # checked after the agreement: sizes wrong on some ranks only fail every rank alike
         sizes = requested_sizes(tensor_parallel_size=tensor_parallel_size,
                                 pipeline_parallel_size=pipeline_parallel_size,
                                 expert_parallel_size=expert_parallel_size, timeout=timeout)

@@ -40,5 +40,6 @@ __all__ = [
     "initialize_parallel_optimizer",
     "neuronx_distributed_config", "parallel_state", "parallelize", "register_patch",
 ]
-from nxd_hf import plan  # noqa: E402  the layout search: nxd_hf.plan(model_or_config, world_size=..., ...) is callable
-__all__.append("plan")
+from nxd_hf import plan  # noqa: E402  the layout search package: nxd_hf.plan.plan(model_or_config, world_size=..., ...)
+from nxd_hf.plan import plan as plan_layout  # noqa: E402  the search itself, at the top: nxd_hf.plan_layout(...)
+__all__ += ["plan", "plan_layout"]

@@ -6,58 +6,85 @@ and so do the wrappers around them (``NxDModel.nxd``; a ``peft.PeftModel`` forwa
 the model it wraps). Code above the setup sequence (``checkpoint/``, ``lora/``, ``optim/``,
 ``trainer/``) reads a model's state through ``state_of`` instead of probing the model's own
 attributes. This module sits below ``checkpoint/`` so every package may read it; its fields of
-upper-layer types are typed loosely (their packages are named in the comments).
+upper-layer types are annotated through ``TYPE_CHECKING`` imports (never imported at run time).
 """
 
 import dataclasses
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from torch import nn
 
+from nxd_hf.guards.input_check import InputCheck
 from nxd_hf.parallel_layers.grad_reduction import GradReduction
 from nxd_hf.parallel_layers.heads import HeadLayout
-from nxd_hf.guards.input_check import InputCheck
+from nxd_hf.parallel_sizes import ParallelSizes
+
+if TYPE_CHECKING:  # upper layers: for the annotations only
+    from nxd_hf.checkpoint.hf_safetensors import LoadReport
+    from nxd_hf.lora.checkpoint import LoraCheckpoint
+    from nxd_hf.tp.plan import ModelPatch
+    from nxd_hf.trainer.config import NxDConfig
 
 
 @dataclasses.dataclass(kw_only=True, eq=False)
 class NxDModelState:
-    """One parallel model's setup record (``model.nxd``)."""
+    """One parallel model's setup record (``model.nxd``), made by
+    ``nxd_hf.model_setup.finish_parallel_model`` once the model is set up; what is learnt later
+    is recorded through its methods."""
 
-    tp_size: int
-    """Tensor-parallel size the model was sharded for."""
-    pp_size: int
-    """Pipeline-parallel size (1: no ``NxDPPModel``)."""
-    dp_size: int
-    """Data-parallel size (ranks beyond tp x pp)."""
+    sizes: ParallelSizes
+    """The layout the model was set up for (``parallel_state``'s)."""
     hf_model: nn.Module = dataclasses.field(repr=False)
     """The Hugging Face (or plain) model the setup sequence was given; under pp > 1 the original
     whole model, whose weights only exist in this rank's stages."""
     local_modules: list[nn.Module] = dataclasses.field(repr=False)
     """This rank's modules, holding its parameters under ``hf_model``'s names: ``[hf_model]``,
     or the local pipeline stages."""
+    grad_reduction: GradReduction
+    """The gradient-reduction policy of this rank's modules (``no_sync``, optimizers register with it)."""
     wrapper: Literal["plain", "pipeline"] = "plain"
     """What the setup sequence returned: the model itself, or an ``NxDPPModel`` around its stages."""
-    patch: Any = None
-    """The resolved architecture patch (``nxd_hf.tp.plan.ModelPatch``); None for a plain module."""
+    patch: "ModelPatch | None" = None
+    """The resolved architecture patch; None for a module no Hugging Face plan sharded."""
     head_layout: HeadLayout | None = None
     """This rank's attention-head layout (None: no attention heads in the config, or no TP setup)."""
-    grad_reduction: GradReduction | None = None
-    """The gradient-reduction policy of this rank's modules (``no_sync``, optimizers register with it)."""
     input_check: InputCheck | None = None
     """The first-step input check (the pipeline's step calls it; a forward pre-hook otherwise)."""
-    adapters: Any = None
-    """The adapters' checkpoint protocol when the setup sequence added LoRA
-    (``nxd_hf.lora.checkpoint.LoraCheckpoint``; see ``nxd_hf.checkpoint.logical``), else None."""
-    load_report: Any = None
-    """What ``nxd_hf.from_pretrained`` read (``nxd_hf.checkpoint.hf_safetensors.LoadReport``)."""
-    nxd_config: Any = None
-    """The config API's ``NxDConfig`` once an ``NxDModel`` wraps the model (checkpoint options)."""
-    ep_size: int = 1
-    """Expert-parallel size: the ranks each mixture-of-experts layer's experts are split over."""
+    adapters: "LoraCheckpoint | None" = None
+    """The adapters' checkpoint protocol when the setup sequence added LoRA (see
+    ``nxd_hf.checkpoint.logical``), else None."""
+    load_report: "LoadReport | None" = None
+    """What ``nxd_hf.from_pretrained`` read (``record_load_report``)."""
+    nxd_config: "NxDConfig | None" = None
+    """The config API's config once an ``NxDModel`` wraps the model (checkpoint options; ``attach_config``)."""
 
     @property
     def pipelined(self) -> bool:
         return self.wrapper == "pipeline"
+
+    @property
+    def tp_size(self) -> int:
+        return self.sizes.tp
+
+    @property
+    def pp_size(self) -> int:
+        return self.sizes.pp
+
+    @property
+    def dp_size(self) -> int:
+        return self.sizes.dp
+
+    @property
+    def ep_size(self) -> int:
+        return self.sizes.ep
+
+    def record_load_report(self, report: "LoadReport") -> None:
+        """``nxd_hf.from_pretrained``: what this rank read of the files."""
+        self.load_report = report
+
+    def attach_config(self, nxd_config: "NxDConfig") -> None:
+        """``NxDModel``: the config whose checkpoint options (master weights, LoRA) ``save_checkpoint`` reads."""
+        self.nxd_config = nxd_config
 
 
 def state_of(model) -> NxDModelState | None:

@@ -17,15 +17,12 @@ import dataclasses
 import datetime
 
 from nxd_hf import backend
+from nxd_hf.parallel_sizes import ParallelSizes
 
 
 @dataclasses.dataclass(kw_only=True)
 class _State:
-    tp_size: int
-    pp_size: int
-    dp_size: int
-    ep_size: int
-    cp_size: int = 1  # context parallelism, carved from dp like ep (nxd_hf.context)
+    sizes: ParallelSizes  # the layout the groups were made for
     groups: dict  # kind -> this rank's group
     ranks: dict  # kind -> this rank's index within its group of that kind
     rank_lists: dict  # kind -> list of rank lists, one per group of that kind
@@ -38,14 +35,6 @@ _state: _State | None = None
 GROUP_NAMES = {"tensor": "tensor-parallel (tp)", "data": "data-parallel (dp)", "pipeline": "pipeline-parallel (pp)",
                "model": "model-parallel (tp x pp)", "expert": "expert-parallel (ep)",
                "expert_data": "expert-data-parallel (dp / ep)", "context": "context-parallel (cp)"}
-
-
-def check_sizes(tensor_parallel_size, pipeline_parallel_size) -> None:
-    """ValueError unless both sizes are ints >= 1 (a "2" or 2.0 would fail deep inside)."""
-    sizes = {"tensor_parallel_size": tensor_parallel_size, "pipeline_parallel_size": pipeline_parallel_size}
-    for name, size in sizes.items():
-        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {size!r} ({type(size).__name__}): pass e.g. {name}=2")
 
 
 def as_timeout(timeout) -> datetime.timedelta | None:
@@ -61,34 +50,14 @@ def as_timeout(timeout) -> datetime.timedelta | None:
     return None if seconds is None else datetime.timedelta(seconds=seconds)
 
 
-def check_expert_parallel_size(expert_parallel_size) -> None:
-    """ValueError unless ``expert_parallel_size`` is an int >= 1."""
-    if not isinstance(expert_parallel_size, int) or isinstance(expert_parallel_size, bool) or expert_parallel_size < 1:
-        raise ValueError(f"expert_parallel_size must be an int >= 1, got {expert_parallel_size!r}: pass e.g. "
-                         "expert_parallel_size=2")
-
-
-def rank_lists(world_size: int, tp: int, pp: int, ep: int = 1, cp: int = 1) -> dict[str, list[list[int]]]:
+def rank_lists(sizes: ParallelSizes) -> dict[str, list[list[int]]]:
     """Every group of every kind for a [PP, DP, TP] layout, plus the "expert" and "expert_data"
     groups carved from DP when ``ep`` > 1 (pure; unit-tested)."""
-    if tp < 1 or pp < 1:
-        raise ValueError(f"tensor ({tp}) and pipeline ({pp}) parallel sizes must be >= 1")
-    if world_size % (tp * pp) != 0:
-        raise ValueError(
-            f"world size {world_size} is not divisible by tensor_model_parallel_size ({tp}) x "
-            f"pipeline_model_parallel_size ({pp}) = {tp * pp}: launch a multiple of {tp * pp} processes, e.g. "
-            f"`torchrun --nproc_per_node {tp * pp} your_script.py`, or choose sizes whose product divides {world_size}"
-        )
-    dp = world_size // (tp * pp)
+    tp, pp, dp, ep, cp = sizes.tp, sizes.pp, sizes.dp, sizes.ep, sizes.cp
 
     def rank(p, d, t):
         return (p * dp + d) * tp + t
 
-    if dp % ep != 0:
-        raise ValueError(
-            f"expert_parallel_size ({ep}) must divide the data-parallel size {dp} (world {world_size} / (tp {tp} x "
-            f"pp {pp})): experts are split over data-parallel ranks. Use an expert_parallel_size dividing {dp}, or "
-            f"launch {tp * pp * ep} x k processes")
     lists = {
         "tensor": [[rank(p, d, t) for t in range(tp)] for p in range(pp) for d in range(dp)],
         "data": [[rank(p, d, t) for d in range(dp)] for p in range(pp) for t in range(tp)],
@@ -103,10 +72,6 @@ def rank_lists(world_size: int, tp: int, pp: int, ep: int = 1, cp: int = 1) -> d
         lists["expert_data"] = [[rank(p, b * ep + e, t) for b in blocks] for p in range(pp) for t in range(tp)
                                 for e in range(ep)]
     if cp > 1:  # consecutive blocks of each data group, nearest to TP (Megatron's [pp, dp, cp, tp] order)
-        if dp % cp != 0:
-            raise ValueError(
-                f"context_parallel_size ({cp}) must divide the data-parallel size {dp} (world {world_size} / (tp {tp} "
-                f"x pp {pp})): launch {tp * pp * cp} x k processes, or use a context_parallel_size dividing {dp}")
         lists["context"] = [ranks[i:i + cp] for ranks in lists["data"] for i in range(0, dp, cp)]
     return lists
 
@@ -124,15 +89,15 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     expert_parallel_size: ranks the experts of a mixture-of-experts layer are split over, carved
     from the data-parallel ranks (module docstring); must divide the data-parallel size."""
     global _state
-    check_sizes(tensor_model_parallel_size, pipeline_model_parallel_size)
-    check_expert_parallel_size(expert_parallel_size)
+    ParallelSizes.check_sizes(tp=tensor_model_parallel_size, pp=pipeline_model_parallel_size, ep=expert_parallel_size,
+                              cp=context_parallel_size)
     timeout = as_timeout(timeout)
     backend.init_process_group_from_env(timeout)
     if _state is not None:
         destroy_model_parallel()
-    world = backend.world_size()
-    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
-    lists = rank_lists(world, tp, pp, expert_parallel_size, context_parallel_size)
+    sizes = ParallelSizes.for_world(backend.world_size(), tp=tensor_model_parallel_size,
+                                    pp=pipeline_model_parallel_size, ep=expert_parallel_size, cp=context_parallel_size)
+    lists = rank_lists(sizes)
     me = backend.rank()
     groups, my_ranks = {}, {}
     for kind, rank_groups in lists.items():
@@ -141,9 +106,7 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
                                       point_to_point=kind in ("pipeline", "context"))  # context: ring attention
             if me in ranks:
                 groups[kind], my_ranks[kind] = group, ranks.index(me)
-    dp = world // (tp * pp)
-    _state = _State(tp_size=tp, pp_size=pp, dp_size=dp, ep_size=expert_parallel_size, groups=groups, ranks=my_ranks, rank_lists=lists,
-                    timeout=timeout, cp_size=context_parallel_size)
+    _state = _State(sizes=sizes, groups=groups, ranks=my_ranks, rank_lists=lists, timeout=timeout)
 
 
 _before_destroy: list = []
@@ -169,6 +132,11 @@ def model_parallel_is_initialized() -> bool:
     return _state is not None
 
 
+def get_parallel_sizes() -> ParallelSizes:
+    """The layout of the groups (one process's, all sizes 1, when nothing is initialized)."""
+    return _state.sizes if _state else ParallelSizes()
+
+
 def get_collective_timeout() -> datetime.timedelta | None:
     """The ``timeout`` given to ``initialize_model_parallel``, for groups created later."""
     return _state.timeout if _state else None
@@ -186,7 +154,7 @@ def _group(kind: str, as_list: bool):
 
 # -- tensor parallel
 def get_tensor_model_parallel_size() -> int:
-    return _state.tp_size if _state else 1
+    return get_parallel_sizes().tp
 
 
 def get_tensor_model_parallel_rank() -> int:
@@ -204,7 +172,7 @@ def get_tensor_model_parallel_src_rank() -> int:
 
 # -- pipeline parallel
 def get_pipeline_model_parallel_size() -> int:
-    return _state.pp_size if _state else 1
+    return get_parallel_sizes().pp
 
 
 def get_pipeline_model_parallel_rank() -> int:
@@ -217,7 +185,7 @@ def get_pipeline_model_parallel_group(as_list: bool = False):
 
 # -- data parallel
 def get_data_parallel_size() -> int:
-    return _state.dp_size if _state else 1
+    return get_parallel_sizes().dp
 
 
 def get_data_parallel_rank() -> int:
@@ -239,7 +207,7 @@ def get_model_parallel_rank() -> int:
 
 # -- expert parallel (carved from data parallel; module docstring)
 def get_expert_parallel_size() -> int:
-    return _state.ep_size if _state else 1
+    return get_parallel_sizes().ep
 
 
 def get_expert_parallel_rank() -> int:
@@ -268,7 +236,7 @@ def get_expert_data_parallel_group(as_list: bool = False):
 
 # -- context parallel (carved from data parallel: nxd_hf/context/groups.py)
 def get_context_parallel_size() -> int:
-    return _state.cp_size if _state else 1
+    return get_parallel_sizes().cp
 
 
 def get_context_parallel_rank() -> int:

@@ -24,32 +24,34 @@ a directly constructed ``NxDPPModel`` all run these steps, in this order:
  8. activation checkpointing;
  9. the gradient-reduction policy (``nxd_hf.parallel_layers.grad_reduction``);
 10. move to the device.
-Steps 0-3b are functions of ``nxd_hf.setup_steps``. Steps 5-10 run on this rank's modules
-(``nxd_hf.model_setup.local``): on the whole model at pp=1, inside ``NxDPPModel`` on its local
-stages otherwise. What the steps decide is recorded in
-one ``NxDModelState``, ``model.nxd`` (``nxd_hf.model_state``), created after step 3.
+Steps 0-3b are functions of ``nxd_hf.setup_steps``; the sizes are one ``ParallelSizes``
+(``nxd_hf.parallel_sizes``), resolved from "auto" first. Steps 5-10 run on this rank's modules
+in ``nxd_hf.model_setup.finish_parallel_model``: on the whole model at pp=1, inside
+``NxDPPModel`` on its local stages otherwise; it records what the steps decided in one
+``NxDModelState``, ``model.nxd`` (``nxd_hf.model_state``), made with every field set.
 """
 
 import difflib
 import functools
 import inspect
-import json
-import types
-import zlib
 
 from nxd_hf import backend, parallel_state
 from nxd_hf.checkpoint.consolidate import save_pretrained
-from nxd_hf.fsdp import DataParallelSharding, check_data_parallel_sharding, shard_data_parallel
 from nxd_hf.context import check_context_parallel, install_context_parallel
-from nxd_hf.model_setup import LocalSetup, set_up_local_modules
+from nxd_hf.fsdp import DataParallelSharding, check_data_parallel_sharding, shard_data_parallel
+from nxd_hf.model_setup import LocalSetup, SetupRecord, finish_parallel_model
 from nxd_hf.model_setup.activation_checkpoint import decoder_layer_types
 from nxd_hf.model_setup.materialize import refuse_deferred_init
-from nxd_hf.model_state import NxDModelState, state_of
+from nxd_hf.model_state import state_of
 from nxd_hf.guards.input_check import install_input_check, resolve_mode
 from nxd_hf.guards.fail_together import fail_together
+from nxd_hf.guards.same_everywhere import check_same_on_every_rank, model_summary
 from nxd_hf.lora import register_with_peft
 from nxd_hf.moe.replica_aux import install_global_aux_loss
-from nxd_hf.setup_steps import attention_layout, init_parallel_state, resolve_patch, split_experts, swap_layers
+from nxd_hf.parallel_sizes import ParallelSizes
+from nxd_hf.setup_steps import (
+    attention_layout, init_parallel_state, requested_sizes, resolve_patch, split_experts, swap_layers,
+)
 
 
 def parallelize(
@@ -113,53 +115,60 @@ def parallelize(
     """
     _check_model(model)
     _check_pipeline_option_names(pipeline_kwargs)
-    if "auto" in (tensor_parallel_size, pipeline_parallel_size):
-        tensor_parallel_size, pipeline_parallel_size = _auto_sizes(
-            model, tensor_parallel_size, pipeline_parallel_size, timeout, lora_config=lora_config,
-            sequence_parallel=sequence_parallel, recompute=activation_checkpoint_config is not None)
+    auto = "auto" in (tensor_parallel_size, pipeline_parallel_size)
+    if auto and context_parallel_size != 1:
+        raise ValueError(f"context_parallel_size={context_parallel_size} with \"auto\" sizes: the plan search does not "
+                         "model context parallelism yet; give tensor_parallel_size and pipeline_parallel_size as ints")
+    if auto:
+        sizes = _auto_sizes(model, tensor_parallel_size, pipeline_parallel_size, expert_parallel_size, timeout,
+                            lora_config=lora_config, sequence_parallel=sequence_parallel,
+                            recompute=activation_checkpoint_config is not None)
+        tensor_parallel_size, pipeline_parallel_size = sizes.tp, sizes.pp
     register_with_peft()  # peft.get_peft_model on the result then knows the parallel layers
     if bucket_size_mb <= 0:
         raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
-    _check_same_arguments(model, timeout, tensor_parallel_size=tensor_parallel_size,
-                          pipeline_parallel_size=pipeline_parallel_size, sequence_parallel=sequence_parallel,
-                          pad_model=pad_model, kv_size_multiplier=kv_size_multiplier, gather_logits=gather_logits,
-                          check_inputs=check_inputs, lora_config=type(lora_config).__name__, fused_loss=fused_loss,
-                          activation_checkpoint_config=repr(activation_checkpoint_config),
-                          pipeline_options=sorted(pipeline_kwargs), expert_parallel_size=expert_parallel_size,
-                          data_parallel_sharding=data_parallel_sharding, data_parallel_shard_size=data_parallel_shard_size,
-                          context_parallel_size=context_parallel_size,
-                          context_parallel_attention=context_parallel_attention)
-    check_context_parallel(context_parallel_size, context_parallel_attention,
-                           pipeline_parallel_size=pipeline_parallel_size, expert_parallel_size=expert_parallel_size)
-    init_parallel_state(tensor_parallel_size, pipeline_parallel_size, timeout, expert_parallel_size,
-                        context_parallel_size)
+    arguments = dict(
+        tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+        sequence_parallel=sequence_parallel, pad_model=pad_model, kv_size_multiplier=kv_size_multiplier,
+        gather_logits=gather_logits, check_inputs=check_inputs, lora_config=type(lora_config).__name__,
+        fused_loss=fused_loss, activation_checkpoint_config=repr(activation_checkpoint_config),
+        pipeline_options=sorted(pipeline_kwargs), expert_parallel_size=expert_parallel_size,
+        data_parallel_sharding=data_parallel_sharding, data_parallel_shard_size=data_parallel_shard_size,
+        context_parallel_size=context_parallel_size, context_parallel_attention=context_parallel_attention)
+    check_same_on_every_rank("nxd_hf.parallelize", {**arguments, **model_summary(model)}, noun="arguments",
+                             timeout=timeout, fix="Every rank must call it with the same arguments and the same model")
+    if not auto:  # checked after the agreement: sizes wrong on some ranks only fail every rank alike
+        check_context_parallel(context_parallel_size, context_parallel_attention,
+                               pipeline_parallel_size=pipeline_parallel_size, expert_parallel_size=expert_parallel_size)
+        sizes = requested_sizes(tensor_parallel_size=tensor_parallel_size,
+                                pipeline_parallel_size=pipeline_parallel_size,
+                                expert_parallel_size=expert_parallel_size, timeout=timeout,
+                                context_parallel_size=context_parallel_size)
+    init_parallel_state(sizes, timeout)
     with fail_together("nxd_hf.parallelize"):  # no collective inside: a rank failing alone fails every rank
-        check_data_parallel_sharding(data_parallel_sharding, pipeline_parallel_size=pipeline_parallel_size,
+        check_data_parallel_sharding(data_parallel_sharding, pipeline_parallel_size=sizes.pp,
                                      expert_parallel_size=expert_parallel_size, lora_config=lora_config,
                                      pipeline_kwargs=pipeline_kwargs)
-        if pipeline_kwargs and pipeline_parallel_size == 1:
+        if pipeline_kwargs and sizes.pp == 1:
             raise ValueError(f"{sorted(pipeline_kwargs)} are pipeline options: they need pipeline_parallel_size > 1")
-        if fused_loss and pipeline_parallel_size > 1:
+        if fused_loss and sizes.pp > 1:
             raise ValueError("fused_loss=True is not supported with pipeline_parallel_size > 1 (the last stage computes "
                              "the loss from its logits): use fused_loss=False")
-        patch = resolve_patch(model, sequence_parallel=sequence_parallel, pipeline_parallel_size=pipeline_parallel_size)
+        patch = resolve_patch(model, sequence_parallel=sequence_parallel, pipeline_parallel_size=sizes.pp)
         layout = attention_layout(model, patch, pad_model=pad_model, kv_size_multiplier=kv_size_multiplier)
         swap_layers(model, patch, layout, sequence_parallel=sequence_parallel, gather_logits=gather_logits,
                     fused_loss=fused_loss, check_ranges=resolve_mode(check_inputs) != "off")
         split_experts(model, patch)
         install_context_parallel(model, kind=context_parallel_attention, sequence_parallel=sequence_parallel)
         check = install_input_check(model, check_inputs)
-    if pipeline_parallel_size == 1:  # the pipeline computes the global aux loss itself (pipeline.router_aux)
+    if sizes.pp == 1:  # the pipeline computes the global aux loss itself (pipeline.router_aux)
         install_global_aux_loss(model)
-    model.nxd = NxDModelState(
-        tp_size=tensor_parallel_size, pp_size=pipeline_parallel_size, dp_size=parallel_state.get_data_parallel_size(),
-        hf_model=model, local_modules=[model], patch=patch, head_layout=layout, input_check=check,
-        ep_size=expert_parallel_size)
     setup = LocalSetup(load_weights=load_weights, param_init_fn=param_init_fn, buffer_init=getattr(model, "_init_weights", None),
                        add_adapters=_adapters(model, lora_config, autocast_adapter_dtype),
                        activation_checkpoint_config=activation_checkpoint_config,
-                       fp32_grad_accumulation=fp32_grad_accumulation, bucket_size_mb=bucket_size_mb, device=device)
-    if pipeline_parallel_size > 1:
+                       fp32_grad_accumulation=fp32_grad_accumulation, bucket_size_mb=bucket_size_mb, device=device,
+                       record=SetupRecord(patch=patch, head_layout=layout, input_check=check, on_hf_model=True))
+    if sizes.pp > 1:
         from nxd_hf.pipeline.model import NxDPPModel  # step 4; it runs steps 5-10 on its stages
 
         pp_model = NxDPPModel(model, setup=setup, **pipeline_kwargs)
@@ -167,13 +176,12 @@ def parallelize(
         model.save_pretrained = _save_pretrained(pp_model, lora_config)  # the user's object: its stages' weights
         return pp_model
     layer_types = decoder_layer_types(model) if activation_checkpoint_config == "full" else ()
-    policy = set_up_local_modules([model], setup, layer_types=layer_types)
-    if data_parallel_sharding is None:
-        policy.install_hooks(model)
-    model.nxd.grad_reduction = policy
-    model.no_sync = policy.no_sync
-    if data_parallel_sharding is not None:  # ZeRO-2/3: FSDP2 over the DP group (nxd_hf.fsdp) does the DP mean
-        shard_data_parallel(model, data_parallel_sharding, policy=policy, shard_size=data_parallel_shard_size)
+    hooks_on = model if data_parallel_sharding is None else None  # ZeRO-2/3: FSDP2 does the DP mean
+    state = finish_parallel_model(model, [model], setup, carriers=[model], layer_types=layer_types, hooks_on=hooks_on)
+    model.no_sync = state.grad_reduction.no_sync
+    if data_parallel_sharding is not None:  # FSDP2 over the DP group (nxd_hf.fsdp)
+        shard_data_parallel(model, data_parallel_sharding, policy=state.grad_reduction,
+                            shard_size=data_parallel_shard_size)
     model.save_pretrained = _save_pretrained(model, lora_config)
     return model
 
@@ -232,50 +240,16 @@ def _check_model(model) -> None:
         raise ValueError("nxd_hf.parallelize does not support quantized models: load the model unquantized")
 
 
-def _model_summary(model) -> dict:
-    """What must be the same model on every rank: its class and its config (a checksum; the keys
-    that differ are named by ``_check_same_arguments``)."""
-    config = model.config.to_dict() if hasattr(model.config, "to_dict") else {}
-    config = {k: v for k, v in config.items() if not k.startswith("_")}
-    return {"model": type(model).__name__,
-            "config": {k: zlib.crc32(json.dumps(v, sort_keys=True, default=str).encode()) for k, v in config.items()}}
-
-
-def _auto_sizes(model, tp, pp, timeout, *, lora_config, sequence_parallel: bool, recompute: bool) -> tuple[int, int]:
+def _auto_sizes(model, tp, pp, ep, timeout, *, lora_config, sequence_parallel: bool, recompute: bool) -> ParallelSizes:
     """``"auto"`` sizes: ``nxd_hf.plan``'s best layout for this model on the launched world, for
     one sequence of ``max_position_embeddings`` tokens (at most 4096) per rank and step, with the
     smallest memory any rank has (every rank then takes the same sizes); the sizes given as
     integers, sequence parallelism and recomputation stay as asked. ``NxDTrainingArguments``'
     "auto" prices the training arguments' batch instead."""
-    import types
-
     from nxd_hf.plan.auto import device_memory_bytes, resolve_auto_sizes
 
     backend.init_process_group_from_env(parallel_state.as_timeout(timeout))
     memory = min(backend.all_gather_object(device_memory_bytes()))
-    args = types.SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp, sequence_parallel=sequence_parallel,
-                                 zero_1=False, nxd_activation_checkpointing=recompute, per_device_train_batch_size=1,
-                                 gradient_accumulation_steps=1)
-    resolve_auto_sizes(args, model, lora_config=lora_config, world_size=backend.world_size(), device_memory=memory)
-    return int(args.tensor_parallel_size), int(args.pipeline_parallel_size)
-
-
-def _check_same_arguments(model, timeout, **arguments) -> None:
-    """Every rank must call parallelize alike: one all-gather at setup compares the arguments
-    and the model, so different sizes or models on some ranks are one ValueError naming the
-    argument and every rank's value, on every rank, instead of a hang in the next collective."""
-    backend.init_process_group_from_env(parallel_state.as_timeout(timeout))
-    mine = {**arguments, **_model_summary(model)}
-    everyone = backend.all_gather_object(mine)
-    differ = []
-    for key in mine:
-        values = [ranks.get(key) for ranks in everyone]
-        if any(v != values[0] for v in values):
-            if key == "config":
-                keys = sorted({k for v in values for k in v if any(w.get(k) != v.get(k) for w in values)})
-                differ.append(f"the model config (keys {keys}) differs across ranks")
-            else:
-                differ.append(f"{key}: " + ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values)))
-    if differ:
-        raise ValueError("nxd_hf.parallelize was called with different arguments on different ranks: "
-                         + "; ".join(differ) + ". Every rank must call it with the same arguments and the same model")
+    return resolve_auto_sizes(model, tensor_parallel_size=tp, pipeline_parallel_size=pp, expert_parallel_size=ep,
+                              sequence_parallel=sequence_parallel, recompute=recompute, lora_config=lora_config,
+                              world_size=backend.world_size(), device_memory=memory)

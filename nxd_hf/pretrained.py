@@ -42,6 +42,6 @@ def from_pretrained(path: str, *, auto_class=transformers.AutoModelForCausalLM, 
     model = parallelize(hf_model, tensor_parallel_size=tensor_parallel_size,
                         pipeline_parallel_size=pipeline_parallel_size, load_weights=load_weights,
                         expert_parallel_size=expert_parallel_size, **parallelize_kwargs)
-    model.nxd.load_report = reports[0]
+    model.nxd.record_load_report(reports[0])
     model.eval()
     return model

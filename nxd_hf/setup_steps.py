@@ -6,11 +6,12 @@ import warnings
 
 from torch import nn
 
-from nxd_hf import parallel_state
+from nxd_hf import backend, parallel_state
 from nxd_hf.architectures import get_patch
 from nxd_hf.moe.ep_dispatch import apply_expert_parallel
 from nxd_hf.parallel_layers import ParallelEmbedding
 from nxd_hf.parallel_layers.heads import HeadLayout, head_layout
+from nxd_hf.parallel_sizes import ParallelSizes
 from nxd_hf.tp.apply import apply_tensor_parallel, match_plan
 from nxd_hf.tp.custom_modules import random_router
 from nxd_hf.tp.layouts import config_head_dim
@@ -18,33 +19,45 @@ from nxd_hf.tp.outputs import install_output_contract
 from nxd_hf.tp.plan import Experts, ModelPatch
 
 
-def init_parallel_state(tensor_parallel_size: int, pipeline_parallel_size: int, timeout,
-                        expert_parallel_size: int = 1, context_parallel_size: int = 1) -> None:
-    """Step 0."""
-    parallel_state.check_sizes(tensor_parallel_size, pipeline_parallel_size)
-    parallel_state.check_expert_parallel_size(expert_parallel_size)
-    if parallel_state.model_parallel_is_initialized():
+def init_parallel_state(sizes: ParallelSizes, timeout, *, replace: bool = False,
+                        asked: str = "parallelize was asked for", hint: str = "") -> None:
+    """Step 0: the process groups of ``sizes``, made here and only here. Groups already made for
+    the same sizes are kept (``parallelize`` after the config API, a second model of one run);
+    for other sizes a ValueError, unless ``replace`` (the config API, which NxD documents as
+    initializing model parallelism: a new config replaces the groups). ``asked`` and ``hint`` word
+    that error for the caller."""
+    if parallel_state.model_parallel_is_initialized() and not replace:
         if timeout is not None:
             warnings.warn("timeout is ignored: parallel_state is already initialized; pass timeout to "
                           "parallel_state.initialize_model_parallel (or neuronx_distributed_config)", stacklevel=3)
-        have = (parallel_state.get_tensor_model_parallel_size(), parallel_state.get_pipeline_model_parallel_size())
-        if have != (tensor_parallel_size, pipeline_parallel_size):
+        have = parallel_state.get_parallel_sizes()
+        if (have.tp, have.pp) != (sizes.tp, sizes.pp):
+            raise ValueError(f"parallel_state is initialized with tp={have.tp}, pp={have.pp} but {asked} "
+                             f"tp={sizes.tp}, pp={sizes.pp}" + (f": {hint}" if hint else ""))
+        if have.ep != sizes.ep:
             raise ValueError(
-                f"parallel_state is initialized with tp={have[0]}, pp={have[1]} but parallelize was asked for "
-                f"tp={tensor_parallel_size}, pp={pipeline_parallel_size}"
-            )
-        if parallel_state.get_expert_parallel_size() != expert_parallel_size:
+                f"parallel_state is initialized with expert_parallel_size={have.ep} "
+                f"but {asked} expert_parallel_size={sizes.ep}: pass the same to both")
+        if have.cp != sizes.cp:
             raise ValueError(
-                f"parallel_state is initialized with expert_parallel_size={parallel_state.get_expert_parallel_size()} "
-                f"but parallelize was asked for expert_parallel_size={expert_parallel_size}: pass the same to both")
-        if parallel_state.get_context_parallel_size() != context_parallel_size:
-            raise ValueError(
-                f"parallel_state is initialized with context_parallel_size={parallel_state.get_context_parallel_size()}"
-                f" but parallelize was asked for context_parallel_size={context_parallel_size}: pass the same to both")
+                f"parallel_state is initialized with context_parallel_size={have.cp} "
+                f"but {asked} context_parallel_size={sizes.cp}: pass the same to both")
+        assert have == sizes, (have, sizes)
         return
-    parallel_state.initialize_model_parallel(tensor_parallel_size, pipeline_parallel_size, timeout=timeout,
-                                             expert_parallel_size=expert_parallel_size,
-                                             context_parallel_size=context_parallel_size)
+    parallel_state.initialize_model_parallel(sizes.tp, sizes.pp, timeout=timeout, expert_parallel_size=sizes.ep,
+                                             context_parallel_size=sizes.cp)
+    assert parallel_state.get_parallel_sizes() == sizes, (parallel_state.get_parallel_sizes(), sizes)
+
+
+def requested_sizes(*, tensor_parallel_size, pipeline_parallel_size, expert_parallel_size, timeout,
+                    context_parallel_size: int = 1) -> ParallelSizes:
+    """The sizes asked for on the launched world (the process group is made first, from the
+    torchrun environment, for its size)."""
+    ParallelSizes.check_sizes(tp=tensor_parallel_size, pp=pipeline_parallel_size, ep=expert_parallel_size,
+                              cp=context_parallel_size)
+    backend.init_process_group_from_env(parallel_state.as_timeout(timeout))
+    return ParallelSizes.for_world(backend.world_size(), tp=tensor_parallel_size, pp=pipeline_parallel_size,
+                                   ep=expert_parallel_size, cp=context_parallel_size)
 
 
 def resolve_patch(model, *, sequence_parallel: bool, pipeline_parallel_size: int = 1) -> ModelPatch:

@@ -2,6 +2,7 @@
 
 import os
 
+from nxd_hf.parallel_sizes import ParallelSizes
 from nxd_hf.plan.activations import trace_activations
 from nxd_hf.plan.api import load_config
 from nxd_hf.plan.cluster import PRESETS, make_cluster
@@ -17,7 +18,8 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 def _layout(case: dict) -> Layout:
-    return Layout(tp=case["tp"], pp=case["pp"], dp=case["dp"], sequence_parallel=case["sequence_parallel"],
+    return Layout(sizes=ParallelSizes(tp=case["tp"], pp=case["pp"], dp=case["dp"]),
+                  sequence_parallel=case["sequence_parallel"],
                   zero_1=case["zero_1"], num_microbatches=case["num_microbatches"], schedule=case["schedule"],
                   recompute=case["recompute"])
 

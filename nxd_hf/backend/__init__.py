@@ -53,8 +53,8 @@ from nxd_hf.backend.devices import (  # noqa: F401
 )
 from nxd_hf.backend.groups import (  # noqa: F401
     SELF, abort_groups, all_gather_object, arrival_barrier, barrier, destroy_group, global_rank, group_rank,
-    group_size, groups_aborted, init_process_group_from_env, new_group, p2p_group, post_first, rank, warn_once,
-    world_size,
+    group_size, groups_aborted, init_process_group_from_env, is_initialized, new_group, new_host_group, p2p_group,
+    post_first, rank, warn_once, world_size,
 )
 from nxd_hf.backend.collectives import all_reduce_async  # noqa: F401,E402
 from nxd_hf.backend.collectives import reduce_scatter_async  # noqa: F401,E402

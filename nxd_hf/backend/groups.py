@@ -66,6 +66,11 @@ def init_process_group_from_env(timeout: datetime.timedelta | None = None) -> No
     atexit.register(_destroy_world_at_exit)
 
 
+def is_initialized() -> bool:
+    """Whether torch.distributed's default process group exists (someone started it)."""
+    return dist.is_available() and dist.is_initialized()
+
+
 def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
@@ -96,6 +101,14 @@ def new_group(ranks: list[int], *, timeout: datetime.timedelta | None = None, na
         twin = dist.new_group(ranks, timeout=timeout, backend="gloo")
         if rank() in ranks:
             _p2p_twins[group] = twin
+    return group
+
+
+def new_host_group(name: str):
+    """A gloo group of every rank beside the default one, for host-side agreement that must never
+    pair with a collective a failed peer left waiting on another group. Called on every rank."""
+    group = dist.new_group(backend="gloo")
+    _group_names[group] = (name, list(range(world_size())), None)
     return group
 
 

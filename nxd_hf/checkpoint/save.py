@@ -33,9 +33,9 @@ OPTIM_SEP = "::"
 
 
 def parallel_sizes(optimizer=None) -> dict:
-    return {"tp": parallel_state.get_tensor_model_parallel_size(), "pp": parallel_state.get_pipeline_model_parallel_size(),
-            "dp": parallel_state.get_data_parallel_size(), "ep": parallel_state.get_expert_parallel_size(),
-            "world": backend.world_size(),
+    """The header's layout: ``parallel_state``'s ``ParallelSizes``, the launched world (the same
+    unless a job saves without initializing ``parallel_state``) and whether ZeRO-1 sharded the state."""
+    return {**parallel_state.get_parallel_sizes().as_dict(), "world": backend.world_size(),
             "zero1": optimizer is not None and optim_state.shards_state(optimizer)}
 
 

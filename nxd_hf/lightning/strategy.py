@@ -18,6 +18,7 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_only
 from nxd_hf import backend, parallel_state
 from nxd_hf.checkpoint import load_checkpoint, save_checkpoint, store
 from nxd_hf.lightning.callbacks import NeuronTensorBoardLogger
+from nxd_hf.parallel_sizes import ParallelSizes
 
 LIGHTNING_STATE = "lightning_state.pt"
 """The rest of Lightning's checkpoint dict (loops, callbacks, schedulers), beside nxd_hf's files."""
@@ -76,7 +77,7 @@ class NxDStrategy(ParallelStrategy):
             warnings.warn("NxDStrategy: save_load_xser is ignored: nxd_hf always writes safetensors", stacklevel=2)
         if nxd_config is not None:
             tensor_parallel_size, pipeline_parallel_size = nxd_config.tensor_parallel_size, nxd_config.pipeline_parallel_size
-        parallel_state.check_sizes(tensor_parallel_size, pipeline_parallel_size)
+        ParallelSizes.check_sizes(tp=tensor_parallel_size, pp=pipeline_parallel_size)
         self.nxd_config = nxd_config
         self.tensor_parallel_size, self.pipeline_parallel_size = tensor_parallel_size, pipeline_parallel_size
 

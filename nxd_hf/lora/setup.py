@@ -1,7 +1,7 @@
 """``setup_lora``: step 7 of ``nxd_hf.parallelize``'s setup sequence (the LoRA slot of
 ``nxd_hf.model_setup.LocalSetup``): LoRA adapters injected into this rank's modules, NxD's
 ``LoraConfig(load_lora_from_ckpt=True)`` read back, and the adapters' checkpoint protocol
-(``nxd_hf.lora.checkpoint.LoraCheckpoint``) recorded in the model's state, ``model.nxd.adapters``.
+(``nxd_hf.lora.checkpoint.LoraCheckpoint``), which the model's state records as ``model.nxd.adapters``.
 """
 
 import os
@@ -18,14 +18,15 @@ from nxd_hf.lora.inject import print_trainable, inject_lora
 from nxd_hf.modules.lora import LoraConfig as NxDLoraConfig
 
 
-def setup_lora(modules: list, *, lora_config, model, autocast_adapter_dtype: bool = True) -> None:
+def setup_lora(modules: list, *, lora_config, model, autocast_adapter_dtype: bool = True) -> LoraCheckpoint | None:
     """Step 7 of ``nxd_hf.parallelize``: LoRA adapters on ``modules`` (``inject_lora``); with
     NxD's ``load_lora_from_ckpt``, the LoRA settings saved with the checkpoint's adapter, then its
-    adapter (and unmerged base) tensors. Records the ``LoraCheckpoint`` as ``model.nxd.adapters``."""
+    adapter (and unmerged base) tensors. Returns the ``LoraCheckpoint`` (``model.nxd.adapters``
+    once the model is finished), None when NxD's config disables LoRA."""
     nxd_config = lora_config if isinstance(lora_config, NxDLoraConfig) else None
     if nxd_config is not None and not nxd_config.enable_lora:
         inject_lora(modules, nxd_config)  # warns that nothing is added
-        return
+        return None
     plan = None
     # no collectives until the adapters are in: a rank failing here alone fails every rank
     with fail_together("nxd_hf.parallelize (step 7: LoRA adapters)"):
@@ -42,9 +43,8 @@ def setup_lora(modules: list, *, lora_config, model, autocast_adapter_dtype: boo
                     autocast_adapter_dtype=autocast_adapter_dtype, hf_model=model)
     _same_adapters_on_every_replica(modules)
     checkpoint = LoraCheckpoint(nxd_config)
-    model.nxd.adapters = checkpoint
     if plan is None:
-        return
+        return checkpoint
     if plan["base"] == "merged":
         warnings.warn("load_lora_from_ckpt: the checkpoint's base has the adapter merged in; only the adapter is "
                       "loaded, the base stays as the model was built (the original base weights)")
@@ -52,6 +52,7 @@ def setup_lora(modules: list, *, lora_config, model, autocast_adapter_dtype: boo
     load_model_tensors(nxd_config.lora_save_dir, nxd_config.lora_load_tag, model, lts)
     if nxd_config.lora_verbose:
         print_trainable(list(modules))
+    return checkpoint
 
 
 def _same_adapters_on_every_replica(modules: list) -> None:

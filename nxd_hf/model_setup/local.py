@@ -6,8 +6,8 @@ pp=1, while ``NxDPPModel`` runs them on its local stages (however it was constru
    reads its slices of the files); otherwise meta parameters are materialized and
    ``param_init_fn`` initializes them; real weights stay as they are;
 6. ties: ``tie()`` (weights shared by stages on different pipeline ranks start equal);
-7. adapters: ``add_adapters(modules)`` (the LoRA slot); then data-parallel replicas are
-   checked to hold the same weights (``nxd_hf.model_setup.replicas``);
+7. adapters: ``add_adapters(modules)`` (the LoRA slot; it returns their checkpoint protocol);
+   then data-parallel replicas are checked to hold the same weights (``nxd_hf.model_setup.replicas``);
 8. activation checkpointing of the layers ``activation_checkpoint_config`` names;
 9. the gradient-reduction policy (``nxd_hf.parallel_layers.grad_reduction``), with fp32
    gradient accumulation for low-precision parameters when asked;
@@ -21,12 +21,12 @@ stays where it is.
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from nxd_hf import backend, parallel_state
+from nxd_hf import backend
 from nxd_hf.model_setup.activation_checkpoint import checkpoint_layers, checkpoint_types
 from nxd_hf.model_setup.materialize import has_meta_tensors, materialize, rebuild_all_meta_buffers
 from nxd_hf.model_setup.replicas import check_replicas_equal
@@ -34,7 +34,26 @@ from nxd_hf.parallel_layers.grad_reduction import GradReduction
 from nxd_hf.parallel_layers.grads import install_fp32_grad_accumulation
 from nxd_hf.parallel_layers.sharding import move_model_to_device
 from nxd_hf.guards.fail_together import fail_together
-from nxd_hf.model_state import NxDModelState
+from nxd_hf.guards.input_check import InputCheck
+from nxd_hf.parallel_layers.heads import HeadLayout
+
+if TYPE_CHECKING:  # the same layer: for the annotation only
+    from nxd_hf.tp.plan import ModelPatch
+
+
+@dataclasses.dataclass(kw_only=True, frozen=True)
+class SetupRecord:
+    """What the setup sequence decided before steps 5-10 (steps 1-3; None where not run), recorded
+    in the model's ``NxDModelState`` by ``finish_parallel_model``."""
+
+    patch: "ModelPatch | None" = None
+    """The architecture patch that sharded the model."""
+    head_layout: HeadLayout | None = None
+    """This rank's attention-head layout."""
+    input_check: InputCheck | None = None
+    """The first-step input check."""
+    on_hf_model: bool = False
+    """The model given to ``NxDPPModel`` carries ``.nxd`` too (``nxd_hf.parallelize``: the user's object)."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -48,8 +67,9 @@ class LocalSetup:
     buffer_init: Callable[[nn.Module], None] | None = None
     """``fn(module)`` filling the meta buffers a module's config cannot rebuild (an HF model's own
     ``_init_weights``; ``materialize.rebuild_meta_buffers``)."""
-    add_adapters: Callable[[list[nn.Module]], None] | None = None
-    """Adds adapters to the given modules (step 7; the LoRA slot)."""
+    add_adapters: Callable[[list[nn.Module]], Any] | None = None
+    """Adds adapters to the given modules and returns their checkpoint protocol, or None (step 7;
+    the LoRA slot)."""
     activation_checkpoint_config: Any = None
     """None, "full" (every transformer layer), a module class or a list of classes."""
     fp32_grad_accumulation: bool = False
@@ -63,12 +83,19 @@ class LocalSetup:
     check_replicas: bool = True
     """Check that data-parallel replicas hold the same weights (step 7); False when the weights
     are copied in after setup (nnScaler's ``init_params=False`` + ``broadcast_weights``)."""
+    record: SetupRecord = dataclasses.field(default_factory=SetupRecord)
+    """What the steps before these decided, for the model's ``NxDModelState``."""
+
+
+LocalResult = tuple[GradReduction, Any]
+"""What steps 5-10 leave: the gradient policy and the adapters' checkpoint protocol (or None)."""
 
 
 def set_up_local_modules(modules: list[nn.Module], setup: LocalSetup, *, layer_types: tuple[type, ...] = (),
-                         tie: Callable[[], None] | None = None) -> GradReduction:
-    """Run steps 5-10 on ``modules`` (see the module docstring); returns their gradient policy.
-    ``layer_types``: the transformer layer classes ("full" activation checkpointing)."""
+                         tie: Callable[[], None] | None = None) -> LocalResult:
+    """Run steps 5-10 on ``modules`` (see the module docstring); returns their gradient policy
+    and adapters. ``layer_types``: the transformer layer classes ("full" activation checkpointing).
+    ``nxd_hf.model_setup.finish_parallel_model`` calls it."""
     device = target_device(setup.device, modules)
     # the steps without collectives run inside fail_together: a rank failing there alone (user
     # code in load_weights / param_init_fn, a device out of memory) fails every rank with its error
@@ -76,25 +103,11 @@ def set_up_local_modules(modules: list[nn.Module], setup: LocalSetup, *, layer_t
         _weights(modules, setup, device)
     if tie is not None:
         tie()
-    if setup.add_adapters is not None:
-        setup.add_adapters(modules)
+    adapters = setup.add_adapters(modules) if setup.add_adapters is not None else None
     if setup.check_replicas:
         check_replicas_equal(modules)
     with fail_together("nxd_hf.parallelize (steps 8-10: checkpointing, gradient policy, device)"):
-        return _finish(modules, setup, layer_types, device)
-
-
-def set_up_whole_module(module: nn.Module, setup: LocalSetup, *, tp_size: int, patch=None, input_check=None,
-                        layer_types: tuple[type, ...] = ()) -> NxDModelState:
-    """Steps 5-10 on a module that stays whole on this rank (no pipeline) and that no Hugging Face
-    plan sharded (built from parallel layers, plain, or laid out by ``nxd_hf.nnscaler``): records
-    its ``NxDModelState`` as ``module.nxd`` and returns it. The caller installs the gradient hooks
-    (``state.grad_reduction.install_hooks``) on whatever module runs the forward."""
-    state = NxDModelState(tp_size=tp_size, pp_size=1, dp_size=parallel_state.get_data_parallel_size(),
-                          hf_model=module, local_modules=[module], patch=patch, input_check=input_check)
-    module.nxd = state
-    state.grad_reduction = set_up_local_modules([module], setup, layer_types=layer_types)
-    return state
+        return _finish(modules, setup, layer_types, device), adapters
 
 
 def _weights(modules: list[nn.Module], setup: LocalSetup, device: torch.device | None) -> None:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from nxd_hf import backend, parallel_state
+from nxd_hf.model_state import NxDModelState, state_of
 from nxd_hf.nnscaler import end2end
 from nxd_hf.nnscaler.config import ComputeConfig
 from nxd_hf.nnscaler.policy import Plan
@@ -69,6 +70,11 @@ class ParallelModule(nn.Module):
         for key in ("_modules", "_parameters", "_buffers", "_non_persistent_buffers_set"):
             self.__dict__[key] = module.__dict__[key]
         self.__dict__["_module"] = module
+
+    @property
+    def nxd(self) -> NxDModelState | None:
+        """The setup record of what this module runs: its pipeline's, or the adopted module's."""
+        return state_of(self._pipeline if self._pipeline is not None else self.__dict__.get("_module"))
 
     @property
     def compute_config(self) -> ComputeConfig:

@@ -15,7 +15,6 @@ import dataclasses
 import traceback
 
 import torch
-import torch.distributed as dist
 import transformers
 
 from nxd_hf import backend, parallel_state
@@ -102,16 +101,15 @@ def _agree(status: str, message: str) -> tuple[str, str]:
     its own group, so it never pairs with a collective a failed peer left waiting elsewhere."""
     global _agreement_group
     if _agreement_group is None:
-        _agreement_group = dist.new_group(backend="gloo")
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (status, message), group=_agreement_group)
+        _agreement_group = backend.new_host_group("check_parity agreement")
+    everyone = backend.all_gather_object((status, message), _agreement_group)
     return next(((s, m) for s, m in everyone if s != "pass"), ("pass", ""))
 
 
 def _failure(exc: BaseException, *, setup: bool) -> tuple[str, str]:
     """A ValueError that nxd_hf raises while setting up is a refusal; anything else a crash."""
     where = traceback.extract_tb(exc.__traceback__)[-1].filename if exc.__traceback__ else ""
-    if setup and isinstance(exc, ValueError) and ("/nxd_hf/" in where or "/model_patches/" in where):
+    if setup and isinstance(exc, ValueError) and ("/nxd_hf/" in where):
         return "refused", str(exc)
     tail = "".join(traceback.format_exception(exc)[-3:])
     return "crash", f"{type(exc).__name__}: {exc}\n{tail}"[:2000]

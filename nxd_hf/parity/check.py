@@ -7,6 +7,7 @@ import os
 
 import transformers
 
+from nxd_hf import backend
 from nxd_hf.parity.cases import CaseResult, run_case
 from nxd_hf.parity.shrink import shrink_config
 
@@ -19,8 +20,6 @@ def check_parity(config, *, tensor_parallel_size: int, pipeline_parallel_size: i
     already started, world size = tp x pp) every rank calls it; otherwise it spawns the ranks on
     CPU itself. Returns the agreed ``CaseResult`` ("pass", "refused", "wrong" or "crash").
     ``expert_parallel_size``: also split the experts over that many ranks (world tp x pp x ep)."""
-    import torch.distributed as dist
-
     if isinstance(config, str):
         config = transformers.AutoConfig.from_pretrained(config)
     if shrink:
@@ -29,11 +28,11 @@ def check_parity(config, *, tensor_parallel_size: int, pipeline_parallel_size: i
     kwargs = dict(tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
                   sequence_parallel=sequence_parallel, expert_parallel_size=expert_parallel_size)
     # a world of one this process started for itself (not a torchrun launch) does not hold the ranks: spawn them
-    launched = dist.is_available() and dist.is_initialized() and (
-        dist.get_world_size() > 1 or "TORCHELASTIC_RUN_ID" in os.environ or world_size == 1)
+    launched = backend.is_initialized() and (
+        backend.world_size() > 1 or "TORCHELASTIC_RUN_ID" in os.environ or world_size == 1)
     if launched:
-        if dist.get_world_size() != world_size:
-            raise ValueError(f"check_parity needs world size tp x pp x ep = {world_size}, got {dist.get_world_size()}: "
+        if backend.world_size() != world_size:
+            raise ValueError(f"check_parity needs world size tp x pp x ep = {world_size}, got {backend.world_size()}: "
                              f"launch it with torchrun --nproc-per-node {world_size}, or without torchrun")
         return run_case(config, **kwargs)
     from nxd_hf.testing import run_distributed  # the spawn harness, only when spawning

@@ -2,11 +2,11 @@
 
 Construction: trace (``nxd_hf.pipeline.trace``), cut between transformer layers
 (``partition``), split into stage modules (``stages``), keep this rank's stages only, then run
-the local setup steps on them (``nxd_hf.model_setup.local``: weights, ties across stages,
-adapters, activation checkpointing, gradient reduction, device) — the same steps
-``nxd_hf.parallelize`` runs at pp=1. ``run_train`` then runs one step of the chosen schedule.
-The model's setup record (``nxd``, ``nxd_hf.model_state``) is the one ``parallelize`` put on the
-HF model, now with this rank's stages; a directly constructed ``NxDPPModel`` makes its own.
+the local setup steps on them and record the model's state (``nxd_hf.model_setup.finish_parallel_model``:
+weights, ties across stages, adapters, activation checkpointing, gradient reduction, device,
+``model.nxd``) — as ``nxd_hf.parallelize`` does at pp=1. ``run_train`` then runs one step of the
+chosen schedule. The record (``nxd``, ``nxd_hf.model_state``) is on this object; under
+``nxd_hf.parallelize`` the HF model it was given carries the same one.
 """
 
 import dataclasses
@@ -22,11 +22,10 @@ from nxd_hf.pipeline import partition
 from nxd_hf.pipeline.nxd_inputs import (
     default_microbatches, layer_kwargs_in_signature_order, named_inputs, outputs_as_tuple,
 )
-from nxd_hf.model_setup import LocalSetup, set_up_local_modules
+from nxd_hf.model_setup import LocalSetup, finish_parallel_model
 from nxd_hf.model_setup.activation_checkpoint import decoder_layer_types
 from nxd_hf.guards.fail_together import fail_together
 from nxd_hf.model_setup.materialize import refuse_deferred_init
-from nxd_hf.model_state import NxDModelState, state_of
 from nxd_hf.moe.aux_loss import aux_loss_spec
 from nxd_hf.pipeline.router_aux import RouterAuxLoss
 from nxd_hf.pipeline.runtime import SCHEDULES, build_schedule, check_same_schedule, check_schedule
@@ -109,9 +108,6 @@ class NxDPPModel(nn.Module):
             num_layers = sum(isinstance(m, self.layer_types) for m in module.modules())
             partition.check_stage_count(num_layers, self.pp_size * virtual_pipeline_size)
             check_schedule(self.schedule_name, self.pp_size, virtual_pipeline_size, num_microbatches)
-            self.nxd = state_of(module) or NxDModelState(  # not a submodule: only local stages are children
-                tp_size=parallel_state.get_tensor_model_parallel_size(), pp_size=self.pp_size,
-                dp_size=parallel_state.get_data_parallel_size(), hf_model=module, local_modules=[])
             self._deallocate = deallocate_pipeline_outputs
 
             traced_inputs = [n for n in self.input_names if n != "labels" or not self.is_hf]
@@ -147,12 +143,12 @@ class NxDPPModel(nn.Module):
             self.stage_to_rank = partition.stage_ranks(self.num_stages, self.pp_size, placement)
             self.local_stage_ids = partition.local_stages(self.num_stages, self.pp_size, self.pp_rank, placement)
             self.stages = nn.ModuleDict({str(s): all_stages[s] for s in self.local_stage_ids})
-            self.nxd.wrapper, self.nxd.local_modules = "pipeline", list(self.stages.values())
         check_same_schedule(schedule=self.schedule_name, num_microbatches=num_microbatches,
                             virtual_pipeline_size=virtual_pipeline_size, pipeline_cuts=list(cuts))
         self.tied = tie_across_stages(all_stages, self.stage_to_rank, self.local_stage_ids)
-        self.nxd.grad_reduction = set_up_local_modules(
-            self.local_modules(), setup, layer_types=self.layer_types, tie=self.tied.sync_initial_values)
+        carriers = [self, module] if setup.record.on_hf_model else [self]  # not a submodule: only stages are children
+        finish_parallel_model(module, self.local_modules(), setup, carriers=carriers, wrapper="pipeline",
+                              layer_types=self.layer_types, tie=self.tied.sync_initial_values)
         self.nxd.grad_reduction.add_reduction(self.tied.sum_grads)
         self.router_aux = self._router_aux()
         self._runner = StepRunner(self)

@@ -2,15 +2,12 @@
 schedule, recomputation) to run a model with, on a given cluster and memory budget, with the
 predicted peak memory per rank and step time of each, and why the others were rejected.
 
-The package is callable: ``nxd_hf.plan(model_or_config, world_size=8, device_memory="80GB",
-seq_len=4096)`` is ``nxd_hf.plan.plan(...)``. Modules: ``shapes`` (the model, its parameters per
+The search is ``nxd_hf.plan.plan(model_or_config, world_size=8, device_memory="80GB",
+seq_len=4096)`` (also ``nxd_hf.plan_layout(...)``). Modules: ``shapes`` (the model, its parameters per
 rank by nxd_hf's sharding rules), ``memory``, ``comm`` / ``step_comm``, ``compute`` (the cost
 model), ``search``, ``report`` (the table), ``auto`` (the "auto" sizes and nnScaler's autodist
 policy). docs/plan.md describes the model and how ``bench/plan`` checks it.
 """
-
-import sys
-import types
 
 from nxd_hf.plan.api import load_config, plan
 from nxd_hf.plan.auto import autodist_policy, resolve_auto_sizes
@@ -22,12 +19,3 @@ from nxd_hf.plan.search import PlanResult
 __all__ = ["PRESETS", "Cluster", "Layout", "PlanResult", "Prediction", "Rejected", "autodist_policy", "format_plan",
            "load_config", "make_cluster", "parse_bytes", "plan", "resolve_auto_sizes"]
 
-
-class _CallablePackage(types.ModuleType):
-    """``nxd_hf.plan(...)`` calls ``nxd_hf.plan.plan(...)``; the package keeps its submodules."""
-
-    def __call__(self, *args, **kwargs):
-        return plan(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallablePackage

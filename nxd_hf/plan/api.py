@@ -1,4 +1,5 @@
-"""``nxd_hf.plan(...)``: read the model, describe the cluster and the workload, search."""
+"""``nxd_hf.plan.plan(...)`` (also ``nxd_hf.plan_layout``): read the model, describe the cluster and
+the workload, search."""
 
 import os
 

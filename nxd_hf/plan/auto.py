@@ -5,6 +5,7 @@ import os
 
 import torch
 
+from nxd_hf.parallel_sizes import ParallelSizes
 from nxd_hf.plan.api import plan
 
 AUTO = "auto"
@@ -25,39 +26,32 @@ def _preset() -> str:
     return "h100" if torch.cuda.is_available() else "cpu"
 
 
-def resolve_auto_sizes(args, model, *, lora_config=None, world_size: int | None = None,
-                       device_memory: int | None = None, seq_len: int | None = None) -> dict:
-    """Replace "auto" in ``args.tensor_parallel_size`` / ``args.pipeline_parallel_size`` (in
-    place) with the best layout's; the other sizes the user gave, sequence parallelism, ZeRO-1 and
-    activation checkpointing stay as the arguments say. The sequence length is
-    ``seq_len`` or the model's ``max_position_embeddings`` (capped at 4096), the micro batch
-    ``per_device_train_batch_size``. Returns what was chosen."""
-    auto_fields = [f for f in ("tensor_parallel_size", "pipeline_parallel_size") if getattr(args, f) == AUTO]
-    if not auto_fields:
-        return {}
+def resolve_auto_sizes(model, *, tensor_parallel_size: int | str, pipeline_parallel_size: int | str,
+                       expert_parallel_size: int = 1, sequence_parallel: bool = False, zero_1: bool = False,
+                       recompute: bool = False, micro_batch_size: int = 1, gradient_accumulation_steps: int = 1,
+                       lora_config=None, world_size: int | None = None, device_memory: int | None = None,
+                       seq_len: int | None = None) -> ParallelSizes:
+    """The ``ParallelSizes`` with "auto" in ``tensor_parallel_size`` / ``pipeline_parallel_size``
+    replaced by the best layout's; the other sizes given, sequence parallelism, ZeRO-1 and
+    recomputation stay as asked (the plan prices the run they make). The sequence length is
+    ``seq_len`` or the model's ``max_position_embeddings`` (capped at 4096)."""
     world = world_size or int(os.environ.get("WORLD_SIZE", 1))
-    config = model.config
-    fixed = {}
-    if args.tensor_parallel_size != AUTO:
-        fixed["tp"] = int(args.tensor_parallel_size)
-    if args.pipeline_parallel_size != AUTO:
-        fixed["pp"] = int(args.pipeline_parallel_size)
-    # what the arguments already decide is kept: the plan prices the run these arguments make
-    fixed.update(sequence_parallel=bool(getattr(args, "sequence_parallel", False)), zero_1=bool(args.zero_1),
-                 recompute=bool(getattr(args, "nxd_activation_checkpointing", False)))
-    seq = seq_len or min(getattr(config, "max_position_embeddings", 2048) or 2048, 4096)
-    micro = args.per_device_train_batch_size
-    result = plan(model, world_size=world, device_memory=device_memory or device_memory_bytes(), seq_len=seq,
-                  micro_batch_size=micro, global_batch_size=micro * world * args.gradient_accumulation_steps,
-                  lora_config=lora_config, device=_preset(), fixed=fixed)
-    try:
-        best = result.best.layout
-    except ValueError as error:
-        raise ValueError(f"tensor/pipeline_parallel_size='auto': {error}") from None
-    chosen = {"tensor_parallel_size": best.tp, "pipeline_parallel_size": best.pp}
-    for name in auto_fields:
-        setattr(args, name, chosen[name])
-    return {name: chosen[name] for name in auto_fields}
+    asked = {"tp": tensor_parallel_size, "pp": pipeline_parallel_size}
+    fixed = {axis: int(size) for axis, size in asked.items() if size != AUTO}
+    if len(fixed) < len(asked):
+        config = model.config
+        fixed.update(sequence_parallel=bool(sequence_parallel), zero_1=bool(zero_1), recompute=bool(recompute))
+        seq = seq_len or min(getattr(config, "max_position_embeddings", 2048) or 2048, 4096)
+        result = plan(model, world_size=world, device_memory=device_memory or device_memory_bytes(), seq_len=seq,
+                      micro_batch_size=micro_batch_size,
+                      global_batch_size=micro_batch_size * world * gradient_accumulation_steps,
+                      lora_config=lora_config, device=_preset(), fixed=fixed)
+        try:
+            best = result.best.layout
+        except ValueError as error:
+            raise ValueError(f"tensor/pipeline_parallel_size='auto': {error}") from None
+        fixed.update(tp=best.tp, pp=best.pp)
+    return ParallelSizes.for_world(world, tp=fixed["tp"], pp=fixed["pp"], ep=expert_parallel_size)
 
 
 def autodist_policy(module, *, world_size: int, device_memory: int | str | None = None, seq_len: int,

@@ -3,6 +3,8 @@
 import dataclasses
 from typing import Literal
 
+from nxd_hf.parallel_sizes import ParallelSizes
+
 Schedule = Literal["1f1b", "gpipe", "interleaved_1f1b"]
 
 
@@ -10,14 +12,8 @@ Schedule = Literal["1f1b", "gpipe", "interleaved_1f1b"]
 class Layout:
     """One way to run the model on the cluster."""
 
-    tp: int
-    """Tensor-parallel size."""
-    pp: int
-    """Pipeline-parallel size."""
-    dp: int
-    """Data-parallel size (world / (tp x pp))."""
-    ep: int = 1
-    """Expert-parallel size, carved from dp (dp % ep == 0); 1 for dense models."""
+    sizes: ParallelSizes
+    """tp, pp, dp (world / (tp x pp)) and ep (carved from dp; 1 for dense models)."""
     sequence_parallel: bool = False
     """Activations split along the sequence between TP regions."""
     zero_1: bool = False
@@ -30,6 +26,27 @@ class Layout:
     """Pipeline stages per rank (interleaved schedules)."""
     recompute: bool = False
     """Full activation checkpointing of every decoder layer."""
+
+    @property
+    def tp(self) -> int:
+        return self.sizes.tp
+
+    @property
+    def pp(self) -> int:
+        return self.sizes.pp
+
+    @property
+    def dp(self) -> int:
+        return self.sizes.dp
+
+    @property
+    def ep(self) -> int:
+        return self.sizes.ep
+
+    def as_dict(self) -> dict:
+        """The sizes and the other fields, flat (the report's JSON)."""
+        rest = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "sizes"}
+        return {**dataclasses.asdict(self.sizes), **rest}
 
     def name(self) -> str:
         parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}"]

@@ -123,7 +123,7 @@ def rank_memory(shape: ModelShape, params: RankParams, work: Workload, layout: L
     if layout.zero_1:
         state += 2 * 4 * trainable_sharded / dp_shard  # the fp32 master slice and its gradient
         # the staging buffers (dp x a bucket's columns) of the reduce-scatter overlapped with backward:
-        # two in flight (``optim.zero1_overlap.IN_FLIGHT``), held while the last layers run backward
+        # two in flight (``optim.zero1.overlap.IN_FLIGHT``), held while the last layers run backward
         buffers = min(2 * BUCKET_BYTES, grad_bytes)
     # plain data parallelism: the gradients live in the all-reduce's flat buckets
     # (``parallel_layers.grad_buckets``), so reducing them takes no buffer of its own

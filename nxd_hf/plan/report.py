@@ -51,6 +51,6 @@ def as_dict(result: PlanResult) -> dict:
     return dict(
         shape=dataclasses.asdict(result.shape), cluster=dataclasses.asdict(result.cluster),
         workload=dataclasses.asdict(result.workload),
-        ranked=[dict(layout=dataclasses.asdict(p.layout), memory=p.memory, time=p.time,
+        ranked=[dict(layout=p.layout.as_dict(), memory=p.memory, time=p.time,
                      comm=[dataclasses.asdict(t) for t in p.comm]) for p in result.ranked],
-        rejected=[dict(layout=dataclasses.asdict(r.layout), reason=r.reason) for r in result.rejected])
+        rejected=[dict(layout=r.layout.as_dict(), reason=r.reason) for r in result.rejected])

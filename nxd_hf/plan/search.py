@@ -6,6 +6,7 @@ import dataclasses
 
 import torch
 
+from nxd_hf.parallel_sizes import ParallelSizes
 from nxd_hf.plan.activations import ActivationTrace, trace_activations
 from nxd_hf.plan.cluster import Cluster
 from nxd_hf.plan.compute import step_time
@@ -60,7 +61,8 @@ def candidates(shape: ModelShape, world_size: int, work: Workload, *, schedules=
                         for recompute in (False, True):
                             for schedule, virtual in ([(s, 2 if s.startswith("interleaved") else 1) for s in schedules]
                                                       if pp > 1 else [(None, 1)]):
-                                layout = Layout(tp=tp, pp=pp, dp=dp, ep=ep, sequence_parallel=sp, zero_1=zero_1,
+                                sizes = ParallelSizes(tp=tp, pp=pp, dp=dp, ep=ep)
+                                layout = Layout(sizes=sizes, sequence_parallel=sp, zero_1=zero_1,
                                                 num_microbatches=microbatches, schedule=schedule,
                                                 virtual_stages=virtual, recompute=recompute)
                                 if all(getattr(layout, k) == v for k, v in fixed.items()):

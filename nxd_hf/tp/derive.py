@@ -1,5 +1,5 @@
 """A ``ModelPatch`` derived from HF's ``config.base_model_tp_plan``, for architectures without a
-hand-written one in ``model_patches/``.
+hand-written one in ``nxd_hf/model_patches/``.
 
 HF's plan names only the sharded linears. The rest is inferred from module names: a colwise
 projection named like a query (``q_proj``, ``query``) or key/value shards by query or K/V heads
@@ -122,7 +122,7 @@ def _attention_modules(hf_plan: dict[str, str]) -> set[str]:
             raise ValueError(
                 f"attention module {parent!r} has several rowwise layers {rows}: nxd_hf shards the input of the "
                 "attention output projection by query heads, but another rowwise layer reads something else (as "
-                "Doge's dt_proj reads the value heads: model_patches/doge.py) and cannot be split the same way. Closest supported: "
+                "Doge's dt_proj reads the value heads: nxd_hf/model_patches/doge.py) and cannot be split the same way. Closest supported: "
                 "tensor_parallel_size=1 for this architecture, or a hand-written patch with nxd_hf.register_patch"
             )
     return parents

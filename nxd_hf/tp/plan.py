@@ -2,7 +2,7 @@
 
 A ``ModelPatch`` maps module-name patterns (``*`` matches one name, as in HF's
 ``base_model_tp_plan``) to styles. One generic function (``nxd_hf.tp.apply``) applies any
-patch; ``model_patches/`` holds one small module per architecture, registered in
+patch; ``nxd_hf/model_patches/`` holds one small module per architecture, registered in
 ``nxd_hf.tp.registry`` by ``model_type``.
 """
 
@@ -110,7 +110,7 @@ class ModelPatch:
     """Config attribute holding the number of K/V heads (None: same as query heads)."""
     after_swap: Callable | None = None
     """``fn(model)`` run after the swap for what a plan cannot say (Gemma 3n's activation
-    sparsity takes statistics over the sharded hidden units: ``model_patches/gemma3n.py``)."""
+    sparsity takes statistics over the sharded hidden units: ``nxd_hf/model_patches/gemma3n.py``)."""
     pipeline_refusal: str | None = None
     """Why the decoder cannot be cut into pipeline stages (HRM: two layer stacks, each run several
     times per step); None: it can."""

@@ -1,7 +1,7 @@
 """The registry of tensor-parallel patches, by ``config.model_type``.
 
 Patches register themselves here on import; ``nxd_hf.architectures`` imports the bundled ones
-(``model_patches/``), so this module never imports a patch and ``get_patch`` only looks up.
+(``nxd_hf/model_patches/``), so this module never imports a patch and ``get_patch`` only looks up.
 """
 
 from nxd_hf.tp.derive import patch_from_hf_plan

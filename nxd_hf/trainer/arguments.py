@@ -43,6 +43,7 @@ from transformers import TrainingArguments
 
 from nxd_hf import backend
 from nxd_hf.fsdp.hf_options import read_hf_fsdp
+from nxd_hf.parallel_sizes import ParallelSizes
 from nxd_hf.trainer.config import NxDConfig, neuronx_distributed_config
 
 
@@ -132,19 +133,9 @@ class NxDTrainingArguments(TrainingArguments):
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        world = int(os.environ.get("WORLD_SIZE", "1"))
         if self.has_auto_sizes:
             return  # checked once NxDTrainer resolves them (nxd_hf.plan.resolve_auto_sizes)
-        model_parallel = self.tensor_parallel_size * self.pipeline_parallel_size
-        if world % model_parallel:
-            raise ValueError(
-                f"the world size {world} is not divisible by tensor_parallel_size x pipeline_parallel_size = "
-                f"{model_parallel}: launch with `torchrun --nproc_per_node {model_parallel}` (or a multiple of it)")
-        if (world // model_parallel) % self.expert_parallel_size:
-            raise ValueError(
-                f"expert_parallel_size={self.expert_parallel_size} must divide the data-parallel size "
-                f"{world // model_parallel} (world {world} / tp x pp {model_parallel}): launch "
-                f"{model_parallel * self.expert_parallel_size} x k processes or lower expert_parallel_size")
+        self.parallel_sizes()  # the layout's own checks: the world divides into tp x pp, ep divides dp
         if self.kv_size_multiplier != "auto" and not str(self.kv_size_multiplier).isdigit():
             raise ValueError(f"kv_size_multiplier must be 'auto' or a positive integer, got {self.kv_size_multiplier!r}")
         if self.pipeline_parallel_size == 1:  # a value that changes nothing (the default, or 1) is not worth a warning
@@ -158,6 +149,22 @@ class NxDTrainingArguments(TrainingArguments):
     def has_auto_sizes(self) -> bool:
         """Whether a size is still "auto" (NxDTrainer resolves it from the model before setup)."""
         return any(getattr(self, name) == "auto" for name in AUTO_SIZES)
+
+    def parallel_sizes(self) -> ParallelSizes:
+        """The layout these arguments ask for on the launched world (``WORLD_SIZE``)."""
+        if self.has_auto_sizes:
+            raise ValueError("tensor/pipeline_parallel_size is 'auto': NxDTrainer resolves it from the model "
+                             "(nxd_hf.plan.resolve_auto_sizes); give integers to read the sizes before")
+        return ParallelSizes.for_world(int(os.environ.get("WORLD_SIZE", "1")), tp=self.tensor_parallel_size,
+                                       pp=self.pipeline_parallel_size, ep=self.expert_parallel_size,
+                                       cp=self.context_parallel_size)
+
+    def use_sizes(self, sizes: ParallelSizes) -> None:
+        """Record the sizes "auto" resolved to (``nxd_hf.plan.resolve_auto_sizes``' new value), so
+        that these arguments read as the run they make; NxDTrainer calls it once, before setup."""
+        assert sizes.ep == self.expert_parallel_size, (sizes, self.expert_parallel_size)
+        self.tensor_parallel_size, self.pipeline_parallel_size = sizes.tp, sizes.pp
+        self._check_layout()
 
     # -- the process view: every rank is a real process, whatever accelerate sees
     @functools.cached_property

@@ -12,7 +12,8 @@ import typing
 from collections.abc import Callable
 from typing import Any, Literal
 
-from nxd_hf import parallel_state
+from nxd_hf.parallel_sizes import ParallelSizes
+from nxd_hf.setup_steps import init_parallel_state, requested_sizes
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -98,6 +99,14 @@ class NxDConfig:
     def __getitem__(self, key: str):  # NxD hands the config around as a dict
         return getattr(self, key)
 
+    def parallel_sizes(self) -> ParallelSizes:
+        """The layout this config asks for on the launched world (torch.distributed is initialized
+        from the torchrun environment to know its size; building the config creates nothing)."""
+        return requested_sizes(tensor_parallel_size=self.tensor_parallel_size,
+                               pipeline_parallel_size=self.pipeline_parallel_size,
+                               expert_parallel_size=self.expert_parallel_size, timeout=self.timeout,
+                               context_parallel_size=self.context_parallel_size)
+
 
 def _check_type(owner: str, key: str, value, annotation) -> None:
     origin = typing.get_origin(annotation)
@@ -147,7 +156,11 @@ def neuronx_distributed_config(
     kv_size_multiplier: int | str = "auto", expert_parallel_size: int = 1, dummy_forward_args: dict | None = None,
     data_parallel_sharding: str | None = None, context_parallel_size: int = 1, context_parallel_attention: str = "auto",
 ) -> NxDConfig:
-    """Validate the training configuration and initialize model parallelism (see ``NxDConfig``)."""
+    """Validate the training configuration and initialize model parallelism (see ``NxDConfig``).
+
+    As NxD documents, this function (not ``NxDConfig`` itself) makes the process groups: through
+    the setup sequence's step 0 (``setup_steps.init_parallel_state``), replacing any earlier ones;
+    ``initialize_parallel_model`` then finds them made for the same sizes."""
     config = NxDConfig(
         tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
         pipeline_config=dict(pipeline_config or {}),
@@ -180,10 +193,7 @@ def neuronx_distributed_config(
                          "the data-parallel ranks: drop optimizer_config zero_one_enabled")
     if config.pipeline_config and pipeline_parallel_size == 1:
         raise ValueError("pipeline_config is given but pipeline_parallel_size is 1: set pipeline_parallel_size > 1")
-    parallel_state.check_expert_parallel_size(expert_parallel_size)
-    parallel_state.initialize_model_parallel(tensor_parallel_size, pipeline_parallel_size, timeout=timeout,
-                                             expert_parallel_size=expert_parallel_size,
-                                             context_parallel_size=context_parallel_size)
+    init_parallel_state(config.parallel_sizes(), timeout, replace=True)
     return config
 
 

@@ -261,17 +261,24 @@ def _place(nxd_model: NxDModel, device) -> None:
 
 def _resolve_auto_sizes(args: NxDTrainingArguments, model, peft_config) -> None:
     """tensor/pipeline_parallel_size="auto": the best layout ``nxd_hf.plan`` finds for this model,
-    the world size, this device's memory and the arguments' batch (then checked as any sizes)."""
+    the world size, this device's memory and the arguments' batch; the arguments record it."""
     if model is None or _is_parallel(model) or not hasattr(model, "config"):
         raise ValueError("tensor_parallel_size/pipeline_parallel_size='auto' needs the plain HF model passed as "
                          "model= (not model_init, not an already parallel model): give the sizes as integers")
     from nxd_hf.plan.auto import resolve_auto_sizes
 
-    chosen = resolve_auto_sizes(args, model, lora_config=peft_config)
+    sizes = resolve_auto_sizes(
+        model, tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+        expert_parallel_size=args.expert_parallel_size, sequence_parallel=args.sequence_parallel, zero_1=args.zero_1,
+        recompute=args.nxd_activation_checkpointing, micro_batch_size=args.per_device_train_batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps, lora_config=peft_config)
     from nxd_hf.utils.logger import get_logger
 
+    chosen = {name: getattr(sizes, axis) for name, axis in (("tensor_parallel_size", "tp"),
+                                                            ("pipeline_parallel_size", "pp"))
+              if getattr(args, name) == "auto"}
     get_logger().info(f"nxd_hf.plan chose {chosen} for the 'auto' sizes")
-    args._check_layout()
+    args.use_sizes(sizes)
 
 
 def _is_parallel(model) -> bool:

@@ -41,7 +41,7 @@ class NxDModel(nn.Module):
         # any other (nxd_hf.trainer.own_model) returns its own loss, as NxD's run_train takes it
         self.hf_loss = self.nxd is not None and self.nxd.patch is not None
         if self.nxd is not None:
-            self.nxd.nxd_config = nxd_config  # what save_checkpoint reads of the config (master weights, LoRA)
+            self.nxd.attach_config(nxd_config)  # what save_checkpoint reads of the config (master weights, LoRA)
 
     @property
     def nxd(self) -> NxDModelState | None:

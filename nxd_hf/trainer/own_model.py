@@ -18,13 +18,12 @@ import warnings
 
 from torch import nn
 
-from nxd_hf import parallel_state
 from nxd_hf.guards.fail_together import fail_together
 from nxd_hf.guards.input_check import InputCheck, resolve_mode
-from nxd_hf.model_setup import LocalSetup, set_up_whole_module
+from nxd_hf.model_setup import LocalSetup, SetupRecord, finish_parallel_model
 from nxd_hf.model_setup.activation_checkpoint import decoder_layer_types
 from nxd_hf.lora.setup import setup_lora
-from nxd_hf.model_state import NxDModelState, state_of
+from nxd_hf.model_state import state_of
 from nxd_hf.parallel_layers.layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
 from nxd_hf.pipeline.model import NxDPPModel
 from nxd_hf.trainer.own_layout import shard_plain_module
@@ -48,22 +47,18 @@ def parallelize_own_model(model: nn.Module, nxd_config, *, param_init_fn, pipeli
     tp, pp = nxd_config.tensor_parallel_size, nxd_config.pipeline_parallel_size
     with fail_together("initialize_parallel_model (a model built from parallel layers or plain)"):
         _check_options(model, nxd_config)
+        check = InputCheck(vocab_size=None, mode=resolve_mode(nxd_config.check_inputs))  # TP/PP ranks: the same batch
         setup = LocalSetup(param_init_fn=param_init_fn, activation_checkpoint_config=nxd_config.activation_checkpoint_config,
                            fp32_grad_accumulation=nxd_config.mixed_precision_config.use_fp32_grad_acc,
-                           add_adapters=_adapters(model, nxd_config))
-        check = InputCheck(vocab_size=None, mode=resolve_mode(nxd_config.check_inputs))  # TP/PP ranks: the same batch
+                           add_adapters=_adapters(model, nxd_config), record=SetupRecord(input_check=check))
         layer_types = ()
         if pp == 1 and nxd_config.activation_checkpoint_config == "full":
             layer_types = _full_checkpoint_layers(model)
         if tp > 1 and not has_parallel_layers(model):
             shard_plain_module(model, nxd_config.dummy_forward_args, tp)
     if pp > 1:
-        # the state the pipeline takes over, where step 7 (LoRA) records the adapters, as parallelize's
-        model.nxd = NxDModelState(tp_size=tp, pp_size=pp, dp_size=parallel_state.get_data_parallel_size(),
-                                  hf_model=model, local_modules=[model], input_check=check)
         return NxDPPModel(model, setup=setup, **pipeline_kwargs)
-    state = set_up_whole_module(model, setup, tp_size=tp, input_check=check, layer_types=layer_types)
-    state.grad_reduction.install_hooks(model)
+    finish_parallel_model(model, [model], setup, carriers=[model], layer_types=layer_types, hooks_on=model)
     return model
 
 

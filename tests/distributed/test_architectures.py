@@ -2,7 +2,7 @@
 scaled embedding (gemma), learnable activation scalar (apertus), fused gated query
 (qwen3_5_text), per-layer head_dim (gemma4_unified_text), exact statistics over sharded units
 (gemma3n_text), attention sinks (granite_swa), a rowwise layer over the value heads (doge's
-dt_proj: ``model_patches/doge.py``); a mask the model asks materialized (AXK2's DSA indexer) at pp=2; the
+dt_proj: ``nxd_hf/model_patches/doge.py``); a mask the model asks materialized (AXK2's DSA indexer) at pp=2; the
 config shrinking keeps head ratios and per-layer kinds; a parallelize or a pipeline step that fails on one
 rank only fails promptly on every rank; ``nxd-hf check`` on a saved config."""
 

@@ -15,7 +15,8 @@ import torch.distributed as dist
 import hf_parity
 import nxd_hf
 from nxd_hf import backend, parallel_state
-from nxd_hf.optim import NeuronZero1Optimizer, zero1
+from nxd_hf.optim import NeuronZero1Optimizer
+from nxd_hf.optim.zero1 import optimizer as zero1
 from nxd_hf.parallel_layers.sharding import full_tensor
 
 TOL = dict(rtol=1e-4, atol=1e-5)

@@ -7,13 +7,14 @@ import torch
 import torch.distributed as dist
 
 from nxd_hf import backend, parallel_state
+from nxd_hf.parallel_sizes import ParallelSizes
 
 
 # -- rank_lists: pure layout arithmetic
 
 
 def test_rank_lists_world8_tp2_pp2():
-    lists = parallel_state.rank_lists(8, 2, 2)
+    lists = parallel_state.rank_lists(ParallelSizes.for_world(8, tp=2, pp=2))
     assert lists == {
         "tensor": [[0, 1], [2, 3], [4, 5], [6, 7]],
         "data": [[0, 2], [1, 3], [4, 6], [5, 7]],
@@ -23,13 +24,13 @@ def test_rank_lists_world8_tp2_pp2():
 
 
 def test_rank_lists_tp_only_and_dp_only():
-    assert parallel_state.rank_lists(4, 4, 1) == {
+    assert parallel_state.rank_lists(ParallelSizes.for_world(4, tp=4, pp=1)) == {
         "tensor": [[0, 1, 2, 3]],
         "data": [[0], [1], [2], [3]],
         "pipeline": [[0], [1], [2], [3]],
         "model": [[0, 1, 2, 3]],
     }
-    assert parallel_state.rank_lists(4, 1, 1) == {
+    assert parallel_state.rank_lists(ParallelSizes.for_world(4, tp=1, pp=1)) == {
         "tensor": [[0], [1], [2], [3]],
         "data": [[0, 1, 2, 3]],
         "pipeline": [[0], [1], [2], [3]],
@@ -38,7 +39,7 @@ def test_rank_lists_tp_only_and_dp_only():
 
 
 def test_rank_lists_pp_outermost_tp_contiguous():
-    lists = parallel_state.rank_lists(16, 2, 4)  # dp = 2
+    lists = parallel_state.rank_lists(ParallelSizes.for_world(16, tp=2, pp=4))  # dp = 2
     assert lists["tensor"] == [[2 * i, 2 * i + 1] for i in range(8)]
     assert lists["pipeline"] == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
     assert lists["data"] == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
@@ -49,7 +50,7 @@ def test_rank_lists_pp_outermost_tp_contiguous():
 def test_rank_lists_every_kind_partitions_the_world(world, tp, pp):
     dp = world // (tp * pp)
     sizes = {"tensor": tp, "data": dp, "pipeline": pp, "model": tp * pp}
-    for kind, groups in parallel_state.rank_lists(world, tp, pp).items():
+    for kind, groups in parallel_state.rank_lists(ParallelSizes.for_world(world, tp=tp, pp=pp)).items():
         assert sorted(r for g in groups for r in g) == list(range(world)), kind
         assert all(len(g) == sizes[kind] for g in groups), kind
         assert len(groups) == world // sizes[kind], kind
@@ -58,14 +59,14 @@ def test_rank_lists_every_kind_partitions_the_world(world, tp, pp):
 @pytest.mark.parametrize("world,tp,pp", [(8, 3, 1), (8, 2, 3), (6, 4, 1), (8, 16, 1)])
 def test_rank_lists_indivisible_world_raises(world, tp, pp):
     with pytest.raises(ValueError, match=rf"world size {world}.*\({tp}\).*\({pp}\)"):
-        parallel_state.rank_lists(world, tp, pp)
+        parallel_state.rank_lists(ParallelSizes.for_world(world, tp=tp, pp=pp))
 
 
 def test_rank_lists_zero_size_raises():
     with pytest.raises(ValueError):
-        parallel_state.rank_lists(8, 0, 1)
+        parallel_state.rank_lists(ParallelSizes.for_world(8, tp=0, pp=1))
     with pytest.raises(ValueError):
-        parallel_state.rank_lists(8, 1, 0)
+        parallel_state.rank_lists(ParallelSizes.for_world(8, tp=1, pp=0))
 
 
 # -- nothing initialized: a single process

@@ -12,6 +12,7 @@ import transformers
 
 import nxd_hf
 from nxd_hf import cli
+from nxd_hf.parallel_sizes import ParallelSizes
 from nxd_hf.plan import Layout, parse_bytes
 from nxd_hf.plan.activations import trace_activations
 from nxd_hf.plan.memory import Workload, layer_activation_elements, stage_layers
@@ -109,7 +110,7 @@ def test_activation_bytes_per_token_are_what_autograd_saves(name, lora):
     }[name]
     shape = model_shape(make_config(1))
     work = Workload(micro_batch_size=2, seq_len=32, global_batch_size=2, lora_r=4 if lora else 0, lora_targets=lora)
-    predicted = 4 * layer_activation_elements(shape, work, Layout(tp=1, pp=1, dp=1), moe=name == "mixtral")
+    predicted = 4 * layer_activation_elements(shape, work, Layout(sizes=ParallelSizes()), moe=name == "mixtral")
     measured = _saved_bytes_per_token_layer(make_config, lora)
     assert predicted == pytest.approx(measured, rel=0.02), (predicted, measured)
     lora_config = peft.LoraConfig(r=4, target_modules=list(lora)) if lora else None
@@ -144,24 +145,25 @@ def test_stage_layers_match_the_pipeline_partition():
 
 
 def test_rejections_say_why():
-    result = nxd_hf.plan(TINY, world_size=8, device_memory="1GiB", seq_len=63, micro_batch_size=1,
-                         global_batch_size=8)
+    result = nxd_hf.plan_layout(TINY, world_size=8, device_memory="1GiB", seq_len=63, micro_batch_size=1,
+                                global_batch_size=8)
     reasons = {r.layout.name(): r.reason for r in result.rejected}
     assert "exceeds the 4 attention heads" in reasons["tp8 pp1 dp1 mb8"]
     assert "4 pipeline stages for 2 layers" in reasons["tp1 pp4 dp2 mb4 1f1b"]
     assert "does not divide over tp=2" in reasons["tp2 pp1 dp4 sp mb2"]
-    small = nxd_hf.plan(TINY, world_size=2, device_memory="2MiB", seq_len=64, micro_batch_size=1)
+    small = nxd_hf.plan_layout(TINY, world_size=2, device_memory="2MiB", seq_len=64, micro_batch_size=1)
     assert not small.ranked and all("does not fit" in r.reason or "stages" in r.reason for r in small.rejected)
     with pytest.raises(ValueError, match="no layout of llama fits 2 ranks"):
         small.best
-    odd = nxd_hf.plan(TINY, world_size=4, device_memory="1GiB", seq_len=64, micro_batch_size=3, global_batch_size=8)
+    odd = nxd_hf.plan_layout(TINY, world_size=4, device_memory="1GiB", seq_len=64, micro_batch_size=3,
+                             global_batch_size=8)
     assert any("does not divide into dp=" in r.reason for r in odd.rejected)
 
 
 def test_ranking_is_by_step_time_and_respects_slow_links(tmp_path):
     path = _write(tmp_path, "llama8b", LLAMA_8B)
-    result = nxd_hf.plan(path, world_size=16, nodes=2, device_memory="80GB", seq_len=4096, micro_batch_size=1,
-                         global_batch_size=64, dtype="bfloat16")
+    result = nxd_hf.plan_layout(path, world_size=16, nodes=2, device_memory="80GB", seq_len=4096, micro_batch_size=1,
+                                global_batch_size=64, dtype="bfloat16")
     times = [p.step_time for p in result.ranked]
     assert times == sorted(times)
     assert result.best.layout.tp <= 8  # TP across the slow inter-node links is never best
@@ -172,11 +174,11 @@ def test_ranking_is_by_step_time_and_respects_slow_links(tmp_path):
 
 def test_recompute_and_sequence_parallel_lower_activations(tmp_path):
     path = _write(tmp_path, "llama8b", LLAMA_8B)
-    result = nxd_hf.plan(path, world_size=8, device_memory="1TB", seq_len=4096, micro_batch_size=1, dtype="bfloat16",
-                         global_batch_size=4)
+    result = nxd_hf.plan_layout(path, world_size=8, device_memory="1TB", seq_len=4096, micro_batch_size=1,
+                                dtype="bfloat16", global_batch_size=4)
 
     def memory(**fields) -> dict:
-        layout = Layout(tp=2, pp=1, dp=4, num_microbatches=1, **fields)
+        layout = Layout(sizes=ParallelSizes(tp=2, pp=1, dp=4), num_microbatches=1, **fields)
         return next(p.memory for p in result.ranked if p.layout == layout)
 
     plain = memory()
@@ -187,8 +189,8 @@ def test_recompute_and_sequence_parallel_lower_activations(tmp_path):
 
 def test_llama_8b_top_layout_fits(tmp_path):
     path = _write(tmp_path, "llama8b", LLAMA_8B)
-    result = nxd_hf.plan(path, world_size=8, device_memory="80GB", seq_len=4096, micro_batch_size=1,
-                         global_batch_size=32, dtype="bfloat16")
+    result = nxd_hf.plan_layout(path, world_size=8, device_memory="80GB", seq_len=4096, micro_batch_size=1,
+                                global_batch_size=32, dtype="bfloat16")
     assert result.best.peak_memory <= 80e9 * 0.9
     assert any(r.reason.startswith("does not fit") for r in result.rejected)  # tp1 dp8: 16 B/param does not fit
 
@@ -197,8 +199,9 @@ def test_mixtral_moe_plan(tmp_path):
     import peft
 
     path = _write(tmp_path, "mixtral", MIXTRAL)
-    result = nxd_hf.plan(path, world_size=8, device_memory="80GB", seq_len=4096, micro_batch_size=1,
-                         dtype="bfloat16", lora_config=peft.LoraConfig(r=16, target_modules=["q_proj", "v_proj"]))
+    result = nxd_hf.plan_layout(path, world_size=8, device_memory="80GB", seq_len=4096, micro_batch_size=1,
+                                dtype="bfloat16",
+                                lora_config=peft.LoraConfig(r=16, target_modules=["q_proj", "v_proj"]))
     assert result.shape.num_experts == 8 and result.shape.top_k == 2
     assert result.shape.total_params == 46_702_792_704
     assert result.best.peak_memory <= 80e9 * 0.9
@@ -240,8 +243,13 @@ def test_auto_sizes_resolve_from_the_plan():
                                        pipeline_parallel_size="1", report_to=[], per_device_train_batch_size=2)
     assert args.has_auto_sizes and args.pipeline_parallel_size == 1
     model = transformers.AutoModelForCausalLM.from_pretrained(TINY)
-    chosen = nxd_hf.plan.resolve_auto_sizes(args, model, world_size=1, device_memory=2**30, seq_len=64)
-    assert chosen == {"tensor_parallel_size": 1} and args.tensor_parallel_size == 1 and not args.has_auto_sizes
+    sizes = nxd_hf.plan.resolve_auto_sizes(model, tensor_parallel_size=args.tensor_parallel_size,
+                                           pipeline_parallel_size=args.pipeline_parallel_size,
+                                           micro_batch_size=args.per_device_train_batch_size, world_size=1,
+                                           device_memory=2**30, seq_len=64)
+    assert sizes == ParallelSizes(tp=1, pp=1, dp=1) and args.tensor_parallel_size == "auto"  # a new value
+    args.use_sizes(sizes)
+    assert args.tensor_parallel_size == 1 and not args.has_auto_sizes
 
 
 def test_autodist_policy_returns_the_best_layout():
@@ -263,23 +271,30 @@ def test_command_line_takes_auto_and_integers():
 
 def test_expert_parallel_layouts_are_priced_with_their_all_to_all(tmp_path):
     path = _write(tmp_path, "mixtral", MIXTRAL)
-    result = nxd_hf.plan(path, world_size=8, device_memory="10TB", seq_len=1024, dtype="bfloat16")
+    result = nxd_hf.plan_layout(path, world_size=8, device_memory="10TB", seq_len=1024, dtype="bfloat16")
     ep = [p for p in result.ranked if p.layout.ep > 1]
     assert ep and all(any(t.op == "all_to_all" and t.axis == "ep" for t in p.comm) for p in ep)
-    plain = next(p for p in result.ranked if p.layout == Layout(tp=1, pp=1, dp=8, num_microbatches=1))
-    sharded = next(p for p in result.ranked if p.layout == Layout(tp=1, pp=1, dp=8, ep=8, num_microbatches=1))
+    plain = next(p for p in result.ranked if p.layout == Layout(sizes=ParallelSizes(dp=8), num_microbatches=1))
+    sharded = next(p for p in result.ranked if p.layout == Layout(sizes=ParallelSizes(dp=8, ep=8), num_microbatches=1))
     assert sharded.memory["parameters"] < plain.memory["parameters"] / 4  # experts are most of Mixtral
 
 
 def test_zero1_with_expert_parallelism_shards_experts_over_expert_data(tmp_path):
     """ZeRO-1 at ep shards a rank's experts / ep over dp / ep ranks: the same state per rank as at ep=1."""
     path = _write(tmp_path, "mixtral", MIXTRAL)
-    result = nxd_hf.plan(path, world_size=8, device_memory="10TB", seq_len=1024, dtype="bfloat16")
+    result = nxd_hf.plan_layout(path, world_size=8, device_memory="10TB", seq_len=1024, dtype="bfloat16")
 
-    def state(**fields) -> float:
-        layout = Layout(tp=1, pp=1, dp=8, num_microbatches=1, **fields)
+    def state(ep: int = 1, **fields) -> float:
+        layout = Layout(sizes=ParallelSizes(dp=8, ep=ep), num_microbatches=1, **fields)
         return next(p.memory["optimizer_state"] for p in result.ranked if p.layout == layout)
 
     assert state(ep=2, zero_1=True) == pytest.approx(state(zero_1=True))
     assert state(ep=8, zero_1=True) == pytest.approx(state(zero_1=True))
     assert state(ep=2, zero_1=True) < state(ep=2) / 2
+
+
+def test_plan_is_a_plain_module_with_a_function():
+    import types
+
+    assert type(nxd_hf.plan) is types.ModuleType and not callable(nxd_hf.plan)
+    assert nxd_hf.plan_layout is nxd_hf.plan.plan

@@ -1,4 +1,4 @@
-"""ZeRO-1's flat layouts (``nxd_hf.optim.flat``), no processes: in the interleaved layout every
+"""ZeRO-1's flat layouts (``nxd_hf.optim.zero1.flat``), no processes: in the interleaved layout every
 bucket is one contiguous flat range whose dp equal parts go to the DP ranks in order, parameters
 lie in backward order (those summed over TP after backward last), and the ranks' pieces tile the
 padded buffer exactly once, as they do in the contiguous layout."""
@@ -6,7 +6,7 @@ padded buffer exactly once, as they do in the contiguous layout."""
 import pytest
 import torch
 
-from nxd_hf.optim.flat import build_flat_groups
+from nxd_hf.optim.zero1.flat import build_flat_groups
 from nxd_hf.parallel_layers.sharding import mark_partial_grad_over_tp
 
 

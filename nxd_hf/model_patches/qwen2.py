@@ -1,7 +1,7 @@
 """Qwen2: Llama's layout with q/k/v biases (sharded with their rows) and, in the small
 sizes, the LM head tied to the embedding (one vocab-sharded parameter)."""
 
-from model_patches.llama import DECODER_PLAN
+from nxd_hf.model_patches.llama import DECODER_PLAN
 from nxd_hf.tp.plan import ModelPatch
 from nxd_hf.tp.registry import register_patch
 

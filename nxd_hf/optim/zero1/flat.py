@@ -9,7 +9,7 @@ The trainable parameters of one param group and dtype are laid end to end in a f
   only final after backward, partial over TP, last); bucket k is the contiguous flat range
   ``[dp x c_k, dp x c_k+1)``, cut in dp equal parts, part r owned by DP rank r. A bucket's
   gradients are complete together during backward and it reduce-scatters as it lies, so the
-  reduce-scatter can start while backward goes on (``optim.zero1_overlap``);
+  reduce-scatter can start while backward goes on (``optim.zero1.overlap``);
 - contiguous (the layout before the overlapped reduce-scatter; still read from old ``state_dict``s): parameters in their
   order, DP rank r owns the flat range ``[r x shard_numel, (r + 1) x shard_numel)``; bucket k
   is the columns ``[c_k, c_k+1)`` of every row of the ``[dp, shard_numel]`` view.

@@ -1,6 +1,6 @@
 """Mistral: Llama's layout (GQA, no biases); the sliding window does not depend on heads."""
 
-from model_patches.llama import DECODER_PLAN
+from nxd_hf.model_patches.llama import DECODER_PLAN
 from nxd_hf.tp.plan import ModelPatch
 from nxd_hf.tp.registry import register_patch
 

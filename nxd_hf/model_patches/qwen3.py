@@ -3,7 +3,7 @@ head after the q/k projections (before RoPE). Each rank normalizes only its loca
 the full (replicated) weight, so the weight's gradient is partial over TP and summed by the
 post-backward hook. ``head_dim`` is a config field, not necessarily hidden_size / heads."""
 
-from model_patches.llama import DECODER_PLAN
+from nxd_hf.model_patches.llama import DECODER_PLAN
 from nxd_hf.tp.plan import ModelPatch, PerHeadNorm
 from nxd_hf.tp.registry import register_patch
 

@@ -1,5 +1,5 @@
 """A ZeRO-1 ``state_dict`` saved in the contiguous flat layout loaded into the
-interleaved one (``nxd_hf.optim.flat``): each parameter's state is rebuilt from the saved slices
+interleaved one (``nxd_hf.optim.zero1.flat``): each parameter's state is rebuilt from the saved slices
 of every DP rank (one all-reduce per parameter and state, as ``param_states``) and set through
 the checkpoint protocol (``load_param_states``). Collective over the sharding group: every DP
 rank loads its own saved shard, as it would any ``state_dict``."""
@@ -8,7 +8,7 @@ import torch
 
 from nxd_hf import backend
 from nxd_hf.checkpoint.optim_state import MASTER
-from nxd_hf.optim.flat import FlatGroup
+from nxd_hf.optim.zero1.flat import FlatGroup
 
 
 def is_contiguous_layout(saved_layout: dict) -> bool:

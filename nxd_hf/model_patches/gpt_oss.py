@@ -5,7 +5,7 @@ mixture-of-experts MLP whose fused experts hold biases, an interleaved ``[g0 u0 
 ``nxd_hf.moe.tp_experts`` (interleaved pairs kept together, ``down_proj_bias`` added once);
 the router stays replicated."""
 
-from model_patches.llama import DECODER_PLAN
+from nxd_hf.model_patches.llama import DECODER_PLAN
 from nxd_hf.tp.plan import Column, Experts, ModelPatch
 from nxd_hf.tp.registry import register_patch
 

@@ -1,13 +1,13 @@
 """ZeRO-1: optimizer state sharded over data parallelism (NxD's ``NeuronZero1Optimizer``).
 
 Each DP rank keeps an fp32 master copy and the optimizer state of only its 1/dp slice of the
-flat parameters (``nxd_hf.optim.flat``). One ``step()``:
+flat parameters (``nxd_hf.optim.zero1.flat``). One ``step()``:
 
 1. reduce-scatter the gradients over the sharding (DP) group, bucketed, and divide by dp (in
    one pass with the clipping): each rank gets the DP-mean gradient of its slice; expert-parallel
-   parameters are sharded over the expert-data group instead (``zero1_experts``). By default each
+   parameters are sharded over the expert-data group instead (``zero1.experts``). By default each
    bucket's reduce-scatter starts during backward, once its gradients are complete
-   (``optim.zero1_overlap``); ``step()`` then only waits for it;
+   (``optim.zero1.overlap``); ``step()`` then only waits for it;
 2. if ``max_norm`` is set, clip on the norm of the whole model's gradient: slice norms summed
    over DP, then over the grad-norm (TP x PP) group, counting TP-replicated parameters once
    (on TP rank 0) and replicated K/V rows once, as ``parallel_layers.grads.get_grad_norm``;
@@ -25,12 +25,13 @@ import torch
 
 from nxd_hf import backend, parallel_state
 from nxd_hf.model_state import state_of
-from nxd_hf.optim.flat import FlatGroup, powered_sum
+from nxd_hf.optim.zero1.flat import FlatGroup, powered_sum
 from nxd_hf.optim.groups import resolve_group
-from nxd_hf.optim.zero1_experts import Zero1ExpertsMixin
-from nxd_hf.optim.zero1_overlap import OverlappedReduceScatter
-from nxd_hf.optim.zero1_state import Zero1StateMixin
+from nxd_hf.optim.zero1.experts import expert_sharding_group, split_flat_groups
+from nxd_hf.optim.zero1.overlap import OverlappedReduceScatter
+from nxd_hf.optim.zero1.state import Zero1State
 from nxd_hf.parallel_layers.grad_reduction import grad_reductions_of
+from nxd_hf.parallel_layers.sharding import is_expert_parallel
 from nxd_hf.parallel_layers.grads import accumulated_grad, install_fp32_grad_accumulation
 
 ELEMENTWISE_OPTIMIZERS = (
@@ -56,7 +57,7 @@ def _check_elementwise(optimizer_class, elementwise: bool) -> None:
     )
 
 
-class NeuronZero1Optimizer(Zero1ExpertsMixin, Zero1StateMixin, torch.optim.Optimizer):
+class NeuronZero1Optimizer(torch.optim.Optimizer):
     """``optimizer_class`` with its state sharded over data parallelism.
 
     params: parameters or param groups, as for any torch optimizer (frozen params are ignored).
@@ -91,8 +92,11 @@ class NeuronZero1Optimizer(Zero1ExpertsMixin, Zero1StateMixin, torch.optim.Optim
     A parameter without a gradient is stepped with a zero gradient (torch's optimizers skip it).
     """
 
+    shards_state_over_dp = True
+    """The checkpoint's optimizer-state protocol: this rank's state is its slice (``param_states`` gathers)."""
+
     interleaved_layout = True
-    """The flat layout (``optim.flat``): interleaved, in backward order (False: the contiguous one
+    """The flat layout (``optim.zero1.flat``): interleaved, in backward order (False: the contiguous one
     the earlier layout, without the overlapped reduce-scatter; kept to test loading its state_dicts)."""
 
     def __init__(self, params, optimizer_class, optimizer_dtype: torch.dtype | None = None, grad_clipping: bool = True,
@@ -113,6 +117,7 @@ class NeuronZero1Optimizer(Zero1ExpertsMixin, Zero1StateMixin, torch.optim.Optim
         if bucket_size_mb <= 0:
             raise ValueError(f"bucket_size_mb must be positive, got {bucket_size_mb}")
         self._layout_done = False
+        self.shard_state = Zero1State(self)
         super().__init__(params, defaults)
         if any(type(p).__name__ == "DTensor" for g in self.param_groups for p in g["params"]):  # ZeRO-2/3 (FSDP2)
             raise ValueError("NeuronZero1Optimizer: these parameters are already sharded over the data-parallel ranks "
@@ -125,7 +130,7 @@ class NeuronZero1Optimizer(Zero1ExpertsMixin, Zero1StateMixin, torch.optim.Optim
             grad_source = grad_source or accumulated_grad
         self.grad_source = grad_source or (lambda p: p.grad)
         self.sharding_group = resolve_group(sharding_groups, "data")
-        self.expert_sharding_group = self._expert_sharding_group()
+        self.expert_sharding_group = expert_sharding_group(self.param_groups, self.sharding_group)
         self.grad_norm_group = resolve_group(grad_norm_groups, "model")
         self._init_args = (optimizer_class, bucket_size_mb, model, defaults)
         self.overlap_reduce_scatter = overlap_reduce_scatter
@@ -183,6 +188,40 @@ class NeuronZero1Optimizer(Zero1ExpertsMixin, Zero1StateMixin, torch.optim.Optim
         if state is None or state.grad_reduction is None:
             raise ValueError("attach(model) takes a model returned by nxd_hf.parallelize (it has no gradient reduction)")
         state.grad_reduction.reduce_in_optimizer()
+
+    def _build_flat_groups(self, bucket_size_mb: float, interleaved: bool = True) -> list[FlatGroup]:
+        return split_flat_groups(self.param_groups, sharding_group=self.sharding_group,
+                                 expert_group=self.expert_sharding_group, bucket_size_mb=bucket_size_mb,
+                                 interleaved=interleaved)
+
+    def group_of(self, fg: FlatGroup):
+        """The process group ``fg`` is sharded over (its reduce-scatter, all-gather, state gathers)."""
+        return self.expert_sharding_group if is_expert_parallel(fg.params[0]) else self.sharding_group
+
+    # -- state: the composed ``Zero1State`` (``zero1.state``)
+    def optimizer_state_bytes(self) -> int:
+        return self.shard_state.optimizer_state_bytes()
+
+    def layout(self) -> dict:
+        return self.shard_state.layout()
+
+    def state_dict(self) -> dict:
+        return self.shard_state.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.shard_state.load_state_dict(state_dict)
+
+    def save_sharded_state_dict(self, output_dir: str, save_serially: bool = True) -> None:
+        self.shard_state.save_sharded_state_dict(output_dir, save_serially)
+
+    def load_sharded_state_dict(self, output_dir: str, num_workers_per_step: int = 8) -> None:
+        self.shard_state.load_sharded_state_dict(output_dir, num_workers_per_step)
+
+    def param_states(self):
+        return self.shard_state.param_states()
+
+    def load_param_states(self, states: dict[int, dict]) -> None:
+        self.shard_state.load_param_states(states)
 
     def _options(self, group_index: int) -> dict:
         return {k: v for k, v in self.param_groups[group_index].items() if k != "params"}

@@ -1,6 +1,6 @@
 """ZeRO-1's gradient reduce-scatter overlapped with backward.
 
-In the interleaved flat layout (``nxd_hf.optim.flat``) bucket k of a ``FlatGroup`` is one
+In the interleaved flat layout (``nxd_hf.optim.zero1.flat``) bucket k of a ``FlatGroup`` is one
 contiguous range of parameters in backward order. A post-accumulate-grad hook on each parameter
 marks it done; once every parameter of bucket k is done and the buckets before it have started,
 its gradients are copied into a staging buffer and its reduce-scatter starts asynchronously
@@ -20,7 +20,7 @@ starting another waits for the oldest.
 import torch
 
 from nxd_hf import backend
-from nxd_hf.optim.flat import FlatGroup
+from nxd_hf.optim.zero1.flat import FlatGroup
 from nxd_hf.parallel_layers.sharding import has_partial_grad_over_tp, is_expert_parallel
 
 IN_FLIGHT = 2

@@ -10,7 +10,7 @@ from nxd_hf.parallel_sizes import ParallelSizes
 def test_for_world_puts_the_rest_in_dp_and_is_frozen():
     sizes = ParallelSizes.for_world(8, tp=2, pp=2, ep=2)
     assert (sizes.tp, sizes.pp, sizes.dp, sizes.ep, sizes.world, sizes.model_parallel) == (2, 2, 2, 2, 8, 4)
-    assert sizes.as_dict() == {"tp": 2, "pp": 2, "dp": 2, "ep": 2, "world": 8}
+    assert sizes.as_dict() == {"tp": 2, "pp": 2, "dp": 2, "ep": 2, "cp": 1, "world": 8}
     with pytest.raises(dataclasses.FrozenInstanceError):
         sizes.tp = 4
     assert dataclasses.replace(sizes, ep=1) == ParallelSizes.for_world(8, tp=2, pp=2)
@@ -29,6 +29,9 @@ def test_world_not_divisible_and_ep_not_dividing_dp():
         ParallelSizes.for_world(6, tp=4)
     with pytest.raises(ValueError, match="must divide the data-parallel size 2"):
         ParallelSizes.for_world(4, tp=2, ep=4)
+    with pytest.raises(ValueError, match=r"context_parallel_size \(4\) must divide the data-parallel size 2"):
+        ParallelSizes.for_world(4, tp=2, cp=4)
+    assert ParallelSizes.for_world(8, tp=2, cp=2).world == 8  # carved from dp: not a factor of the world
 
 
 def test_one_definition_of_the_layout_value():

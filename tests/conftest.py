@@ -1,6 +1,7 @@
 """tests/unit/: in-process tests. tests/distributed/: tests that start processes (gloo ranks,
-torchrun, a subprocess). Helper modules shared by both (``hf_parity``, ``*_cases``) live here,
-beside this file, and import by their bare names, in pytest and in every spawned rank.
+torchrun, a subprocess). A test file holds its own cases (the functions its ranks run);
+what several files share lives in tests/support/ and imports as ``support.<module>``, in pytest
+and in every spawned rank.
 
 ``ranks2``/``ranks4``/``ranks8``: a pool of live gloo ranks (``nxd_hf.testing.pool``) on which a
 test runs its case function, ``ranks4.run(check_x, ...)``: one pytest item per case without a
@@ -13,11 +14,24 @@ import sys
 import pytest
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
-# Ranks are started by a forkserver, which must be able to import the test modules: it takes
-# sys.path as it is when the first rank starts, so every test folder is on it from the start.
-for folder in (os.path.join(TESTS, "distributed"), os.path.join(TESTS, "unit"), TESTS):
-    if folder not in sys.path:
-        sys.path.insert(0, folder)
+
+
+def _test_folders():
+    """tests/ (for ``support``) and every folder of test modules below it that is not a package:
+    pytest imports those modules by their bare names (so the names are unique across folders)."""
+    yield TESTS
+    for folder, dirs, files in os.walk(TESTS):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__" and not os.path.exists(os.path.join(folder, d, "__init__.py")))
+        if folder != TESTS and any(f.startswith("test_") and f.endswith(".py") for f in files):
+            yield folder
+
+
+# Ranks are started by a forkserver, which must be able to import the test modules (a case
+# function is sent to a rank by its module's name): it takes sys.path as it is when the first
+# rank starts, so every test folder is on it from the start.
+for _folder in _test_folders():
+    if _folder not in sys.path:
+        sys.path.insert(0, _folder)
 
 
 @pytest.fixture(scope="session")

@@ -13,27 +13,34 @@ import shutil
 import pytest
 import torch
 
-import ckpt_cases as C
 import nxd_hf
 from nxd_hf.testing import run_distributed
+from support import hf_parity
+from support.ckpt import assert_snapshots_equal, batch, build, snapshot, train
+
+
+def eval_loss(model) -> torch.Tensor:
+    ids, labels = batch(1000)
+    model.eval()
+    return model.run_eval(input_ids=ids, labels=labels)
 
 
 def check_round_trip(path, tp=1, pp=1, zero1=False, *, reload_tp=None, reload_pp=None, reload_zero1=None, **build):
-    model, optimizer, scheduler, _ = C.build(tp=tp, pp=pp, zero1=zero1, **build)
-    C.train(model, optimizer, scheduler, 2)
-    saved = C.snapshot(model, optimizer)
+    model, optimizer, scheduler, _ = build(tp=tp, pp=pp, zero1=zero1, **build)
+    train(model, optimizer, scheduler, 2)
+    saved = snapshot(model, optimizer)
     nxd_hf.save_checkpoint(path, tag="step2", model=model, optimizer=optimizer, scheduler=scheduler,
                            user_content={"step": 2, "sampler": [1, 2]})
-    expected = C.train(model, optimizer, scheduler, 2, start=2)
-    model, optimizer, scheduler, _ = C.build(tp=reload_tp or tp, pp=reload_pp or pp,
+    expected = train(model, optimizer, scheduler, 2, start=2)
+    model, optimizer, scheduler, _ = build(tp=reload_tp or tp, pp=reload_pp or pp,
                                              zero1=zero1 if reload_zero1 is None else reload_zero1, seed=7, **build)
     assert nxd_hf.load_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler) == {
         "step": 2, "sampler": [1, 2]}
-    loaded = C.snapshot(model, optimizer)
+    loaded = snapshot(model, optimizer)
     if loaded is not None:
-        C.assert_snapshots_equal(saved, loaded)
-    got = C.train(model, optimizer, scheduler, 2, start=2)
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), **C.hf_parity.TOL)
+        assert_snapshots_equal(saved, loaded)
+    got = train(model, optimizer, scheduler, 2, start=2)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), **hf_parity.TOL)
     return saved, expected
 
 
@@ -46,7 +53,7 @@ def check_master_weights_in_ckpt(path):
     assert {e["dtype"] for e in index["tensors"]["model"].values()} == {"float32"}
     masters = {n.split("::")[0]: t for n, t in (saved or {}).get("optim", {}).items() if n.endswith("::master")}
     assert saved is None or len(masters) == len(saved["params"])
-    model, _, _, _ = C.build(tp=2, dtype=torch.bfloat16)
+    model, _, _, _ = build(tp=2, dtype=torch.bfloat16)
     nxd_hf.load_checkpoint(path, model=model)  # model only: rounded from the fp32 masters
     full = nxd_hf.full_state_dict(model)
     for name, master in masters.items():
@@ -60,8 +67,8 @@ def _raises_everywhere(message, fn, *args, **kwargs):
 
 def check_bad_inputs(root):
     """Each problem is the same ValueError on every rank, naming what is wrong."""
-    model, optimizer, scheduler, _ = C.build(tp=2)
-    C.train(model, optimizer, scheduler, 1)
+    model, optimizer, scheduler, _ = build(tp=2)
+    train(model, optimizer, scheduler, 1)
     path = os.path.join(root, "bad")
     nxd_hf.save_checkpoint(path, tag="good", model=model, optimizer=optimizer)
     load = nxd_hf.load_checkpoint
@@ -71,17 +78,17 @@ def check_bad_inputs(root):
     os.makedirs(os.path.join(root, "plain"), exist_ok=True)
     _raises_everywhere("not an nxd_hf checkpoint directory", load, os.path.join(root, "plain"), model=model)
     # another vocabulary / architecture
-    other_vocab = nxd_hf.parallelize(C.hf_parity.build_pair("llama", vocab_size=103, num_hidden_layers=4,
+    other_vocab = nxd_hf.parallelize(hf_parity.build_pair("llama", vocab_size=103, num_hidden_layers=4,
                                                             attention_bias=False)[1], tensor_parallel_size=2)
     _raises_everywhere("vocab_size is 101, this model's is 103", load, path, model=other_vocab)
-    qwen = nxd_hf.parallelize(C.hf_parity.build_pair("qwen2")[1], tensor_parallel_size=2)
+    qwen = nxd_hf.parallelize(hf_parity.build_pair("qwen2")[1], tensor_parallel_size=2)
     _raises_everywhere("holds a 'llama' model, this model is 'qwen2'", load, path, model=qwen)
     # strict: a 2-layer model misses nothing but layers 2-3 are unexpected; strict=False loads
-    short = nxd_hf.parallelize(C.hf_parity.build_pair("llama", num_hidden_layers=2, attention_bias=False)[1],
+    short = nxd_hf.parallelize(hf_parity.build_pair("llama", num_hidden_layers=2, attention_bias=False)[1],
                                tensor_parallel_size=2)
     _raises_everywhere("unexpected key: model.layers.2", load, path, model=short)
     load(path, tag="good", model=short, strict=False)
-    deep = nxd_hf.parallelize(C.hf_parity.build_pair("llama", num_hidden_layers=5, attention_bias=False)[1],
+    deep = nxd_hf.parallelize(hf_parity.build_pair("llama", num_hidden_layers=5, attention_bias=False)[1],
                               tensor_parallel_size=2)
     _raises_everywhere("missing key: model.layers.4", load, path, model=deep)
     # corrupted, truncated, missing files and an unfinished checkpoint (copies of the good one)
@@ -114,7 +121,7 @@ def check_bad_inputs(root):
 def check_tags(root):
     """num_kept_ckpts keeps the newest complete ones; re-saving a tag replaces it; tag=None is
     the newest; async_save finishes in the background; tag "" is stored as 'default'."""
-    model, optimizer, scheduler, _ = C.build(tp=2)
+    model, optimizer, scheduler, _ = build(tp=2)
     path = os.path.join(root, "tags")
     for i, tag in enumerate(["a", "b", "c"]):
         nxd_hf.save_checkpoint(path, tag=tag, model=model, user_content=i, num_kept_ckpts=2)
@@ -138,15 +145,15 @@ def check_save_pretrained_pp(root):
     API's model writes the plain HF format."""
     import transformers
 
-    reference, model = C.hf_parity.build_pair("qwen2")
+    reference, model = hf_parity.build_pair("qwen2")
     nxd_hf.parallel_state.destroy_model_parallel()
     pipelined = nxd_hf.parallelize(model, pipeline_parallel_size=2, num_microbatches=2)
     pipelined.save_pretrained(os.path.join(root, "pp_pretrained"))
     loaded = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(root, "pp_pretrained"))
-    ids, _ = C.hf_parity.batch()
+    ids, _ = hf_parity.batch()
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=ids).logits, reference(input_ids=ids).logits, rtol=0, atol=0)
-    cfg_model, _, _, _ = C.build(tp=2)
+    cfg_model, _, _, _ = build(tp=2)
     cfg_model.save_pretrained(os.path.join(root, "cfg_pretrained"))
     full = nxd_hf.full_state_dict(cfg_model)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(root, "cfg_pretrained"))
@@ -205,12 +212,12 @@ def test_tp2_checkpoint_loads_on_one_process(ranks2, tmp_path):
 def run_world1(root):
     """(2,1,1) -> (1,1,1): the checkpoint saved on 2 ranks loads on one."""
     expected = torch.load(os.path.join(root, "expected.pt"))
-    model, optimizer, scheduler, _ = C.build(seed=9)
+    model, optimizer, scheduler, _ = build(seed=9)
     nxd_hf.load_checkpoint(os.path.join(root, "tp2_for_world1"), model=model, optimizer=optimizer,
                            scheduler=scheduler)
-    C.assert_snapshots_equal(expected[0], C.snapshot(model, optimizer))
-    got = C.train(model, optimizer, scheduler, 2, start=2)
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected[1]), **C.hf_parity.TOL)
+    assert_snapshots_equal(expected[0], snapshot(model, optimizer))
+    got = train(model, optimizer, scheduler, 2, start=2)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected[1]), **hf_parity.TOL)
 
 
 def check_fused_qkv_padded_replicated(root):
@@ -219,7 +226,7 @@ def check_fused_qkv_padded_replicated(root):
     and it loads back into another tp=4 model."""
     import transformers
 
-    reference, model = C.hf_parity.build_pair("phi3")
+    reference, model = hf_parity.build_pair("phi3")
     nxd_hf.parallel_state.destroy_model_parallel()
     nxd_hf.parallelize(model, tensor_parallel_size=4)
     path = os.path.join(root, "phi3")
@@ -231,7 +238,7 @@ def check_fused_qkv_padded_replicated(root):
         assert set(loaded.state_dict()) == set(expected)
         for name, tensor in loaded.state_dict().items():
             torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
-    other = nxd_hf.parallelize(C.hf_parity.build_pair("phi3", seed=3)[1], tensor_parallel_size=4)
+    other = nxd_hf.parallelize(hf_parity.build_pair("phi3", seed=3)[1], tensor_parallel_size=4)
     nxd_hf.load_checkpoint(path, model=other)
     full, expected = nxd_hf.full_state_dict(other), reference.state_dict()
     for name, tensor in full.items():

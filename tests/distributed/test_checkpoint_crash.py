@@ -14,7 +14,8 @@ import pytest
 SCRIPT = textwrap.dedent("""
     import os, signal, sys, time
     sys.path.insert(0, {tests!r})
-    import hf_parity, nxd_hf
+    import nxd_hf
+    from support import hf_parity
     from nxd_hf.checkpoint import store, writer
 
     path, mode = sys.argv[1], sys.argv[2]

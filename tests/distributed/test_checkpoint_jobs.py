@@ -11,7 +11,7 @@ import shutil
 
 import torch
 
-import hf_parity
+from support import hf_parity
 import nxd_hf
 from nxd_hf import backend
 from nxd_hf.checkpoint import owner, store, writer

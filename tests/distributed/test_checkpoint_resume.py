@@ -13,7 +13,8 @@ import os
 import pytest
 import torch
 
-import ckpt_cases as C
+from support import ckpt as C
+from support import hf_parity
 import nxd_hf
 from nxd_hf.parallel_layers.random import model_parallel_manual_seed
 from nxd_hf.testing import run_distributed
@@ -44,7 +45,7 @@ def _load_and_check(root, name, model, optimizer, scheduler, start):
     if snapshot is not None:
         C.assert_snapshots_equal(expected["snapshot"], snapshot)
     losses = C.train(model, optimizer, scheduler, 2, start=start)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected["losses"]), **C.hf_parity.TOL)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected["losses"]), **hf_parity.TOL)
 
 
 def first_processes(root):

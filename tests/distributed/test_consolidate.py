@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-import hf_parity
+from support import hf_parity
 import nxd_hf
 from nxd_hf import parallel_state
 

@@ -1,11 +1,38 @@
 """Expert parallelism for LongCat-Flash (routed experts split over EP, identity experts on the
 token's own rank, gate_up_proj's identity-expert slots in the last rank's block), at
-ep=2 and tp2 x ep2, exact against HF (tests/moe_longcat_ep_cases.py)."""
+ep=2 and tp2 x ep2, exact against HF."""
 
 import pytest
+import torch
+from support.moe import MOE_TINY
+from support.moe_tp_ep import tp_ep_training_matches_hf
+from support.moe_tp_ep_ckpt import checkpoint_reshards, pretrained_round_trip_at_tp2_ep2
 
-from moe_longcat_ep_cases import training_matches_hf
-from moe_tp_ep_ckpt_cases import checkpoint_reshards, pretrained_round_trip_at_tp2_ep2
+
+ROUTED = MOE_TINY["longcat_flash"][2]["n_routed_experts"]  # router indices from here on: identity experts
+
+
+def training_matches_hf(tp: int, ep: int, starve: bool = False) -> int:
+    """``support.moe_tp_ep.tp_ep_training_matches_hf`` (DP-mean loss, every gathered gradient, 3 AdamW
+    steps, eval logits) on LongCat; returns the assignments routed to identity experts (by HF's
+    and nxd's routers: the test cannot pass without some). ``starve``: weighted choices go to the
+    first ep rank's experts only (the last rank receives no row but keeps its identity rows)."""
+    from transformers.models.longcat_flash.modeling_longcat_flash import LongcatFlashTopkRouter
+
+    hits = []
+
+    def count(module, _inputs, output):
+        if isinstance(module, LongcatFlashTopkRouter):
+            indices = torch.where(output[2] < ROUTED, output[2] % (ROUTED // ep), output[2]) if starve else output[2]
+            hits.append(int((indices >= ROUTED).sum()))
+            return output[0], output[1], indices
+
+    handle = torch.nn.modules.module.register_module_forward_hook(count)
+    try:
+        tp_ep_training_matches_hf("longcat_flash", tp, ep, False, False)
+    finally:
+        handle.remove()
+    return sum(hits)
 
 
 @pytest.mark.parametrize("tp,ranks", [(1, "ranks2"), (2, "ranks4")], ids=["ep2", "tp2_ep2"])

@@ -1,12 +1,64 @@
 """Tensor x expert parallelism: experts split over EP (all-to-all dispatch outermost) and
 their intermediate dims over TP inside, at world 4 = tp 2 x dp 2 carved into one ep=2 block, exact
-against the unparallelized HF model (tests/moe_tp_ep_cases.py)."""
+against the unparallelized HF model."""
 
 import pytest
+import torch
+from support.moe import build_pair
+from support.moe_ep import check_trainer_matches
 
-from moe_ep_cases import check_trainer_matches
-from moe_tp_ep_cases import lora_at_tp_ep_matches_peft, tp_ep_refusals, tp_ep_training_matches_hf
-from moe_tp_ep_ckpt_cases import checkpoint_reshards, pretrained_round_trip_at_tp2_ep2
+import nxd_hf
+from nxd_hf import parallel_state
+from support.moe_tp_ep import _both_sharded, tp_ep_training_matches_hf
+from support.moe_tp_ep_ckpt import checkpoint_reshards, pretrained_round_trip_at_tp2_ep2
+
+
+def lora_at_tp_ep_matches_peft(model_type: str, tp: int, ep: int) -> None:
+    """LoRA through plain peft at tp x ep: with the experts in ``target_parameters`` a ValueError on
+    every rank (peft sizes that adapter from the local slice); on attention and the dense/shared
+    MLPs (the frozen experts still dispatch every token) five AdamW steps equal plain peft."""
+    import copy
+
+    import peft
+    import pytest
+
+    from support import lora
+    from support.moe_pp import build_pair as lora_pair, moe_lora_config
+
+    parallel_state.destroy_model_parallel()
+    model = nxd_hf.parallelize(lora_pair(model_type, aux=False)[1], tensor_parallel_size=tp, expert_parallel_size=ep)
+    with pytest.raises(ValueError, match="target_parameters"):
+        peft.get_peft_model(model, moe_lora_config(model_type))
+    parallel_state.destroy_model_parallel()
+    reference, model = lora_pair(model_type, aux=False)
+    model = nxd_hf.parallelize(model, tensor_parallel_size=tp, expert_parallel_size=ep)
+    assert _both_sharded(model)
+    config = moe_lora_config(model_type, experts=False)
+    torch.manual_seed(7)
+    ref_peft = peft.get_peft_model(reference, copy.deepcopy(config))
+    torch.manual_seed(7)
+    par_peft = peft.get_peft_model(model, copy.deepcopy(config))
+    lora.train_and_compare(ref_peft, par_peft, f"{model_type} lora tp={tp} ep={ep}",
+                                 dp=parallel_state.get_data_parallel_size())
+
+
+def tp_ep_refusals() -> None:
+    """What tp x ep cannot split is a ValueError naming the fix, on every rank (world 4)."""
+    import pytest
+
+    cases = [
+        (dict(num_local_experts=6), dict(expert_parallel_size=4), "must divide the data-parallel size"),
+        (dict(num_local_experts=3), dict(expert_parallel_size=2), "3 experts, not divisible by expert_parallel_size=2"),
+        (dict(intermediate_size=33), dict(expert_parallel_size=2), r"intermediate size \(33\) must be divisible by the "
+                                                                   r"tensor parallel size \(2\)"),
+    ]
+    for overrides, sizes, message in cases:
+        parallel_state.destroy_model_parallel()
+        _, model = build_pair("mixtral", output_router_logits=False, **overrides)
+        with pytest.raises(ValueError, match=message):
+            nxd_hf.parallelize(model, tensor_parallel_size=2, **sizes)
+    parallel_state.destroy_model_parallel()
+
 
 MODEL_TYPES = ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss"]
 

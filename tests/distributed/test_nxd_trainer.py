@@ -3,21 +3,48 @@ and grad norms every step, the same final parameters, the same evaluation (loss 
 compute_metrics) and predictions; at tp=2, pp=2 (M=4) and dp=2 with ZeRO-1 and accumulation, in
 one spawn of 2 ranks."""
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
+from unittest import mock
 
 import peft
 import pytest
 import torch
 import transformers
+from accelerate.state import PartialState
+from accelerate.utils import DistributedType
 
-import accelerate_view
-import hf_parity
 import nxd_hf
 from nxd_hf import backend, parallel_state
 from nxd_hf.parallel_layers.sharding import full_tensor
+from support import hf_parity
+
+
+def one_process_reference_args(**kwargs) -> transformers.TrainingArguments:
+    hidden = {name: os.environ.pop(name) for name in ("LOCAL_RANK",) if name in os.environ}
+    try:  # without LOCAL_RANK accelerate sees a plain `python script.py` run: no distribution
+        return transformers.TrainingArguments(**kwargs)
+    finally:
+        os.environ.update(hidden)
+
+
+@contextlib.contextmanager
+def accelerate_infers_gpus():
+    inferred = PartialState._prepare_backend
+
+    def as_on_a_gpu(self, cpu=False, sagemaker_dp=False, backend_name=None):
+        if int(os.environ.get("LOCAL_RANK", -1)) != -1 and not cpu:  # accelerate's branch for CUDA
+            return backend_name or "nccl", DistributedType.MULTI_GPU
+        return inferred(self, cpu, sagemaker_dp, backend_name)
+
+    device = str(backend.default_device())  # PartialState.set_device would pick cuda:LOCAL_RANK
+    with mock.patch.object(PartialState, "_prepare_backend", as_on_a_gpu), \
+            mock.patch.dict(os.environ, {"ACCELERATE_TORCH_DEVICE": device}):
+        yield
+
 
 TOL = hf_parity.TOL
 STEPS = 5
@@ -63,7 +90,7 @@ def _run_case(out_dir, *, batch, accumulate=1, lora=False, trainer_cls=nxd_hf.Nx
         reference = peft.get_peft_model(reference, _lora())
     data = _dataset(samples, uniform=mean_loss)
     dp = 2 // (layout.get("tensor_parallel_size", 1) * layout.get("pipeline_parallel_size", 1))
-    ref_args = accelerate_view.one_process_reference_args(
+    ref_args = one_process_reference_args(
         output_dir=f"{out_dir}/ref", per_device_train_batch_size=batch * dp, gradient_accumulation_steps=accumulate,
         **COMMON)
     ref = transformers.Trainer(reference, ref_args, train_dataset=data, eval_dataset=data[:6],
@@ -220,7 +247,7 @@ def test_nxd_trainer_matches_trainer(ranks2, layout):
 def check_matches_trainer_where_accelerate_infers_gpus(layout: str) -> None:
     """Under torchrun with a GPU accelerate infers MULTI_GPU, where its loaders shard by process;
     NxDTrainer's batches (train, evaluate, predict) must not depend on that."""
-    with accelerate_view.accelerate_infers_gpus():
+    with accelerate_infers_gpus():
         if layout != "tp2_evaluate_after_a_plain_trainer":
             return check_matches_trainer(layout)
         with tempfile.TemporaryDirectory() as out_dir:  # a Trainer built later re-infers accelerate's shared state
@@ -262,7 +289,7 @@ def check_sequence_classification(layout: str, out_dir: str) -> None:
     reference, model = hf_parity.build_pair("bert", task_model_cls=transformers.BertForSequenceClassification)
     reference.config.architectures = model.config.architectures = ["BertModel"]  # as a hub base model's config
     data, held_out = _classification_dataset(), _classification_dataset(7, seed=6)
-    ref_args = accelerate_view.one_process_reference_args(
+    ref_args = one_process_reference_args(
         output_dir=f"{out_dir}/ref", per_device_train_batch_size=batch * dp, gradient_accumulation_steps=accumulate,
         **COMMON)
     ref = transformers.Trainer(reference, ref_args, train_dataset=data, eval_dataset=held_out)

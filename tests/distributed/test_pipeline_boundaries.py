@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from reference_fix_cases import TOL, Block
+from support.reference_fixes import TOL, Block
 
 
 class DetachedSideNet(nn.Module):

@@ -15,7 +15,7 @@ import warnings
 import pytest
 import torch
 
-import hf_parity
+from support import hf_parity
 import nxd_hf
 from nxd_hf import backend
 from nxd_hf.checkpoint import writer

@@ -12,12 +12,12 @@ import pytest
 import torch
 import transformers
 
-import hf_parity
+from support import hf_parity
 import nxd_hf
 from nxd_hf import backend, parallel_state
 from nxd_hf.parallel_layers.sharding import full_tensor
 from nxd_hf.testing import run_distributed
-from errors_world2 import assert_same_error_on_every_rank
+from support.errors import assert_same_error_on_every_rank
 from test_nxd_trainer import COMMON, _dataset
 
 BEST = dict(COMMON, max_steps=6, eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=2,

@@ -7,9 +7,9 @@ their checkpoints across layouts, and the errors that name the fix."""
 import pytest
 import torch
 
-import hf_parity
+from support import hf_parity
 import nxd_hf
-import own_models
+from support import own_models
 from nxd_hf import backend, parallel_state
 from nxd_hf.modules.lora import LoraConfig
 from nxd_hf.parallel_layers.sharding import full_tensor

@@ -9,7 +9,7 @@ import pytest
 import torch
 import transformers
 
-import hf_parity
+from support import hf_parity
 import nxd_hf
 from nxd_hf import parallel_state
 from nxd_hf.optim.zero1 import NeuronZero1Optimizer
@@ -28,7 +28,7 @@ COMMON = dict(learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to
 #     max_grad_norm: test_trainer_api.py::test_config_api_world4 (against single-process training)
 #   config model_init_config sequential_move_factor: test_trainer_api.py (check_sequential_build)
 #   config mixed_precision_config use_master_weights=True: test_trainer_api.py (check_bf16_tracks_fp32)
-#   config mixed_precision_config use_master_weights_in_ckpt: test_checkpoint.py (ckpt_cases)
+#   config mixed_precision_config use_master_weights_in_ckpt: test_checkpoint.py (support/ckpt.py)
 #   config lora_config: test_nxd_trainer.py (tp2 lora, through peft_config)
 #   config check_inputs, timeout: test_errors.py::test_errors_world2 (errors_world2.py)
 

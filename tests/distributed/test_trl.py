@@ -8,16 +8,174 @@ text, packed padding-free batches; loss_type "nll" and "dft"; sequence paralleli
 (nxd_hf.parallel_trainer): an overridden hook gets parity or a clear error."""
 
 import os
+import random
 import tempfile
 
+import peft
 import pytest
 import torch
 import transformers
 import trl
 
-import trl_cases
 from nxd_hf.integrations.subclass import parallel_trainer, refused_overrides
 from nxd_hf.testing import run_distributed
+from support.paths import EXAMPLES
+
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # TRL's trainers send telemetry otherwise
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+TINY = str(EXAMPLES / "data" / "tiny-llama")
+WORDS = open(os.path.join(os.path.dirname(TINY), "tiny_corpus.txt")).read().split()[:400]
+TOL = dict(rtol=1e-4, atol=1e-5)
+STEPS = 4
+TRAIN_KEYS = ("loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens")
+EVAL_KEYS = ("eval_loss", "eval_entropy", "eval_mean_token_accuracy")
+
+
+def _sentence(rng, n):
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def datasets(kind: str, n: int = 24, seed: int = 5):
+    """(train, eval) datasets: "chat" (conversations through the tokenizer's chat template),
+    "prompt" (prompt / completion: completion-only loss) or "text" (plain text), of varied lengths."""
+    from datasets import Dataset
+
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        if kind == "chat":
+            rows.append({"messages": [{"role": "user", "content": _sentence(rng, 2 + i % 4)},
+                                      {"role": "assistant", "content": _sentence(rng, 3 + i % 5)}]})
+        elif kind == "prompt":
+            rows.append({"prompt": _sentence(rng, 2 + i % 4), "completion": " " + _sentence(rng, 3 + i % 5)})
+        else:
+            rows.append({"text": _sentence(rng, 4 + i % 7)})
+    return Dataset.from_list(rows[6:]), Dataset.from_list(rows[:6])
+
+
+def lora_config():
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0,
+                           task_type="CAUSAL_LM")
+
+
+def common(**overrides) -> dict:
+    return {**dict(max_steps=STEPS, learning_rate=1e-3, logging_steps=1, eval_strategy="steps", eval_steps=2,
+                   save_strategy="no", report_to=[], seed=7, max_grad_norm=0.5, disable_tqdm=True, warmup_steps=1,
+                   bf16=False, gradient_checkpointing=False, max_length=24, per_device_eval_batch_size=4,
+                   dataset_num_proc=None), **overrides}
+
+
+def model():
+    return transformers.AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32)
+
+
+def tokenizer():
+    return transformers.AutoTokenizer.from_pretrained(TINY)
+
+
+def run_pair(out_dir: str, *, kind: str, batch: int, lora: bool = False, sft=None, **layout):
+    """(plain SFTTrainer on one process, NxDSFTTrainer) after STEPS steps on the same data."""
+    import trl
+
+    import nxd_hf
+    from nxd_hf import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    sft = sft or {}
+    train, evaluation = datasets(kind)
+    tp, pp = layout.get("tensor_parallel_size", 1), layout.get("pipeline_parallel_size", 1)
+    dp = 2 // (tp * pp)
+    ref = trl.SFTTrainer(model(), trl.SFTConfig(output_dir=f"{out_dir}/ref", per_device_train_batch_size=batch * dp,
+                                                **common(**sft)),
+                         train_dataset=train, eval_dataset=evaluation, processing_class=tokenizer(),
+                         peft_config=lora_config() if lora else None)
+    ref.train()
+    args = nxd_hf.NxDSFTConfig(output_dir=f"{out_dir}/nxd", per_device_train_batch_size=batch, **common(**sft),
+                               **layout)
+    ours = nxd_hf.NxDSFTTrainer(model(), args, train_dataset=train, eval_dataset=evaluation,
+                                processing_class=tokenizer(), peft_config=lora_config() if lora else None)
+    ours.train()
+    return ref, ours
+
+
+def logged(trainer, key):
+    return [(h["step"], h[key]) for h in trainer.state.log_history if key in h]
+
+
+def check_logs(ref, ours, case) -> None:
+    for key in (*TRAIN_KEYS, *EVAL_KEYS):
+        got, want = logged(ours, key), logged(ref, key)
+        steps = list(range(1, STEPS + 1)) if key in TRAIN_KEYS else list(range(2, STEPS + 1, 2))
+        assert [s for s, _ in got] == [s for s, _ in want] == steps, (case, key, got, want)
+        torch.testing.assert_close(torch.tensor([v for _, v in got], dtype=torch.float64),
+                                   torch.tensor([v for _, v in want], dtype=torch.float64), **TOL,
+                                   msg=lambda m: f"{case} {key}: {m}")
+
+
+def check_saved(ours, directory: str, *, kind: str, lora: bool, case, sft=None) -> None:
+    """save_model's directory, opened in plain transformers / peft, evaluates (plain SFTTrainer)
+    to the run's eval loss."""
+    import trl
+
+    from nxd_hf import backend
+
+    want = ours.evaluate()
+    ours.save_model(directory)
+    if lora:
+        plain = peft.PeftModel.from_pretrained(model(), directory)
+        assert any("lora_B" in n for n, _ in plain.named_parameters())
+    else:
+        plain = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    _, evaluation = datasets(kind)
+    args = trl.SFTConfig(output_dir=f"{directory}-eval", **common(**(sft or {})))
+    got = trl.SFTTrainer(plain, args, train_dataset=evaluation, eval_dataset=evaluation,
+                         processing_class=tokenizer()).evaluate()
+    for key in EVAL_KEYS:
+        assert got[key] == pytest.approx(want[key], rel=1e-4), (case, key, got, want)
+    backend.barrier()
+
+
+def shared_dir(local: str) -> str:
+    """Rank 0's directory, the same on every rank."""
+    from nxd_hf import backend
+
+    return backend.all_gather_object(local)[0]
+
+
+def _token_rows(n=16, s=8, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    vocab = model().config.vocab_size
+    rows = []
+    for i in range(n):
+        ids = torch.randint(0, vocab, (s,), generator=g)
+        labels = ids.clone()
+        labels[: i % 3] = -100
+        rows.append({"input_ids": ids, "labels": labels})
+    return rows
+
+
+def run_trainer_pair(trainer_cls, *, reference: bool = True, **layout):
+    """(trainer_cls on one process, nxd_hf.parallel_trainer(trainer_cls)) after STEPS steps."""
+    import nxd_hf
+    from nxd_hf import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    rows = _token_rows()
+    kwargs = dict(max_steps=STEPS, learning_rate=1e-3, logging_steps=1, eval_strategy="steps", eval_steps=2,
+                  save_strategy="no", report_to=[], seed=7, max_grad_norm=0.5, disable_tqdm=True,
+                  per_device_train_batch_size=4)
+    ref = None
+    if reference:
+        ref = trainer_cls(model(), transformers.TrainingArguments(output_dir="unused", **kwargs), train_dataset=rows,
+                          eval_dataset=rows[:4])
+        ref.train()
+    args = nxd_hf.NxDTrainingArguments(output_dir="unused", **kwargs, **layout)
+    ours = nxd_hf.parallel_trainer(trainer_cls)(model(), args, train_dataset=rows, eval_dataset=rows[:4])
+    ours.train()
+    return ref, ours
+
 
 CASES = [  # (name, data, per-replica batch, LoRA, SFTConfig overrides, layout)
     ("tp2-chat", "chat", 4, False, {}, {"tensor_parallel_size": 2}),
@@ -34,13 +192,13 @@ CASES = [  # (name, data, per-replica batch, LoRA, SFTConfig overrides, layout)
 def _sft_layouts() -> None:
     for name, kind, batch, lora, sft, layout in CASES:
         with tempfile.TemporaryDirectory() as out:
-            out = trl_cases.shared_dir(out)
-            ref, ours = trl_cases.run_pair(out, kind=kind, batch=batch, lora=lora, sft=sft, **layout)
-            trl_cases.check_logs(ref, ours, name)
+            out = shared_dir(out)
+            ref, ours = run_pair(out, kind=kind, batch=batch, lora=lora, sft=sft, **layout)
+            check_logs(ref, ours, name)
             if sft.get("save_strategy") == "steps":  # SFTTrainer's checkpoint: nxd_hf's, with TRL's model card
                 assert "trainer_state.json" in os.listdir(f"{out}/nxd/checkpoint-4"), name
                 assert "README.md" in os.listdir(f"{out}/ref") and "README.md" in os.listdir(f"{out}/nxd"), name
-            trl_cases.check_saved(ours, f"{out}/final", kind=kind, lora=lora, case=name, sft=sft)
+            check_saved(ours, f"{out}/final", kind=kind, lora=lora, case=name, sft=sft)
 
 
 def test_sft_trainer_parity_at_every_layout():
@@ -126,13 +284,13 @@ def _composition_orders() -> None:
     class NxDFirstByHand(nxd_hf.NxDTrainer, trl.SFTTrainer):
         pass
 
-    args = SFTNxDConfig(output_dir="unused", tensor_parallel_size=2, **trl_cases.common())
-    data, held_out = trl_cases.datasets("text")
+    args = SFTNxDConfig(output_dir="unused", tensor_parallel_size=2, **common())
+    data, held_out = datasets("text")
     for cls, why in ((SFTNxDTrainer, "SFTTrainer.* precede NxDTrainer in its method order, so .*compute_loss"),
                      (NxDFirstByHand, "composed by hand")):
         with pytest.raises(ValueError, match=f"{cls.__name__} combines NxDTrainer with .*SFTTrainer.*: {why}.* "
                                              "nxd_hf.NxDSFTTrainer .*nxd_hf.parallel_trainer"):
-            cls(trl_cases.model(), args, train_dataset=data, eval_dataset=held_out, processing_class=trl_cases.tokenizer())
+            cls(model(), args, train_dataset=data, eval_dataset=held_out, processing_class=tokenizer())
     assert nxd_hf.parallel_trainer(trl.SFTTrainer).nxd_checks_overrides
 
 
@@ -141,30 +299,30 @@ def _subclass_rule() -> None:
 
     _composition_orders()
     for cls in (ScaledLoss, ExtraEval, OwnPrediction):  # parity at tp=2
-        ref, ours = trl_cases.run_trainer_pair(cls, tensor_parallel_size=2)
+        ref, ours = run_trainer_pair(cls, tensor_parallel_size=2)
         for key in ("loss", "grad_norm", "eval_loss", "eval_logsumexp"):
-            got, want = trl_cases.logged(ours, key), trl_cases.logged(ref, key)
+            got, want = logged(ours, key), logged(ref, key)
             assert [s for s, _ in got] == [s for s, _ in want], (cls.__name__, key, got, want)
             torch.testing.assert_close(torch.tensor([v for _, v in got]), torch.tensor([v for _, v in want]),
-                                       **trl_cases.TOL, msg=lambda m: f"{cls.__name__} {key}: {m}")
+                                       **TOL, msg=lambda m: f"{cls.__name__} {key}: {m}")
     for cls, layout in ((ScaledLoss, {"pipeline_parallel_size": 2, "num_microbatches": 2}),
                         (ExtraEval, {"pipeline_parallel_size": 2, "num_microbatches": 2}),
                         (OwnPrediction, {"pipeline_parallel_size": 2, "num_microbatches": 2}),
                         (OwnSave, {"tensor_parallel_size": 2})):
         with pytest.raises(ValueError, match=f"{cls.__name__}.* cannot run with nxd_hf"):
-            trl_cases.run_trainer_pair(cls, reference=False, **layout)
+            run_trainer_pair(cls, reference=False, **layout)
     with pytest.raises(ValueError, match="NxDSFTConfig"):
-        nxd_hf.NxDSFTTrainer(trl_cases.model(), nxd_hf.NxDTrainingArguments(output_dir="unused"),
-                             train_dataset=trl_cases.datasets("text")[0])
+        nxd_hf.NxDSFTTrainer(model(), nxd_hf.NxDTrainingArguments(output_dir="unused"),
+                             train_dataset=datasets("text")[0])
     with pytest.raises(ValueError, match="padding-free"):  # one row: data parallelism cannot split it
-        nxd_hf.NxDSFTTrainer(trl_cases.model(), nxd_hf.NxDSFTConfig(output_dir="unused", packing=True),
-                             train_dataset=trl_cases.datasets("text")[0], processing_class=trl_cases.tokenizer())
+        nxd_hf.NxDSFTTrainer(model(), nxd_hf.NxDSFTConfig(output_dir="unused", packing=True),
+                             train_dataset=datasets("text")[0], processing_class=tokenizer())
     # the model parallelized first: SFTTrainer's peft_config would be lost (and the saved adapter miss keys)
-    parallel = nxd_hf.parallelize(trl_cases.model(), tensor_parallel_size=2)
-    args = nxd_hf.NxDSFTConfig(output_dir="unused", tensor_parallel_size=2, **trl_cases.common())
+    parallel = nxd_hf.parallelize(model(), tensor_parallel_size=2)
+    args = nxd_hf.NxDSFTConfig(output_dir="unused", tensor_parallel_size=2, **common())
     with pytest.raises(ValueError, match="already parallelized"):
-        nxd_hf.NxDSFTTrainer(parallel, args, train_dataset=trl_cases.datasets("text")[0],
-                             processing_class=trl_cases.tokenizer(), peft_config=trl_cases.lora_config())
+        nxd_hf.NxDSFTTrainer(parallel, args, train_dataset=datasets("text")[0],
+                             processing_class=tokenizer(), peft_config=lora_config())
 
 
 def test_trainer_subclass_overrides_get_parity_or_an_error():
@@ -178,24 +336,24 @@ def _pipeline_saving() -> None:
     from nxd_hf import backend, parallel_state
 
     with tempfile.TemporaryDirectory() as out:
-        out = trl_cases.shared_dir(out)
+        out = shared_dir(out)
         for lora in (False, True):
             parallel_state.destroy_model_parallel()
-            rows = trl_cases._token_rows()
+            rows = _token_rows()
             args = nxd_hf.NxDTrainingArguments(output_dir=out, pipeline_parallel_size=2, num_microbatches=2,
                                                max_steps=4, eval_strategy="steps", eval_steps=2, save_strategy="no",
                                                report_to=[], per_device_train_batch_size=4, disable_tqdm=True)
-            model = trl_cases.model()
-            trainer = nxd_hf.NxDTrainer(model, args, train_dataset=rows, eval_dataset=rows[:4],
-                                        peft_config=trl_cases.lora_config() if lora else None)
+            user_model = model()
+            trainer = nxd_hf.NxDTrainer(user_model, args, train_dataset=rows, eval_dataset=rows[:4],
+                                        peft_config=lora_config() if lora else None)
             trainer.train()
-            assert [s for s, _ in trl_cases.logged(trainer, "eval_loss")] == [2, 4]
+            assert [s for s, _ in logged(trainer, "eval_loss")] == [2, 4]
             if lora:  # the user's model object writes peft's adapter files, as peft's save_pretrained does
-                model.save_pretrained(f"{out}/user-lora")
+                user_model.save_pretrained(f"{out}/user-lora")
                 backend.barrier()
                 assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(f"{out}/user-lora"))
                 continue
-            model.save_pretrained(f"{out}/user")
+            user_model.save_pretrained(f"{out}/user")
             trainer.save_model(f"{out}/trainer")
             backend.barrier()
             ours = transformers.AutoModelForCausalLM.from_pretrained(f"{out}/user").state_dict()
@@ -218,7 +376,7 @@ def _token_stats_parity() -> None:
     from nxd_hf.integrations.token_stats import token_stats
 
     parallel_state.destroy_model_parallel()
-    nxd_hf.parallelize(trl_cases.model(), tensor_parallel_size=2)  # the TP groups
+    nxd_hf.parallelize(model(), tensor_parallel_size=2)  # the TP groups
     vocab, rank = 301, parallel_state.get_tensor_model_parallel_rank()
     full = torch.randn(2, 5, vocab, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     labels = torch.randint(0, vocab, (2, 5), generator=torch.Generator().manual_seed(1))
@@ -237,13 +395,13 @@ def _token_stats_parity() -> None:
             "mean_logits": full.mean(-1), "is_top1": full.argmax(-1) == labels}
     for key, value in want.items():
         expected = value.masked_fill(~mask, 0)
-        torch.testing.assert_close(got[key].to(expected.dtype), expected.detach(), **trl_cases.TOL,
+        torch.testing.assert_close(got[key].to(expected.dtype), expected.detach(), **TOL,
                                    msg=lambda m: f"{key}: {m}")
     assert got["is_top1"][1, 2] and not got["is_top1"][1, 1]
     (got["log_probs"].sum() + got["entropy"].sum()).backward()
     (want["log_probs"].masked_fill(~mask, 0).sum() + want["entropy"].masked_fill(~mask, 0).sum()).backward()
     expected_grad = torch.nn.functional.pad(full.grad, (0, 1))[..., rank * 151:(rank + 1) * 151]
-    torch.testing.assert_close(local.grad.double(), expected_grad, **trl_cases.TOL)
+    torch.testing.assert_close(local.grad.double(), expected_grad, **TOL)
 
 
 def test_token_stats_match_full_vocabulary():
@@ -258,5 +416,5 @@ def test_sft_example_under_torchrun(tmp_path):
     out = run_example("examples/sft_trl.py", 2, "--tensor_parallel_size", "2", "--lora", "--max_steps", "8",
                       "--logging_steps", "4", "--eval_steps", "4", "--output_dir", str(tmp_path))
     _loss_fell(out)
-    plain = peft.PeftModel.from_pretrained(trl_cases.model(), tmp_path / "final")
+    plain = peft.PeftModel.from_pretrained(model(), tmp_path / "final")
     assert sum("lora_B" in name for name, _ in plain.named_parameters()) == 2 * 2  # q_proj, v_proj x 2 layers

@@ -8,9 +8,9 @@ under ``cuda:gloo`` or nccl a collective refuses a CPU tensor."""
 import torch
 from torch import nn
 
-from nxd_hf import backend, parallel_state
-from nxd_hf.parallel_layers import mappings
-from nxd_hf.parallel_layers.sharding import full_tensor, move_model_to_device
+from nxd_hf import parallel_state
+from nxd_hf.parallel_layers.sharding import full_tensor
+
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 
@@ -28,19 +28,6 @@ def seq_chunk(x: torch.Tensor, sp: bool) -> torch.Tensor:
     return x[:, tp_rank * s : (tp_rank + 1) * s]
 
 
-def on_device(*items):
-    """Modules (sharding metadata kept) and tensors on the backend's compute device."""
-    device = backend.default_device()
-    return [move_model_to_device(item, device) if isinstance(item, nn.Module) else item.to(device) for item in items]
-
-
-def last_dim_chunk(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Columns ``index`` of a full tensor (zeros for -1), as a sharded output holds them."""
-    index = index.to(x.device)
-    picked = x.index_select(-1, index.clamp(min=0))
-    return picked * (index >= 0).to(x.dtype)
-
-
 def assert_grads_match(param: nn.Parameter, reference_grad: torch.Tensor, name: str) -> None:
     torch.testing.assert_close(full_tensor(param, param.grad), reference_grad, **TOL, msg=lambda m: f"{name}: {m}")
 
@@ -48,16 +35,3 @@ def assert_grads_match(param: nn.Parameter, reference_grad: torch.Tensor, name: 
 def sharded_input(x_full: torch.Tensor, sp: bool) -> torch.Tensor:
     x = seq_chunk(x_full, sp).detach().clone().requires_grad_(True)
     return x
-
-
-def check_sp_sequence_error() -> None:
-    """An indivisible sequence under SP is a ValueError that names the fix."""
-    _, tp_size = tp_info()
-    if tp_size == 1:
-        return
-    try:
-        mappings.scatter_to_sequence_parallel_region(torch.zeros(1, tp_size + 1, 4))
-    except ValueError as error:
-        assert "pad_to_multiple_of" in str(error), error
-    else:
-        raise AssertionError("expected ValueError for a sequence not divisible by tp")

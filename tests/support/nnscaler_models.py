@@ -1,4 +1,4 @@
-"""Small real modules for the nnScaler API tests (``tests/nnscaler_cases.py``): an LLM-like stack
+"""Small real modules for the nnScaler API tests (test_nnscaler_core.py, test_nnscaler_samples.py, the trace unit tests): an LLM-like stack
 of attention + MLP blocks in plain torch (with and without its loss), the document's End2EndMLP,
 a module whose ``self.training`` changes its computation."""
 

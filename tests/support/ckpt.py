@@ -4,10 +4,11 @@ do not depend on the parallel sizes."""
 
 import torch
 
-import hf_parity
 import nxd_hf
 from nxd_hf import parallel_state
 from nxd_hf.checkpoint import full_optimizer_state
+from support import hf_parity
+
 
 BATCH = 8
 SEQ = 8
@@ -59,12 +60,6 @@ def train(model, optimizer, scheduler, steps, start=0) -> list[float]:
         scheduler.step()
         losses.append(float(loss))
     return losses
-
-
-def eval_loss(model) -> torch.Tensor:
-    ids, labels = batch(1000)
-    model.eval()
-    return model.run_eval(input_ids=ids, labels=labels)
 
 
 def snapshot(model, optimizer) -> dict:

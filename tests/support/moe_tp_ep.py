@@ -1,13 +1,12 @@
-"""Tensor x expert parallelism: the experts split over the expert-parallel group (EP
-dispatch outermost) and each expert's intermediate dim over TP (the TP region inside), on the tiny
-Mixtral, Qwen3-MoE, DeepSeek-V3 and gpt-oss models of ``moe_cases``, against the unparallelized HF
-model. Run by tests/distributed/test_moe_tp_ep.py at world 4 (tp=2 x ep=2, dp=2)."""
+"""Tensor x expert parallelism training against the unparallelized HF model (experts split over EP,
+each expert's intermediate dim over TP), shared by the TP x EP, LongCat and Llama 4 tests."""
 
 import torch
+from support.moe import backward_and_step, batch, build_pair, eval_logits_match, TOL
 
 import nxd_hf
-from moe_cases import TOL, backward_and_step, batch, build_pair, eval_logits_match
 from nxd_hf import parallel_state
+
 
 # Adam divides each update by its gradient's magnitude (plus eps): summing the batch in
 # data-parallel parts rounds gradients differently from one process (tp=2 x dp=2 without EP, plain
@@ -60,50 +59,3 @@ def tp_ep_training_matches_hf(model_type: str, tp: int, ep: int, sp: bool, aux: 
         backward_and_step(model, reference, ref_out.loss, out.loss, ref_opt, opt, label)
     eval_logits_match(model, reference)
     return {"both_sharded": both, "aux_losses": aux_losses}
-
-
-def lora_at_tp_ep_matches_peft(model_type: str, tp: int, ep: int) -> None:
-    """LoRA through plain peft at tp x ep: with the experts in ``target_parameters`` a ValueError on
-    every rank (peft sizes that adapter from the local slice); on attention and the dense/shared
-    MLPs (the frozen experts still dispatch every token) five AdamW steps equal plain peft."""
-    import copy
-
-    import peft
-    import pytest
-
-    import lora_cases
-    from moe_pp_cases import build_pair as lora_pair, moe_lora_config
-
-    parallel_state.destroy_model_parallel()
-    model = nxd_hf.parallelize(lora_pair(model_type, aux=False)[1], tensor_parallel_size=tp, expert_parallel_size=ep)
-    with pytest.raises(ValueError, match="target_parameters"):
-        peft.get_peft_model(model, moe_lora_config(model_type))
-    parallel_state.destroy_model_parallel()
-    reference, model = lora_pair(model_type, aux=False)
-    model = nxd_hf.parallelize(model, tensor_parallel_size=tp, expert_parallel_size=ep)
-    assert _both_sharded(model)
-    config = moe_lora_config(model_type, experts=False)
-    torch.manual_seed(7)
-    ref_peft = peft.get_peft_model(reference, copy.deepcopy(config))
-    torch.manual_seed(7)
-    par_peft = peft.get_peft_model(model, copy.deepcopy(config))
-    lora_cases.train_and_compare(ref_peft, par_peft, f"{model_type} lora tp={tp} ep={ep}",
-                                 dp=parallel_state.get_data_parallel_size())
-
-
-def tp_ep_refusals() -> None:
-    """What tp x ep cannot split is a ValueError naming the fix, on every rank (world 4)."""
-    import pytest
-
-    cases = [
-        (dict(num_local_experts=6), dict(expert_parallel_size=4), "must divide the data-parallel size"),
-        (dict(num_local_experts=3), dict(expert_parallel_size=2), "3 experts, not divisible by expert_parallel_size=2"),
-        (dict(intermediate_size=33), dict(expert_parallel_size=2), r"intermediate size \(33\) must be divisible by the "
-                                                                   r"tensor parallel size \(2\)"),
-    ]
-    for overrides, sizes, message in cases:
-        parallel_state.destroy_model_parallel()
-        _, model = build_pair("mixtral", output_router_logits=False, **overrides)
-        with pytest.raises(ValueError, match=message):
-            nxd_hf.parallelize(model, tensor_parallel_size=2, **sizes)
-    parallel_state.destroy_model_parallel()

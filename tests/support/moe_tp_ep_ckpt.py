@@ -1,17 +1,17 @@
-"""Checkpoints of experts sharded over TP and EP at once (tests/distributed/test_moe_tp_ep.py):
-save_checkpoint at tp2 x ep2 resharded to other layouts with one more step equal to the
-uninterrupted run, from_pretrained reading only the local experts' local rows of transformers'
-per-expert files, save_pretrained and consolidate loading in plain transformers."""
+"""Checkpoints of experts sharded over TP and EP at once, shared by test_moe_tp_ep.py and
+test_moe_longcat_ep.py: save_checkpoint at tp2 x ep2 resharded to other layouts with one more step
+equal to the uninterrupted run, from_pretrained reading only the local experts' local rows of
+transformers' per-expert files, save_pretrained and consolidate loading in plain transformers."""
 
 import json
 import os
 
 import torch
+from support.moe import _logits, build_pair, saved_as_transformers, TOL, VOCAB
+from support.moe_ep import assert_same_states
+from support.moe_tp_ep import ADAMW
 
 import nxd_hf
-from moe_cases import TOL, VOCAB, _logits, build_pair, saved_as_transformers
-from moe_ep_cases import assert_same_states
-from moe_tp_ep_cases import ADAMW
 from nxd_hf import parallel_state
 from nxd_hf.checkpoint import full_optimizer_state
 

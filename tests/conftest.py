@@ -63,3 +63,54 @@ def no_rank_pool(rank_pools):
     """For a test that starts its own processes (run_distributed, torchrun): the pool's ranks
     are ended first, so the two sets of processes do not share the machine."""
     rank_pools.close()
+
+
+_POOL_ORDER = {"no_rank_pool": -1, "ranks2": 2, "ranks4": 4, "ranks8": 8}
+
+
+def _pool_key(item):
+    names = getattr(item, "fixturenames", ())
+    keys = [key for name, key in _POOL_ORDER.items() if name in names]
+    return keys[0] if keys else None
+
+
+def _chain(files: list[list]) -> list:
+    """``files``: each file's tests as [(world size or -1, item)], in order. Each file's tests are
+    grouped by world size (stable: tests on one pool keep their order; -1, their own processes,
+    first), and the files chained greedily so that a file begins on the pool the one before it
+    ended with (a file's groups may run in descending order for that)."""
+    todo = []
+    for tests in files:
+        groups = {}
+        for key, item in tests:
+            groups.setdefault(key, []).append(item)
+        own = groups.pop(-1, [])
+        todo.append((own, sorted(groups.items())))
+    out, pool = [], None
+    while todo:
+        pick = next((f for f in todo if [k for k, _ in f[1]] == [pool]), None) or \
+            next((f for f in todo if f[1] and pool in (f[1][0][0], f[1][-1][0])), None) or \
+            min(todo, key=lambda f: (bool(f[1]), f[1][0][0] if f[1] else 0))
+        todo.remove(pick)
+        own, groups = pick
+        if groups and groups[-1][0] == pool and groups[0][0] != pool:
+            groups = groups[::-1]
+        out += own + [item for _, group in groups for item in group]
+        pool = groups[-1][0] if groups else (None if own else pool)
+    return out
+
+
+def pytest_collection_modifyitems(config, items):
+    """Fewer rank-pool switches (one pool lives at a time: a test asking for another world size
+    ends the pool and starts one) in tests/distributed/: see ``_chain``. A test that uses no pool
+    stays behind the one before it. Other folders keep their order."""
+    distributed = os.path.join(TESTS, "distributed") + os.sep
+    where = [i for i, item in enumerate(items) if str(item.path).startswith(distributed)]
+    if not where or where[-1] - where[0] + 1 != len(where):
+        return  # none, or interleaved with other files: the order as collected
+    files = {}
+    for item in items[where[0]:where[-1] + 1]:
+        tests = files.setdefault(str(item.path), [])
+        key = _pool_key(item)
+        tests.append((tests[-1][0] if key is None and tests else -1 if key is None else key, item))
+    items[where[0]:where[-1] + 1] = _chain(list(files.values()))

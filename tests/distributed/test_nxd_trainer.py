@@ -352,20 +352,20 @@ def test_overlap_on_off_dp2_accumulate2(ranks2, zero1):
 
 def test_arguments_refuse_what_nxd_hf_cannot_honour():
     with pytest.raises(ValueError, match="use bf16"):
-        nxd_hf.NxDTrainingArguments(output_dir="/tmp/x", fp16=True, report_to=[])
+        nxd_hf.NxDTrainingArguments(output_dir="unused", fp16=True, report_to=[])
     with pytest.raises(ValueError, match="label_smoothing_factor"):
-        nxd_hf.NxDTrainingArguments(output_dir="/tmp/x", label_smoothing_factor=0.1, report_to=[])
+        nxd_hf.NxDTrainingArguments(output_dir="unused", label_smoothing_factor=0.1, report_to=[])
     with pytest.raises(ValueError, match="train_sampling_strategy"):
-        nxd_hf.NxDTrainingArguments(output_dir="/tmp/x", train_sampling_strategy="group_by_length", report_to=[])
+        nxd_hf.NxDTrainingArguments(output_dir="unused", train_sampling_strategy="group_by_length", report_to=[])
     with pytest.raises(ValueError, match="positive integer"):
-        nxd_hf.NxDTrainingArguments(output_dir="/tmp/x", tensor_parallel_size=0, report_to=[])
+        nxd_hf.NxDTrainingArguments(output_dir="unused", tensor_parallel_size=0, report_to=[])
     with pytest.raises(ValueError, match="torchrun --nproc_per_node 2"):
-        nxd_hf.NxDTrainingArguments(output_dir="/tmp/x", tensor_parallel_size=2, report_to=[])
+        nxd_hf.NxDTrainingArguments(output_dir="unused", tensor_parallel_size=2, report_to=[])
 
 
 def test_hf_argument_parser_exposes_the_layout():
     parser = transformers.HfArgumentParser(nxd_hf.NxDTrainingArguments)
-    (args,) = parser.parse_args_into_dataclasses(["--output_dir", "/tmp/x", "--zero_1", "--num_microbatches", "4",
+    (args,) = parser.parse_args_into_dataclasses(["--output_dir", "unused", "--zero_1", "--num_microbatches", "4",
                                                   "--report_to", "none", "--gradient_checkpointing"])
     assert args.zero_1 and args.num_microbatches == 4 and args.nxd_activation_checkpointing
     assert not args.gradient_checkpointing  # nxd_hf checkpoints the layers itself

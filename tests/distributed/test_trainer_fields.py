@@ -249,20 +249,20 @@ def test_fields_change_behaviour_world4():
 ])
 def test_refused_hf_fields(field, value, message):
     with pytest.raises(ValueError, match=message):
-        nxd_hf.NxDTrainingArguments(output_dir="/tmp/x", report_to=[], **{field: value})
+        nxd_hf.NxDTrainingArguments(output_dir="unused", report_to=[], **{field: value})
 
 
 @pytest.mark.parametrize("field,value", [("num_microbatches", 4), ("virtual_pipeline_size", 2),
                                          ("pipeline_schedule", "gpipe")])
 def test_pipeline_fields_without_pipeline_warn(field, value):
     with pytest.warns(UserWarning, match=f"{field} is ignored: pipeline_parallel_size is 1"):
-        nxd_hf.NxDTrainingArguments(output_dir="/tmp/x", report_to=[], **{field: value})
+        nxd_hf.NxDTrainingArguments(output_dir="unused", report_to=[], **{field: value})
 
 
 def test_kv_size_multiplier_reaches_the_config():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        args = nxd_hf.NxDTrainingArguments(output_dir="/tmp/x", report_to=[], kv_size_multiplier="4")
+        args = nxd_hf.NxDTrainingArguments(output_dir="unused", report_to=[], kv_size_multiplier="4")
     assert args.nxd_config().kv_size_multiplier == 4
     parallel_state.destroy_model_parallel()
 
@@ -275,16 +275,16 @@ def test_config_api_kv_size_multiplier_is_type_checked():
 def test_use_cpu_is_dropped_without_a_gpu():
     if torch.cuda.is_available():
         with pytest.raises(ValueError, match="use_cpu=True on a machine with a GPU"):
-            nxd_hf.NxDTrainingArguments(output_dir="/tmp/x", report_to=[], use_cpu=True)
+            nxd_hf.NxDTrainingArguments(output_dir="unused", report_to=[], use_cpu=True)
     else:  # accelerate would otherwise wrap the model in DDP over every rank
-        assert nxd_hf.NxDTrainingArguments(output_dir="/tmp/x", report_to=[], use_cpu=True).use_cpu is False
+        assert nxd_hf.NxDTrainingArguments(output_dir="unused", report_to=[], use_cpu=True).use_cpu is False
 
 
 def test_default_arguments_warn_nothing():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        nxd_hf.NxDTrainingArguments(output_dir="/tmp/x", report_to=[])  # num_microbatches unset
-        nxd_hf.NxDTrainingArguments(output_dir="/tmp/x", report_to=[], num_microbatches=1)
+        nxd_hf.NxDTrainingArguments(output_dir="unused", report_to=[])  # num_microbatches unset
+        nxd_hf.NxDTrainingArguments(output_dir="unused", report_to=[], num_microbatches=1)
     assert not [str(w.message) for w in caught]
 
 

@@ -23,6 +23,7 @@ from nxd_hf.lightning import (
     NxDStrategy,
 )
 from support import hf_parity
+from support.paths import REPO
 
 
 GLOBAL_BATCH, SEQ, LR = 4, 8, 1e-2
@@ -302,11 +303,10 @@ def test_lightning_example_under_torchrun(no_rank_pool, tmp_path):
     """examples/lightning_causal_lm.py (capped): 12 steps at tp=2, then resumed from its checkpoint
     at dp=2 with ZeRO-1 for 8 more (--max-steps counts this run's steps); the loss falls, one rank
     prints and logs, and the resumed run says where it starts."""
-    import os
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = str(REPO)
 
     def run(*args):
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",

@@ -23,6 +23,7 @@ from nxd_hf.nnscaler import (
 )
 from nxd_hf.nnscaler.state_layout import layout_of, local_piece
 from support import hf_parity
+from support.paths import REPO
 
 
 TOL = hf_parity.TOL
@@ -384,7 +385,7 @@ def test_gen_savedir_reuse_and_broadcast(ranks2, tmp_path):
     ranks2.run(gen_savedir_case, str(tmp_path))
 
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = str(REPO)
 
 
 @pytest.mark.usefixtures("no_rank_pool")

@@ -11,6 +11,8 @@ import textwrap
 
 import pytest
 
+from support.paths import TESTS
+
 SCRIPT = textwrap.dedent("""
     import os, signal, sys, time
     sys.path.insert(0, {tests!r})
@@ -61,7 +63,7 @@ def _run(script, path, mode):
 ])
 def test_killed_save_leaves_the_previous_checkpoint(tmp_path, mode, newest, leftover):
     script = tmp_path / "job.py"
-    script.write_text(SCRIPT.format(tests=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    script.write_text(SCRIPT.format(tests=str(TESTS)))
     path = tmp_path / "ckpt"
     done = _run(script, path, mode)
     if mode == "async_exit":

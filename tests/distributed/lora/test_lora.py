@@ -22,6 +22,7 @@ from support.lora import (
     ALL_LLAMA, check_training, eval_logits, logical, lora_config, LR, peft_pair, SEED, STEPS, TOL,
     train_and_compare,
 )
+from support.paths import REPO
 
 
 def check_dropout_masks(tp: int) -> None:
@@ -435,11 +436,10 @@ def test_peft_dispatch_contract():
 
 def test_declared_peft_and_transformers_ranges_hold():
     import tomllib
-    from pathlib import Path
 
     from packaging.requirements import Requirement
 
-    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     requirements = {Requirement(r).name: Requirement(r) for r in project["dependencies"]}
     assert requirements["peft"].specifier.contains(peft.__version__)
     assert requirements["transformers"].specifier.contains(transformers.__version__)

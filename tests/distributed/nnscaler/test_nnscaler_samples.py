@@ -9,7 +9,7 @@ from torch import nn
 
 from nxd_hf import parallel_state
 from nxd_hf.nnscaler import ComputeConfig, non_parallel_module_reducer, parallelize
-from support.nnscaler import _compare, _lm_loss, _tokens, end2end_matches, training_flag_and_class_path
+from support.nnscaler import _compare, _lm_loss, _tokens
 from support.nnscaler_models import Branchy, LLM, MLP, TOL
 
 
@@ -63,11 +63,6 @@ def sample_parallelize_submodule(tmp):
     _compare(model, ref)
 
 
-def sample_end2end_pipelined(tmp):
-    """Line 116 (Example 3): the End2EndMLP with dict samples, pipelined, train_step/infer_step."""
-    end2end_matches(tmp, "mlp", "pp", 2, 2, steps=2)
-
-
 def sample_parallelize_signature(tmp):
     """Line 243: ``parallelize``'s parameters, in order, with the document's defaults."""
     import inspect
@@ -83,13 +78,9 @@ def sample_parallelize_signature(tmp):
                         "broadcast_strategy": "none"}
 
 
-def sample_init_params(tmp):
-    """Line 381: ``ParallelModule.__init__(init_params=True)``."""
-    training_flag_and_class_path(tmp)
-
-
 def sample_train_step(tmp):
-    """Lines 391 and 415: ``train_step(samples, is_dummy_batch, scale_fn)`` and ``infer_step``."""
+    """Lines 391 and 415: ``train_step(samples, is_dummy_batch, scale_fn)`` and ``infer_step``, as the
+    document writes them; they train as one process in test_nnscaler_core.py::test_end2end_mlp_tp2."""
     import inspect
 
     from nxd_hf.nnscaler import ParallelModule
@@ -97,7 +88,6 @@ def sample_train_step(tmp):
     assert list(inspect.signature(ParallelModule.train_step).parameters) == [
         "self", "samples", "is_dummy_batch", "scale_fn"]
     assert list(inspect.signature(ParallelModule.infer_step).parameters) == ["self", "samples"]
-    end2end_matches(tmp, "mlp", "tp", 2, 2, steps=3)
 
 
 def sample_distributed_sampler(tmp):
@@ -127,14 +117,14 @@ NNSCALER = {  # nnscaler-parallel-module.md, by the line its code block starts o
          "sample_parallelize_module_class", 2),
     49: ("Example 2: parallelize of a submodule inside a plain module", "sample_parallelize_submodule", 2),
     91: ("infer / train with build_optimizer", "test_nnscaler_state.py::test_reference_samples_on_parallel_modules", 2),
-    116: ("Example 3: End2EndMLP with dict samples, pipelined", "sample_end2end_pipelined", 2),
+    116: ("Example 3: End2EndMLP with dict samples, pipelined", "test_nnscaler_core.py::test_example3_end2end_mlp_pp2", 2),
     154: ("infer_step / train_step with build_optimizer", "test_nnscaler_state.py::test_reference_samples_on_parallel_modules", 2),
     177: ("BroadcastGenFilesStrategy values", "test_nnscaler_state.py::test_gen_savedir_reuse_and_broadcast", 2),
     222: ("broadcast_weights(parallel_module, plan_ngpus) with broadcast_strategy='no_weights'", "test_nnscaler_state.py::test_reference_samples_on_parallel_modules", 2),
     243: ("parallelize(...) signature", "sample_parallelize_signature", 2),
     319: ("build_optimizer(...) signature", "test_nnscaler_state.py::test_reference_samples_on_parallel_modules", 2),
     368: ("register_reducer_pre_hook / post_hook", "test_nnscaler_state.py::test_reference_samples_on_parallel_modules", 2),
-    381: ("ParallelModule.__init__(init_params=True)", "sample_init_params", 2),
+    381: ("ParallelModule.__init__(init_params=True)", "test_nnscaler_core.py::test_training_flag_and_class_path", 2),
     391: ("ParallelModule.train_step(samples, is_dummy_batch, scale_fn)", "sample_train_step", 2),
     415: ("ParallelModule.infer_step(samples)", "sample_train_step", 2),
     439: ("merge_state_dicts", "test_nnscaler_state.py::test_reference_samples_on_parallel_modules", 2),

@@ -388,21 +388,28 @@ def test_gen_savedir_reuse_and_broadcast(ranks2, tmp_path):
 ROOT = str(REPO)
 
 
-@pytest.mark.usefixtures("no_rank_pool")
-@pytest.mark.parametrize("args", [
-    ["--example", "1", "--policy", "tp", "--plan_ngpus", "2", "--use_zero"],
-    ["--example", "3", "--policy", "tp", "--plan_ngpus", "2"],
+@pytest.mark.parametrize("args,launch", [
+    (["--example", "1", "--policy", "tp", "--plan_ngpus", "2", "--use_zero"], "torchrun"),
+    (["--example", "3", "--policy", "tp", "--plan_ngpus", "2"], "pool"),
 ])
-def test_nnscaler_script_under_torchrun(tmp_path, args):
-    """A script written against the reference document (imports from nxd_hf.nnscaler) trains under
-    torchrun, and the original module loaded with its merged state dicts computes the same outputs."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", "examples/nnscaler_example.py",
-               *args, "--gen_savedir", str(tmp_path)]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    first, last = map(float, re.search(r"loss fell from ([\d.]+) to ([\d.]+)", result.stdout).groups())
-    assert last < first, result.stdout
-    assert "computes the parallel module's outputs" in result.stdout
+def test_nnscaler_script(rank_pools, tmp_path, args, launch):
+    """A script written against the reference document (imports from nxd_hf.nnscaler) trains, and
+    the original module loaded with its merged state dicts computes the same outputs: under torchrun,
+    and (the second example; the launch is the same) as torchrun starts it, on the pool's ranks."""
+    from test_examples import run_on_ranks
+
+    script_args = ["examples/nnscaler_example.py", *args, "--gen_savedir", str(tmp_path)]
+    if launch == "pool":
+        out = run_on_ranks(rank_pools, script_args[0], 4, *script_args[1:])
+    else:
+        rank_pools.close()  # torchrun's processes only
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", *script_args]
+        result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        out = result.stdout
+    first, last = map(float, re.search(r"loss fell from ([\d.]+) to ([\d.]+)", out).groups())
+    assert last < first, out
+    assert "computes the parallel module's outputs" in out
 
 
 def test_gen_savedir_in_one_process(tmp_path):

@@ -90,7 +90,7 @@ def eval_logits_match(model, reference) -> None:
                                    reference(input_ids=ids, attention_mask=mask).logits, **TOL)
 
 
-def _logits(model, ids) -> torch.Tensor:
+def eval_logits_of(model, ids) -> torch.Tensor:
     model.eval()
     with torch.no_grad():
         return model(input_ids=ids).logits
@@ -125,4 +125,4 @@ def saved_as_transformers(model, tmp: str, ids, expected) -> None:
     for directory in (ours, merged):
         assert _stored_names(directory) == _stored_names(hf_dir), directory  # what transformers writes
         plain = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
-        torch.testing.assert_close(_logits(plain, ids), expected, **TOL)
+        torch.testing.assert_close(eval_logits_of(plain, ids), expected, **TOL)

@@ -43,7 +43,7 @@ def parallelize_pp_ep(model, *, pp: int = 2, ep: int = 2, **pipeline_kwargs):
     return model
 
 
-def _check_exchanges_pair_up(records) -> int:
+def check_exchanges_pair_up(records) -> int:
     """The all-to-alls (and count exchanges) of this rank and of its expert-group peers are the
     same sequence on the same group (so each pairs with its peers'); returns how many."""
     mine = [(r.op, r.tag, r.ranks) for r in records if r.tag.split(".")[0] in EP_TAGS]
@@ -58,7 +58,7 @@ def _check_exchanges_pair_up(records) -> int:
     return len(mine)
 
 
-def _compare_grads(model, reference, label: str) -> int:
+def compare_grads(model, reference, label: str) -> int:
     ref = dict(reference.named_parameters())
     count = 0
     for name, param in model.named_parameters():

@@ -21,7 +21,7 @@ def _rank_batches(step: int, dp: int) -> list[tuple[torch.Tensor, ...]]:
     return [batch(seed=10 * step + r + 1) for r in range(dp)]
 
 
-def _both_sharded(model) -> list[str]:
+def sharded_over_tp_and_ep(model) -> list[str]:
     return [n for n, p in model.named_parameters()
             if getattr(p, "expert_parallel", False) and getattr(p, "tensor_model_parallel", False)]
 
@@ -35,7 +35,7 @@ def tp_ep_training_matches_hf(model_type: str, tp: int, ep: int, sp: bool, aux: 
     nxd_hf.parallelize(model, tensor_parallel_size=tp, expert_parallel_size=ep, sequence_parallel=sp)
     assert parallel_state.get_expert_parallel_size() == ep and parallel_state.get_tensor_model_parallel_size() == tp
     dp, dp_rank = parallel_state.get_data_parallel_size(), parallel_state.get_data_parallel_rank()
-    both = _both_sharded(model)
+    both = sharded_over_tp_and_ep(model)
     for name in both:  # the last expert block may hold more (LongCat's identity-expert slots)
         param = model.get_parameter(name)
         experts = param.expert_logical_size / len(param.expert_shard_index)

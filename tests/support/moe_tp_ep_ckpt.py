@@ -7,7 +7,7 @@ import json
 import os
 
 import torch
-from support.moe import _logits, build_pair, saved_as_transformers, TOL, VOCAB
+from support.moe import eval_logits_of, build_pair, saved_as_transformers, TOL, VOCAB
 from support.moe_ep import assert_same_states
 from support.moe_tp_ep import ADAMW
 
@@ -101,7 +101,7 @@ def pretrained_round_trip_at_tp2_ep2(model_type: str, tmp: str) -> dict:
     consolidate write transformers' names, which plain transformers loads with the same logits."""
     reference, _ = build_pair(model_type)
     ids = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(4))
-    expected = _logits(reference, ids)
+    expected = eval_logits_of(reference, ids)
     hf_dir = os.path.join(tmp, "hf")
     if torch.distributed.get_rank() == 0:
         reference.save_pretrained(hf_dir)
@@ -111,7 +111,7 @@ def pretrained_round_trip_at_tp2_ep2(model_type: str, tmp: str) -> dict:
     both = [n for n, p in model.named_parameters()
             if getattr(p, "expert_parallel", False) and getattr(p, "tensor_model_parallel", False)]
     assert both, "the experts must be sharded over TP and EP"
-    torch.testing.assert_close(_logits(model, ids), expected, **TOL)
+    torch.testing.assert_close(eval_logits_of(model, ids), expected, **TOL)
     local = sum(_real_bytes(p) for p in model.parameters()) + sum(  # and persistent buffers (DeepSeek's score bias)
         b.numel() * b.element_size() for m in model.modules() for n, b in m._buffers.items()
         if b is not None and n not in m._non_persistent_buffers_set)

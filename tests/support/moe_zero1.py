@@ -16,7 +16,7 @@ def param_groups(model) -> list[dict]:
             {"params": [p for n, p in named if "norm" in n], "weight_decay": 0.0}]
 
 
-def _backward(loss: torch.Tensor) -> torch.Tensor:
+def zero1_backward(loss: torch.Tensor) -> torch.Tensor:
     from nxd_hf import backend, parallel_state
 
     loss.backward()

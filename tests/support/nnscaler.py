@@ -12,7 +12,7 @@ from nxd_hf.parallel_layers.sharding import full_tensor, is_sharded
 from support.nnscaler_models import Branchy, End2EndLLM, End2EndMLP, TOL
 
 
-def _compare(pm, ref, *, grads=True):
+def compare_logical(pm, ref, *, grads=True):
     """Every parameter of this rank (gathered over TP) equals the reference's, and its gradient."""
     ref_params = dict(ref.named_parameters())
     names = [n for n, _ in pm.named_parameters()]
@@ -25,16 +25,16 @@ def _compare(pm, ref, *, grads=True):
             torch.testing.assert_close(full_tensor(p, p.grad), ref_params[name].grad, **TOL, msg=lambda m, name=name: f"grad of {name}: {m}")
 
 
-def _tokens(seed, batch=2, seq=8, vocab=32):
+def token_batch(seed, batch=2, seq=8, vocab=32):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (batch, seq), generator=g), torch.randint(0, vocab, (batch, seq), generator=g)
 
 
-def _lm_loss(logits, labels):
+def lm_loss(logits, labels):
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
-def _check_logical(pm, ref):
+def check_logical(pm, ref):
     """The checkpoint package's logical coordinates of this rank's tensors are the original
     module's names and whole shapes (what merged/deduped state dicts are built on)."""
     from nxd_hf.checkpoint.logical import logical_tensors
@@ -50,7 +50,7 @@ def _e2e_samples(kind, step, n=2):
     if kind == "mlp":
         g = torch.Generator().manual_seed(step)
         return [{"data": torch.randn(4, 16, generator=g), "target": torch.rand(4, 16, generator=g)} for _ in range(n)]
-    return [dict(zip(("input_ids", "labels"), _tokens(100 * step + i))) for i in range(n)]
+    return [dict(zip(("input_ids", "labels"), token_batch(100 * step + i))) for i in range(n)]
 
 
 def end2end_matches(tmp, kind="mlp", policy="pp", plan=2, runtime=2, steps=3):
@@ -81,10 +81,10 @@ def end2end_matches(tmp, kind="mlp", policy="pp", plan=2, runtime=2, steps=3):
         for i, loss in enumerate(losses):
             want = 0.0 * ref_losses[i] if dummy[i] else (2 * ref_losses[i] if "scale_fn" in opts else ref_losses[i])
             torch.testing.assert_close(loss, want, **TOL)
-        _compare(pm, ref)
+        compare_logical(pm, ref)
         opt.step(), ref_opt.step()
-    _compare(pm, ref, grads=False)
-    _check_logical(pm, ref)
+    compare_logical(pm, ref, grads=False)
+    check_logical(pm, ref)
     pm.eval()
     losses = pm.infer_step(_e2e_samples(kind, 9))
     with torch.no_grad():

@@ -175,7 +175,7 @@ def from_pretrained_reads_local_experts(path: str, tp: int, ep: int) -> None:
 def zero1_matches_hf(ep: int) -> None:
     """ZeRO-1 (AdamW, clipping acting every step) at ``ep`` (dp = world): the experts' state sharded
     over expert_data; losses, grad norms and parameters over 3 steps equal HF + AdamW + clipping."""
-    from support.moe_zero1 import LR, MAX_NORM, _backward, assert_step_matches, param_groups
+    from support.moe_zero1 import LR, MAX_NORM, zero1_backward, assert_step_matches, param_groups
     from nxd_hf.optim import NeuronZero1Optimizer
     from nxd_hf.parallel_layers.sharding import is_expert_parallel
 
@@ -197,7 +197,7 @@ def zero1_matches_hf(ep: int) -> None:
         ref_opt.step()
         ref_opt.zero_grad()
         ids, mask, labels = batches[dp_rank]
-        loss = _backward(model(input_ids=ids, attention_mask=mask, labels=labels).loss)
+        loss = zero1_backward(model(input_ids=ids, attention_mask=mask, labels=labels).loss)
         optimizer.step()
         optimizer.zero_grad()
         assert_step_matches(model, optimizer, ref_params, loss, ref_loss, ref_norm, step)
@@ -207,7 +207,7 @@ def pipeline_ep_matches_hf(steps: int = 2) -> int:
     """pp=2 x ep=2 (world 4, dp=2), 2 microbatches, left-padded rows: every run_train loss, every
     gathered gradient and the parameters after ``steps`` AdamW steps equal HF's on the whole batch.
     Returns how many expert-group exchanges ran (they pair up across the group)."""
-    from support.moe_pp_ep import _check_exchanges_pair_up, _compare_grads, padded_batch, parallelize_pp_ep
+    from support.moe_pp_ep import check_exchanges_pair_up, compare_grads, padded_batch, parallelize_pp_ep
     from support.moe_pp import replica_rows
     from nxd_hf.parallel_layers.sharding import full_tensor
 
@@ -225,9 +225,9 @@ def pipeline_ep_matches_hf(steps: int = 2) -> int:
         with backend.count_comm() as records:
             ids_r, mask_r, labels_r = replica_rows(ids, mask, labels)
             loss = model.run_train(input_ids=ids_r, attention_mask=mask_r, labels=labels_r)
-        exchanges += _check_exchanges_pair_up(records)
+        exchanges += check_exchanges_pair_up(records)
         torch.testing.assert_close(loss, want.detach(), **TOL, msg=lambda m: f"step {step} loss: {m}")
-        _compare_grads(model, reference, f"llama4_text pp2 ep2 step {step}")
+        compare_grads(model, reference, f"llama4_text pp2 ep2 step {step}")
         for optimizer in (ref_opt, opt):
             optimizer.step()
             optimizer.zero_grad()

@@ -10,7 +10,7 @@ import nxd_hf
 from nxd_hf import backend, parallel_state
 from nxd_hf.parallel_layers.sharding import full_tensor
 from support.moe_pp_ep import (
-    _check_exchanges_pair_up, _compare_grads, expert_params, padded_batch, parallelize_pp_ep, TOL,
+    check_exchanges_pair_up, compare_grads, expert_params, padded_batch, parallelize_pp_ep, TOL,
 )
 
 
@@ -52,9 +52,9 @@ def pipeline_ep_matches_hf(model_type: str, *, num_microbatches: int = 2, accumu
                 else:
                     loss = model.run_train(input_ids=ids_r, attention_mask=mask_r, labels=labels_r,
                                            num_items_in_batch=total)
-            exchanges += _check_exchanges_pair_up(records)
+            exchanges += check_exchanges_pair_up(records)
             torch.testing.assert_close(loss, out.loss.detach(), **TOL, msg=lambda m: f"step {step}.{i} loss: {m}")
-        _compare_grads(model, reference, f"{model_type} step {step}")
+        compare_grads(model, reference, f"{model_type} step {step}")
         ref_opt.step()
         opt.step()
         ref_opt.zero_grad()

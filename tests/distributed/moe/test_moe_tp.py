@@ -11,7 +11,7 @@ import transformers
 import nxd_hf
 from nxd_hf import parallel_state, parity
 from support.moe import (
-    _logits, backward_and_step, batch, build_pair, eval_logits_match, saved_as_transformers, TOL, VOCAB,
+    eval_logits_of, backward_and_step, batch, build_pair, eval_logits_match, saved_as_transformers, TOL, VOCAB,
 )
 
 
@@ -52,7 +52,7 @@ def moe_checkpoints_round_trip(model_type: str, tmp: str, tp: int = 2) -> list[s
     done = []
     reference, _ = build_pair(model_type)
     ids = batch()[0]
-    expected = _logits(reference, ids)
+    expected = eval_logits_of(reference, ids)
     hf_dir, ckpt = os.path.join(tmp, "hf"), os.path.join(tmp, "ckpt")
     if rank == 0:
         reference.save_pretrained(hf_dir)
@@ -60,7 +60,7 @@ def moe_checkpoints_round_trip(model_type: str, tmp: str, tp: int = 2) -> list[s
     parallel_state.destroy_model_parallel()
     model = nxd_hf.from_pretrained(hf_dir, tensor_parallel_size=tp, dtype=torch.float32)
     assert any(getattr(p, "tensor_model_parallel", False) for n, p in model.named_parameters() if "experts" in n)
-    torch.testing.assert_close(_logits(model, ids), expected, **TOL)
+    torch.testing.assert_close(eval_logits_of(model, ids), expected, **TOL)
     done.append("from_pretrained")
     saved_as_transformers(model, tmp, ids, expected)
     done.append("save_pretrained+consolidate")

@@ -9,7 +9,7 @@ from support.moe_ep import check_trainer_matches
 
 import nxd_hf
 from nxd_hf import parallel_state
-from support.moe_tp_ep import _both_sharded, tp_ep_training_matches_hf
+from support.moe_tp_ep import sharded_over_tp_and_ep, tp_ep_training_matches_hf
 from support.moe_tp_ep_ckpt import checkpoint_reshards, pretrained_round_trip_at_tp2_ep2
 
 
@@ -32,7 +32,7 @@ def lora_at_tp_ep_matches_peft(model_type: str, tp: int, ep: int) -> None:
     parallel_state.destroy_model_parallel()
     reference, model = lora_pair(model_type, aux=False)
     model = nxd_hf.parallelize(model, tensor_parallel_size=tp, expert_parallel_size=ep)
-    assert _both_sharded(model)
+    assert sharded_over_tp_and_ep(model)
     config = moe_lora_config(model_type, experts=False)
     torch.manual_seed(7)
     ref_peft = peft.get_peft_model(reference, copy.deepcopy(config))

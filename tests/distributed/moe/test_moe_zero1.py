@@ -8,7 +8,7 @@ from support.moe_ep import (
     build_pair, check_checkpoint_reshard, check_trainer_matches, expert_params, global_batch, rank_batch,
 )
 
-from support.moe_zero1 import _backward, assert_step_matches, LR, MAX_NORM, param_groups
+from support.moe_zero1 import zero1_backward, assert_step_matches, LR, MAX_NORM, param_groups
 
 
 STEPS = 3
@@ -23,7 +23,7 @@ def _parallel(model, ep: int, config_api: bool):
         nxd_hf.parallelize(model, expert_parallel_size=ep)
         optimizer = NeuronZero1Optimizer(param_groups(model), torch.optim.AdamW, lr=LR, max_norm=MAX_NORM,
                                          bucket_size_mb=0.001)  # several buckets per flat group
-        return model, optimizer, lambda ids, labels: _backward(model(input_ids=ids, labels=labels).loss)
+        return model, optimizer, lambda ids, labels: zero1_backward(model(input_ids=ids, labels=labels).loss)
     config = nxd_hf.neuronx_distributed_config(
         expert_parallel_size=ep, optimizer_config={"zero_one_enabled": True, "max_grad_norm": MAX_NORM})
     nxd_model = nxd_hf.initialize_parallel_model(config, lambda: model)

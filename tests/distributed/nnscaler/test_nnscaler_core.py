@@ -15,7 +15,7 @@ from nxd_hf.nnscaler import (
     merge_state_dicts, non_parallel_module_reducer, parallelize, Plan,
 )
 from nxd_hf.parallel_layers.sharding import is_sharded
-from support.nnscaler import _check_logical, _compare, _lm_loss, _tokens, end2end_matches, training_flag_and_class_path
+from support.nnscaler import check_logical, compare_logical, lm_loss, token_batch, end2end_matches, training_flag_and_class_path
 from support.nnscaler_models import Branchy, LLM, MaskDecoder, TOL
 
 
@@ -24,22 +24,22 @@ def llm_tp_matches(tmp, policy="tp", steps=3):
     one unit of 2 ranks; losses, gradients and AdamW steps equal the plain module's; eval mode runs
     its own traced graph."""
     ref = LLM()
-    x, _ = _tokens(0)
+    x, _ = token_batch(0)
     pm = parallelize(copy.deepcopy(ref), {"x": x}, policy, ComputeConfig(2, 2), gen_savedir=tmp)
     opt, ref_opt = torch.optim.AdamW(pm.parameters(), **ADAM), torch.optim.AdamW(ref.parameters(), **ADAM)
     for step in range(steps):
-        x, y = _tokens(step + 1)
-        loss, ref_loss = _lm_loss(pm(x), y), _lm_loss(ref(x), y)
+        x, y = token_batch(step + 1)
+        loss, ref_loss = lm_loss(pm(x), y), lm_loss(ref(x), y)
         torch.testing.assert_close(loss, ref_loss, **TOL)
         loss.backward()
         ref_loss.backward()
-        _compare(pm, ref)
+        compare_logical(pm, ref)
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
-    _compare(pm, ref, grads=False)
+    compare_logical(pm, ref, grads=False)
     pm.eval(), ref.eval()
     with torch.inference_mode():
         torch.testing.assert_close(pm(x), ref(x), **TOL)
-    _check_logical(pm, ref)
+    check_logical(pm, ref)
     return pm.plan.as_dict()
 
 
@@ -54,7 +54,7 @@ def custom_policy_matches(tmp):
     assert layouts and all(".mlp." in name for name in layouts), layouts
     bad = lambda graph, cfg: Plan(tp_size=2, layouts={"layers.0.mlp.gate": "column"})  # noqa: E731
     try:
-        parallelize(LLM(), {"x": _tokens(0)[0]}, bad, ComputeConfig(2, 2), gen_savedir=tmp)
+        parallelize(LLM(), {"x": token_batch(0)[0]}, bad, ComputeConfig(2, 2), gen_savedir=tmp)
     except ValueError as e:
         assert "not exact" in str(e) and "layers.0.mlp.gate" in str(e), e
     else:
@@ -64,9 +64,9 @@ def custom_policy_matches(tmp):
 def _two_units_backward(model, ref, step):
     """Each of 2 units its own batch; the reference backpropagates the mean of the units' losses."""
     unit = parallel_state.get_data_parallel_rank()
-    batches = [_tokens(10 * step + u) for u in range(2)]
-    loss = _lm_loss(model(batches[unit][0]), batches[unit][1])
-    ref_losses = [_lm_loss(ref(x), y) for x, y in batches]
+    batches = [token_batch(10 * step + u) for u in range(2)]
+    loss = lm_loss(model(batches[unit][0]), batches[unit][1])
+    ref_losses = [lm_loss(ref(x), y) for x, y in batches]
     torch.testing.assert_close(loss, ref_losses[unit], **TOL)
     loss.backward()
     (sum(ref_losses) / 2).backward()
@@ -78,14 +78,14 @@ def llm_dp_zero_matches(tmp, steps=3):
     from nxd_hf.optim import NeuronZero1Optimizer
 
     ref = LLM()
-    pm = parallelize(copy.deepcopy(ref), {"x": _tokens(0)[0]}, "dp", ComputeConfig(1, 2, use_zero=True),
+    pm = parallelize(copy.deepcopy(ref), {"x": token_batch(0)[0]}, "dp", ComputeConfig(1, 2, use_zero=True),
                      gen_savedir=tmp)
     opt = NeuronZero1Optimizer(pm.parameters(), torch.optim.AdamW, grad_clipping=False, **ADAM)
     ref_opt = torch.optim.AdamW(ref.parameters(), **ADAM)
     for step in range(steps):
         _two_units_backward(pm, ref, step)
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
-        _compare(pm, ref, grads=False)
+        compare_logical(pm, ref, grads=False)
 
 
 class WithHFModel(nn.Module):
@@ -117,17 +117,17 @@ def hf_pipelined_matches(tmp, steps=2):
     config = transformers.LlamaConfig(hidden_size=16, intermediate_size=32, num_attention_heads=4,
                                       num_key_value_heads=2, num_hidden_layers=2, vocab_size=32)
     ref = transformers.LlamaForCausalLM(config)
-    samples = [dict(zip(("input_ids", "labels"), _tokens(i))) for i in range(2)]
+    samples = [dict(zip(("input_ids", "labels"), token_batch(i))) for i in range(2)]
     pm = parallelize(copy.deepcopy(ref), samples[0], "pp", ComputeConfig(2, 2, use_end2end=True), gen_savedir=tmp)
     opt, ref_opt = torch.optim.SGD(pm.parameters(), lr=0.5), torch.optim.SGD(ref.parameters(), lr=0.5)
     for step in range(steps):
-        samples = [dict(zip(("input_ids", "labels"), _tokens(10 * step + i))) for i in range(2)]
+        samples = [dict(zip(("input_ids", "labels"), token_batch(10 * step + i))) for i in range(2)]
         losses = pm.train_step(samples)
         ref_loss = ref(**{k: torch.cat([s[k] for s in samples]) for k in samples[0]}).loss
         ref_loss.backward()
         assert len(losses) == 1
         torch.testing.assert_close(losses[0], ref_loss.detach(), **TOL)
-        _compare(pm, ref)
+        compare_logical(pm, ref)
         opt.step(), ref_opt.step(), ref_opt.zero_grad()
 
 
@@ -146,7 +146,7 @@ def hf_submodule_matches(tmp, steps=3):
     for step in range(steps):
         _two_units_backward(model, ref, step)
         reducer.sync_grads()
-        _compare(model, ref)
+        compare_logical(model, ref)
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
     assert any(is_sharded(p) for p in model.llama.parameters())
     assert seen[0] == "pre" and seen[-1] == "post" and len(seen) == 2 * steps * len(reducer.params)

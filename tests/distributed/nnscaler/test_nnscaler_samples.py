@@ -9,7 +9,7 @@ from torch import nn
 
 from nxd_hf import parallel_state
 from nxd_hf.nnscaler import ComputeConfig, non_parallel_module_reducer, parallelize
-from support.nnscaler import _compare, _lm_loss, _tokens
+from support.nnscaler import compare_logical, lm_loss, token_batch
 from support.nnscaler_models import Branchy, LLM, MLP, TOL
 
 
@@ -55,12 +55,12 @@ class SubmoduleLLM(nn.Module):
 
 def sample_parallelize_submodule(tmp):
     model, ref = SubmoduleLLM(tmp), SubmoduleLLM()
-    x, y = _tokens(5)
-    loss, ref_loss = _lm_loss(model(x), y), _lm_loss(ref(x), y)
+    x, y = token_batch(5)
+    loss, ref_loss = lm_loss(model(x), y), lm_loss(ref(x), y)
     torch.testing.assert_close(loss, ref_loss, **TOL)
     loss.backward(), ref_loss.backward()
     non_parallel_module_reducer(model).sync_grads()
-    _compare(model, ref)
+    compare_logical(model, ref)
 
 
 def sample_parallelize_signature(tmp):

@@ -16,7 +16,7 @@ The ``ring B/rank`` column converts payload to bytes a rank sends in a ring algo
 (all-reduce 2(p-1)/p x N, reduce-scatter (p-1)/p x N, all-gather (p-1) x shard): on that scale
 SP's all-gather + reduce-scatter costs exactly the all-reduce it replaces.
 
-``bench/comm_volume/run.py`` prints these as tables; ``tests/test_comm_volume.py`` checks them.
+``bench/comm_volume/run.py`` prints these as tables; ``tests/distributed/test_comm_volume.py`` checks them.
 """
 
 import dataclasses

@@ -21,7 +21,7 @@ Also wrapped, each only acting on a model that holds nxd_hf parallel layers:
 - ``tuners_utils._maybe_include_all_linear_layers``: ``target_modules="all-linear"`` also
   takes nxd_hf's parallel linears (peft's rule: every linear but the output layer).
 
-``tests/distributed/test_lora.py::test_peft_dispatch_contract`` fails if these peft internals change.
+``tests/distributed/lora/test_lora.py::test_peft_dispatch_contract`` fails if these peft internals change.
 """
 
 import functools

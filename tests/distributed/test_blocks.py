@@ -14,7 +14,7 @@ from nxd_hf.parallel_layers.pad import get_number_of_extra_heads
 from nxd_hf.parallel_layers.random import get_rng_state_tracker, model_parallel_manual_seed
 from nxd_hf.parallel_layers.sharding import mark_partial_grad_over_tp
 
-from layer_cases import TOL, assert_grads_match, seq_chunk, sharded_input, tp_info
+from support.layers import TOL, assert_grads_match, seq_chunk, sharded_input, tp_info
 
 B, S, H, HEAD_DIM = 2, 8, 24, 4
 

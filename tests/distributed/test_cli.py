@@ -17,8 +17,8 @@ def test_help_lists_subcommands_and_the_environment():
         assert word in result.stdout, (word, result.stdout)
 
 
-def test_env_subcommand_and_bad_input_exit_codes(capsys):
+def test_env_subcommand_and_bad_input_exit_codes(capsys, tmp_path):
     assert cli.main(["env"]) == 0
     assert f"torch {torch.__version__}" in capsys.readouterr().out
-    assert cli.main(["consolidate", "/nonexistent/ckpt", "/tmp/out"]) == 2  # a ValueError, said on stderr
+    assert cli.main(["consolidate", str(tmp_path / "missing"), str(tmp_path / "out")]) == 2  # a ValueError, said on stderr
     assert "error" in capsys.readouterr().err

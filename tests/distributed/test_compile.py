@@ -2,15 +2,69 @@
 tp=2, and NxDTrainingArguments(torch_compile=True) (no longer refused)."""
 
 import pytest
+import torch
 
-import compile_cases
+import nxd_hf
+from nxd_hf import parallel_state
+from support import hf_parity
+
+
+TOL = hf_parity.TOL
+
+
+def check_compiled_model(tp: int) -> dict:
+    """Loss and every gathered gradient of ``torch.compile(parallelize(model))`` equal the HF
+    model's, two steps (the second reuses the compiled graphs); returns the graph-break count."""
+    parallel_state.destroy_model_parallel()
+    torch._dynamo.reset()
+    reference, model = hf_parity.build_pair("llama")
+    nxd_hf.parallelize(model, tensor_parallel_size=tp, check_inputs=False)
+    compiled = torch.compile(model, backend="aot_eager")
+    for step in range(2):
+        ids, labels = hf_parity.batch(seed=step)
+        ref_loss = reference(input_ids=ids, labels=labels).loss
+        loss = compiled(input_ids=ids, labels=labels).loss
+        ref_loss.backward(), loss.backward()
+        torch.testing.assert_close(loss, ref_loss, **TOL)
+        ref_params = dict(reference.named_parameters())
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(hf_parity.gathered_grad(param), ref_params[name].grad, **TOL,
+                                       msg=lambda m: f"tp={tp} step {step} {name}: {m}")
+            param.grad = ref_params[name].grad = None
+    ids, labels = hf_parity.batch()
+    explain = torch._dynamo.explain(model)(input_ids=ids, labels=labels)
+    return {"graphs": explain.graph_count, "breaks": explain.graph_break_count,
+            "reasons": sorted({str(r.reason).splitlines()[0][:160] for r in explain.break_reasons})}
+
+
+def check_trainer(out_dir: str) -> None:
+    """``NxDTrainingArguments(torch_compile=True)``: accepted, the model trained compiled, and three
+    steps log the losses of the same run uncompiled."""
+    losses = {}
+    for compile_ in (False, True):
+        parallel_state.destroy_model_parallel()
+        torch._dynamo.reset()
+        _, model = hf_parity.build_pair("llama")
+        args = nxd_hf.NxDTrainingArguments(
+            output_dir=f"{out_dir}/{compile_}", tensor_parallel_size=2, max_steps=3, per_device_train_batch_size=2,
+            learning_rate=1e-3, report_to=[], save_strategy="no", logging_steps=1, torch_compile=compile_,
+            torch_compile_backend="aot_eager" if compile_ else None)
+        g = torch.Generator().manual_seed(3)
+        data = [{"input_ids": ids, "labels": ids.clone()}
+                for ids in torch.randint(0, hf_parity.VOCAB, (6, 8), generator=g)]
+        trainer = nxd_hf.NxDTrainer(model, args, train_dataset=data)
+        trainer.train()
+        assert (model._compiled_call_impl is not None) == compile_, "torch_compile=True compiles the model in place"
+        losses[compile_] = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    assert len(losses[True]) == 3
+    torch.testing.assert_close(torch.tensor(losses[True]), torch.tensor(losses[False]), **TOL)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_compiled_parallel_model_matches_hf(ranks2, tp):
-    results = ranks2.run(compile_cases.check_compiled_model, tp)
+    results = ranks2.run(check_compiled_model, tp)
     print(f"tp={tp} graph breaks:", results[0])  # reported in docs/gpu_speed.md
 
 
 def test_nxd_trainer_torch_compile_tp2(ranks2, tmp_path):
-    ranks2.run(compile_cases.check_trainer, str(tmp_path))
+    ranks2.run(check_trainer, str(tmp_path))

@@ -13,7 +13,7 @@ from nxd_hf.context.ring import RingAttention
 from nxd_hf.context.split import ContextBatch, documents, local_index, split_sequence
 from nxd_hf.context.ulysses import all_to_all_attention
 
-import hf_parity
+from support import hf_parity
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 

@@ -7,7 +7,7 @@ every ``torch.tensor/zeros/ones/empty/full/arange/...`` call inside ``nxd_hf/`` 
 ``device=`` (``backend.collective_device(group)`` for what goes to a collective,
 ``backend.default_device()`` or a tensor's own device for compute), or be listed in
 ``host_only_tensors.toml`` (beside this file) with the reason it is host-only. ``*_like`` / ``new_*`` calls inherit their tensor's device and
-are not checked. On a GPU the ``cuda`` lane (tests/test_gpu.py) is the behavioural check.
+are not checked. On a GPU the ``cuda`` lane (test_gpu.py) is the behavioural check.
 """
 
 import ast

@@ -1,21 +1,27 @@
-"""End-to-end under torchrun: the README's main job and the other examples (capped steps), a
-job spanning two torchrun agents (two "nodes" on localhost) resumed by a one-node job, and the
-README's first screen matching what CI runs."""
+"""The examples end to end: the README's main job under torchrun, a job spanning two torchrun
+agents (two "nodes" on localhost) resumed by a one-node job, and the README's first screen matching
+what CI runs; the other examples and every command of their docstrings (capped steps) run as
+their scripts on the ranks of a pool (``run_on_ranks``: what torchrun starts, less the launch,
+which the torchrun tests here and in test_lightning.py cover)."""
 
+import contextlib
+import io
 import json
 import os
 import re
+import runpy
 import socket
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
 import transformers
 
-pytestmark = pytest.mark.usefixtures("no_rank_pool")  # their own processes only
+from support.paths import REPO
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = str(REPO)
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
@@ -27,6 +33,32 @@ def _check(result) -> str:
 def run_example(script: str, nproc: int, *args: str) -> str:
     command = [*TORCHRUN, "--nproc_per_node", str(nproc), script, *args]
     return _check(subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600))
+
+
+def _script_on_rank(script: str, args: list[str]) -> str:
+    """``script`` as ``torchrun`` would start it on this rank (the pool's ranks have torchrun's
+    environment: RANK, WORLD_SIZE, MASTER_ADDR...), from the repository root; the script's closing
+    ``destroy_process_group`` is skipped, as the pool keeps its group. Returns what it printed."""
+    out, cwd, argv = io.StringIO(), os.getcwd(), sys.argv
+    try:
+        os.chdir(ROOT)
+        sys.argv = [script, *args]
+        with mock.patch("torch.distributed.destroy_process_group"), contextlib.redirect_stdout(out), \
+                contextlib.redirect_stderr(io.StringIO()):
+            runpy.run_path(script, run_name="__main__")
+    finally:
+        os.chdir(cwd)
+        sys.argv = argv
+    return out.getvalue()
+
+
+def run_on_ranks(rank_pools, script: str, nproc: int, *args: str) -> str:
+    """``torchrun --nproc_per_node nproc script *args`` on the pool's ranks; rank 0's output. The
+    pool is closed after: a script leaves process-wide state (Trainer, Lightning) behind."""
+    try:
+        return rank_pools.get(nproc).run(_script_on_rank, script, list(args), timeout_s=600)[0]
+    finally:
+        rank_pools.close()
 
 
 def run_one_process(script: str, *args: str) -> str:
@@ -73,7 +105,7 @@ def _loss_fell(out: str) -> tuple[float, float]:
     return first, last
 
 
-def test_finetune_causal_lm_tp2_output_loads_in_transformers(tmp_path):
+def test_finetune_causal_lm_tp2_output_loads_in_transformers(no_rank_pool, tmp_path):
     """The README's main job (capped): the loss falls and the saved model opens in transformers."""
     out = run_example("examples/finetune_causal_lm.py", 2, "--max_steps", "30", "--output_dir", str(tmp_path))
     first, last = _loss_fell(out)
@@ -82,18 +114,19 @@ def test_finetune_causal_lm_tp2_output_loads_in_transformers(tmp_path):
     assert model(input_ids=torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, 301)
 
 
-def test_finetune_causal_lm_pp2_zero1_lora(tmp_path):
+def test_finetune_causal_lm_pp2_zero1_lora(rank_pools, tmp_path):
     """pp=2; then LoRA with ZeRO-1 over dp=2 (adapters' state sharded); the adapter is saved."""
-    _loss_fell(run_example("examples/finetune_causal_lm.py", 2, "--pp", "2", "--max_steps", "12",
-                           "--logging_steps", "4", "--output_dir", str(tmp_path / "pp")))
-    out = run_example("examples/finetune_causal_lm.py", 2, "--lora", "--zero1", "--tp", "1", "--max_steps", "12",
-                      "--logging_steps", "4", "--learning_rate", "1e-2", "--output_dir", str(tmp_path / "lora"))
+    _loss_fell(run_on_ranks(rank_pools, "examples/finetune_causal_lm.py", 2, "--pp", "2", "--max_steps", "12",
+                            "--logging_steps", "4", "--output_dir", str(tmp_path / "pp")))
+    out = run_on_ranks(rank_pools, "examples/finetune_causal_lm.py", 2, "--lora", "--zero1", "--tp", "1",
+                       "--max_steps", "12", "--logging_steps", "4", "--learning_rate", "1e-2",
+                       "--output_dir", str(tmp_path / "lora"))
     _loss_fell(out)
     assert os.path.exists(tmp_path / "lora" / "final" / "adapter_model.safetensors"), out
 
 
-def test_classify_bert_accuracy(tmp_path):
-    out = run_example("examples/classify_bert.py", 2, "--max_steps", "40", "--output_dir", str(tmp_path))
+def test_classify_bert_accuracy(rank_pools, tmp_path):
+    out = run_on_ranks(rank_pools, "examples/classify_bert.py", 2, "--max_steps", "40", "--output_dir", str(tmp_path))
     before, after = map(float, re.search(r"accuracy on them went from ([\d.]+) to ([\d.]+)", out).groups())
     assert after > before, out
     model = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "final")
@@ -106,7 +139,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_nodes_then_one_node_resumes(tmp_path):
+def test_two_nodes_then_one_node_resumes(no_rank_pool, tmp_path):
     """Two torchrun agents (--nnodes 2, c10d rendezvous on localhost, one process each) train with
     tp=2 spanning them and save checkpoint-10; one node with two processes resumes it."""
     job = ["examples/finetune_causal_lm.py", "--tp", "2", "--output_dir", str(tmp_path), "--save_strategy", "steps",
@@ -136,22 +169,22 @@ def test_readme_first_screen_is_what_ci_runs():
     assert "make test" in open(os.path.join(ROOT, ".ci", "run")).read()
 
 
-def test_parallelize_causal_lm_loss_falls():
-    first, last = _loss_fell(run_example("examples/parallelize_causal_lm.py", 2, "--steps", "25"))
+def test_parallelize_causal_lm_loss_falls(rank_pools):
+    first, last = _loss_fell(run_on_ranks(rank_pools, "examples/parallelize_causal_lm.py", 2, "--steps", "25"))
     assert last < first - 1.0
 
 
-def test_train_with_config_api_pp2_zero1_loss_falls(tmp_path):
+def test_train_with_config_api_pp2_zero1_loss_falls(rank_pools, tmp_path):
     """Then a second job resumes from the asynchronous checkpoint the first saved at exit, at
     other parallel sizes (tp 2 x dp 2), and keeps training."""
     ckpt = str(tmp_path / "ckpt")
-    out = run_example("examples/train_with_config_api.py", 4, "--pp", "2", "--zero1", "--steps", "12",
+    out = run_on_ranks(rank_pools, "examples/train_with_config_api.py", 4, "--pp", "2", "--zero1", "--steps", "12",
                       "--checkpoint-dir", ckpt, "--save-every", "6")
     assert "tp 1 x pp 2 x dp 2, zero1=True" in out, out
     first, last = _loss_fell(out)
     assert last < first - 1.0, out
     assert sorted(os.listdir(ckpt)) == ["checkpoints.json", "owner.json", "step12", "step6"]
-    resumed = run_example("examples/train_with_config_api.py", 4, "--tp", "2", "--zero1", "--steps", "16",
+    resumed = run_on_ranks(rank_pools, "examples/train_with_config_api.py", 4, "--tp", "2", "--zero1", "--steps", "16",
                           "--checkpoint-dir", ckpt, "--save-every", "6")
     assert "resumed from step 12" in resumed, resumed
     after = float(re.search(r"step  12  loss ([\d.]+)", resumed).group(1))  # no restart from scratch
@@ -231,9 +264,10 @@ EXAMPLE_SCRIPTS = sorted(f for f in os.listdir(os.path.join(ROOT, "examples")) i
 
 
 @pytest.mark.parametrize("script", EXAMPLE_SCRIPTS)
-def test_docstring_commands_run_to_the_end(script, tmp_path):
+def test_docstring_commands_run_to_the_end(rank_pools, script, tmp_path):
     """Each command of the script's docstring, in order (a later one may use an earlier one's
-    output), capped to a few steps, exits 0; commands another test runs are skipped."""
+    output), capped to a few steps, runs to the end (a ``torchrun`` command on the pool's ranks, a
+    ``python`` one as a process); commands another test runs are skipped."""
     assert script in CAPPED, f"add how to cap {script}'s commands to CAPPED"
     commands = docstring_commands(script)
     assert commands or script == "__init__.py", f"{script} documents no command"
@@ -241,6 +275,10 @@ def test_docstring_commands_run_to_the_end(script, tmp_path):
         if command in COVERED:
             continue
         argv = _argv(command, script, {"out": str(tmp_path / str(i)), "first": str(tmp_path / "0")})
+        if argv[:len(TORCHRUN)] == TORCHRUN:
+            assert argv[len(TORCHRUN)] == "--nproc_per_node", command
+            run_on_ranks(rank_pools, argv[len(TORCHRUN) + 2], int(argv[len(TORCHRUN) + 1]), *argv[len(TORCHRUN) + 3:])
+            continue
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
         result = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
         assert result.returncode == 0, f"{command}\n" + result.stdout[-3000:] + result.stderr[-3000:]

@@ -8,7 +8,7 @@ The ranks2 cases come first, then the ranks4 ones: one pool of each size is star
 import pytest
 import torch
 
-import hf_parity
+from support import hf_parity
 import nxd_hf
 from nxd_hf import backend, parallel_state
 from nxd_hf.fsdp import is_dp_sharded, logical_tensor

@@ -4,8 +4,130 @@ fused in, equal to F.cross_entropy of the full logits at tp=1 and vocab-parallel
 import itertools
 
 import pytest
+import torch
+import torch.nn.functional as F
 
-import fused_loss_cases
+import nxd_hf
+from nxd_hf import parallel_state
+from nxd_hf.parallel_layers.fused_loss import fused_linear_cross_entropy
+from nxd_hf.parallel_layers.sharding import shard_from_full
+from support import hf_parity
+
+
+TOL = dict(rtol=1e-4, atol=1e-5)
+VOCAB, HIDDEN = 11, 16  # 11: padded to 12 at tp=2
+
+
+def _rows(tp: int, rank: int) -> torch.Tensor:
+    per = -(-VOCAB // tp)
+    rows = torch.arange(rank * per, (rank + 1) * per)
+    return rows.masked_fill(rows >= VOCAB, -1)  # padding rows
+
+
+def check_function(smoothing: float, reduction: str, chunk_tokens: int) -> None:
+    """Loss, hidden-state and weight gradients against F.cross_entropy on the full logits, with
+    ignored labels and chunks that do not divide the tokens."""
+    tp, rank = parallel_state.get_tensor_model_parallel_size(), parallel_state.get_tensor_model_parallel_rank()
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(2, 7, HIDDEN, generator=g)
+    weight = torch.randn(VOCAB, HIDDEN, generator=g) / 2
+    labels = torch.randint(0, VOCAB, (2, 7), generator=g)
+    labels[0, 1] = labels[1, 6] = -100
+    ref_h, ref_w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    ref = F.cross_entropy(F.linear(ref_h, ref_w).flatten(0, 1), labels.flatten(), label_smoothing=smoothing,
+                          reduction=reduction)
+    (ref * 1.7).backward()
+    rows = _rows(tp, rank)
+    local_w = shard_from_full(weight, 0, rows).clone().requires_grad_()  # padding rows zero
+    h = hidden.clone().requires_grad_()
+    loss = fused_linear_cross_entropy(h, local_w, labels, vocab_size=VOCAB, label_smoothing=smoothing,
+                                      reduction=reduction, chunk_tokens=chunk_tokens)
+    (loss * 1.7).backward()
+    torch.testing.assert_close(loss, ref, **TOL)
+    grad_h = h.grad.clone()
+    torch.distributed.all_reduce(grad_h, group=parallel_state.get_tensor_model_parallel_group())  # the head's region
+    torch.testing.assert_close(grad_h, ref_h.grad, **TOL)
+    torch.testing.assert_close(local_w.grad, shard_from_full(ref_w.grad, 0, rows), **TOL)
+    with torch.no_grad():
+        torch.testing.assert_close(fused_linear_cross_entropy(hidden, local_w, labels, vocab_size=VOCAB,
+                                                              label_smoothing=smoothing, reduction=reduction), ref)
+
+
+def check_model(tp: int, sp: bool, num_items: bool, gather_logits: bool) -> None:
+    """A tiny llama parallelized with ``fused_loss=True`` against the plain HF model: loss (HF's
+    normalization with ``num_items_in_batch``), every gathered gradient, logits when asked for."""
+    parallel_state.destroy_model_parallel()
+    reference, model = hf_parity.build_pair("llama")
+    nxd_hf.parallelize(model, tensor_parallel_size=tp, sequence_parallel=sp, fused_loss=True,
+                       gather_logits=gather_logits)
+    ids, labels = hf_parity.batch()
+    labels[0, 3] = -100
+    kwargs = {"num_items_in_batch": torch.tensor(11)} if num_items else {}
+    ref_out = reference(input_ids=ids, labels=labels, **kwargs)
+    widths = []
+    hook = model.lm_head.register_forward_hook(lambda module, args, output: widths.append(output.shape[-1]))
+    out = model(input_ids=ids, labels=labels, **kwargs)
+    hook.remove()
+    # the first call hands the hidden states to the loss; with gather_logits the logits are made after
+    assert widths[0] == model.config.hidden_size and len(widths) == 1 + gather_logits, f"head outputs {widths}"
+    ref_out.loss.backward()
+    out.loss.backward()
+    torch.testing.assert_close(out.loss, ref_out.loss, **TOL)
+    if gather_logits:
+        torch.testing.assert_close(out.logits, ref_out.logits, **TOL)
+    else:
+        assert out.logits is None
+    ref_params = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(hf_parity.gathered_grad(param), ref_params[name].grad, **TOL,
+                                   msg=lambda m: f"tp={tp} sp={sp} {name}: {m}")
+    model.eval()
+    with torch.no_grad():  # eval: the head as usual
+        torch.testing.assert_close(model(input_ids=ids).logits, reference.eval()(input_ids=ids).logits, **TOL)
+
+
+def check_trainer(out_dir: str) -> None:
+    """``NxDTrainingArguments(fused_loss=True)`` at tp=2: the head is fused, and three steps of
+    NxDTrainer log the losses and reach the weights of the same run with the unfused loss."""
+    results = []
+    for fused in (False, True):
+        parallel_state.destroy_model_parallel()
+        _, model = hf_parity.build_pair("llama")
+        args = nxd_hf.NxDTrainingArguments(output_dir=f"{out_dir}/{fused}", tensor_parallel_size=2, max_steps=3,
+                                           per_device_train_batch_size=2, learning_rate=1e-3, report_to=[],
+                                           save_strategy="no", logging_steps=1, fused_loss=fused)
+        g = torch.Generator().manual_seed(3)
+        data = [{"input_ids": ids, "labels": ids.clone()}
+                for ids in torch.randint(0, hf_parity.VOCAB, (6, 8), generator=g)]
+        trainer = nxd_hf.NxDTrainer(model, args, train_dataset=data)
+        widths = []
+        model.lm_head.register_forward_hook(lambda module, a, output: widths.append(output.shape[-1]))
+        trainer.train()
+        assert set(widths) == {model.config.hidden_size if fused else model.lm_head.weight.shape[0]}, widths
+        losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+        results.append((losses, {n: p.detach().clone() for n, p in model.named_parameters()}))
+    (plain_losses, plain), (losses, params) = results
+    assert len(losses) == 3
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(plain_losses), **TOL)
+    for name, param in params.items():
+        torch.testing.assert_close(param, plain[name], **TOL, msg=lambda m: f"{name}: {m}")
+
+
+def check_refusals() -> None:
+    """A clear error for a model without a causal-LM head, and for soft-capped logits."""
+    import pytest
+    import transformers
+
+    parallel_state.destroy_model_parallel()
+    _, model = hf_parity.build_pair("bert", task_model_cls=transformers.BertForSequenceClassification)
+    with pytest.raises(ValueError, match="fused_loss=True needs a causal-LM head"):
+        nxd_hf.parallelize(model, tensor_parallel_size=2, fused_loss=True)
+    parallel_state.destroy_model_parallel()
+    _, model = hf_parity.build_pair("llama")
+    model.config.final_logit_softcapping = 30.0
+    with pytest.raises(ValueError, match="soft-caps its logits"):
+        nxd_hf.parallelize(model, tensor_parallel_size=2, fused_loss=True)
+
 
 FUNCTION = list(itertools.product([1, 2], [0.0, 0.1], ["mean", "sum"], [3, 64]))
 
@@ -13,7 +135,7 @@ FUNCTION = list(itertools.product([1, 2], [0.0, 0.1], ["mean", "sum"], [3, 64]))
 @pytest.mark.parametrize("tp, smoothing, reduction, chunk", FUNCTION,
                          ids=[f"tp{t}-smooth{s}-{r}-chunk{c}" for t, s, r, c in FUNCTION])
 def test_fused_linear_cross_entropy_equals_torch(ranks2, tp, smoothing, reduction, chunk):
-    ranks2.run(fused_loss_cases.check_function, smoothing, reduction, chunk, model_parallel=(tp, 1))
+    ranks2.run(check_function, smoothing, reduction, chunk, model_parallel=(tp, 1))
 
 
 MODEL = [(1, False, False, False), (2, False, True, False), (2, True, False, True), (1, False, True, True)]
@@ -22,12 +144,12 @@ MODEL = [(1, False, False, False), (2, False, True, False), (2, True, False, Tru
 @pytest.mark.parametrize("tp, sp, num_items, gather_logits", MODEL,
                          ids=[f"tp{t}-sp{s}-num_items{n}-gather{g}" for t, s, n, g in MODEL])
 def test_parallelize_fused_loss_matches_hf(ranks2, tp, sp, num_items, gather_logits):
-    ranks2.run(fused_loss_cases.check_model, tp, sp, num_items, gather_logits)
+    ranks2.run(check_model, tp, sp, num_items, gather_logits)
 
 
 def test_nxd_trainer_fused_loss_tp2(ranks2, tmp_path):
-    ranks2.run(fused_loss_cases.check_trainer, str(tmp_path))
+    ranks2.run(check_trainer, str(tmp_path))
 
 
 def test_fused_loss_refused_where_it_cannot_apply(ranks2):
-    ranks2.run(fused_loss_cases.check_refusals)
+    ranks2.run(check_refusals)

@@ -4,7 +4,7 @@ Marked ``cuda`` and skipped without one. Two to four ranks share the one GPU thr
 ``NXD_HF_BACKEND=cuda:gloo``: gloo for CUDA tensors only, so — as under nccl — a control tensor
 left on the CPU fails its collective, and pipeline sends go through the CPU staging path
 (``nxd_hf.backend.p2p_device``). One-rank cases run on nccl itself. The cases are the CPU
-suite's own case functions (tests/distributed/test_*.py and the tests/*_cases.py helpers); ``hf_parity`` puts the
+suite's own case functions (the tests' own case functions and tests/support/); ``hf_parity`` puts the
 reference models and batches on the backend's device, the models under test start on the CPU
 as a model loaded the usual way, so nxd_hf has to place them.
 """
@@ -16,8 +16,8 @@ import sys
 import pytest
 import torch
 
-import ckpt_cases
-import hf_parity
+from support import ckpt
+from support import hf_parity, lora
 import test_architectures
 import test_checkpoint
 import test_examples
@@ -121,7 +121,7 @@ def test_zero1_world4(cuda_gloo):
 
 def _lora_world2():
     for model_type, tp, kwargs in test_lora.TRAINING_TP2.values():
-        test_lora.lora_cases.check_training(model_type, tp, **kwargs)
+        lora.check_training(model_type, tp, **kwargs)
     return True
 
 
@@ -168,9 +168,9 @@ def _one_rank_cases():
     _on_gpu()
     for model_type in ("llama", "gpt2"):
         hf_parity.check_parity(model_type, 1, False)  # a CPU-loaded model placed on the GPU
-    model, optimizer, scheduler, _ = ckpt_cases.build(zero1=True)
+    model, optimizer, scheduler, _ = ckpt.build(zero1=True)
     assert next(model.parameters()).device.type == "cuda"
-    ckpt_cases.train(model, optimizer, scheduler, 2)
+    ckpt.train(model, optimizer, scheduler, 2)
     return True
 
 

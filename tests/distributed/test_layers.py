@@ -7,15 +7,41 @@ import pytest
 import torch
 from torch import nn
 
-from nxd_hf import parallel_state
+from nxd_hf import backend, parallel_state
 from nxd_hf.modules.qkv_linear import GQAQKVColumnParallelLinear
-from nxd_hf.parallel_layers.heads import auto_kv_size_multiplier, gqa_layout
-from nxd_hf.parallel_layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear, move_model_to_device
-from nxd_hf.parallel_layers.sharding import contiguous_shard_index
-
-from layer_cases import (
-    TOL, assert_grads_match, check_sp_sequence_error, last_dim_chunk, on_device, seq_chunk, sharded_input, tp_info,
+from nxd_hf.parallel_layers import (
+    ColumnParallelLinear, mappings, move_model_to_device, ParallelEmbedding, RowParallelLinear,
 )
+from nxd_hf.parallel_layers.heads import auto_kv_size_multiplier, gqa_layout
+from nxd_hf.parallel_layers.sharding import contiguous_shard_index
+from support.layers import assert_grads_match, seq_chunk, sharded_input, TOL, tp_info
+
+
+def on_device(*items):
+    """Modules (sharding metadata kept) and tensors on the backend's compute device."""
+    device = backend.default_device()
+    return [move_model_to_device(item, device) if isinstance(item, nn.Module) else item.to(device) for item in items]
+
+
+def last_dim_chunk(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Columns ``index`` of a full tensor (zeros for -1), as a sharded output holds them."""
+    index = index.to(x.device)
+    picked = x.index_select(-1, index.clamp(min=0))
+    return picked * (index >= 0).to(x.dtype)
+
+
+def check_sp_sequence_error() -> None:
+    """An indivisible sequence under SP is a ValueError that names the fix."""
+    _, tp_size = tp_info()
+    if tp_size == 1:
+        return
+    try:
+        mappings.scatter_to_sequence_parallel_region(torch.zeros(1, tp_size + 1, 4))
+    except ValueError as error:
+        assert "pad_to_multiple_of" in str(error), error
+    else:
+        raise AssertionError("expected ValueError for a sequence not divisible by tp")
+
 
 B, S, H = 2, 8, 12
 

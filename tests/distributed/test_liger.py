@@ -7,10 +7,56 @@ import warnings
 
 import pytest
 import torch
+import transformers
 
-import liger_cases
-from nxd_hf.model_setup.liger import liger_options
+import nxd_hf
+from nxd_hf.model_setup.liger import apply_liger_kernels, liger_options
+from nxd_hf.parity.cases import gathered_grad
 from nxd_hf.testing import run_distributed
+
+
+SEQ, BATCH = 16, 2
+
+
+def tiny_llama(seed: int = 0):
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=101, max_position_embeddings=SEQ)
+    return transformers.LlamaForCausalLM(config)
+
+
+def refused_on_cpu(tp: int) -> None:
+    model = nxd_hf.parallelize(tiny_llama(), tensor_parallel_size=tp)
+    with pytest.raises(ValueError, match="Triton kernels for CUDA GPUs"):
+        apply_liger_kernels(model)
+    assert not any(m._get_name().startswith("Liger") for m in model.modules())
+
+
+def matches_hf_with_liger(tp: int) -> None:
+    """nxd_hf at ``tp`` with Liger's kernels against the unparallelized model with the same kernels
+    (and against plain HF): loss and every gathered gradient, fp32."""
+    from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+    device = torch.device("cuda")
+    reference = tiny_llama().to(device)
+    plain = tiny_llama().to(device)
+    _apply_liger_kernel_to_instance(model=reference, rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                    fused_linear_cross_entropy=False)
+    model = nxd_hf.parallelize(tiny_llama(), tensor_parallel_size=tp, sequence_parallel=tp > 1)
+    apply_liger_kernels(model)
+    names = {m._get_name() for m in model.modules()}
+    assert {"LigerRMSNorm", "LigerSwiGLUMLP"} <= names, names
+    ids = torch.randint(0, 101, (BATCH, SEQ), generator=torch.Generator().manual_seed(1)).to(device)
+    losses = []
+    for m in (reference, plain, model):
+        loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.detach())
+    torch.testing.assert_close(losses[2], losses[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(losses[2], losses[1], rtol=1e-4, atol=1e-5)  # the kernels are exact in fp32
+    reference_params = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(gathered_grad(param), reference_params[name].grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
 def test_options_keep_nxd_hf_loss():
@@ -29,7 +75,7 @@ def test_options_keep_nxd_hf_loss():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal off CUDA")
 @pytest.mark.parametrize("tp", [1, 2])
 def test_refused_off_cuda(ranks2, tp):
-    ranks2.run(liger_cases.refused_on_cpu, tp, model_parallel=(tp, 1))
+    ranks2.run(refused_on_cpu, tp, model_parallel=(tp, 1))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal off CUDA")
@@ -38,7 +84,7 @@ def test_trainer_refuses_before_any_work(tmp_path):
 
     args = nxd_hf.NxDTrainingArguments(output_dir=str(tmp_path), use_liger_kernel=True, report_to=[])
     with pytest.raises(ValueError, match="Triton kernels for CUDA GPUs"):
-        nxd_hf.NxDTrainer(liger_cases.tiny_llama(), args)
+        nxd_hf.NxDTrainer(tiny_llama(), args)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -47,4 +93,4 @@ def test_trainer_refuses_before_any_work(tmp_path):
 def test_kernels_in_parallel_layers_match_hf(tp, monkeypatch):
     pytest.importorskip("liger_kernel")
     monkeypatch.setenv("NXD_HF_BACKEND", "cuda:gloo")  # two ranks on the one GPU (nccl refuses that)
-    run_distributed(liger_cases.matches_hf_with_liger, tp, tp, timeout_s=600)
+    run_distributed(matches_hf_with_liger, tp, tp, timeout_s=600)

@@ -9,7 +9,7 @@ import pathlib
 import peft
 import torch
 
-import hf_parity
+from support import hf_parity
 import nxd_hf
 from nxd_hf import parallel_state
 from nxd_hf.checkpoint.optim_state import MASTER, OptimizerState

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 import transformers
 
-import hf_parity
+from support import hf_parity
 import nxd_hf
 from nxd_hf import parallel_state
 from nxd_hf.parallel_layers.random import model_parallel_manual_seed

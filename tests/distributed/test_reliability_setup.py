@@ -9,12 +9,12 @@ import peft
 import pytest
 import torch
 
-import hf_parity
+from support import hf_parity
 import nxd_hf
 from nxd_hf import backend, parallel_state
 from nxd_hf.parallel_layers.heads import head_layout
 from nxd_hf.testing import run_distributed
-from errors_world2 import assert_same_error_on_every_rank
+from support.errors import assert_same_error_on_every_rank
 
 
 def _error(fn, *args, **kwargs) -> str:

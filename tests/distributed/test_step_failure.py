@@ -6,7 +6,7 @@ import time
 import torch
 import transformers
 
-import hf_parity
+from support import hf_parity
 import nxd_hf
 from nxd_hf import backend, parallel_state
 from nxd_hf.testing import run_distributed

@@ -112,7 +112,7 @@ def test_move_model_to_device_keeps_sharding_metadata_on_xla(xla):
 
 def _llama_pair():
     """(plain HF llama on the CPU, a copy nxd_hf parallelizes at tp=1 onto the XLA device)."""
-    import hf_parity
+    from support import hf_parity
     import nxd_hf
     from nxd_hf import parity
 
@@ -124,7 +124,7 @@ def _llama_pair():
 
 
 def _batches(steps: int):
-    import hf_parity
+    from support import hf_parity
     from nxd_hf import parity
 
     return [parity.make_batch(hf_parity.VOCAB, batch_size=4, seq_len=8, seed=20 + s) for s in range(steps)]

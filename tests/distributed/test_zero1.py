@@ -2,7 +2,7 @@
 and two param groups, against single-process torch.optim.AdamW + clip_grad_norm_, at tp2 x dp2,
 dp4 with gradient accumulation and tp4 (dp1, replicated K/V; phi3's fused QKV); state bytes, collective counts,
 state_dict and sharded save/load round trips. PP x DP with ZeRO-1 is exercised through the
-trainer API (tests/test_trainer_api.py), not here."""
+trainer API (test_trainer_api.py), not here."""
 
 import copy
 import functools
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import hf_parity
+from support import hf_parity
 import nxd_hf
 from nxd_hf import backend, parallel_state
 from nxd_hf.optim import NeuronZero1Optimizer
@@ -22,7 +22,7 @@ from nxd_hf.parallel_layers.sharding import full_tensor
 TOL = dict(rtol=1e-4, atol=1e-5)
 STEPS = 10
 MAX_NORM = 0.5  # the gradient norm of the tiny llama stays above 1: clipping acts every step
-LR = 1e-3  # see tests/test_hf_training.py: Adam turns rounding of near-zero gradients into ~lr steps
+LR = 1e-3  # see test_hf_training.py: Adam turns rounding of near-zero gradients into ~lr steps
 BUCKET_MB = 0.02  # several buckets per flat group
 ADAMW_BYTES_PER_ELEMENT = 3 * 4  # exp_avg + exp_avg_sq + fp32 master
 

@@ -75,7 +75,7 @@ def _layer(module: str) -> int:
         for prefix in prefixes:
             if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
                 best, layer = len(prefix), index
-    assert layer is not None, f"{module} has no layer: place it in tests/unit/test_layering.py LAYERS"
+    assert layer is not None, f"{module} has no layer: place it in LAYERS in tests/unit/test_layering.py"
     return layer
 
 

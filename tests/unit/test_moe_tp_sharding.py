@@ -5,7 +5,7 @@ layouts on the other dim, a down bias kept whole; what it cannot split exactly i
 import pytest
 import transformers
 
-from moe_cases import tiny_config
+from support.moe import tiny_config
 from nxd_hf.moe.tp_experts import expert_sharding
 
 

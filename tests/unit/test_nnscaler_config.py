@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-import nnscaler_models as cases
+from support import nnscaler_models as cases
 from nxd_hf.nnscaler import ComputeConfig, Plan, parallelize
 from nxd_hf.fx_tp.derive import derive_layouts, trace
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nnscaler_models import TOL, MaskDecoder
+from support.nnscaler_models import TOL, MaskDecoder
 from nxd_hf.fx_tp.derive import derive_layouts, trace
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-import hf_parity
+from support import hf_parity
 from bench.pipeline import bubbles
 from nxd_hf.pipeline.partition import auto_cuts, local_stages, stage_of_layers, stage_ranks
 from nxd_hf.pipeline.runtime import SCHEDULES

@@ -45,7 +45,7 @@ def test_unknown_inputs_are_named():
 
 
 def test_microbatch_and_bucket_sizes_must_be_positive():
-    import hf_parity
+    from support import hf_parity
     import nxd_hf
     from nxd_hf.pipeline import NxDPPModel
 

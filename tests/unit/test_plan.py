@@ -233,13 +233,13 @@ def test_cli_on_8b_and_moe_configs(capsys, tmp_path):
         assert "peak GiB" in out and out.count("\n") > 10
 
 
-def test_cli_error_for_a_missing_directory(capsys):
-    assert cli.main(["plan", "/nonexistent/model", "--world-size", "2", "--memory", "1GB", "--seq-len", "8"]) == 2
+def test_cli_error_for_a_missing_directory(capsys, tmp_path):
+    assert cli.main(["plan", str(tmp_path / "missing"), "--world-size", "2", "--memory", "1GB", "--seq-len", "8"]) == 2
     assert "does not exist" in capsys.readouterr().err
 
 
 def test_auto_sizes_resolve_from_the_plan():
-    args = nxd_hf.NxDTrainingArguments(output_dir="/tmp/h18-auto", tensor_parallel_size="auto",
+    args = nxd_hf.NxDTrainingArguments(output_dir="unused", tensor_parallel_size="auto",
                                        pipeline_parallel_size="1", report_to=[], per_device_train_batch_size=2)
     assert args.has_auto_sizes and args.pipeline_parallel_size == 1
     model = transformers.AutoModelForCausalLM.from_pretrained(TINY)
@@ -262,11 +262,11 @@ def test_autodist_policy_returns_the_best_layout():
 
 def test_command_line_takes_auto_and_integers():
     parser = transformers.HfArgumentParser(nxd_hf.NxDTrainingArguments)
-    (args,) = parser.parse_args_into_dataclasses(["--output_dir", "/tmp/h18-auto", "--tensor_parallel_size", "auto",
+    (args,) = parser.parse_args_into_dataclasses(["--output_dir", "unused", "--tensor_parallel_size", "auto",
                                                   "--pipeline_parallel_size", "1", "--report_to", "none"])
     assert args.tensor_parallel_size == "auto" and args.pipeline_parallel_size == 1 and args.has_auto_sizes
     with pytest.raises(ValueError, match="positive integer"):
-        nxd_hf.NxDTrainingArguments(output_dir="/tmp/h18-auto", tensor_parallel_size="many", report_to=[])
+        nxd_hf.NxDTrainingArguments(output_dir="unused", tensor_parallel_size="many", report_to=[])
 
 
 def test_expert_parallel_layouts_are_priced_with_their_all_to_all(tmp_path):

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.fx as fx
 
-import hf_parity
+from support import hf_parity
 from nxd_hf.model_setup.activation_checkpoint import decoder_layer_types
 from nxd_hf.pipeline.stages import value_kinds
 from nxd_hf.pipeline.trace import HFSpineTracer, trace_hf

@@ -2,7 +2,7 @@
 ``hf_checkpoints.py``): each still exists on Trainer with the parameters the override takes, and
 Trainer still calls it, with those arguments, from a method that ``train`` (or ``evaluate``)
 reaches. A transformers upgrade that renames, re-signs or stops calling one fails here instead of
-silently bypassing nxd_hf (``tests/distributed/test_lora.py::test_peft_dispatch_contract`` does the
+silently bypassing nxd_hf (``tests/distributed/lora/test_lora.py::test_peft_dispatch_contract`` does the
 same for peft's internals)."""
 
 import inspect

@@ -1,0 +1,236 @@
+"""The config API with models that are not Hugging Face's (``own_models``): a plain PyTorch
+decoder at tp=2 (its layout derived from its traced graph, as ``nxd_hf.nnscaler`` derives it),
+at tp=2 x dp=2 + ZeRO-1 and at pp=2 through torch.fx (NxD's ``tracer_cls="torch"``); LoRA
+(``lora_config``) on a plain decoder and on one built from nxd_hf's parallel layers, at tp=2 and
+pp=2; checkpoints of the derived layout across layouts; each against one process on the same
+weights and data (loss, gradients, weights after AdamW steps with clipping, the eval loss), and
+the errors that name the fix (a non-tensor between the stages of a plain module included). (tp=2, pp=2, dp=2 + ZeRO-1 of the parallel-layers decoder and pp=2 / ZeRO-1
+of the plain one: tests/distributed/test_trainer_api.py.)"""
+
+import warnings
+import zlib
+
+import peft
+import pytest
+import torch
+from torch import nn
+
+from support import hf_parity
+import nxd_hf
+from support import own_models
+from nxd_hf import parallel_state
+from nxd_hf.parallel_layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
+from nxd_hf.parallel_layers.sharding import full_tensor, local_shard
+from nxd_hf.trainer.config import NxDConfig
+from nxd_hf.trainer.own_model import _check_plain_tp
+
+TOL = hf_parity.TOL
+MAX_NORM = 0.5  # small enough that clipping is active in every step
+LORA_TARGETS = ["q", "v", "up", "down"]  # column and row layers
+
+
+def _dummy():
+    ids, labels = own_models.batch(0)
+    return {"input_ids": ids[:2], "labels": labels[:2]}
+
+
+def _lora_config():
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS)
+
+
+def _adapter_value(name: str, shape) -> torch.Tensor:
+    """Nonzero A and B (B starts at zero in peft: A would get no gradient in the first step)."""
+    return 0.1 * torch.randn(shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode())))
+
+
+def _reference(lora: bool):
+    reference = own_models.reference()
+    if lora:
+        peft.inject_adapter_in_model(_lora_config(), reference)
+        with torch.no_grad():
+            for name, param in reference.named_parameters():
+                if "lora_" in name:
+                    param.copy_(_adapter_value(name, param.shape))
+    return reference
+
+
+def _config(tp=1, pp=1, zero1=False, lora=False, **kwargs):
+    parallel_state.destroy_model_parallel()
+    return nxd_hf.neuronx_distributed_config(
+        tensor_parallel_size=tp, pipeline_parallel_size=pp,
+        pipeline_config={**own_models.PIPELINE, **kwargs.pop("pipeline_config", {})} if pp > 1 else None,
+        optimizer_config={"zero_one_enabled": zero1, "max_grad_norm": MAX_NORM},
+        lora_config=_lora_config() if lora else None, **{"dummy_forward_args": _dummy() if tp > 1 else None, **kwargs})
+
+
+def _build(parallel: bool, seed=0, lora=False, **layout):
+    nxd_config = _config(lora=lora, **layout)
+    model = nxd_hf.initialize_parallel_model(nxd_config, own_models.build, parallel, seed)
+    if lora:  # the reference's adapters (peft draws its own from each process's generator)
+        adapters = {n: p for n, p in _reference(True).named_parameters() if "lora_" in n}
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_" in name:
+                    param.copy_(local_shard(param, adapters[name].detach()))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return model, nxd_hf.initialize_parallel_optimizer(nxd_config, torch.optim.AdamW, trainable, lr=1e-3)
+
+
+def _train(model, optimizer, steps) -> list[torch.Tensor]:
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_size()
+    losses = []
+    for step in steps:
+        ids, labels = (t.chunk(dp_size)[dp_rank] for t in own_models.batch(step))
+        losses.append(model.run_train(input_ids=ids, labels=labels))
+        optimizer.step()
+        optimizer.zero_grad()
+    return losses
+
+
+def check_trains_like_one_process(parallel: bool, steps=3, lora=False, **layout) -> dict:
+    reference = _reference(lora)
+    trainable = [p for p in reference.parameters() if p.requires_grad]
+    ref_optimizer = torch.optim.AdamW(trainable, lr=1e-3)
+    ref_losses = []
+    for step in range(steps):
+        loss = reference(*own_models.batch(step))
+        loss.backward()
+        ref_losses.append(loss.detach())
+        if step == 0:
+            ref_grads = {n: p.grad.clone() for n, p in reference.named_parameters() if p.grad is not None}
+        torch.nn.utils.clip_grad_norm_(trainable, MAX_NORM)
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, optimizer = _build(parallel, lora=lora, **layout)
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_size()
+    losses = []
+    for step in range(steps):
+        ids, labels = (t.chunk(dp_size)[dp_rank] for t in own_models.batch(step))
+        losses.append(model.run_train(input_ids=ids, labels=labels))
+        if step == 0 and not layout.get("zero1"):  # ZeRO-1 reduce-scatters in step(): the weights say it
+            grads = {n: p for n, p in model.named_parameters() if p.grad is not None}
+            assert set(grads) <= set(ref_grads) and grads, sorted(set(grads) ^ set(ref_grads))
+            for name, param in grads.items():
+                torch.testing.assert_close(full_tensor(param, param.grad), ref_grads[name], **TOL,
+                                           msg=lambda m: f"grad {name}: {m}")
+        optimizer.step()
+        optimizer.zero_grad()
+    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), **TOL)
+    ref_params = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(full_tensor(param), ref_params[name].detach(), **TOL, msg=lambda m: f"{name}: {m}")
+    model.eval()  # a derived layout runs the eval-mode graph
+    ids, labels = (t.chunk(dp_size)[dp_rank] for t in own_models.batch(steps))
+    with torch.no_grad():
+        torch.testing.assert_close(model.run_eval(input_ids=ids, labels=labels),
+                                   reference.eval()(ids, labels), **TOL)  # this replica's rows
+    kinds = {name: type(m.base_layer if hasattr(m, "base_layer") else m).__name__
+             for name, m in model.named_modules() if name in ("embed", "head", "layers.0.q", "layers.0.o", "layers.0.down")}
+    return {"kinds": kinds, "warnings": [str(w.message) for w in caught]}
+
+
+SHARDED = {"embed": ParallelEmbedding.__name__, "layers.0.q": ColumnParallelLinear.__name__,
+           "layers.0.o": RowParallelLinear.__name__, "layers.0.down": RowParallelLinear.__name__,
+           "head": nn.Linear.__name__}  # the head's output feeds cross_entropy over the vocabulary: no exact split
+
+CASES = {  # world 2
+    "plain_tp2": dict(parallel=False, tp=2),
+    "plain_tp2_lora": dict(parallel=False, tp=2, lora=True),
+    "plain_pp2_torch_fx": dict(parallel=False, pp=2, pipeline_config={"tracer_cls": "torch"}),
+    "plain_pp2_lora": dict(parallel=False, pp=2, lora=True),
+    "parallel_layers_tp2_lora": dict(parallel=True, tp=2, lora=True),
+    "parallel_layers_pp2_lora": dict(parallel=True, pp=2, lora=True),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_own_model_trains_like_one_process(ranks2, case):
+    results = ranks2.run(check_trains_like_one_process, **CASES[case])
+    if CASES[case].get("tp") and not CASES[case]["parallel"]:
+        assert all(r["kinds"] == SHARDED for r in results), results[0]["kinds"]
+        assert any("['head'] have no exact split" in w for w in results[0]["warnings"]), results[0]["warnings"]
+
+
+def test_plain_decoder_tp2_dp2_zero1_trains_like_one_process(ranks4):
+    results = ranks4.run(check_trains_like_one_process, parallel=False, tp=2, zero1=True)
+    assert all(r["kinds"] == SHARDED for r in results)
+
+
+def check_checkpoint_across_layouts(path: str, lora: bool, save: dict, load: dict) -> None:
+    """save_checkpoint of the plain decoder at one layout, load_checkpoint into one built with
+    other weights (LoRA: other adapters) at another: the same losses on as the model that went
+    on training."""
+    model, optimizer = _build(False, lora=lora, **save)
+    _train(model, optimizer, range(2))
+    nxd_hf.save_checkpoint(path, tag="step2", model=model, optimizer=optimizer, user_content={"step": 2})
+    expected = torch.stack(_train(model, optimizer, range(2, 4)))
+    # LoRA: the checkpoint holds the adapters (and their optimizer state), the base comes from model_fn
+    model, optimizer = _build(False, seed=0 if lora else 7, lora=lora, **load)
+    assert nxd_hf.load_checkpoint(path, model=model, optimizer=optimizer) == {"step": 2}
+    torch.testing.assert_close(torch.stack(_train(model, optimizer, range(2, 4))), expected, **TOL)
+
+
+CHECKPOINTS = {  # world 2
+    "plain_tp2_to_pp2": dict(lora=False, save=dict(tp=2), load=dict(pp=2)),
+    "plain_pp2_to_tp2": dict(lora=False, save=dict(pp=2), load=dict(tp=2)),
+    "plain_lora_tp2_to_dp2_zero1": dict(lora=True, save=dict(tp=2), load=dict(zero1=True)),
+}
+
+
+@pytest.mark.parametrize("layouts", list(CHECKPOINTS))
+def test_plain_decoder_checkpoint_across_layouts(ranks2, tmp_path, layouts):
+    ranks2.run(check_checkpoint_across_layouts, str(tmp_path / layouts), **CHECKPOINTS[layouts])
+
+
+class _Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(4, 8), nn.Linear(8, 4)
+
+    def forward(self, x, scale: float = 1.0):
+        return (self.down(torch.relu(self.up(x))) * scale).sum()
+
+
+def check_errors_name_the_fix() -> None:
+    with pytest.raises(ValueError, match=r"neuronx_distributed_config\(dummy_forward_args="):
+        nxd_hf.initialize_parallel_model(_config(tp=2, dummy_forward_args=None), own_models.build, False)
+    parallel_state.destroy_model_parallel()
+    meta = nxd_hf.neuronx_distributed_config(tensor_parallel_size=2, dummy_forward_args=_dummy(), model_init_config={
+        "meta_device_init": True, "param_init_fn": lambda module: None})
+    with pytest.raises(ValueError, match="meta device"):
+        nxd_hf.initialize_parallel_model(meta, own_models.build, False)
+    config = _config(tp=2, dummy_forward_args={"x": torch.ones(2, 4)})
+    model = nxd_hf.initialize_parallel_model(config, _Scaled)
+    assert type(model.module.up) is ColumnParallelLinear and type(model.module.down) is RowParallelLinear
+    model.run_train(torch.ones(2, 4))
+    model.run_train(torch.ones(2, 4), scale=1.0)  # the default the graph was traced with
+    with pytest.raises(ValueError, match="scale, which was not in dummy_forward_args"):
+        model.run_train(torch.ones(2, 4), scale=2.0)
+
+
+def test_errors_name_the_fix(ranks2):
+    ranks2.run(check_errors_name_the_fix)
+
+
+@pytest.mark.parametrize(("options", "match"), [
+    (dict(pipeline_parallel_size=2), "a plain module's tensor-parallel layout for the whole module only"),
+    (dict(activation_checkpoint_config="full"), "runs as its traced graph"),
+])
+def test_plain_tp_refusals(options, match):
+    with pytest.raises(ValueError, match=match):
+        _check_plain_tp("Plain", NxDConfig(tensor_parallel_size=2, **options))
+
+
+
+def test_non_tensor_at_a_stage_boundary_names_the_value():
+    """A plain module split into stages passes a Python int between its layers (``n = x.shape[1]``;
+    ``layer(h, n)``): it used to fail in run_train with AttributeError: 'int' object has no attribute 'shape'."""
+    from nxd_hf.pipeline.stages import flat_boundary_values
+
+    graph = torch.fx.symbolic_trace(lambda x: x.shape[1]).graph
+    node = [n for n in graph.nodes if n.op == "call_function"][-1]  # shape[1]
+    node.meta["val"] = 3
+    with pytest.raises(ValueError, match=r"getitem \(int, not a tensor\) crosses a pipeline stage boundary"):
+        flat_boundary_values([node], {node.name: "tensor"})

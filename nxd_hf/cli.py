@@ -2,7 +2,6 @@
 (name -> (help, add_arguments, run)); later features add theirs there."""
 
 import argparse
-import importlib.util
 import os
 import sys
 

@@ -22,7 +22,7 @@ from torch import nn
 
 from nxd_hf.parallel_layers import ColumnParallelLinear, RowParallelLinear, mappings
 from nxd_hf.parallel_layers.sharding import (
-    has_partial_grad_over_tp, local_rows_mask, mark_partial_grad_over_tp, set_tensor_model_parallel_attributes, shard_from_full,
+    local_rows_mask, mark_partial_grad_over_tp, set_tensor_model_parallel_attributes, shard_from_full,
 )
 
 SUPPORTED_INITS = (True, False, "gaussian")

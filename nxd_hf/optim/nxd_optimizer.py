@@ -5,7 +5,6 @@ weights for bf16/fp16 parameters."""
 
 import torch
 
-from nxd_hf import parallel_state
 from nxd_hf.checkpoint.optim_state import MASTER, ParamStates, set_torch_state, tensor_state
 from nxd_hf.optim.mixed_precision import MasterWeights
 from nxd_hf.parallel_layers.grad_reduction import grad_reductions_of

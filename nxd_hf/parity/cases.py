@@ -182,7 +182,7 @@ def run_case(config, *, tensor_parallel_size: int, pipeline_parallel_size: int =
 
 
 def _train_step(model, ids, labels, pp: int) -> torch.Tensor:
-    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_size()
+    dp_size = parallel_state.get_data_parallel_size()
     if dp_size > parallel_state.get_expert_parallel_size():
         raise ValueError(f"parity runs without data parallelism: use tp x pp (x ep) = world size, got dp={dp_size}")
     if pp > 1:

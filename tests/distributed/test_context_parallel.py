@@ -112,13 +112,14 @@ def test_attention_comm_bytes_match_formula(ranks2, kind):
 
 
 def test_context_groups_nearest_to_tp():
+    from nxd_hf.parallel_sizes import ParallelSizes
     from nxd_hf.parallel_state import rank_lists
 
-    lists = rank_lists(8, 2, 1, cp=2)
+    lists = rank_lists(ParallelSizes.for_world(8, tp=2, cp=2))
     assert lists["context"] == [[0, 2], [4, 6], [1, 3], [5, 7]]
     assert lists["data"] == [[0, 2, 4, 6], [1, 3, 5, 7]]  # gradients are averaged over dp x cp
     with pytest.raises(ValueError, match="context_parallel_size"):
-        rank_lists(6, 2, 1, cp=2)
+        rank_lists(ParallelSizes.for_world(6, tp=2, cp=2))
 
 
 def test_load_balanced_split_holds_both_ends():

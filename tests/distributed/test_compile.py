@@ -3,6 +3,7 @@ tp=2, and NxDTrainingArguments(torch_compile=True) (no longer refused)."""
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounterWithBackend
 
 import nxd_hf
 from nxd_hf import parallel_state
@@ -14,12 +15,15 @@ TOL = hf_parity.TOL
 
 def check_compiled_model(tp: int) -> dict:
     """Loss and every gathered gradient of ``torch.compile(parallelize(model))`` equal the HF
-    model's, two steps (the second reuses the compiled graphs); returns the graph-break count."""
+    model's, two steps; the second reuses the compiled graphs (the backend is not called again).
+    Returns the frames dynamo compiled (counted by the backend: no second tracing pass)."""
     parallel_state.destroy_model_parallel()
     torch._dynamo.reset()
     reference, model = hf_parity.build_pair("llama")
     nxd_hf.parallelize(model, tensor_parallel_size=tp, check_inputs=False)
-    compiled = torch.compile(model, backend="aot_eager")
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter)
+    frames = []
     for step in range(2):
         ids, labels = hf_parity.batch(seed=step)
         ref_loss = reference(input_ids=ids, labels=labels).loss
@@ -31,10 +35,9 @@ def check_compiled_model(tp: int) -> dict:
             torch.testing.assert_close(hf_parity.gathered_grad(param), ref_params[name].grad, **TOL,
                                        msg=lambda m: f"tp={tp} step {step} {name}: {m}")
             param.grad = ref_params[name].grad = None
-    ids, labels = hf_parity.batch()
-    explain = torch._dynamo.explain(model)(input_ids=ids, labels=labels)
-    return {"graphs": explain.graph_count, "breaks": explain.graph_break_count,
-            "reasons": sorted({str(r.reason).splitlines()[0][:160] for r in explain.break_reasons})}
+        frames.append(counter.frame_count)
+    assert frames[1] == frames[0], f"tp={tp}: the second step recompiled ({frames} frames after each step)"
+    return frames[1]
 
 
 def check_trainer(out_dir: str) -> None:
@@ -62,8 +65,8 @@ def check_trainer(out_dir: str) -> None:
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_compiled_parallel_model_matches_hf(ranks2, tp):
-    results = ranks2.run(check_compiled_model, tp)
-    print(f"tp={tp} graph breaks:", results[0])  # reported in docs/gpu_speed.md
+    graphs = ranks2.run(check_compiled_model, tp)
+    assert graphs == [4, 4], f"tp={tp}: dynamo compiled {graphs} frames per rank (docs/gpu_speed.md: 4)"
 
 
 def test_nxd_trainer_torch_compile_tp2(ranks2, tmp_path):

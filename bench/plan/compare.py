@@ -58,7 +58,7 @@ def compare_case(case: dict, ranks: list[dict]) -> dict:
     out = []
     for r in ranks:
         memory = rank_memory(shape, counts, work, layout, r["pp_rank"], trace=trace)
-        terms = step_terms(shape, counts, work, layout, r["pp_rank"])
+        terms = step_terms(shape, counts, work, layout, r["pp_rank"], trace=trace)
         predicted_comm = _by_axis_op((t.axis, t.op, t.payload_bytes) for t in terms)
         measured = _by_axis_op((c["axis"], c["op"], c["bytes"]) for c in r["comm"])
         if r["p2p_send_bytes"]:

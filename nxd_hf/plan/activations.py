@@ -57,6 +57,11 @@ class ActivationTrace:
     """What one microbatch's forward saves, per place."""
 
     saved: list[Saved]
+    reductions: dict = dataclasses.field(default_factory=dict)
+    """Place -> the row-parallel layers (reductions back to the hidden size) whose forward has
+    finished when that place saves its last tensor: what recomputing the layer (torch's
+    non-reentrant checkpoint stops at its last saved tensor) runs again. One for a layer whose last
+    save is its MLP's down projection input, two when a dropout after it saves a mask (GPT-2)."""
 
     def place_bytes(self, place, *, tp: int, sequence_parallel: bool, fractions: dict[str, float]) -> float:
         """Bytes one TP rank saves at ``place``."""
@@ -205,21 +210,23 @@ def trace_activations(config, *, micro_batch_size: int, seq_len: int, dtype: tor
     model.train()
     patch = get_patch(config)
     layers = decoder_layers(model, patch)
-    where, inside, handles = [PRE], [], []
+    where, inside, handles, reduced, reductions = [PRE], [], [], [0], {}
     for index, layer in enumerate(layers):
         handles.append(layer.register_forward_pre_hook(
             lambda m, args, kwargs, i=index: _enter(i, args, kwargs), with_kwargs=True))
         handles.append(layer.register_forward_hook(lambda m, a, o: where.__setitem__(0, POST)))
     for name, (kind, _) in sharded.items():
+        module = model.get_submodule(name)
         if kind == "column":
-            module = model.get_submodule(name)
             handles.append(module.register_forward_pre_hook(lambda m, a, n=name: inside.append(n)))
             handles.append(module.register_forward_hook(lambda m, a, o: inside.pop() and None))
+        else:
+            handles.append(module.register_forward_hook(lambda m, a, o: reduced.__setitem__(0, reduced[0] + 1)))
     params = {id(p) for p in model.parameters()}
     follow = _Follow(_weights(model, sharded))
 
     def _enter(index, args, kwargs):
-        where[0] = index
+        where[0], reduced[0] = index, 0
         hidden = args[0] if args else kwargs.get("hidden_states")
         if isinstance(hidden, torch.Tensor):
             follow.tags[id(hidden)] = STREAM
@@ -227,6 +234,7 @@ def trace_activations(config, *, micro_batch_size: int, seq_len: int, dtype: tor
     seen, saved = set(), []
 
     def pack(t):
+        reductions[where[0]] = reduced[0]  # every save counts for the recomputation, parameters too
         root = t._base if t._base is not None else t
         if id(root) in params or follow.tags.get(id(root), ("",))[0] == "w":
             return t
@@ -248,7 +256,7 @@ def trace_activations(config, *, micro_batch_size: int, seq_len: int, dtype: tor
     finally:
         for handle in handles:
             handle.remove()
-    return ActivationTrace(saved=saved)
+    return ActivationTrace(saved=saved, reductions=reductions)
 
 
 @contextlib.contextmanager

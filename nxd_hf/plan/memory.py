@@ -15,8 +15,8 @@ fused top-k experts); a frozen linear layer (LoRA) saves no input for its weight
 - LoRA: the r-wide output of each adapter's A.
 Sharded parts divide by tp (sequence parallelism divides the rest too). The peak is at the
 start of backward (all activations, the loss's logits, log-probabilities and their gradient,
-no gradients yet) or at its end (all gradients plus a bucket being reduced), on top of the
-parameters and optimizer state."""
+no gradients yet) or at its end (all gradients), on top of the parameters, optimizer state and
+the buffers kept between steps (the pipeline's receive buffers, ZeRO-1's staging buckets)."""
 
 import dataclasses
 
@@ -79,6 +79,17 @@ def _gcd(a: int, b: int) -> int:
     return a
 
 
+def zero1_staging_bytes(grad_bytes: int, dp: int, grad_element_bytes: int) -> int:
+    """ZeRO-1's staging buffers (``optim.zero1.optimizer``'s ``_staging``: dp x a bucket's columns, at most
+    ``BUCKET_BYTES``): one, and a second once two buckets' reduce-scatters overlap backward
+    (``optim.zero1.overlap.IN_FLIGHT``). Both are kept across steps (the shared one by the
+    optimizer, the other in the overlap's free list), so they are held from the second step's
+    forward on, not only while gradients are reduced."""
+    padded = padded_size(grad_bytes // grad_element_bytes, dp) * grad_element_bytes
+    buckets = -(-padded // BUCKET_BYTES)
+    return min(2, buckets) * min(BUCKET_BYTES, padded)
+
+
 def stage_layers(num_layers: int, pp: int, virtual: int = 1) -> list[range]:
     """Layers of each pipeline rank (``nxd_hf.pipeline.partition.auto_cuts``: remainder on later stages)."""
     stages = pp * virtual
@@ -122,9 +133,7 @@ def rank_memory(shape: ModelShape, params: RankParams, work: Workload, layout: L
     buffers = 0.0
     if layout.zero_1:
         state += 2 * 4 * trainable_sharded / dp_shard  # the fp32 master slice and its gradient
-        # the staging buffers (dp x a bucket's columns) of the reduce-scatter overlapped with backward:
-        # two in flight (``optim.zero1.overlap.IN_FLIGHT``), held while the last layers run backward
-        buffers = min(2 * BUCKET_BYTES, grad_bytes)
+        buffers = zero1_staging_bytes(grad_bytes, layout.dp, 4 if work.lora else work.param_bytes)
     # plain data parallelism: the gradients live in the all-reduce's flat buckets
     # (``parallel_layers.grad_buckets``), so reducing them takes no buffer of its own
     tokens = work.micro_batch_size * work.seq_len
@@ -179,13 +188,12 @@ def rank_memory(shape: ModelShape, params: RankParams, work: Workload, layout: L
     end_of_forward = held + loss_forward
     start_of_backward = held + loss_saved + loss_backward + head_grad
     first_layer_backward = held + head_grad + layer_grads + 2 * largest + (one_layer if layout.recompute else 0)
-    end_of_backward = grad_bytes + one_layer + tied_grad + (per_microbatch + loss_saved * last) * after_first \
-        + (buffers if layout.zero_1 else 0)
-    reduction = grad_bytes + buffers
+    end_of_backward = grad_bytes + one_layer + tied_grad + (per_microbatch + loss_saved * last) * after_first
+    reduction = grad_bytes
     items = dict(parameters=n_params * work.param_bytes, lora=n_lora * 4, gradients=grad_bytes, optimizer_state=state,
                  activations=activations, loss=max(loss_forward, loss_saved + loss_backward),
                  communication_buffers=buffers + pipeline_buffers)
-    items["peak"] = int(items["parameters"] + items["lora"] + state + pipeline_buffers
+    items["peak"] = int(items["parameters"] + items["lora"] + state + pipeline_buffers + buffers
                         + max(end_of_forward, start_of_backward, first_layer_backward, end_of_backward, reduction))
     return {k: int(v) for k, v in items.items()}
 

@@ -96,7 +96,7 @@ def predict(shape: ModelShape, counts, work: Workload, layout: Layout, cluster: 
     """The cost model's numbers for one valid layout (``counts``: ``shapes.rank_params`` at its tp, ep;
     ``trace``: the model's traced activations, ``plan.activations``)."""
     memory = peak_memory(shape, counts, work, layout, trace=trace)
-    terms = step_terms(shape, counts, work, layout, memory["pp_rank"])
+    terms = step_terms(shape, counts, work, layout, memory["pp_rank"], trace=trace)
     return Prediction(layout=layout, memory=memory, comm=terms, time=step_time(shape, work, layout, cluster, terms))
 
 

@@ -61,6 +61,9 @@ class RankParams:
     replicated_by_layer: dict = dataclasses.field(default_factory=dict)
     """Elements of the replicated parameters of each decoder layer (norms, row-parallel biases) but a
     MoE block's: under sequence parallelism they see one chunk, so their gradients are partial over TP."""
+    partial_by_layer: dict = dataclasses.field(default_factory=dict)
+    """Elements of each decoder layer's replicated parameters whose gradients are partial over TP
+    without sequence parallelism too (per-head norms: each rank sees its own heads)."""
     experts_by_layer: dict = dataclasses.field(default_factory=dict)
     """Elements of each decoder layer's local experts (in ``by_place`` too): ZeRO-1 shards them over
     the expert-data group (dp / ep ranks), not the data group."""
@@ -184,6 +187,7 @@ def rank_params(config, model: nn.Module, *, tp: int, ep: int = 1, lora_config=N
         kv = (getattr(text, patch.num_kv_heads_attr, None) if patch.num_kv_heads_attr else None) or num_heads
         layout = head_layout(num_heads, kv, config_head_dim(text, num_heads), 0, tp)
     local, swapped, row_biases, moe_blocks, expert_ids, fractions = {}, {}, set(), [], set(), {}
+    per_head = set()  # ``tp.apply`` marks their parameters partial over TP at any layout
     for name, module, style in match_plan(patch, model):
         if isinstance(style, (tp_plan.Column, tp_plan.Row, tp_plan.Embedding, tp_plan.LMHead)):
             for pname, numel in _linear_local(module, style, layout, tp).items():
@@ -193,19 +197,23 @@ def rank_params(config, model: nn.Module, *, tp: int, ep: int = 1, lora_config=N
                 fractions[name] = local[id(module.weight)] / module.weight.numel()
             if isinstance(style, tp_plan.Row) and getattr(module, "bias", None) is not None:
                 row_biases.add(id(module.bias))
+        elif isinstance(style, tp_plan.PerHeadNorm):
+            per_head.update(id(p) for p in module.parameters())
         elif isinstance(style, tp_plan.Experts):
             moe_blocks.append(name.rpartition(".")[0] + ".")
             fractions[name] = 1 / tp
             for pname, param in module.named_parameters(recurse=False):
                 local[id(param)] = _expert_local(param, pname, text.hidden_size, tp, ep)
                 expert_ids.add(id(param))
-    by_place, replicated, experts, seen = {}, {}, {}, set()
+    by_place, replicated, partial, experts, seen = {}, {}, {}, {}, set()
     for name, param in model.named_parameters(remove_duplicate=False):
         if id(param) in seen:
             continue
         seen.add(id(param))
         place = _place(name, layers_prefix)
         by_place[place] = by_place.get(place, 0) + local.get(id(param), param.numel())
+        if id(param) in per_head and isinstance(place, int):
+            partial[place] = partial.get(place, 0) + param.numel()
         if id(param) in expert_ids:
             experts[place] = experts.get(place, 0) + local[id(param)]
         if (isinstance(place, int) and (id(param) not in local or id(param) in row_biases)
@@ -214,7 +222,7 @@ def rank_params(config, model: nn.Module, *, tp: int, ep: int = 1, lora_config=N
     tied = _tied_embedding(model, local)
     lora = _lora_params(model, swapped, layout, tp, lora_config, layers_prefix) if lora_config else {}
     return RankParams(by_place=by_place, lora_by_place=lora, tied_embedding=tied, replicated_by_layer=replicated,
-                      experts_by_layer=experts, fractions=fractions)
+                      partial_by_layer=partial, experts_by_layer=experts, fractions=fractions)
 
 
 def _tied_embedding(model: nn.Module, local: dict) -> int:

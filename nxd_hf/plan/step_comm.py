@@ -4,6 +4,7 @@ theory), the vocab-parallel embedding, LM head and loss, the weight-gradient syn
 needs (replicated K/V, sequence-parallel norms, LoRA factors), data-parallel gradient reduction
 (all-reduce, or ZeRO-1's reduce-scatter and all-gather) and the pipeline's sends."""
 
+from nxd_hf.plan.activations import ActivationTrace
 from nxd_hf.plan.comm import FP32_BYTES, Term, bucket_count, kv_size_multiplier
 from nxd_hf.plan.layout import Layout
 from nxd_hf.plan.memory import BUCKET_BYTES, Workload, stage_layers
@@ -17,8 +18,9 @@ def _add(terms: list, **kw) -> None:
 
 
 def _tp_activation_terms(shape: ModelShape, work: Workload, layout: Layout, layers: range, first_layers: bool,
-                         last_layers: bool, first: bool, last: bool) -> list[Term]:
-    """Per step (all microbatches) on one stage: layers, embedding, LM head and loss."""
+                         last_layers: bool, first: bool, last: bool, recomputed: int) -> list[Term]:
+    """Per step (all microbatches) on one stage: layers, embedding, LM head and loss (``recomputed``:
+    the reductions the stage's recomputed forwards run again)."""
     m, tp = layout.num_microbatches, layout.tp
     act = work.micro_batch_size * work.seq_len * shape.hidden * FP32_BYTES
     tokens_bytes = work.micro_batch_size * work.seq_len * FP32_BYTES
@@ -43,16 +45,17 @@ def _tp_activation_terms(shape: ModelShape, work: Workload, layout: Layout, laye
              payload_bytes=m * (2 * n - skip) * act, formula="m x 2L x b*s*h*4")
     if layout.recompute:
         # torch's non-reentrant checkpoint recomputes a layer's forward only up to its last saved
-        # tensor (the MLP's down projection input): every forward collective of the layer again
-        # but the MLP output's reduction
+        # tensor: both regions' entries again, and the reductions that come before that tensor
+        # (the attention output's when it is the MLP's down projection input; the MLP output's
+        # too when a dropout after it saves a mask)
         if layout.sequence_parallel:
             _add(terms, phase="recompute", op="all_gather", kind="activation", count=m * 2 * n,
                  payload_bytes=m * 2 * n * act // tp, formula="m x 2L x b*(s/tp)*h*4 (recomputed forward)")
-            _add(terms, phase="recompute", op="reduce_scatter", kind="activation", count=m * n,
-                 payload_bytes=m * n * act, formula="m x L x b*s*h*4 (recomputed attention output)")
+            _add(terms, phase="recompute", op="reduce_scatter", kind="activation", count=m * recomputed,
+                 payload_bytes=m * recomputed * act, formula="m x reductions before each layer's last save x b*s*h*4")
         else:
-            _add(terms, phase="recompute", op="all_reduce", kind="activation", count=m * n,
-                 payload_bytes=m * n * act, formula="m x L x b*s*h*4 (recomputed attention output)")
+            _add(terms, phase="recompute", op="all_reduce", kind="activation", count=m * recomputed,
+                 payload_bytes=m * recomputed * act, formula="m x reductions before each layer's last save x b*s*h*4")
     if first:
         _add(terms, phase="embedding", op="all_reduce", kind="activation", count=m, payload_bytes=m * act,
              formula="m x b*s*h*4 (vocab-parallel lookup)")
@@ -65,9 +68,10 @@ def _tp_activation_terms(shape: ModelShape, work: Workload, layout: Layout, laye
 
 
 def _tp_design_terms(shape: ModelShape, work: Workload, layout: Layout, layers: range, lora_sync: int,
-                     replicated: int) -> list[Term]:
+                     replicated: int, partial_always: int) -> list[Term]:
     """Weight-gradient syncs over TP: replicated K/V copies (each microbatch's backward), and
-    one bucketed all-reduce per step of partial gradients (SP norms, LoRA's replicated factors)."""
+    one bucketed all-reduce per step of partial gradients (SP: the replicated parameters; per-head
+    norms at any tp; LoRA's replicated factors)."""
     m, n, terms = layout.num_microbatches, len(layers), []
     kv = shape.num_kv_heads * shape.head_dim
     if shape.num_heads != shape.num_kv_heads and kv_size_multiplier(shape.num_kv_heads, layout.tp) > 1:
@@ -79,12 +83,12 @@ def _tp_design_terms(shape: ModelShape, work: Workload, layout: Layout, layers: 
             _add(terms, phase="kv_grad_sync", op="all_reduce", kind="design", count=m * k * n,
                  payload_bytes=m * n * k * kv * work.lora_r * FP32_BYTES, formula="m x L x kv*r*4 per K/V adapter")
     partial = 0
-    if layout.sequence_parallel and not work.lora:
-        partial += replicated * FP32_BYTES
+    if not work.lora:  # per-head norms are among the replicated parameters
+        partial += (replicated if layout.sequence_parallel else partial_always) * FP32_BYTES
     partial += lora_sync
     if partial:
         _add(terms, phase="partial_grad_sync", op="all_reduce", kind="design", count=bucket_count(partial, BUCKET_BYTES),
-             payload_bytes=partial, formula="(SP: the layers' replicated params (norms, row biases) + LoRA factors) x 4, bucketed")
+             payload_bytes=partial, formula="(SP: the layers' replicated params (norms, row biases); per-head norms; LoRA factors) x 4, bucketed")
     return terms
 
 
@@ -98,17 +102,22 @@ def _lora_tp_sync_bytes(shape: ModelShape, work: Workload, n_layers: int) -> int
     return sum(shape.hidden * work.lora_r for t in work.lora_targets if t in projections) * n_layers * FP32_BYTES
 
 
-def step_terms(shape: ModelShape, params: RankParams, work: Workload, layout: Layout, pp_rank: int = 0) -> list[Term]:
-    """Every communication term of one optimizer step on pipeline rank ``pp_rank``."""
+def step_terms(shape: ModelShape, params: RankParams, work: Workload, layout: Layout, pp_rank: int = 0, *,
+               trace: ActivationTrace | None = None) -> list[Term]:
+    """Every communication term of one optimizer step on pipeline rank ``pp_rank`` (``trace``: the
+    model's traced activations, which tell what a recomputed layer reduces again; one reduction
+    per layer without it)."""
     stages = stage_layers(shape.num_layers, layout.pp, layout.virtual_stages)
     layers = stages[pp_rank]
     first, last = pp_rank == 0, pp_rank == layout.pp - 1
     terms = []
     if layout.tp > 1:
+        recomputed = sum(trace.reductions.get(i, 1) if trace is not None else 1 for i in layers)
         terms += _tp_activation_terms(shape, work, layout, layers, 0 in layers, shape.num_layers - 1 in layers,
-                                      first, last)
+                                      first, last, recomputed)
         terms += _tp_design_terms(shape, work, layout, layers, _lora_tp_sync_bytes(shape, work, len(layers)),
-                                  sum(params.replicated_by_layer.get(i, 0) for i in layers))
+                                  sum(params.replicated_by_layer.get(i, 0) for i in layers),
+                                  sum(params.partial_by_layer.get(i, 0) for i in layers))
     trainable = params.stage(layers, first=first, last=last, lora=work.lora) * (4 if work.lora else work.param_bytes)
     if layout.dp > 1 and layout.zero_1:
         padded = padded_size(trainable // FP32_BYTES, layout.dp) * FP32_BYTES
@@ -129,6 +138,12 @@ def step_terms(shape: ModelShape, params: RankParams, work: Workload, layout: La
         _add(terms, phase="ep_dispatch", op="all_to_all", kind="activation", count=count,
              payload_bytes=count * routed, formula="m x MoE layers x 4 x b*s*top_k*h (dispatch, combine; fwd, bwd)",
              axis="ep")
+    if layout.pp > 1 and params.tied_embedding and (first or last):
+        # ``pipeline.ties``: the embedding the LM head shares is held by the first and last stages,
+        # which sum its gradient once per step (a frozen one's zeros too)
+        terms.append(Term(phase="tied_grad", op="all_reduce", kind="gradient", count=1,
+                          payload_bytes=params.tied_embedding * work.param_bytes,
+                          formula="(vocab/tp)*h x param bytes (tied embedding)", axis="pp"))
     if layout.pp > 1:
         act = work.micro_batch_size * work.seq_len * shape.hidden * FP32_BYTES
         sends = layout.num_microbatches * ((not last) + (not first))

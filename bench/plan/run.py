@@ -12,7 +12,8 @@ of 1, 2 and 4 gloo ranks on CPU) each trained for a few steps through ``nxd_hf.p
   machine's cores) and measured times (the fastest step after the first, wall clock and the
   process's CPU time; absolute times on a shared CPU mean little).
 
-Run from the repo root: ``python -m bench.plan [--out PATH] [--steps N] [--grid grid|extra|sweep] [--seq N]``;
+Run from the repo root: ``python -m bench.plan [--out PATH] [--steps N] [--grid grid|extra|sweep] [--seq N]
+[--only WORDS]...`` (``--only``: the layouts whose model and layout name hold all the words);
 JSON in bench/results/plan.json. ``--grid extra``: layouts outside the grid (GPT-2 at tp2, Phi-3 under
 gpipe and SP + recompute, Qwen2 ZeRO-1 + LoRA); ``--grid sweep``: more architectures at a few layouts.
 """
@@ -52,10 +53,26 @@ def _runs(model: str, options: dict) -> bool:
     return True
 
 
-def cases(steps: int, grid: str = "grid", seq: int = SEQ) -> list[dict]:
+def _selected(model: str, tp: int, pp: int, dp: int, options: dict, only: list[str]) -> bool:
+    """Whether ``--only``'s patterns pick this layout: each pattern's words must all be in the
+    model name and its layout name (``Layout.name()``, `` lora`` appended)."""
+    if not only:
+        return True
+    from nxd_hf.plan.layout import Layout
+
+    name = Layout(tp=tp, pp=pp, dp=dp, sequence_parallel=options.get("sequence_parallel", False),
+                  zero_1=options.get("zero_1", False), num_microbatches=options.get("num_microbatches", 1),
+                  schedule=options.get("schedule"), recompute=options.get("recompute", False)).name()
+    words = f"{model} {name}{' lora' if options.get('lora') else ''}".split()
+    return any(all(w in words for w in pattern.split()) for pattern in only)
+
+
+def cases(steps: int, grid: str = "grid", seq: int = SEQ, only: list[str] | None = None) -> list[dict]:
     out = []
     for model, tp, pp, dp, options in GRIDS[grid]:
         if grid == "sweep" and not _runs(model, options):
+            continue
+        if not _selected(model, tp, pp, dp, options, only or []):
             continue
         out.append(dict(model=model, tp=tp, pp=pp, dp=dp, sequence_parallel=options.get("sequence_parallel", False),
                         recompute=options.get("recompute", False), lora=options.get("lora", False), lora_r=8,
@@ -104,6 +121,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=4, help="training steps per layout (the last is counted)")
     parser.add_argument("--grid", choices=sorted(GRIDS), default="grid", help="which list of layouts")
     parser.add_argument("--seq", type=int, default=SEQ, help="tokens per sequence")
+    parser.add_argument("--only", action="append", metavar="WORDS",
+                        help='run only the layouts whose model and layout name hold all these words, e.g. '
+                             '"zero1" or "gpt2-s pp2" (repeatable: any pattern)')
     parser.add_argument("--repredict", metavar="JSON",
                         help="no run: set a saved run's measurements beside the current cost model")
     args = parser.parse_args(argv)
@@ -115,7 +135,9 @@ def main(argv: list[str] | None = None) -> None:
         measured = [measured_ranks(row) for row in saved["rows"]]
         args.seq, args.grid, args.steps = saved["seq_len"], saved.get("grid", "grid"), saved["steps"]
     else:
-        all_cases = cases(args.steps, args.grid, args.seq)
+        all_cases = cases(args.steps, args.grid, args.seq, args.only)
+        if not all_cases:
+            raise ValueError(f"--only {args.only} matches no layout of --grid {args.grid}")
         measured = measure(all_cases)
     rows = [compare_case(case, ranks) for case, ranks in zip(all_cases, measured)]
     print(format_rows(rows))

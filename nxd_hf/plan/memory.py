@@ -79,15 +79,15 @@ def _gcd(a: int, b: int) -> int:
     return a
 
 
-def zero1_staging_bytes(grad_bytes: int, dp: int, grad_element_bytes: int) -> int:
+def zero1_staging_bytes(grad_bytes: int, dp: int, grad_element_bytes: int, bucket_bytes: int = BUCKET_BYTES) -> int:
     """ZeRO-1's staging buffers (``optim.zero1.optimizer``'s ``_staging``: dp x a bucket's columns, at most
-    ``BUCKET_BYTES``): one, and a second once two buckets' reduce-scatters overlap backward
+    ``bucket_bytes``): one, and a second once two buckets' reduce-scatters overlap backward
     (``optim.zero1.overlap.IN_FLIGHT``). Both are kept across steps (the shared one by the
     optimizer, the other in the overlap's free list), so they are held from the second step's
     forward on, not only while gradients are reduced."""
     padded = padded_size(grad_bytes // grad_element_bytes, dp) * grad_element_bytes
-    buckets = -(-padded // BUCKET_BYTES)
-    return min(2, buckets) * min(BUCKET_BYTES, padded)
+    buckets = -(-padded // bucket_bytes)
+    return min(2, buckets) * min(bucket_bytes, padded)
 
 
 def stage_layers(num_layers: int, pp: int, virtual: int = 1) -> list[range]:

@@ -1,8 +1,9 @@
 """The communication terms of one optimizer step of a whole model under a layout, per rank of
 the busiest pipeline stage: each decoder layer's tensor-parallel traffic (``comm.block_terms``'s
 theory), the vocab-parallel embedding, LM head and loss, the weight-gradient syncs the layout
-needs (replicated K/V, sequence-parallel norms, LoRA factors), data-parallel gradient reduction
-(all-reduce, or ZeRO-1's reduce-scatter and all-gather) and the pipeline's sends."""
+needs (replicated K/V, sequence-parallel norms, per-head norms, LoRA factors), data-parallel
+gradient reduction (all-reduce, or ZeRO-1's reduce-scatter and all-gather), a tied embedding's
+gradient sum over the pipeline and the pipeline's sends."""
 
 from nxd_hf.plan.activations import ActivationTrace
 from nxd_hf.plan.comm import FP32_BYTES, Term, bucket_count, kv_size_multiplier

@@ -17,7 +17,7 @@ from bench.plan.models import MODELS
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
-def _layout(case: dict) -> Layout:
+def layout_of(case: dict) -> Layout:
     return Layout(sizes=ParallelSizes(tp=case["tp"], pp=case["pp"], dp=case["dp"]),
                   sequence_parallel=case["sequence_parallel"],
                   zero_1=case["zero_1"], num_microbatches=case["num_microbatches"], schedule=case["schedule"],
@@ -43,7 +43,7 @@ def compare_case(case: dict, ranks: list[dict]) -> dict:
     config = load_config(MODELS[case["model"]]())
     model = meta_model(config)
     shape = model_shape(config, model)
-    layout = _layout(case)
+    layout = layout_of(case)
     work = Workload(micro_batch_size=case["micro_batch"], seq_len=case["seq"],
                     global_batch_size=case["micro_batch"] * case["num_microbatches"] * case["dp"],
                     lora_r=case["lora_r"] if case["lora"] else 0, lora_targets=LORA_TARGETS if case["lora"] else ())

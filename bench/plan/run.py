@@ -26,7 +26,7 @@ import time
 from bench.common import RESULTS
 from bench.common.stamp import stamp
 from bench.common.table import Column, table
-from bench.plan.compare import compare_case, measured_ranks, spearman
+from bench.plan.compare import compare_case, layout_of, measured_ranks, spearman
 from bench.plan.models import EXTRA, GRID, MODELS, SWEEP
 
 MICRO_BATCH, SEQ = 2, 128
@@ -53,17 +53,10 @@ def _runs(model: str, options: dict) -> bool:
     return True
 
 
-def _selected(model: str, tp: int, pp: int, dp: int, options: dict, only: list[str]) -> bool:
-    """Whether ``--only``'s patterns pick this layout: each pattern's words must all be in the
-    model name and its layout name (``Layout.name()``, `` lora`` appended)."""
-    if not only:
-        return True
-    from nxd_hf.plan.layout import Layout
-
-    name = Layout(tp=tp, pp=pp, dp=dp, sequence_parallel=options.get("sequence_parallel", False),
-                  zero_1=options.get("zero_1", False), num_microbatches=options.get("num_microbatches", 1),
-                  schedule=options.get("schedule"), recompute=options.get("recompute", False)).name()
-    words = f"{model} {name}{' lora' if options.get('lora') else ''}".split()
+def _selected(case: dict, only: list[str]) -> bool:
+    """Whether ``--only``'s patterns pick this case: each pattern's words must all be in the model
+    name and its layout name (``Layout.name()``, `` lora`` appended)."""
+    words = f"{case['model']} {layout_of(case).name()}{' lora' if case['lora'] else ''}".split()
     return any(all(w in words for w in pattern.split()) for pattern in only)
 
 
@@ -72,14 +65,12 @@ def cases(steps: int, grid: str = "grid", seq: int = SEQ, only: list[str] | None
     for model, tp, pp, dp, options in GRIDS[grid]:
         if grid == "sweep" and not _runs(model, options):
             continue
-        if not _selected(model, tp, pp, dp, options, only or []):
-            continue
         out.append(dict(model=model, tp=tp, pp=pp, dp=dp, sequence_parallel=options.get("sequence_parallel", False),
                         recompute=options.get("recompute", False), lora=options.get("lora", False), lora_r=8,
                         zero_1=options.get("zero_1", False), schedule=options.get("schedule"),
                         num_microbatches=options.get("num_microbatches", 1), micro_batch=MICRO_BATCH, seq=seq,
                         steps=steps))
-    return out
+    return [c for c in out if _selected(c, only)] if only else out
 
 
 def measure(all_cases: list[dict]) -> list[list[dict]]:

@@ -6,9 +6,9 @@ reduction (recomputed again under activation checkpointing), per-head norms summ
 import pytest
 import torch
 
-import hf_parity
 import nxd_hf
 from nxd_hf import backend, parallel_state
+from support import hf_parity
 
 
 def _init(module) -> None:
@@ -20,6 +20,7 @@ def _init(module) -> None:
 def step_comm_bytes(model_type: str, overrides: dict, tp: int, pp: int, sequence_parallel: bool = False,
                     recompute: bool = False, batch: int = 2, seq: int = 16) -> dict:
     """Payload bytes per collective of one training step of this rank, beside the plan's terms."""
+    from nxd_hf.parallel_sizes import ParallelSizes
     from nxd_hf.plan.activations import trace_activations
     from nxd_hf.plan.layout import Layout
     from nxd_hf.plan.memory import Workload
@@ -52,7 +53,7 @@ def step_comm_bytes(model_type: str, overrides: dict, tp: int, pp: int, sequence
     measured = {}
     for r in records:
         measured[r.op] = measured.get(r.op, 0) + r.payload_bytes
-    layout = Layout(tp=tp, pp=pp, dp=1, sequence_parallel=sequence_parallel, recompute=recompute,
+    layout = Layout(sizes=ParallelSizes(tp=tp, pp=pp, dp=1), sequence_parallel=sequence_parallel, recompute=recompute,
                     num_microbatches=microbatches, schedule="1f1b" if pp > 1 else None)
     work = Workload(micro_batch_size=batch, seq_len=seq, global_batch_size=batch * microbatches)
     meta = meta_model(config)

@@ -224,9 +224,9 @@ def test_qwen2_cp2_matches_one_process(ranks2):
 
 
 def check_moe(model_type, kind):
-    import moe_cases
+    from support import moe
 
-    reference, model = moe_cases.build_pair(model_type, output_router_logits=False)
+    reference, model = moe.build_pair(model_type, output_router_logits=False)
     nxd_hf.parallelize(model, context_parallel_size=2, context_parallel_attention=kind)
     ids, labels = hf_parity.batch(b=2, s=20)
     ref_loss = reference(input_ids=ids, labels=labels).loss
@@ -259,9 +259,9 @@ def test_all_to_all_refuses_heads_not_divisible(ranks2):
 
 
 def check_router_loss_refused():
-    import moe_cases
+    from support import moe
 
-    _, model = moe_cases.build_pair("mixtral")
+    _, model = moe.build_pair("mixtral")
     with pytest.raises(ValueError, match="output_router_logits=False"):
         nxd_hf.parallelize(model, context_parallel_size=2)
 
@@ -310,7 +310,7 @@ def check_trainer(kind, steps=4, **layout):
 
     import transformers
 
-    import accelerate_view
+    import test_nxd_trainer
     from nxd_hf.parallel_layers.sharding import full_tensor
 
     common = dict(max_steps=steps, learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[], seed=7,
@@ -320,7 +320,7 @@ def check_trainer(kind, steps=4, **layout):
 
     replicas = backend.world_size() // (2 * layout.get("tensor_parallel_size", 1))
     with tempfile.TemporaryDirectory() as out_dir:
-        ref_args = accelerate_view.one_process_reference_args(
+        ref_args = test_nxd_trainer.one_process_reference_args(
             output_dir=f"{out_dir}/ref", per_device_train_batch_size=4 * replicas, **common)
         ref = transformers.Trainer(reference, ref_args, train_dataset=_dataset())
         ref.train()

@@ -21,6 +21,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -144,7 +145,7 @@ def consolidation(directory: str, max_shard_size: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.checkpoint", )
     parser.add_argument("--out", default=str(RESULTS / "checkpoint.json"))
-    parser.add_argument("--dir", default="/tmp/nxd_hf_bench_checkpoint")
+    parser.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "nxd_hf_bench_checkpoint"))
     parser.add_argument("--layers", type=int, default=34, help="34 layers: ~0.49B parameters")
     parser.add_argument("--max-shard-size", default="200MB")
     args = parser.parse_args()

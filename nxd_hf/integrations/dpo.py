@@ -11,7 +11,9 @@ extra, ``pip install nxd_hf[trl]``); ``nxd_hf.parallel_trainer(DPOTrainer)`` ret
   ``ref_model`` given, parallelized likewise); with ``peft_config`` there is none: the reference
   is the policy with its adapters disabled, as DPOTrainer does;
 - a batch is ``[chosen rows; rejected rows]``: each data-parallel replica takes its pairs, its
-  slice of the chosen rows and the same slice of the rejected rows (``pair_rows``).
+  slice of the chosen rows and the same slice of the rejected rows (``pair_rows``);
+- under pipeline parallelism the reference's and the policy's passes of the schedule, the DPO loss
+  and metrics on the last stage: ``nxd_hf.integrations.dpo_pipeline``.
 """
 
 import copy

@@ -5,6 +5,7 @@ parallel layout, in one ``HfArgumentParser`` dataclass.
     torchrun --nproc_per_node 2 examples/dpo_trl.py --tensor_parallel_size 2           # tp=2
     torchrun --nproc_per_node 2 examples/dpo_trl.py --tensor_parallel_size 2 --lora    # LoRA (peft_config)
     torchrun --nproc_per_node 2 examples/dpo_trl.py --zero_1 true                      # dp=2, ZeRO-1
+    torchrun --nproc_per_node 2 examples/dpo_trl.py --pipeline_parallel_size 2 --num_microbatches 2  # pp=2
 
 The data: a small preference set built here from examples/data/tiny_corpus.txt (a prompt of six
 words; chosen: the corpus's next words; rejected: the same words shuffled). The model: the

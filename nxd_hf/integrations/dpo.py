@@ -11,7 +11,9 @@ extra, ``pip install nxd_hf[trl]``); ``nxd_hf.parallel_trainer(DPOTrainer)`` ret
   ``ref_model`` given, parallelized likewise); with ``peft_config`` there is none: the reference
   is the policy with its adapters disabled, as DPOTrainer does;
 - a batch is ``[chosen rows; rejected rows]``: each data-parallel replica takes its pairs, its
-  slice of the chosen rows and the same slice of the rejected rows (``pair_rows``).
+  slice of the chosen rows and the same slice of the rejected rows (``pair_rows``);
+- under pipeline parallelism the reference's and the policy's passes of the schedule, the DPO loss
+  and metrics on the last stage: ``nxd_hf.integrations.dpo_pipeline``.
 """
 
 import copy
@@ -23,6 +25,7 @@ from trl import DPOConfig, DPOTrainer
 
 from nxd_hf import parallel_state
 from nxd_hf.integrations import fused_head
+from nxd_hf.integrations.dpo_pipeline import PipelineDPOMixin, PipelinedReference, adapters_disabled
 from nxd_hf.integrations.subclass import ParallelTrainerMixin, combined_arguments
 from nxd_hf.trainer.batches import FILLER_ROWS, ROW_WEIGHT, _check_rows
 
@@ -34,9 +37,6 @@ class NxDDPOConfig(combined_arguments(DPOConfig)):
     def __post_init__(self):
         super().__post_init__()
         refused = {
-            "pipeline_parallel_size": (self.pipeline_parallel_size > 1, "use tensor_parallel_size and data "
-                                       "parallelism: the reference model's log-probabilities under a pipeline "
-                                       "schedule are not implemented"),
             "activation_offloading": (self.activation_offloading, "drop it (gradient_checkpointing checkpoints every "
                                       "layer with nxd_hf)"),
             "use_liger_kernel": (self.use_liger_kernel, "drop it: nxd_hf's parallel layers replace the kernels"),
@@ -85,17 +85,31 @@ class _DPOInit(DPOTrainer):
     the policy's layout created."""
 
     def __init__(self, model, args, *trainer_args, ref_model=None, **trainer_kwargs):
+        pipelined = self.nxd_model.pipelined
         coupled = sorted(set(args.loss_type) & BATCH_COUPLED_LOSSES)
         if coupled and parallel_state.get_data_parallel_size() > 1:
             raise ValueError(f"loss_type {coupled} couples the rows of a batch (a token mean over it, or a sort of it): "
                              "data-parallel replicas would each compute it over their own rows, not the global batch's. "
                              "Use tensor_parallel_size = the world size, or per-pair losses ('sigmoid', 'ipo', ...)")
+        if coupled and pipelined and self.nxd_model.module.num_microbatches > 1:
+            raise ValueError(f"loss_type {coupled} couples the rows of a batch (a token mean over it, or a sort of it): "
+                             "each pipeline microbatch would compute it over its own rows. Use num_microbatches=1, or "
+                             "per-pair losses ('sigmoid', 'ipo', ...)")
         if ref_model is not None:
-            ref_model = _frozen_parallel_copy(ref_model, args)
+            ref_model = _frozen_parallel_copy(ref_model, args, self.nxd_config if pipelined else None)
         elif self.nxd_config.lora_config is not None:
             ref_model = AdaptersDisabled(model)
         DPOTrainer.__init__(self, model, ref_model, args, *trainer_args, **trainer_kwargs)
-        if isinstance(ref_model, AdaptersDisabled):
+        if pipelined:
+            if self.aux_loss_enabled:
+                raise ValueError("MoE router logits (router_aux_loss_coef) are not supported by NxDDPOTrainer with "
+                                 "pipeline parallelism: set router_aux_loss_coef=0.0")
+            base = model.get_base_model() if hasattr(model, "get_base_model") else model
+            policy, reference = fused_head.trl_settings(base), fused_head.trl_settings(self.ref_model)
+            assert policy is not None and reference is not None, "DPOTrainer patches both with TRL's fused LM head"
+            self.ref_model.__dict__.pop("forward")  # a holder: the schedule runs the model
+            self._nxd_pipeline_setup(policy, reference)
+        elif isinstance(ref_model, AdaptersDisabled):
             # DPOTrainer patched its forward with TRL's fused head, which would run the policy's
             # backbone with the adapters on: its own forward calls the policy (nxd_hf's head)
             ref_model.__dict__.pop("forward")
@@ -103,10 +117,12 @@ class _DPOInit(DPOTrainer):
             fused_head.install(self.ref_model)
 
 
-class NxDDPOTrainer(ParallelTrainerMixin, _DPOInit):
-    """``trl.DPOTrainer`` with tensor and data parallelism (ZeRO-1) and LoRA; ``args``: ``NxDDPOConfig``
-    (module docstring). Takes DPOTrainer's arguments; ``model`` may be a name or a directory, as
-    DPOTrainer's (loaded with ``args.model_init_kwargs``)."""
+class NxDDPOTrainer(PipelineDPOMixin, ParallelTrainerMixin, _DPOInit):
+    """``trl.DPOTrainer`` with tensor, pipeline and data parallelism (ZeRO-1) and LoRA; ``args``:
+    ``NxDDPOConfig`` (module docstring). Takes DPOTrainer's arguments; ``model`` may be a name or a
+    directory, as DPOTrainer's (loaded with ``args.model_init_kwargs``)."""
+
+    nxd_pipeline_hooks = ("compute_loss", "prediction_step", "evaluate")  # nxd_hf.integrations.dpo_pipeline
 
     def __init__(self, model=None, ref_model=None, args: NxDDPOConfig | None = None, *trainer_args,
                  peft_config=None, quantization_config=None, **trainer_kwargs):
@@ -166,23 +182,13 @@ class AdaptersDisabled(nn.Module):
         return self.policy.config
 
     def forward(self, *args, **kwargs):
-        from peft.tuners.tuners_utils import BaseTunerLayer
-
-        layers = [m for m in self.policy.modules() if isinstance(m, BaseTunerLayer)]
-        was = [layer._disable_adapters for layer in layers]
-        # peft's enable_adapters would also flip requires_grad, which the optimizer's parameter
-        # lists rely on: only the flag its layers read in forward is set
-        for layer in layers:
-            layer._disable_adapters = True
-        try:
+        with adapters_disabled([self.policy]):
             return self.policy(*args, **kwargs)
-        finally:
-            for layer, disabled in zip(layers, was):
-                layer._disable_adapters = disabled
 
 
-def _frozen_parallel_copy(model: nn.Module, args) -> nn.Module:
-    """``model`` sharded with the policy's layout, without gradients, in evaluation mode."""
+def _frozen_parallel_copy(model: nn.Module, args, nxd_config=None) -> nn.Module:
+    """``model`` sharded with the policy's layout, without gradients, in evaluation mode; with
+    ``nxd_config`` (pipeline parallelism) split into the policy's pipeline stages too."""
     from nxd_hf.model_state import state_of
     from nxd_hf.parallelize import parallelize
 
@@ -190,8 +196,16 @@ def _frozen_parallel_copy(model: nn.Module, args) -> nn.Module:
         raise ValueError("ref_model must be a plain Hugging Face model (not parallelized: nxd_hf shards it like the "
                          f"policy), got {type(model).__name__}; or omit it: a frozen copy of the model is the reference")
 
+    pipeline = {} if nxd_config is None else {"pipeline_parallel_size": nxd_config.pipeline_parallel_size,
+                                              **nxd_config.pipeline_config}
     ref = parallelize(model, tensor_parallel_size=args.tensor_parallel_size, pad_model={
         "auto": "auto", "true": True, "false": False}[str(args.pad_model).lower()],
-        kv_size_multiplier="auto" if args.kv_size_multiplier == "auto" else int(args.kv_size_multiplier))
-    ref.requires_grad_(False)
-    return ref.eval()
+        kv_size_multiplier="auto" if args.kv_size_multiplier == "auto" else int(args.kv_size_multiplier), **pipeline)
+    if nxd_config is None:
+        ref.requires_grad_(False)
+        return ref.eval()
+    ref.move_model_to_device()
+    for stage in ref.local_modules():
+        stage.requires_grad_(False)
+        stage.eval()
+    return PipelinedReference(ref)

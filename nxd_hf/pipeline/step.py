@@ -110,8 +110,11 @@ class StepRunner:
         # a plain module returns its loss (picked by output_loss_value_spec), a microbatch mean
         return _select_loss(output, self.model.output_loss_value_spec) / self.model.num_microbatches
 
-    def _schedule(self, args: list[torch.Tensor]):
-        signature = tuple((tuple(a.shape), a.dtype) for a in args)
+    def _schedule(self, args: list[torch.Tensor], train: bool):
+        # training and evaluation keep their own schedules: DPO's reference pass under LoRA
+        # (run_eval, then run_train at the same shape, every step) left a training step without
+        # the gradient of a stage's input on a shared one (nxd_hf.integrations.dpo_pipeline)
+        signature = (train, *((tuple(a.shape), a.dtype) for a in args))
         if signature not in self.schedules:
             microbatch = [a.chunk(self.model.num_microbatches)[0] for a in args]
             self.schedules[signature] = self.model.build_schedule(self._loss_fn, microbatch)
@@ -161,7 +164,7 @@ class StepRunner:
         router_aux, aux_value = model.router_aux, None
         stage_rng = self._stage_rng()  # the aux pass and the step draw the same dropout masks
         try:  # no agreement per microbatch: a failure aborts the groups, which its peers notice at once
-            schedule = self._schedule([inputs[name] for name in names])  # keyword inputs last, as traced
+            schedule = self._schedule([inputs[name] for name in names], train)  # keyword inputs last, as traced
             if router_aux is not None:
                 with stage_rng():
                     aux_value = self._router_aux_pass(schedule, inputs, step_args, step_kwargs, last, train,

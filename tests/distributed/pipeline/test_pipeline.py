@@ -222,7 +222,7 @@ def check_first_stage_split_backward() -> None:
     if 0 not in pp_model.local_stage_ids:
         pp_model.run_train(input_ids=ids, attention_mask=attention_mask, labels=labels)
         return
-    (schedule,) = pp_model._runner.schedules.values()
+    (schedule,) = [s for (train, *_), s in pp_model._runner.schedules.items() if train]
     (stage,) = [s for s in schedule._stages if s.stage_index == 0]
     assert isinstance(stage, SplitBackwardFirstStage)
     weights = list(stage.submod.parameters())

@@ -124,6 +124,14 @@ def check_reference(ours, *, lora: bool, case) -> None:
         assert ours.ref_model.policy is ours.nxd_model.hf_model, case
         return
     tp = ours.args.tensor_parallel_size
+    if ours.args.pipeline_parallel_size > 1:  # the copy split into the policy's stages, run by its own schedule
+        pipeline = ours.ref_model.pipeline
+        assert isinstance(ours.ref_model, dpo.PipelinedReference) and not list(ours.ref_model.parameters()), case
+        assert pipeline.local_stage_ids == ours.nxd_model.module.local_stage_ids, case
+        assert not any(p.requires_grad for p in pipeline.parameters()), case
+        policy = dict(ours.nxd_model.named_parameters())
+        assert all(p.data_ptr() != policy[n].data_ptr() for n, p in pipeline.named_parameters()), case
+        return
     assert state_of(ours.ref_model) is not None, case
     assert ours.ref_model.get_output_embeddings().weight.shape[0] == -(-ours.ref_model.config.vocab_size // tp), case
     assert fused_head.trl_settings(ours.ref_model) is None, case  # TRL's head (whole-vocabulary) replaced
@@ -171,6 +179,10 @@ CASES = {  # name: (per-replica batch, LoRA, ref_model given, DPOConfig override
                                                 {"zero_1": True}),
     # WPO weights (use_weighting): from log_sum_sq_probs of the vocab-parallel logits
     "tp2-lora-wpo": (4, True, False, {"use_weighting": True}, {"tensor_parallel_size": 2}),
+    # whole pairs per microbatch; evaluation batches of 3 pairs leave the second microbatch one padded pair
+    "pp2-microbatches-ld-alpha": (4, False, False, {"ld_alpha": 0.5, "per_device_eval_batch_size": 3},
+                                  {"pipeline_parallel_size": 2, "num_microbatches": 2}),
+    "pp2-lora-ipo": (4, True, False, {"loss_type": ["ipo"]}, {"pipeline_parallel_size": 2, "num_microbatches": 2}),
 }
 
 
@@ -274,7 +286,6 @@ def test_trl_dpo_script_equals_the_plain_script(ranks2, extra):
 
 
 @pytest.mark.parametrize("fields, message", [
-    ({"pipeline_parallel_size": 2}, "pipeline_parallel_size is not supported"),
     ({"precompute_ref_log_probs": True}, "precompute_ref_log_probs"),
     ({"sync_ref_model": True}, "sync_ref_model"),
     ({"activation_offloading": True}, "activation_offloading"),
@@ -297,6 +308,7 @@ def test_parallel_trainer_of_dpo_trainer_is_nxd_dpo_trainer(tmp_path):
     assert nxd_hf.parallel_trainer(trl.DPOTrainer) is nxd_hf.NxDDPOTrainer
     assert nxd_hf.parallel_arguments(trl.DPOConfig) is nxd_hf.NxDDPOConfig
     assert refused_overrides(nxd_hf.NxDDPOTrainer, pipelined=False) == []
+    assert refused_overrides(nxd_hf.NxDDPOTrainer, pipelined=True) == []  # the pipelined step: dpo_pipeline
     train, _ = preferences()
     args = nxd_hf.NxDDPOConfig(output_dir=str(tmp_path))
     with pytest.raises(ValueError, match="NxDDPOConfig"):

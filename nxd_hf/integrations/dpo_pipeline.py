@@ -150,7 +150,7 @@ class PipelineDPOMixin:
         real = state["real"][index]
         if real == 0:  # a microbatch of padded pairs
             return logits.sum() * 0.0
-        rows = torch.cat([torch.arange(real), half + torch.arange(real)]).to(labels.device)
+        rows = torch.cat([torch.arange(real, device=labels.device), half + torch.arange(real, device=labels.device)])
         logits, labels = logits[rows], labels[rows]
         settings = self._nxd_settings["policy"]
         stats = token_stats(fused_head.transform(logits[:, :-1], settings), labels[:, 1:], vocab_size,

@@ -9,6 +9,7 @@ import warnings
 
 import peft
 import torch
+import transformers
 
 from nxd_hf import backend, parallel_state
 from nxd_hf.checkpoint.load import load_model_tensors, read_index
@@ -38,7 +39,7 @@ def setup_lora(modules: list, *, lora_config, model, autocast_adapter_dtype: boo
                                  "was saved from a model without LoRA): point lora_save_dir/lora_load_tag at a LoRA "
                                  "checkpoint")
             lora_config = _saved_config(os.path.join(directory, plan["config_dir"]), nxd_config)
-        model_type = getattr(getattr(model, "config", None), "model_type", None)  # None: not a HF model
+        model_type = model.config.model_type if isinstance(model, transformers.PreTrainedModel) else None
         inject_lora(modules, lora_config, adapter_name="default", model_type=model_type,
                     autocast_adapter_dtype=autocast_adapter_dtype, hf_model=model)
     _same_adapters_on_every_replica(modules)

@@ -25,15 +25,15 @@ def eval_loss(model) -> torch.Tensor:
     return model.run_eval(input_ids=ids, labels=labels)
 
 
-def check_round_trip(path, tp=1, pp=1, zero1=False, *, reload_tp=None, reload_pp=None, reload_zero1=None, **build):
-    model, optimizer, scheduler, _ = build(tp=tp, pp=pp, zero1=zero1, **build)
+def check_round_trip(path, tp=1, pp=1, zero1=False, *, reload_tp=None, reload_pp=None, reload_zero1=None, **options):
+    model, optimizer, scheduler, _ = build(tp=tp, pp=pp, zero1=zero1, **options)
     train(model, optimizer, scheduler, 2)
     saved = snapshot(model, optimizer)
     nxd_hf.save_checkpoint(path, tag="step2", model=model, optimizer=optimizer, scheduler=scheduler,
                            user_content={"step": 2, "sampler": [1, 2]})
     expected = train(model, optimizer, scheduler, 2, start=2)
     model, optimizer, scheduler, _ = build(tp=reload_tp or tp, pp=reload_pp or pp,
-                                             zero1=zero1 if reload_zero1 is None else reload_zero1, seed=7, **build)
+                                             zero1=zero1 if reload_zero1 is None else reload_zero1, seed=7, **options)
     assert nxd_hf.load_checkpoint(path, model=model, optimizer=optimizer, scheduler=scheduler) == {
         "step": 2, "sampler": [1, 2]}
     loaded = snapshot(model, optimizer)

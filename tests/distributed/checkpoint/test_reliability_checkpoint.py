@@ -17,7 +17,7 @@ import torch
 
 from support import hf_parity
 import nxd_hf
-from nxd_hf import backend
+from nxd_hf import backend, parallel_state
 from nxd_hf.checkpoint import writer
 from nxd_hf.testing import run_distributed
 
@@ -179,8 +179,11 @@ def test_consolidate_names_damaged_config(tmp_path):
     a half-written checkpoints.json falls back to the newest tag."""
     _, model = hf_parity.build_pair("llama")
     nxd_hf.parallelize(model)
-    nxd_hf.save_checkpoint(str(tmp_path), tag="a", model=model)
-    nxd_hf.save_checkpoint(str(tmp_path), tag="b", model=model)
+    try:
+        nxd_hf.save_checkpoint(str(tmp_path), tag="a", model=model)
+        nxd_hf.save_checkpoint(str(tmp_path), tag="b", model=model)
+    finally:  # this process runs other in-process tests after it: leave no groups behind
+        parallel_state.destroy_model_parallel()
     with open(tmp_path / "checkpoints.json", "w") as f:
         f.write('{"newest": "b", "comp')
     with pytest.warns(UserWarning, match="checkpoints.json"):

@@ -12,10 +12,13 @@ extra, ``pip install nxd_hf[trl]``); ``nxd_hf.parallel_trainer(DPOTrainer)`` ret
   is the policy with its adapters disabled, as DPOTrainer does;
 - a batch is ``[chosen rows; rejected rows]``: each data-parallel replica takes its pairs, its
   slice of the chosen rows and the same slice of the rejected rows (``pair_rows``);
+- ``per_device_eval_batch_size`` counts pairs per replica, as the train batch: an evaluation batch
+  is the global one, evaluated whole by every replica (``_nxd_global_eval_batch``);
 - under pipeline parallelism the reference's and the policy's passes of the schedule, the DPO loss
   and metrics on the last stage: ``nxd_hf.integrations.dpo_pipeline``.
 """
 
+import contextlib
 import copy
 import dataclasses
 
@@ -162,6 +165,36 @@ class NxDDPOTrainer(PipelineDPOMixin, ParallelTrainerMixin, _DPOInit):
                              f"the {dp_size} data-parallel replicas cannot split evenly: set dataloader_drop_last=True, "
                              f"or use a multiple of {dp_size} pairs in the last batch")
         return super().get_train_dataloader()
+
+    # per_device_eval_batch_size pairs per replica, as in training: an evaluation batch is the
+    # global one (that many pairs x data-parallel replicas), which every replica evaluates whole.
+    # DPOTrainer's metrics are means over an evaluation batch (the logits' over its tokens) that
+    # ``log`` averages over the batches, and evaluation_loop weighs each batch's loss by
+    # eval_batch_size (the last by the rows left): the same script on one process batches so.
+    def get_eval_dataloader(self, eval_dataset=None):
+        with self._nxd_global_eval_batch():
+            return super().get_eval_dataloader(eval_dataset)
+
+    def get_test_dataloader(self, test_dataset):
+        with self._nxd_global_eval_batch():
+            return super().get_test_dataloader(test_dataset)
+
+    def evaluation_loop(self, *args, **kwargs):
+        with self._nxd_global_eval_batch():
+            return super().evaluation_loop(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _nxd_global_eval_batch(self):
+        per_replica = self.args.per_device_eval_batch_size
+        if getattr(self, "_nxd_eval_batch_scaled", False):
+            yield
+            return
+        self.args.per_device_eval_batch_size = per_replica * parallel_state.get_data_parallel_replicas()
+        self._nxd_eval_batch_scaled = True
+        try:
+            yield
+        finally:
+            self.args.per_device_eval_batch_size, self._nxd_eval_batch_scaled = per_replica, False
 
     def _save_checkpoint(self, model, trial):
         self.create_model_card(model_name=self.args.output_dir.rstrip("/").split("/")[-1])

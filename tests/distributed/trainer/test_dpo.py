@@ -5,7 +5,7 @@ entropy and token accuracy every step and at every evaluation; the saved model /
 in plain transformers / peft. At tp=2 (the reference a frozen parallel copy), dp=2 with ZeRO-1
 (each replica takes its chosen/rejected pairs) and tp=2 with LoRA (the reference: adapters
 disabled); what is refused (pp, precompute_ref_log_probs, ...) is refused by name. TRL's own
-trl/scripts/dpo.py with the two names swapped equals the plain script at tp=2, and
+trl/scripts/dpo.py with the two names swapped equals the plain script at tp=2, pp=2 and dp=2, and
 examples/dpo_trl.py runs under torchrun."""
 
 import os
@@ -80,8 +80,8 @@ def run_pair(out: str, *, batch: int, lora: bool = False, given_ref: bool = Fals
     dpo = dpo or {}
     train, evaluation = preferences()
     dp = 2 // (layout.get("tensor_parallel_size", 1) * layout.get("pipeline_parallel_size", 1))
-    ref = trl.DPOTrainer(model(), model() if given_ref else None, args=trl.DPOConfig(output_dir=f"{out}/ref", per_device_train_batch_size=batch * dp,
-                                                     **common(**dpo)),
+    ref = trl.DPOTrainer(model(), model() if given_ref else None, args=trl.DPOConfig(
+        output_dir=f"{out}/ref", per_device_train_batch_size=batch * dp, **common(**global_eval_batch(dpo, dp))),
                          train_dataset=train, eval_dataset=evaluation, processing_class=tokenizer(),
                          peft_config=lora_config() if lora else None)
     ref.train()
@@ -91,6 +91,12 @@ def run_pair(out: str, *, batch: int, lora: bool = False, given_ref: bool = Fals
                        processing_class=tokenizer(), peft_config=lora_config() if lora else None)
     ours.train()
     return ref, ours
+
+
+def global_eval_batch(dpo: dict, dp: int) -> dict:
+    """``dpo`` for the plain run on one process: per_device_eval_batch_size is per data-parallel
+    replica (as the train batch), so one process evaluates the pairs of all ``dp`` replicas at once."""
+    return {**dpo, "per_device_eval_batch_size": common(**dpo)["per_device_eval_batch_size"] * dp}
 
 
 def logged(history: list, key):
@@ -156,7 +162,10 @@ def check_saved(ours, directory: str, *, lora: bool, case, dpo: dict) -> None:
     else:
         plain = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
     _, evaluation = preferences()
-    args = trl.DPOConfig(output_dir=f"{directory}-eval", **common(**dpo))
+    from nxd_hf import parallel_state
+
+    dp = parallel_state.get_data_parallel_replicas()
+    args = trl.DPOConfig(output_dir=f"{directory}-eval", **common(**global_eval_batch(dpo, dp)))
     # the reference of the plain evaluation: the untrained model (as in training)
     got = trl.DPOTrainer(plain, ref_model=model(), args=args, train_dataset=evaluation,
                          eval_dataset=evaluation, processing_class=tokenizer()).evaluate()
@@ -175,8 +184,9 @@ def shared_dir(local: str) -> str:
 CASES = {  # name: (per-replica batch, LoRA, ref_model given, DPOConfig overrides, layout)
     "tp2-sigmoid-sft": (4, False, False, {"loss_type": ["sigmoid", "sft"], "loss_weights": [1.0, 0.5]},
                         {"tensor_parallel_size": 2}),
-    "dp2-zero1-accumulate-ref-model-ld-alpha": (2, False, True, {"gradient_accumulation_steps": 2, "ld_alpha": 0.5},
-                                                {"zero_1": True}),
+    # evaluation batches of 2 pairs per replica: the global ones of 4 and then 2 (of the 6 pairs)
+    "dp2-zero1-accumulate-ref-model-ld-alpha": (2, False, True, {"gradient_accumulation_steps": 2, "ld_alpha": 0.5,
+                                                                 "per_device_eval_batch_size": 2}, {"zero_1": True}),
     # WPO weights (use_weighting): from log_sum_sq_probs of the vocab-parallel logits
     "tp2-lora-wpo": (4, True, False, {"use_weighting": True}, {"tensor_parallel_size": 2}),
     # whole pairs per microbatch; evaluation batches of 3 pairs leave the second microbatch one padded pair
@@ -288,9 +298,9 @@ SCRIPT_CASES = {  # id: (flags of both runs, nxd_hf's layout flags, pairs per st
     "tp2": ((), ("--tensor_parallel_size", "2"), 4),
     "tp2-use-peft": (("--use_peft", "--lora_r", "4", "--lora_alpha", "8"), ("--tensor_parallel_size", "2"), 4),
     "pp2": ((), ("--pipeline_parallel_size", "2"), 4),
+    # 6 evaluation pairs: batches of 4 and 2 (global), whose per-batch means the evaluation averages
+    "dp2-zero1": ((), ("--zero_1", "true"), 2),
 }
-# not yet here: "--zero_1 true" at dp=2, whose evaluation's logits/* and rewards/* differ from the
-# plain script's (its training logs are equal; test_dpo_trainer_parity's dp2 case is exact)
 
 
 @pytest.mark.parametrize("case", list(SCRIPT_CASES))

@@ -70,6 +70,14 @@ def _check_options(model: nn.Module, nxd_config) -> None:
                          "nxd_hf.parallelize or another initialize_parallel_model")
     if nxd_config.tensor_parallel_size > 1 and not has_parallel_layers(model):
         _check_plain_tp(name, nxd_config)
+    elif nxd_config.tensor_parallel_size > 1 and _built_unsharded(model):
+        # a model passed built (NxDTrainer's model=) before the groups existed: its layers hold whole
+        # weights, which the tp ranks would each use as their shard (the row layers' sums counted tp times)
+        raise ValueError(f"{name}'s parallel layers were built at tensor_parallel_size=1 (they hold whole weights), "
+                         f"but tensor_parallel_size={nxd_config.tensor_parallel_size}: build the model after "
+                         "nxd_hf.neuronx_distributed_config(tensor_parallel_size=...) or "
+                         "nxd_hf.parallel_state.initialize_model_parallel(...), or let initialize_parallel_model "
+                         "call your model_fn")
     elif nxd_config.dummy_forward_args is not None:
         warnings.warn(f"dummy_forward_args is ignored for {name}: only a plain PyTorch module at "
                       "tensor_parallel_size > 1 is traced on it", stacklevel=4)
@@ -86,6 +94,11 @@ def _check_options(model: nn.Module, nxd_config) -> None:
     for key, (given, why) in ignored.items():
         if given:
             warnings.warn(f"{key} is ignored for {name}, which nxd_hf does not shard: {why}", stacklevel=4)
+
+
+def _built_unsharded(model: nn.Module) -> bool:
+    sharded = [p for p in model.parameters() if getattr(p, "tensor_model_parallel", False)]
+    return bool(sharded) and all(len(p.shard_index) == p.logical_size for p in sharded)
 
 
 def _adapters(model: nn.Module, nxd_config):

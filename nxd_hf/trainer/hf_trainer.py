@@ -41,13 +41,15 @@ from nxd_hf.trainer.batches import (
 from nxd_hf.trainer.hf_checkpoints import CheckpointHooks
 from nxd_hf.trainer.model import NxDModel, _loss_of, initialize_parallel_model
 from nxd_hf.trainer.optimizer import initialize_parallel_optimizer
+from nxd_hf.trainer.own_model import check_trainer_model
 from nxd_hf.trainer.options import check_liger, compile_model, without_trainers_liger_patch
 
 
 class NxDTrainer(CheckpointHooks, transformers.Trainer):
     """A drop-in for ``transformers.Trainer`` taking ``NxDTrainingArguments`` (module docstring).
     ``model``: a plain HF model (parallelized here, with LoRA adapters when ``peft_config``, a
-    ``peft.LoraConfig``, is given), an already parallelized one, or a peft model of one.
+    ``peft.LoraConfig``, is given), an already parallelized one, a peft model of one, or the user's
+    own module built from nxd_hf's parallel layers (``nxd_hf.trainer.own_model``; docs/trainer.md).
     ``autocast_adapter_dtype``: as ``peft.get_peft_model``'s (fp32 adapters on a bf16/fp16 model)."""
 
     def __new__(cls, *args, **kwargs):
@@ -108,6 +110,7 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
             raise ValueError("a peft model of an unparallelized model: pass the plain model with peft_config=..., "
                              "or apply peft.get_peft_model after nxd_hf.parallelize")
         else:
+            check_trainer_model(model, args.tensor_parallel_size)
             if args.bf16_master_weights:
                 model = model.to(torch.bfloat16)
             self.nxd_model = initialize_parallel_model(self.nxd_config, lambda: model)

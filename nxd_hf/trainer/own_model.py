@@ -62,6 +62,16 @@ def parallelize_own_model(model: nn.Module, nxd_config, *, param_init_fn, pipeli
     return model
 
 
+def check_trainer_model(model: nn.Module, tensor_parallel_size: int) -> None:
+    """``NxDTrainer(model=...)``: a plain module at tp > 1 needs the example inputs its layout is
+    traced on (``dummy_forward_args``), which ``NxDTrainingArguments`` do not carry."""
+    if tensor_parallel_size > 1 and not hasattr(model, "config") and not has_parallel_layers(model):
+        raise ValueError(f"{type(model).__name__} is a plain PyTorch module: NxDTrainer shards no plain module over "
+                         "tensor_parallel_size > 1. Build its layers from nxd_hf.parallel_layers, use "
+                         "tensor_parallel_size=1, or train it through the config API "
+                         "(nxd_hf.neuronx_distributed_config(..., dummy_forward_args=...))")
+
+
 def _check_options(model: nn.Module, nxd_config) -> None:
     """The options that only mean something for a Hugging Face model nxd_hf shards itself."""
     name = type(model).__name__

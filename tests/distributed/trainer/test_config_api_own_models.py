@@ -308,6 +308,8 @@ def check_nxd_trainer_matches_trainer(out_dir: str) -> dict:
     args = nxd_hf.NxDTrainingArguments(output_dir=f"{out_dir}/unsharded", tensor_parallel_size=2, **TRAINER_ARGS)
     with pytest.raises(ValueError, match="parallel layers were built at tensor_parallel_size=1"):
         nxd_hf.NxDTrainer(unsharded, args, train_dataset=_trainer_rows())
+    with pytest.raises(ValueError, match="NxDTrainer shards no plain module over tensor_parallel_size > 1"):
+        nxd_hf.NxDTrainer(own_models.reference(), args, train_dataset=_trainer_rows())
     return results
 
 

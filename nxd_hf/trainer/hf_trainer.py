@@ -39,15 +39,17 @@ from nxd_hf.trainer.batches import (
     FILLER_ROWS, ROW_WEIGHT, check_dataset_size, data_parallel_mean, pad_rows, pipeline_inputs, replica_rows,
 )
 from nxd_hf.trainer.hf_checkpoints import CheckpointHooks
-from nxd_hf.trainer.model import NxDModel, initialize_parallel_model
+from nxd_hf.trainer.model import NxDModel, _loss_of, initialize_parallel_model
 from nxd_hf.trainer.optimizer import initialize_parallel_optimizer
+from nxd_hf.trainer.own_model import check_trainer_model
 from nxd_hf.trainer.options import check_liger, compile_model, without_trainers_liger_patch
 
 
 class NxDTrainer(CheckpointHooks, transformers.Trainer):
     """A drop-in for ``transformers.Trainer`` taking ``NxDTrainingArguments`` (module docstring).
     ``model``: a plain HF model (parallelized here, with LoRA adapters when ``peft_config``, a
-    ``peft.LoraConfig``, is given), an already parallelized one, or a peft model of one.
+    ``peft.LoraConfig``, is given), an already parallelized one, a peft model of one, or the user's
+    own module built from nxd_hf's parallel layers (``nxd_hf.trainer.own_model``; docs/trainer.md).
     ``autocast_adapter_dtype``: as ``peft.get_peft_model``'s (fp32 adapters on a bf16/fp16 model)."""
 
     def __new__(cls, *args, **kwargs):
@@ -108,6 +110,7 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
             raise ValueError("a peft model of an unparallelized model: pass the plain model with peft_config=..., "
                              "or apply peft.get_peft_model after nxd_hf.parallelize")
         else:
+            check_trainer_model(model, args.tensor_parallel_size)
             if args.bf16_master_weights:
                 model = model.to(torch.bfloat16)
             self.nxd_model = initialize_parallel_model(self.nxd_config, lambda: model)
@@ -217,8 +220,10 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
 
     def _nxd_loss(self, model, inputs: dict, **loss_kwargs) -> torch.Tensor:
         """This rank's training loss (not pipelined); ``nxd_hf.parallel_trainer`` routes a subclass's
-        ``compute_loss`` through here."""
-        return model(**inputs, **loss_kwargs).loss
+        ``compute_loss`` through here. A model nxd_hf did not shard from a Hugging Face plan (the
+        user's own, ``nxd_hf.trainer.own_model``) may return the loss itself or a dict holding it."""
+        output = model(**inputs, **loss_kwargs)
+        return output.loss if model.hf_loss else _loss_of(output, type(model.hf_model).__name__, "NxDTrainer")
 
     def _clip_grad_norm(self, model):
         return None  # the optimizer clips on the global norm in step()

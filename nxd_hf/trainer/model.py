@@ -176,14 +176,14 @@ class NxDModel(nn.Module):
         return next(self.parameters()).dtype
 
 
-def _loss_of(output, model_name: str) -> torch.Tensor:
+def _loss_of(output, model_name: str, caller: str = "run_train/run_eval") -> torch.Tensor:
     """The loss in what a model's forward returned: the output itself (a tensor), its ``loss``
     attribute or key (HF outputs, dicts)."""
     loss = output if isinstance(output, torch.Tensor) else getattr(output, "loss", None)
     if loss is None and isinstance(output, Mapping):
         loss = output.get("loss")
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise ValueError(f"run_train/run_eval take the loss from {model_name}'s forward, which returned "
+        raise ValueError(f"{caller} takes the loss from {model_name}'s forward, which returned "
                          f"{type(output).__name__}: return the scalar loss, or an output with a 'loss' attribute or "
                          "key (pass the labels it needs)")
     return loss

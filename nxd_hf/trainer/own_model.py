@@ -62,6 +62,16 @@ def parallelize_own_model(model: nn.Module, nxd_config, *, param_init_fn, pipeli
     return model
 
 
+def check_trainer_model(model: nn.Module, tensor_parallel_size: int) -> None:
+    """``NxDTrainer(model=...)``: a plain module at tp > 1 needs the example inputs its layout is
+    traced on (``dummy_forward_args``), which ``NxDTrainingArguments`` do not carry."""
+    if tensor_parallel_size > 1 and not hasattr(model, "config") and not has_parallel_layers(model):
+        raise ValueError(f"{type(model).__name__} is a plain PyTorch module: NxDTrainer shards no plain module over "
+                         "tensor_parallel_size > 1. Build its layers from nxd_hf.parallel_layers, use "
+                         "tensor_parallel_size=1, or train it through the config API "
+                         "(nxd_hf.neuronx_distributed_config(..., dummy_forward_args=...))")
+
+
 def _check_options(model: nn.Module, nxd_config) -> None:
     """The options that only mean something for a Hugging Face model nxd_hf shards itself."""
     name = type(model).__name__
@@ -70,6 +80,14 @@ def _check_options(model: nn.Module, nxd_config) -> None:
                          "nxd_hf.parallelize or another initialize_parallel_model")
     if nxd_config.tensor_parallel_size > 1 and not has_parallel_layers(model):
         _check_plain_tp(name, nxd_config)
+    elif nxd_config.tensor_parallel_size > 1 and _built_unsharded(model):
+        # a model passed built (NxDTrainer's model=) before the groups existed: its layers hold whole
+        # weights, which the tp ranks would each use as their shard (the row layers' sums counted tp times)
+        raise ValueError(f"{name}'s parallel layers were built at tensor_parallel_size=1 (they hold whole weights), "
+                         f"but tensor_parallel_size={nxd_config.tensor_parallel_size}: build the model after "
+                         "nxd_hf.neuronx_distributed_config(tensor_parallel_size=...) or "
+                         "nxd_hf.parallel_state.initialize_model_parallel(...), or let initialize_parallel_model "
+                         "call your model_fn")
     elif nxd_config.dummy_forward_args is not None:
         warnings.warn(f"dummy_forward_args is ignored for {name}: only a plain PyTorch module at "
                       "tensor_parallel_size > 1 is traced on it", stacklevel=4)
@@ -86,6 +104,11 @@ def _check_options(model: nn.Module, nxd_config) -> None:
     for key, (given, why) in ignored.items():
         if given:
             warnings.warn(f"{key} is ignored for {name}, which nxd_hf does not shard: {why}", stacklevel=4)
+
+
+def _built_unsharded(model: nn.Module) -> bool:
+    sharded = [p for p in model.parameters() if getattr(p, "tensor_model_parallel", False)]
+    return bool(sharded) and all(len(p.shard_index) == p.logical_size for p in sharded)
 
 
 def _adapters(model: nn.Module, nxd_config):

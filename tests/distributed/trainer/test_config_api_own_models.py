@@ -18,7 +18,7 @@ from torch import nn
 from support import hf_parity
 import nxd_hf
 from support import own_models
-from nxd_hf import parallel_state
+from nxd_hf import backend, parallel_state
 from nxd_hf.parallel_layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
 from nxd_hf.parallel_layers.sharding import full_tensor, local_shard
 from nxd_hf.trainer.config import NxDConfig
@@ -234,3 +234,85 @@ def test_non_tensor_at_a_stage_boundary_names_the_value():
     node.meta["val"] = 3
     with pytest.raises(ValueError, match=r"getitem \(int, not a tensor\) crosses a pipeline stage boundary"):
         flat_boundary_values([node], {node.name: "tensor"})
+
+
+class _DictDecoder(own_models.OwnDecoder):
+    """``OwnDecoder`` whose forward returns ``{"loss": ...}``, as ``transformers.Trainer`` takes a
+    module's output (it cannot index a bare scalar loss)."""
+
+    def forward(self, input_ids, labels):
+        return {"loss": super().forward(input_ids, labels)}
+
+
+def _trainer_rows(n=12):
+    g = torch.Generator().manual_seed(3)
+    return [{"input_ids": ids, "labels": ids.clone()}
+            for ids in torch.randint(0, own_models.VOCAB, (n, 8), generator=g)]
+
+
+TRAINER_ARGS = dict(per_device_train_batch_size=4, max_steps=3, learning_rate=1e-3, logging_steps=1, max_grad_norm=0.5,
+                    weight_decay=0.1, save_strategy="no", report_to=[], disable_tqdm=True, seed=7)
+
+
+def check_nxd_trainer_matches_trainer(out_dir: str) -> dict:
+    """NxDTrainer at tp=2 on a decoder built from nxd_hf's parallel layers (its forward returning
+    the loss, or a dict holding it) against transformers.Trainer on the plain decoder in one
+    process: logged losses and grad norms, final weights, save_model's weights."""
+    import json
+    import os
+
+    import transformers
+    from safetensors.torch import load_file
+
+    hidden = {name: os.environ.pop(name) for name in ("LOCAL_RANK",) if name in os.environ}
+    try:  # without LOCAL_RANK accelerate sees a one-process run
+        ref_args = transformers.TrainingArguments(output_dir=f"{out_dir}/ref", **TRAINER_ARGS)
+    finally:
+        os.environ.update(hidden)
+    torch.manual_seed(0)  # own_models.reference's weights
+    reference = _DictDecoder(parallel=False)
+    ref = transformers.Trainer(reference, ref_args, train_dataset=_trainer_rows())
+    ref.train()
+    want = {key: [h[key] for h in ref.state.log_history if key in h] for key in ("loss", "grad_norm")}
+    results = {}
+    for output in ("dict", "tensor"):
+        parallel_state.destroy_model_parallel()
+        nxd_hf.neuronx_distributed_config(tensor_parallel_size=2)  # the parallel layers are built at tp=2
+        model = own_models.build(parallel=True)
+        if output == "dict":
+            as_dict = _DictDecoder(parallel=True)
+            as_dict.load_state_dict(model.state_dict())
+            model = as_dict
+        args = nxd_hf.NxDTrainingArguments(output_dir=f"{out_dir}/{output}", tensor_parallel_size=2, **TRAINER_ARGS)
+        ours = nxd_hf.NxDTrainer(model, args, train_dataset=_trainer_rows())
+        ours.train()
+        for key, values in want.items():
+            got = [h[key] for h in ours.state.log_history if key in h]
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(values), **TOL, msg=lambda m: f"{output} {key}: {m}")
+        ref_params = dict(reference.named_parameters())
+        assert ours.nxd_model.module is model  # used as built: no second sharding
+        for name, param in ours.nxd_model.named_parameters():
+            torch.testing.assert_close(full_tensor(param), ref_params[name].detach(), **TOL,
+                                       msg=lambda m: f"{output} {name}: {m}")
+        ours.save_model(f"{out_dir}/{output}/saved")
+        if backend.rank() == 0:
+            with open(f"{out_dir}/{output}/saved/model.safetensors.index.json") as index:
+                files = set(json.load(index)["weight_map"].values())
+            saved = {k: v for f in files for k, v in load_file(f"{out_dir}/{output}/saved/{f}").items()}
+            assert set(saved) == set(ref_params), sorted(set(saved) ^ set(ref_params))
+            for name, tensor in saved.items():
+                torch.testing.assert_close(tensor, ref_params[name].detach(), **TOL, msg=lambda m: f"saved {name}: {m}")
+        results[output] = want["loss"]
+    parallel_state.destroy_model_parallel()  # built before any groups: whole weights in every layer
+    unsharded = own_models.build(parallel=True)
+    args = nxd_hf.NxDTrainingArguments(output_dir=f"{out_dir}/unsharded", tensor_parallel_size=2, **TRAINER_ARGS)
+    with pytest.raises(ValueError, match="parallel layers were built at tensor_parallel_size=1"):
+        nxd_hf.NxDTrainer(unsharded, args, train_dataset=_trainer_rows())
+    with pytest.raises(ValueError, match="NxDTrainer shards no plain module over tensor_parallel_size > 1"):
+        nxd_hf.NxDTrainer(own_models.reference(), args, train_dataset=_trainer_rows())
+    return results
+
+
+def test_nxd_trainer_own_parallel_layers_model_matches_trainer(ranks2, tmp_path):
+    results = ranks2.run(check_nxd_trainer_matches_trainer, str(tmp_path))
+    assert len(results[0]["dict"]) == 3

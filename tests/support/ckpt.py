@@ -78,3 +78,19 @@ def assert_snapshots_equal(a: dict, b: dict, exact=True) -> None:
     for name in a["optim"]:
         torch.testing.assert_close(a["optim"][name].float(), b["optim"][name].float(), **tol,
                                    msg=lambda m: f"{name}: {m}")
+
+
+def tp2_llama():
+    """The tiny Llama parallelized at tp=2 on fresh groups (the checkpoint-job tests' model)."""
+    _, model = hf_parity.build_pair("llama")
+    parallel_state.destroy_model_parallel()
+    return nxd_hf.parallelize(model, tensor_parallel_size=2)
+
+
+def value_error_text(fn) -> str:
+    """The message of the ValueError ``fn()`` raises ("no error" if none: what every rank compares)."""
+    try:
+        fn()
+    except ValueError as error:
+        return str(error)
+    return "no error"

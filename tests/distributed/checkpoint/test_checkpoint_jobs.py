@@ -11,24 +11,10 @@ import shutil
 
 import torch
 
-from support import hf_parity
+from support import ckpt
 import nxd_hf
 from nxd_hf import backend
 from nxd_hf.checkpoint import owner, store, writer
-
-
-def _model():
-    _, model = hf_parity.build_pair("llama")
-    nxd_hf.parallel_state.destroy_model_parallel()
-    return nxd_hf.parallelize(model, tensor_parallel_size=2)
-
-
-def _error(fn) -> str:
-    try:
-        fn()
-    except ValueError as error:
-        return str(error)
-    return "no error"
 
 
 def _shifted(model, by: float) -> None:
@@ -41,7 +27,7 @@ def interleaved_saves(root: str) -> dict:
     """Job b saves tag "t" (its weights shifted by 1); then job a saves "t" into another directory
     while job b's rank 1 writes its share there after job a's rank 1 (files and record), as two
     launches racing on one directory do. The tag must not load."""
-    model, out = _model(), {}
+    model, out = ckpt.tp2_llama(), {}
     scratch, path = os.path.join(root, "job_b"), os.path.join(root, "shared")
     _shifted(model, 1.0)
     nxd_hf.save_checkpoint(scratch, tag="t", model=model, user_content="b")
@@ -56,10 +42,10 @@ def interleaved_saves(root: str) -> dict:
     if backend.rank() == 1:
         writer.write_share = and_job_b_after
     try:
-        out["save"] = _error(lambda: nxd_hf.save_checkpoint(path, tag="t", model=model, user_content="a"))
+        out["save"] = ckpt.value_error_text(lambda: nxd_hf.save_checkpoint(path, tag="t", model=model, user_content="a"))
     finally:
         writer.write_share = real
-    out["load"] = _error(lambda: nxd_hf.load_checkpoint(path, tag="t", model=model))
+    out["load"] = ckpt.value_error_text(lambda: nxd_hf.load_checkpoint(path, tag="t", model=model))
     # both jobs' rank 0 finishing one temporary directory: job b's index under job a's marker
     nxd_hf.save_checkpoint(path, tag="u", model=model)
     if backend.rank() == 0:
@@ -70,21 +56,21 @@ def interleaved_saves(root: str) -> dict:
         with open(os.path.join(path, "u", "done"), "w") as f:
             f.write("\n".join(lines) + "\n")
     backend.barrier()
-    out["marker"] = _error(lambda: nxd_hf.load_checkpoint(path, tag="u", model=model))
+    out["marker"] = ckpt.value_error_text(lambda: nxd_hf.load_checkpoint(path, tag="u", model=model))
     return out
 
 
 def owners(root: str) -> dict:
-    model, out = _model(), {}
+    model, out = ckpt.tp2_llama(), {}
     path = os.path.join(root, "out")
     nxd_hf.save_checkpoint(path, tag="s1", model=model, job_id="job-a")
-    out["second_job"] = _error(lambda: nxd_hf.save_checkpoint(path, tag="s2", model=model, job_id="job-b"))
+    out["second_job"] = ckpt.value_error_text(lambda: nxd_hf.save_checkpoint(path, tag="s2", model=model, job_id="job-b"))
     out["second_job_left"] = sorted(os.listdir(path))
     nxd_hf.save_checkpoint(path, tag="s2", model=model, job_id="job-a")  # the owner goes on
     # job c (job a was killed) resumes from the directory: it takes it over
     nxd_hf.load_checkpoint(path, model=model)
     nxd_hf.save_checkpoint(path, tag="s3", model=model, job_id="job-c", user_content="c")
-    out["job_a_after_takeover"] = _error(lambda: nxd_hf.save_checkpoint(path, tag="s4", model=model, job_id="job-a"))
+    out["job_a_after_takeover"] = ckpt.value_error_text(lambda: nxd_hf.save_checkpoint(path, tag="s4", model=model, job_id="job-a"))
     if backend.rank() == 0:
         owner.release()  # job c ends
     backend.barrier()

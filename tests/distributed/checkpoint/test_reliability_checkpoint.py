@@ -15,25 +15,11 @@ import warnings
 import pytest
 import torch
 
-from support import hf_parity
+from support import ckpt, hf_parity
 import nxd_hf
 from nxd_hf import backend, parallel_state
 from nxd_hf.checkpoint import writer
 from nxd_hf.testing import run_distributed
-
-
-def _model():
-    _, model = hf_parity.build_pair("llama")
-    nxd_hf.parallel_state.destroy_model_parallel()
-    return nxd_hf.parallelize(model, tensor_parallel_size=2)
-
-
-def _error(fn) -> str:
-    try:
-        fn()
-    except ValueError as error:
-        return str(error)
-    return "no error"
 
 
 def _side_files(directory):
@@ -71,7 +57,7 @@ def _damage(path, rel, how):
 
 
 def damaged_cases(root):
-    model = _model()
+    model = ckpt.tp2_llama()
     out = {}
     base = os.path.join(root, "base")
     nxd_hf.save_checkpoint(base, tag="older", model=model, user_content={"step": 1})
@@ -86,7 +72,7 @@ def damaged_cases(root):
     for name, (rel, how) in cases.items():
         path = _fresh_copy(root, name)
         _damage(path, rel, how)
-        out[name] = _error(lambda: nxd_hf.load_checkpoint(path, model=model))
+        out[name] = ckpt.value_error_text(lambda: nxd_hf.load_checkpoint(path, model=model))
     for name, how in {"tracker_half": "truncate", "tracker_flip": ('"newest": "newer"', '"newest": "older"')}.items():
         path = _fresh_copy(root, name)
         _damage(path, "checkpoints.json", how)
@@ -95,7 +81,7 @@ def damaged_cases(root):
             out[name] = nxd_hf.load_checkpoint(path, model=model)
         out[name + "_warning"] = " ".join(str(w.message) for w in caught)
     path = os.path.join(root, "unloadable")
-    out["user_content"] = _error(lambda: nxd_hf.save_checkpoint(
+    out["user_content"] = ckpt.value_error_text(lambda: nxd_hf.save_checkpoint(
         path, tag="x", model=model, user_content={"ok": 1, "sampler": torch.Generator()}))
     out["user_content_left"] = os.path.exists(os.path.join(path, "x"))
     out.update(_disk_full(root, model))
@@ -117,7 +103,7 @@ def _disk_full(root, model):
     if backend.rank() == 1:
         writer.write_file = write_half_then_fail
     try:
-        out["full_error"] = _error(lambda: nxd_hf.save_checkpoint(path, tag="step2", model=model))
+        out["full_error"] = ckpt.value_error_text(lambda: nxd_hf.save_checkpoint(path, tag="step2", model=model))
     finally:
         writer.write_file = real
     backend.barrier()

@@ -10,7 +10,6 @@ examples/dpo_trl.py runs under torchrun."""
 
 import os
 import random
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,8 @@ import torch
 import transformers
 import trl
 
+from support import trl_args
+
 from support.paths import REPO
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # TRL's trainers send telemetry otherwise
@@ -29,7 +30,7 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 ROOT = str(REPO)
 TINY = os.path.join(ROOT, "examples", "data", "tiny-llama")
 WORDS = open(os.path.join(ROOT, "examples", "data", "tiny_corpus.txt")).read().split()[:400]
-STEPS = 4
+STEPS = trl_args.STEPS
 TOL = dict(rtol=1e-5, atol=1e-6)
 TRAIN_KEYS = ("loss", "grad_norm", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies",
               "logps/chosen", "logps/rejected", "logits/chosen", "logits/rejected", "entropy", "mean_token_accuracy",
@@ -59,16 +60,8 @@ def tokenizer():
     return transformers.AutoTokenizer.from_pretrained(TINY)
 
 
-def lora_config():
-    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0,
-                           task_type="CAUSAL_LM")
-
-
 def common(**overrides) -> dict:
-    return {**dict(max_steps=STEPS, learning_rate=1e-3, logging_steps=1, eval_strategy="steps", eval_steps=2,
-                   save_strategy="no", report_to=[], seed=7, max_grad_norm=0.5, disable_tqdm=True, warmup_steps=1,
-                   bf16=False, gradient_checkpointing=False, max_length=24, per_device_eval_batch_size=4,
-                   dataset_num_proc=None, beta=0.5), **overrides}
+    return trl_args.common(**{"beta": 0.5, **overrides})
 
 
 def run_pair(out: str, *, batch: int, lora: bool = False, given_ref: bool = False, dpo=None, **layout):
@@ -83,12 +76,12 @@ def run_pair(out: str, *, batch: int, lora: bool = False, given_ref: bool = Fals
     ref = trl.DPOTrainer(model(), model() if given_ref else None, args=trl.DPOConfig(
         output_dir=f"{out}/ref", per_device_train_batch_size=batch * dp, **common(**global_eval_batch(dpo, dp))),
                          train_dataset=train, eval_dataset=evaluation, processing_class=tokenizer(),
-                         peft_config=lora_config() if lora else None)
+                         peft_config=trl_args.lora_config() if lora else None)
     ref.train()
     trainer_cls, config_cls = nxd_hf.parallel_trainer(trl.DPOTrainer), nxd_hf.parallel_arguments(trl.DPOConfig)
     args = config_cls(output_dir=f"{out}/nxd", per_device_train_batch_size=batch, **common(**dpo), **layout)
     ours = trainer_cls(model(), model() if given_ref else None, args=args, train_dataset=train, eval_dataset=evaluation,
-                       processing_class=tokenizer(), peft_config=lora_config() if lora else None)
+                       processing_class=tokenizer(), peft_config=trl_args.lora_config() if lora else None)
     ours.train()
     return ref, ours
 
@@ -337,7 +330,7 @@ def test_parallel_trainer_of_dpo_trainer_is_nxd_dpo_trainer(tmp_path):
     with pytest.raises(ValueError, match="NxDDPOConfig"):
         nxd_hf.NxDDPOTrainer(model(), args=trl.DPOConfig(output_dir=str(tmp_path), bf16=False), train_dataset=train)
     with pytest.raises(ValueError, match="ref_model with peft_config"):
-        nxd_hf.NxDDPOTrainer(model(), model(), args=args, train_dataset=train, peft_config=lora_config())
+        nxd_hf.NxDDPOTrainer(model(), model(), args=args, train_dataset=train, peft_config=trl_args.lora_config())
     with pytest.raises(ValueError, match="quantization_config"):
         nxd_hf.NxDDPOTrainer(model(), args=args, train_dataset=train, quantization_config=object())
     policy = model()

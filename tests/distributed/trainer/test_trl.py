@@ -17,6 +17,8 @@ import torch
 import transformers
 import trl
 
+from support import trl_args
+
 from nxd_hf.integrations.subclass import parallel_trainer, refused_overrides
 from nxd_hf.testing import run_distributed
 from support.paths import EXAMPLES
@@ -28,7 +30,7 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 TINY = str(EXAMPLES / "data" / "tiny-llama")
 WORDS = open(os.path.join(os.path.dirname(TINY), "tiny_corpus.txt")).read().split()[:400]
 TOL = dict(rtol=1e-4, atol=1e-5)
-STEPS = 4
+STEPS = trl_args.STEPS
 TRAIN_KEYS = ("loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens")
 EVAL_KEYS = ("eval_loss", "eval_entropy", "eval_mean_token_accuracy")
 
@@ -55,18 +57,6 @@ def datasets(kind: str, n: int = 24, seed: int = 5):
     return Dataset.from_list(rows[6:]), Dataset.from_list(rows[:6])
 
 
-def lora_config():
-    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0,
-                           task_type="CAUSAL_LM")
-
-
-def common(**overrides) -> dict:
-    return {**dict(max_steps=STEPS, learning_rate=1e-3, logging_steps=1, eval_strategy="steps", eval_steps=2,
-                   save_strategy="no", report_to=[], seed=7, max_grad_norm=0.5, disable_tqdm=True, warmup_steps=1,
-                   bf16=False, gradient_checkpointing=False, max_length=24, per_device_eval_batch_size=4,
-                   dataset_num_proc=None), **overrides}
-
-
 def model():
     return transformers.AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32)
 
@@ -88,14 +78,14 @@ def run_pair(out_dir: str, *, kind: str, batch: int, lora: bool = False, sft=Non
     tp, pp = layout.get("tensor_parallel_size", 1), layout.get("pipeline_parallel_size", 1)
     dp = 2 // (tp * pp)
     ref = trl.SFTTrainer(model(), trl.SFTConfig(output_dir=f"{out_dir}/ref", per_device_train_batch_size=batch * dp,
-                                                **common(**sft)),
+                                                **trl_args.common(**sft)),
                          train_dataset=train, eval_dataset=evaluation, processing_class=tokenizer(),
-                         peft_config=lora_config() if lora else None)
+                         peft_config=trl_args.lora_config() if lora else None)
     ref.train()
-    args = nxd_hf.NxDSFTConfig(output_dir=f"{out_dir}/nxd", per_device_train_batch_size=batch, **common(**sft),
+    args = nxd_hf.NxDSFTConfig(output_dir=f"{out_dir}/nxd", per_device_train_batch_size=batch, **trl_args.common(**sft),
                                **layout)
     ours = nxd_hf.NxDSFTTrainer(model(), args, train_dataset=train, eval_dataset=evaluation,
-                                processing_class=tokenizer(), peft_config=lora_config() if lora else None)
+                                processing_class=tokenizer(), peft_config=trl_args.lora_config() if lora else None)
     ours.train()
     return ref, ours
 
@@ -129,7 +119,7 @@ def check_saved(ours, directory: str, *, kind: str, lora: bool, case, sft=None) 
     else:
         plain = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
     _, evaluation = datasets(kind)
-    args = trl.SFTConfig(output_dir=f"{directory}-eval", **common(**(sft or {})))
+    args = trl.SFTConfig(output_dir=f"{directory}-eval", **trl_args.common(**(sft or {})))
     got = trl.SFTTrainer(plain, args, train_dataset=evaluation, eval_dataset=evaluation,
                          processing_class=tokenizer()).evaluate()
     for key in EVAL_KEYS:
@@ -284,7 +274,7 @@ def _composition_orders() -> None:
     class NxDFirstByHand(nxd_hf.NxDTrainer, trl.SFTTrainer):
         pass
 
-    args = SFTNxDConfig(output_dir="unused", tensor_parallel_size=2, **common())
+    args = SFTNxDConfig(output_dir="unused", tensor_parallel_size=2, **trl_args.common())
     data, held_out = datasets("text")
     for cls, why in ((SFTNxDTrainer, "SFTTrainer.* precede NxDTrainer in its method order, so .*compute_loss"),
                      (NxDFirstByHand, "composed by hand")):
@@ -319,10 +309,10 @@ def _subclass_rule() -> None:
                              train_dataset=datasets("text")[0], processing_class=tokenizer())
     # the model parallelized first: SFTTrainer's peft_config would be lost (and the saved adapter miss keys)
     parallel = nxd_hf.parallelize(model(), tensor_parallel_size=2)
-    args = nxd_hf.NxDSFTConfig(output_dir="unused", tensor_parallel_size=2, **common())
+    args = nxd_hf.NxDSFTConfig(output_dir="unused", tensor_parallel_size=2, **trl_args.common())
     with pytest.raises(ValueError, match="already parallelized"):
         nxd_hf.NxDSFTTrainer(parallel, args, train_dataset=datasets("text")[0],
-                             processing_class=tokenizer(), peft_config=lora_config())
+                             processing_class=tokenizer(), peft_config=trl_args.lora_config())
 
 
 def test_trainer_subclass_overrides_get_parity_or_an_error():
@@ -345,7 +335,7 @@ def _pipeline_saving() -> None:
                                                report_to=[], per_device_train_batch_size=4, disable_tqdm=True)
             user_model = model()
             trainer = nxd_hf.NxDTrainer(user_model, args, train_dataset=rows, eval_dataset=rows[:4],
-                                        peft_config=lora_config() if lora else None)
+                                        peft_config=trl_args.lora_config() if lora else None)
             trainer.train()
             assert [s for s, _ in logged(trainer, "eval_loss")] == [2, 4]
             if lora:  # the user's model object writes peft's adapter files, as peft's save_pretrained does

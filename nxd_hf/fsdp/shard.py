@@ -37,7 +37,7 @@ _HOOKED = "_nxd_tp_partial_hook"  # marks an unsharded parameter whose gradient 
 
 
 def check_data_parallel_sharding(mode, *, pipeline_parallel_size: int, expert_parallel_size: int,
-                                 lora_config=None, pipeline_kwargs=None) -> None:
+                                 lora_config=None, pipeline_kwargs=None, context_parallel_size: int = 1) -> None:
     """A clear ValueError for what ``data_parallel_sharding`` does not compose with (yet)."""
     if mode is None:
         return
@@ -49,6 +49,8 @@ def check_data_parallel_sharding(mode, *, pipeline_parallel_size: int, expert_pa
     refused = {
         "pipeline_parallel_size > 1": pipeline_parallel_size > 1,
         "expert_parallel_size > 1": expert_parallel_size > 1,
+        # untested: the shard group would span the CP ranks, whose losses are sums, not means
+        "context_parallel_size > 1": context_parallel_size > 1,
     }
     for what, present in refused.items():
         if present:

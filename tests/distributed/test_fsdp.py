@@ -152,7 +152,8 @@ def check_refusals() -> None:
     parallel_state.destroy_model_parallel()
     for kwargs, match in ((dict(data_parallel_sharding="full_shard"), "must be one of"),
                           (dict(data_parallel_sharding="zero3", pipeline_parallel_size=2), "pipeline_parallel_size"),
-                          (dict(data_parallel_sharding="zero3", expert_parallel_size=2), "expert_parallel_size")):
+                          (dict(data_parallel_sharding="zero3", expert_parallel_size=2), "expert_parallel_size"),
+                          (dict(data_parallel_sharding="zero3", context_parallel_size=2), "context_parallel_size")):
         _, model = hf_parity.build_pair("llama", attention_bias=False)
         with pytest.raises(ValueError, match=match):
             nxd_hf.parallelize(model, **kwargs)

@@ -30,7 +30,8 @@ from nxd_hf.moe.aux_loss import aux_loss_spec
 from nxd_hf.pipeline.router_aux import RouterAuxLoss
 from nxd_hf.pipeline.runtime import SCHEDULES, build_schedule, check_same_schedule, check_schedule
 from nxd_hf.pipeline.recompute import allow_unmasked_attention, metadata_substitutes, recomputable_nodes
-from nxd_hf.pipeline.stages import boundaries, fake_propagate, flat_boundary_values, split_stages, value_kinds
+from nxd_hf.pipeline.stages import (NoneAtBoundary, boundaries, fake_propagate, flat_boundary_values, none_positions,
+                                    split_stages, value_kinds)
 from nxd_hf.pipeline.trace import make_tracer, trace_hf
 from nxd_hf.pipeline.step import StepRunner
 from nxd_hf.pipeline.stage_view import StageView
@@ -257,10 +258,12 @@ class NxDPPModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return next(self.local_parameters()).dtype
 
-    def stage_metadata(self, microbatch_inputs: list[torch.Tensor]) -> dict[int, tuple[list, list]]:
-        """(example inputs, example outputs) of each local stage for one microbatch shape, from a
-        fake run of the whole traced model: torch's stages then never infer shapes by running
-        a forward on unreceived buffers (which breaks on values such as GPT-2's output shape)."""
+    def stage_metadata(self, microbatch_inputs: list[torch.Tensor]) -> dict[int, tuple[list, list, list, list]]:
+        """(example inputs, example outputs, None input positions, None output positions) of each
+        local stage for one microbatch shape, from a fake run of the whole traced model: torch's
+        stages then never infer shapes by running a forward on unreceived buffers (which breaks
+        on values such as GPT-2's output shape). The None positions: boundary values that are
+        None for these inputs (``NoneAtBoundary``), left out of the examples."""
         graph_module = self._graph[0]
         fake_propagate(graph_module, microbatch_inputs)
         output_node = next(n for n in graph_module.graph.nodes if n.op == "output")
@@ -273,18 +276,22 @@ class NxDPPModel(nn.Module):
                 outputs = pytree.tree_leaves(torch.fx.node.map_arg(output_node.args[0], lambda n: n.meta["val"]))
             else:
                 outputs = flat[s]
-            meta[s] = ([_as_meta(t) for t in inputs], [_as_meta(t) for t in outputs])
+            meta[s] = ([_as_meta(t) for t in inputs if t is not None], [_as_meta(t) for t in outputs if t is not None],
+                       none_positions(inputs) if s else [], none_positions(outputs) if s < self.num_stages - 1 else [])
         return meta
 
     def build_schedule(self, loss_fn, microbatch_inputs: list[torch.Tensor]):
         group = parallel_state.get_pipeline_model_parallel_group()
         compute = next((p.device for p in self.local_parameters()), backend.default_device())
         send = backend.p2p_device(group, compute)
+        meta = self.stage_metadata(microbatch_inputs)
+        modules = {s: NoneAtBoundary(self.stages[str(s)], meta[s][2], meta[s][3]) if meta[s][2] or meta[s][3]
+                   else self.stages[str(s)] for s in self.local_stage_ids}
         return build_schedule(
-            self.schedule_name, dict(zip(self.local_stage_ids, self.stages.values())), self.num_stages,
+            self.schedule_name, modules, self.num_stages,
             device=send, group=backend.p2p_group(group), compute_device=compute,
             num_microbatches=self.num_microbatches, loss_fn=loss_fn, deallocate_outputs=self._deallocate,
-            stage_metadata=self.stage_metadata(microbatch_inputs), layer_types=self.layer_types,
+            stage_metadata={s: m[:2] for s, m in meta.items()}, layer_types=self.layer_types,
         )
 
 

@@ -205,6 +205,7 @@ def _backward_from_leaves(roots: list[torch.Tensor], leaves: list[torch.Tensor])
 def _first_layer(stage_module: torch.nn.Module, layer_types: tuple[type, ...]) -> torch.nn.Module | None:
     """The first transformer layer the stage calls: in graph order for an FX stage, else in
     registration order."""
+    stage_module = getattr(stage_module, "stage", stage_module)  # under stages.NoneAtBoundary
     if isinstance(stage_module, fx.GraphModule):
         modules = (stage_module.get_submodule(n.target) for n in stage_module.graph.nodes if n.op == "call_module")
     else:

@@ -5,13 +5,17 @@ on the stage of the last layer before it (stage 0 before the first layer). A val
 stage and used on a later one is passed along every stage in between. Values crossing a
 boundary are flattened to tensors — a tuple (RoPE's cos/sin) becomes its items, a None is not
 sent, a shape (an int or tuple of ints, e.g. GPT-2's output shape) travels as an int64 tensor —
-using the value kinds found by shape propagation with fake tensors.
+using the value kinds found by shape propagation with fake tensors. A module that is not Hugging
+Face's is split before its value kinds are known (its input dtypes and shapes are unknown): a
+value that turns out None for a batch (a mask it builds only when given one) is then dropped from
+that boundary's sends and handed to the next stage as None (``NoneAtBoundary``).
 """
 
 import operator
 
 import torch
 import torch.fx as fx
+from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from nxd_hf import backend
@@ -104,23 +108,55 @@ def boundaries(gm: fx.GraphModule, stage_of_layer: dict[str, int],
              and any(assignment[u] > boundary for u in n.users)] for boundary in range(num_stages - 1)]
 
 
-def flat_boundary_values(nodes: list[fx.Node], kinds: dict[str, object]) -> list[torch.Tensor]:
-    """The tensors a boundary carries, from the nodes' fake values (``fake_propagate``)."""
+def flat_boundary_values(nodes: list[fx.Node], kinds: dict[str, object]) -> list[torch.Tensor | None]:
+    """The tensors a boundary carries, from the nodes' fake values (``fake_propagate``); None
+    where a value split as a tensor (a module that is not HF's) is None for these inputs."""
     flat = []
     for node in nodes:
         kind, value = kinds[node.name], node.meta["val"]
-        if kind == "tensor" and not isinstance(value, torch.Tensor):  # a module that is not HF's: kinds unknown
+        if kind == "tensor" and value is None:
+            flat.append(None)
+        elif kind == "tensor" and not isinstance(value, torch.Tensor):  # a module that is not HF's: kinds unknown
             raise ValueError(
                 f"{node.name} ({type(value).__name__}, not a tensor) crosses a pipeline stage boundary, where a module that is not "
                 "Hugging Face's may pass only tensors (its values are not known when it is split): compute it inside "
                 "the transformer_layer_cls layers that use it, or pass it as a tensor")
-        if kind == "tensor":
+        elif kind == "tensor":
             flat.append(value)
         elif kind in ("int", "ints"):
             flat.append(torch.empty(() if kind == "int" else (len(value),), dtype=torch.long, device="meta"))
         elif kind is not None:
             flat.extend(value)
     return flat
+
+
+class NoneAtBoundary(nn.Module):
+    """A stage whose boundary values include some that are None for this input signature: they
+    are not sent (torch's stages send tensors only). ``none_in``: the positions of the stage's
+    inputs that arrive as None (re-inserted before ``stage`` runs); ``none_out``: the positions
+    of its outputs that are None (dropped). Built per input signature around the same stage."""
+
+    def __init__(self, stage: nn.Module, none_in: list[int], none_out: list[int]):
+        super().__init__()
+        self.stage, self.none_in, self.none_out = stage, none_in, none_out
+
+    def forward(self, *args):
+        args = list(args)
+        for position in self.none_in:  # ascending: each insert lands at its final position
+            args.insert(position, None)
+        outputs = self.stage(*args)
+        if not self.none_out:
+            return outputs
+        if any(outputs[i] is not None for i in self.none_out) or any(
+                o is None for i, o in enumerate(outputs) if i not in self.none_out):
+            raise ValueError(f"{type(self.stage).__name__}: a value crossing a pipeline stage boundary is None on "
+                             "some batches of one shape and a tensor on others; pass it as a tensor on every batch "
+                             "(e.g. an all-ones attention_mask) or compute it inside the layers that use it")
+        return tuple(o for i, o in enumerate(outputs) if i not in self.none_out)
+
+
+def none_positions(flat: list[torch.Tensor | None]) -> list[int]:
+    return [i for i, value in enumerate(flat) if value is None]
 
 
 def split_stages(gm: fx.GraphModule, stage_of_layer: dict[str, int], kinds: dict[str, object],

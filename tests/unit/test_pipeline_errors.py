@@ -54,3 +54,20 @@ def test_microbatch_and_bucket_sizes_must_be_positive():
         NxDPPModel(model, num_microbatches=0)
     with pytest.raises(ValueError, match="bucket_size_mb"):
         nxd_hf.parallelize(model, bucket_size_mb=0)
+
+
+def test_none_at_a_stage_boundary_is_not_sent():
+    """A stage of a module that is not HF's whose boundary values are None for one input
+    signature (a mask built only when given): they are dropped from the sends and re-inserted as
+    None on the receiving stage; one that is None on some batches only is refused by name."""
+    from nxd_hf.pipeline.stages import NoneAtBoundary
+
+    def stage(a, mask, b):
+        assert mask is None
+        return a + b, None, a * b
+
+    wrapped = NoneAtBoundary(stage, none_in=[1], none_out=[1])
+    a, b = torch.ones(2), torch.full((2,), 3.0)
+    assert [t.tolist() for t in wrapped(a, b)] == [[4.0, 4.0], [3.0, 3.0]]
+    with pytest.raises(ValueError, match="None on some batches of one shape and a tensor on others"):
+        NoneAtBoundary(lambda a, b: (a, b), none_in=[], none_out=[1])(a, b)

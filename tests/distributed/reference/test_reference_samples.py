@@ -669,6 +669,55 @@ def tp_guide_model_through_config_api(tmp):
         torch.testing.assert_close(_full(param), ref_params[name].detach(), **TOL, msg=lambda m: f"{name}: {m}")
 
 
+class _GuideBertLoss(nn.Module):
+    """The guide's model with its loss_fn inside: NxDPPModel runs a forward that returns the loss."""
+
+    def __init__(self, bert):
+        super().__init__()
+        self.bert = bert
+
+    def forward(self, input_ids, labels, attention_mask=None):
+        return F.mse_loss(self.bert(input_ids, attention_mask=attention_mask).last_hidden_state, labels)
+
+
+def tp_guide_model_at_pp2(tmp):
+    """The guide's model (its loss_fn in a wrapper) at pp=2 through the config API, without an
+    attention_mask: BERT's mask builder returns None, which crosses the stage boundary (it used
+    to fail: "... (NoneType, not a tensor) crosses a pipeline stage boundary").
+    Losses, first-step gradients and weights after AdamW steps equal the unmodified BERT's."""
+    import nxd_hf as nxd
+
+    reference = _GuideBertLoss(_bert_pair()[0])
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    _reset()
+    nxd_config = nxd.neuronx_distributed_config(pipeline_parallel_size=2, pipeline_config={
+        "num_microbatches": 2, "transformer_layer_cls": transformers.models.bert.modeling_bert.BertLayer,
+        "input_names": ["input_ids", "labels"]})
+    with warnings.catch_warnings():  # the trace's example labels are token ids: mse_loss warns on their shape
+        warnings.simplefilter("ignore", UserWarning)
+        model = nxd.initialize_parallel_model(nxd_config, lambda: _GuideBertLoss(_guide_model_fn()))
+    optimizer = nxd.initialize_parallel_optimizer(nxd_config, torch.optim.AdamW, model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(5)
+    for step in range(3):
+        ids, labels = torch.randint(0, hf_parity.VOCAB, (4, 6), generator=g), torch.randn(4, 6, 48, generator=g)
+        loss = model.run_train(input_ids=ids, labels=labels)
+        ref_loss = reference(ids, labels)
+        ref_loss.backward()
+        torch.testing.assert_close(loss, ref_loss.detach(), **TOL)
+        if step == 0:
+            ref_grads = dict(reference.named_parameters())
+            for name, param in model.named_parameters():
+                torch.testing.assert_close(param.grad, ref_grads[name].grad, **TOL, msg=lambda m: f"grad {name}: {m}")
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)  # the config API's default max_grad_norm
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+        optimizer.step()
+        optimizer.zero_grad()
+    ref_params = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param, ref_params[name].detach(), **TOL, msg=lambda m: f"{name}: {m}")
+
+
 # -- nxd-training-api.txt -----------------------------------------------------------------------
 def _get_model():
     return hf_parity.build_pair("llama", num_hidden_layers=4)[1]
@@ -955,6 +1004,7 @@ SAMPLES = [core_parallel_state, core_parallel_layers, core_pad_model, core_paral
            core_nxdppmodel_signature, pp_guide_creating_model, pp_guide_mixed_precision, pp_guide_meta_device_init,
            pp_guide_apply_checkpoint, pp_guide_hf_class_name, pp_guide_auto_partition_and_interleaving,
            tp_guide_dataloader, tp_guide_bert_and_training_script, tp_guide_model_through_config_api,
+           tp_guide_model_at_pp2,
            api_config_model_optimizer, api_lora, api_sample_usage, api_sample_usage_own_model, api_gqa_qkv_linear, api_clip_grad_norm, api_zero1_optimizer]
 
 
@@ -992,6 +1042,9 @@ RUNS = {
     ("nxd-tensor-parallel-guide.rst", "The guide's model (ParallelSelfAttention / ParallelSelfOutput) as the config "
                                       "API's model_fn, at tp=2 and dp=2 + ZeRO-1, save/load_checkpoint across them"):
         "tp_guide_model_through_config_api",
+    ("nxd-tensor-parallel-guide.rst", "The guide's model (its loss_fn in a wrapper) at pipeline_parallel_size=2 "
+                                      "through the config API, no attention_mask (a None crosses the stage boundary)"):
+        "tp_guide_model_at_pp2",
     ("nxd-training-api.txt", "neuronx_distributed_config / initialize_parallel_model (NxDModel methods) / "
                              "initialize_parallel_optimizer"): "api_config_model_optimizer",
     ("nxd-training-api.txt", "LoraConfig; LoRA save (adapter only) and load_lora_from_ckpt"): "api_lora",

@@ -10,8 +10,8 @@ only: the pipeline split (``NxDPPModel`` with ``pipeline_config``'s ``transforme
 activation checkpointing, gradient reduction, device).
 A plain module at tp > 1 is sharded as ``nxd_hf.nnscaler`` shards one: its layout derived from its
 traced graph on ``dummy_forward_args`` (``nxd_hf.trainer.own_layout``), exact, the layers without
-an exact split replicated (a warning names them); pipeline stages then hold no such module: a plain
-module takes tp > 1 or pp > 1, not both."""
+an exact split replicated (a warning names them); at pp > 1 the layout is derived inside each
+transformer layer (``shard_plain_layers``), then the pipeline cuts the module between them."""
 
 import functools
 import warnings
@@ -26,7 +26,7 @@ from nxd_hf.lora.setup import setup_lora
 from nxd_hf.model_state import state_of
 from nxd_hf.parallel_layers.layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
 from nxd_hf.pipeline.model import NxDPPModel
-from nxd_hf.trainer.own_layout import shard_plain_module
+from nxd_hf.trainer.own_layout import shard_plain_layers, shard_plain_module
 
 
 def is_own_model(model: nn.Module) -> bool:
@@ -54,7 +54,9 @@ def parallelize_own_model(model: nn.Module, nxd_config, *, param_init_fn, pipeli
         layer_types = ()
         if pp == 1 and nxd_config.activation_checkpoint_config == "full":
             layer_types = _full_checkpoint_layers(model)
-        if tp > 1 and not has_parallel_layers(model):
+        if tp > 1 and not has_parallel_layers(model) and pp > 1:
+            shard_plain_layers(model, nxd_config.dummy_forward_args, tp, _layer_classes(model, pipeline_kwargs))
+        elif tp > 1 and not has_parallel_layers(model):
             shard_plain_module(model, nxd_config.dummy_forward_args, tp)
     if pp > 1:
         return NxDPPModel(model, setup=setup, **pipeline_kwargs)
@@ -121,17 +123,19 @@ def _adapters(model: nn.Module, nxd_config):
 
 
 def _check_plain_tp(name: str, nxd_config) -> None:
-    tp, pp = nxd_config.tensor_parallel_size, nxd_config.pipeline_parallel_size
-    if pp > 1:
-        raise ValueError(
-            f"tensor_parallel_size={tp} with pipeline_parallel_size={pp} for {name}, a plain PyTorch module: nxd_hf "
-            "derives a plain module's tensor-parallel layout for the whole module only (pp=1); build its layers "
-            "from nxd_hf.parallel_layers for tp x pp, or use nxd_hf.nnscaler.parallelize, or one of tp, pp alone")
+    tp = nxd_config.tensor_parallel_size
     if nxd_config.activation_checkpoint_config is not None:
         raise ValueError(
             f"activation_checkpoint_config with {name}, a plain PyTorch module at tensor_parallel_size={tp}: the "
             "module runs as its traced graph (its layouts applied), which calls no layer module to recompute; "
             "build its layers from nxd_hf.parallel_layers, or use activation_checkpoint_config=None or tp=1")
+
+
+def _layer_classes(model: nn.Module, pipeline_kwargs: dict):
+    """``pipeline_config``'s transformer_layer_cls, the layers a plain module's layout is derived in at pp > 1."""
+    if pipeline_kwargs.get("transformer_layer_cls") is None:
+        return decoder_layer_types(model)  # raises naming transformer_layer_cls when none is found
+    return pipeline_kwargs["transformer_layer_cls"]
 
 
 def _full_checkpoint_layers(model: nn.Module) -> tuple[type, ...]:

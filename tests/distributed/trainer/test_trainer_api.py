@@ -156,10 +156,13 @@ def check_own_model_matches_single_process(parallel: bool, tp=1, pp=1, zero1=Fal
     for step in range(steps):
         ids, labels = (t.chunk(dp_size)[dp_rank] for t in own_models.batch(step))
         losses.append(model.run_train(input_ids=ids, labels=labels))
-        if step == 0 and not zero1:  # ZeRO-1 reduce-scatters the gradients in step(): compare the weights only
+        if step == 0:
             for name, param in model.named_parameters():
-                torch.testing.assert_close(full_tensor(param, param.grad), ref_grads[name], **TOL,
-                                           msg=lambda m: f"grad {name}: {m}")
+                grad = full_tensor(param, param.grad).clone()
+                if zero1:  # ZeRO-1 takes the DP mean in step() (a reduce-scatter): the grads are this replica's
+                    backend.all_reduce(grad, parallel_state.get_data_parallel_group())
+                    grad /= dp_size
+                torch.testing.assert_close(grad, ref_grads[name], **TOL, msg=lambda m: f"grad {name}: {m}")
         optimizer.step()
         optimizer.zero_grad()
     torch.testing.assert_close(torch.stack(losses), ref_losses, **TOL)
@@ -173,6 +176,7 @@ OWN_MODEL_LAYOUTS = {  # world 2
     "parallel_layers_pp2": dict(parallel=True, pp=2),
     "parallel_layers_dp2_zero1": dict(parallel=True, zero1=True),
     "plain_pp2": dict(parallel=False, pp=2),
+    "plain_dp2_zero1": dict(parallel=False, zero1=True),
     "plain_dp2_zero1_full_recompute": dict(parallel=False, zero1=True, activation_checkpoint_config=own_models.Block),
 }
 

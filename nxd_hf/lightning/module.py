@@ -49,7 +49,10 @@ class NeuronLTModule(pl.LightningModule):
         return [optimizer], [{"scheduler": scheduler, "interval": "step"}]
 
     def training_step(self, batch, batch_idx):
-        loss = self.model.run_train(**batch, num_items_in_batch=self._step_tokens(batch))
+        # HF's loss is normalized by the step's label tokens; a model that computes its own loss
+        # (one built from parallel layers, a plain module) takes only its forward's inputs
+        count = {"num_items_in_batch": self._step_tokens(batch)} if self.model.hf_loss else {}
+        loss = self.model.run_train(**batch, **count)
         first = batch_idx % self.grad_accum_steps == 0
         self._accumulated, self._micro_batches = (loss, 1) if first else (self._accumulated + loss, self._micro_batches + 1)
         # the epoch's trailing batches make a step of their own, as Lightning's accumulate_grad_batches

@@ -8,14 +8,18 @@ import io
 import os
 import warnings
 
+import peft
 import pytest
 import pytorch_lightning as pl
 import torch
+import transformers
 
 import nxd_hf
+import test_config_api_own_models as own_api
 import test_lightning as lt
 from nxd_hf import backend, parallel_state
 from nxd_hf.lightning import NeuronLTModule, NxDStrategy
+from nxd_hf.parallel_layers.sharding import full_tensor, local_shard
 from support import own_models
 from test_config_api_own_models import _dummy, check_trains_like_one_process
 
@@ -95,3 +99,84 @@ LIGHTNING_CASES = {  # world 2
 @pytest.mark.parametrize("case", list(LIGHTNING_CASES))
 def test_lightning_own_model_matches_plain_lightning(ranks2, tmp_path, case):
     ranks2.run(check_lightning_own_model, str(tmp_path), **LIGHTNING_CASES[case])
+
+
+def _trainer_reference(out_dir: str, lora: bool):
+    """transformers.Trainer on the plain decoder in one process (LoRA: test_config_api_own_models'
+    adapters, the base frozen); its log, final weights and ``evaluate``'s loss."""
+    hidden = {name: os.environ.pop(name) for name in ("LOCAL_RANK",) if name in os.environ}
+    try:  # without LOCAL_RANK accelerate sees a one-process run
+        args = transformers.TrainingArguments(output_dir=f"{out_dir}/ref", **own_api.TRAINER_ARGS)
+    finally:
+        os.environ.update(hidden)
+    torch.manual_seed(0)  # own_models.reference's weights
+    reference = own_api._DictDecoder(parallel=False)
+    if lora:
+        peft.inject_adapter_in_model(own_api._lora_config(), reference)
+        with torch.no_grad():
+            for name, param in reference.named_parameters():
+                if "lora_" in name:
+                    param.copy_(own_api._adapter_value(name, param.shape))
+    trainer = transformers.Trainer(reference, args, train_dataset=own_api._trainer_rows(),
+                                   eval_dataset=own_api._trainer_rows(8))
+    trainer.train()
+    log = {key: [h[key] for h in trainer.state.log_history if key in h] for key in ("loss", "grad_norm")}
+    return log, dict(reference.named_parameters()), trainer.evaluate()["eval_loss"]
+
+
+def check_nxd_trainer_own_model(out_dir: str, parallel: bool, tp=1, pp=1, zero1=False, lora=False) -> None:
+    """NxDTrainer on the decoder (built from parallel layers, or plain; at pp > 1 passed as the
+    config API's NxDModel, which carries pipeline_config) against transformers.Trainer in one
+    process: logged losses and grad norms, final weights, ``evaluate``'s loss."""
+    out_dir = lt._shared(out_dir)
+    want, ref_params, ref_eval = _trainer_reference(out_dir, lora)
+    parallel_state.destroy_model_parallel()
+    if pp > 1:  # the layout the arguments ask for, with the model's pipeline_config
+        config = nxd_hf.neuronx_distributed_config(tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                                                   pipeline_config=own_models.PIPELINE)
+        model = nxd_hf.initialize_parallel_model(config, _loaded, parallel)
+    else:
+        nxd_hf.neuronx_distributed_config(tensor_parallel_size=tp)  # the parallel layers are built at tp
+        model = _loaded(parallel)
+    dp = parallel_state.get_data_parallel_size()  # per_device_train_batch_size is each replica's, as under DDP
+    args = nxd_hf.NxDTrainingArguments(output_dir=f"{out_dir}/ours", tensor_parallel_size=tp,
+                                       pipeline_parallel_size=pp, zero_1=zero1,
+                                       num_microbatches=2 if pp > 1 else None, **{
+                                           **own_api.TRAINER_ARGS, "per_device_train_batch_size": 4 // dp})
+    ours = nxd_hf.NxDTrainer(model, args, train_dataset=own_api._trainer_rows(), eval_dataset=own_api._trainer_rows(8),
+                             peft_config=own_api._lora_config() if lora else None)
+    if lora:  # the reference's adapters (peft draws its own)
+        with torch.no_grad():
+            for name, param in ours.nxd_model.named_parameters():
+                if "lora_" in name:
+                    param.copy_(local_shard(param, own_api._adapter_value(name, ref_params[name].shape)))
+    ours.train()
+    for key, values in want.items():
+        got = [h[key] for h in ours.state.log_history if key in h]
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(values), **own_api.TOL, msg=lambda m: f"{key}: {m}")
+    for name, param in ours.nxd_model.named_parameters():
+        torch.testing.assert_close(full_tensor(param), ref_params[name].detach(), **own_api.TOL,
+                                   msg=lambda m: f"{name}: {m}")
+    torch.testing.assert_close(ours.evaluate()["eval_loss"], ref_eval, **own_api.TOL)
+
+
+def _loaded(parallel: bool):
+    """``_DictDecoder`` holding (its shards of) ``own_models.reference()``'s weights."""
+    model = own_api._DictDecoder(parallel)
+    model.load_state_dict(own_models.build(parallel).state_dict())
+    return model
+
+
+TRAINER_CASES = {  # world 2
+    "parallel_layers_pp2": dict(parallel=True, pp=2),
+    "plain_pp2": dict(parallel=False, pp=2),
+    "parallel_layers_dp2_zero1": dict(parallel=True, zero1=True),
+    "plain_dp2": dict(parallel=False),
+    "parallel_layers_tp2_lora": dict(parallel=True, tp=2, lora=True),
+    "plain_dp2_lora": dict(parallel=False, lora=True),
+}
+
+
+@pytest.mark.parametrize("case", list(TRAINER_CASES))
+def test_nxd_trainer_own_model_matches_trainer(ranks2, tmp_path, case):
+    ranks2.run(check_nxd_trainer_own_model, str(tmp_path), **TRAINER_CASES[case])

@@ -110,7 +110,7 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
             raise ValueError("a peft model of an unparallelized model: pass the plain model with peft_config=..., "
                              "or apply peft.get_peft_model after nxd_hf.parallelize")
         else:
-            check_trainer_model(model, args.tensor_parallel_size)
+            check_trainer_model(model, args.tensor_parallel_size, args.pipeline_parallel_size)
             if args.bf16_master_weights:
                 model = model.to(torch.bfloat16)
             self.nxd_model = initialize_parallel_model(self.nxd_config, lambda: model)

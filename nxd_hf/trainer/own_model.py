@@ -64,14 +64,26 @@ def parallelize_own_model(model: nn.Module, nxd_config, *, param_init_fn, pipeli
     return model
 
 
-def check_trainer_model(model: nn.Module, tensor_parallel_size: int) -> None:
+_BUILT_BY_CONFIG_API = ("or build it with nxd_hf.initialize_parallel_model(nxd_hf.neuronx_distributed_config(...), "
+                        "model_fn) and pass NxDTrainer that NxDModel")
+
+
+def check_trainer_model(model: nn.Module, tensor_parallel_size: int, pipeline_parallel_size: int = 1) -> None:
     """``NxDTrainer(model=...)``: a plain module at tp > 1 needs the example inputs its layout is
-    traced on (``dummy_forward_args``), which ``NxDTrainingArguments`` do not carry."""
+    traced on (``dummy_forward_args``), and one that is not Hugging Face's (no ``_no_split_modules``)
+    at pp > 1 its ``pipeline_config`` (``transformer_layer_cls``, ``input_names``), which
+    ``NxDTrainingArguments`` do not carry: the config API's ``NxDModel`` carries both."""
+    name = type(model).__name__
     if tensor_parallel_size > 1 and not hasattr(model, "config") and not has_parallel_layers(model):
-        raise ValueError(f"{type(model).__name__} is a plain PyTorch module: NxDTrainer shards no plain module over "
+        raise ValueError(f"{name} is a plain PyTorch module: NxDTrainer shards no plain module over "
                          "tensor_parallel_size > 1. Build its layers from nxd_hf.parallel_layers, use "
-                         "tensor_parallel_size=1, or train it through the config API "
-                         "(nxd_hf.neuronx_distributed_config(..., dummy_forward_args=...))")
+                         "tensor_parallel_size=1, " + _BUILT_BY_CONFIG_API + " (neuronx_distributed_config(..., "
+                         "dummy_forward_args=...))")
+    if pipeline_parallel_size > 1 and not hasattr(model, "config") and not getattr(model, "_no_split_modules", None):
+        raise ValueError(f"pipeline_parallel_size={pipeline_parallel_size} for {name}, which names no transformer "
+                         "layer class (Hugging Face's _no_split_modules) to cut the pipeline at: NxDTrainingArguments "
+                         "carry no pipeline_config; " + _BUILT_BY_CONFIG_API.removeprefix("or ") + " (pipeline_config="
+                         "{'transformer_layer_cls': <your layer class>, 'input_names': [...]})")
 
 
 def _check_options(model: nn.Module, nxd_config) -> None:

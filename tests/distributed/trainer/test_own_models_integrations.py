@@ -158,6 +158,9 @@ def check_nxd_trainer_own_model(out_dir: str, parallel: bool, tp=1, pp=1, zero1=
         torch.testing.assert_close(full_tensor(param), ref_params[name].detach(), **own_api.TOL,
                                    msg=lambda m: f"{name}: {m}")
     torch.testing.assert_close(ours.evaluate()["eval_loss"], ref_eval, **own_api.TOL)
+    if pp > 1:  # the module itself: NxDTrainingArguments carry no pipeline_config
+        with pytest.raises(ValueError, match=r"names no transformer layer class .* pass NxDTrainer that NxDModel"):
+            nxd_hf.NxDTrainer(_loaded(parallel), args, train_dataset=own_api._trainer_rows())
 
 
 def _loaded(parallel: bool):

@@ -40,6 +40,12 @@ class NeuronLTModule(pl.LightningModule):
         if self.model is None:  # Lightning calls it again on each fit/validate
             self.model = initialize_parallel_model(self.nxd_config, self.model_fn, *self.model_args, **self.model_kwargs)
             self.model.train()  # from_pretrained returns eval mode, which Lightning (2.2+) would keep
+            if self.grad_accum_steps > 1 and not self.model.hf_loss:
+                # run_train runs backward on each batch's own mean: the step would sum, not average, them
+                raise ValueError(f"NeuronLTModule(grad_accum_steps={self.grad_accum_steps}) with "
+                                 f"{type(self.model.hf_model).__name__}, which computes its own loss: its "
+                                 "micro-batches' gradients would add up instead of averaging; use grad_accum_steps=1 "
+                                 "with a larger batch")
 
     def configure_optimizers(self):
         optimizer = initialize_parallel_optimizer(self.nxd_config, self.opt_cls, self.model.parameters(), **self.opt_kwargs)

@@ -87,6 +87,9 @@ def check_lightning_own_model(out: str, parallel: bool, tp=1, pp=1, zero1=False)
         warnings.simplefilter("ignore", UserWarning)  # the derived layout's replicated head
         trainer.fit(module, *_own_loaders(parallel_state.get_data_parallel_size()))
     lt._check_run(losses, ref_losses, trainer.lightning_module.model, reference.model.state_dict())
+    accumulating = NeuronLTModule(own_models.build, config, torch.optim.AdamW, model_args=(parallel,), grad_accum_steps=2)
+    with pytest.raises(ValueError, match="computes its own loss: its micro-batches' gradients would add up"):
+        accumulating.configure_model()
 
 
 LIGHTNING_CASES = {  # world 2

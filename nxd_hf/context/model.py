@@ -63,6 +63,7 @@ def install_context_parallel(model: nn.Module, *, kind: str, sequence_parallel: 
     register()
     model.set_attn_implementation(IMPLEMENTATIONS[kind])
     multiple = 2 * cp_size * (tp_size if sequence_parallel else 1)
+    model.context_parallel_multiple = multiple  # the pipeline splits its step's inputs itself (pipeline.context)
     model.register_forward_pre_hook(_split_hook(multiple), with_kwargs=True, prepend=True)
     model.register_forward_hook(_gather_logits)
     _wrap_loss(model)

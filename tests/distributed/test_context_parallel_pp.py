@@ -1,0 +1,79 @@
+"""Context parallelism composed with pipeline and expert parallelism, Qwen3 and the MoE
+load-balancing loss, against the one-process HF model on the same weights and batch (loss,
+every gathered gradient, AdamW steps with clipping)."""
+
+import pytest
+import torch
+
+import nxd_hf
+from nxd_hf.parallel_layers.grads import clip_grad_norm
+
+from support import hf_parity
+
+TOL = dict(rtol=1e-4, atol=1e-5)
+MAX_NORM = 0.5  # below the first steps' norms: clipping scales every step
+
+
+def _adamw(params):
+    # Adam turns the rounding of a near-zero gradient into a step of ~lr; eps bounds that
+    return torch.optim.AdamW(params, lr=1e-3, eps=1e-4, weight_decay=0.1)
+
+
+def _full(param):
+    from nxd_hf.parallel_layers.sharding import full_tensor
+
+    return full_tensor(param, param.detach())
+
+
+def _check_grads(named_params, reference, label):
+    ref_params = dict(reference.named_parameters())
+    for name, param in named_params:
+        grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        torch.testing.assert_close(hf_parity.gathered_grad(param, grad), ref_params[name].grad, **TOL,
+                                   msg=lambda m: f"{label} {name}: {m}")
+
+
+# -- pipeline x context parallelism
+
+
+def check_pipeline(kind, *, steps=3, seq_len=22, microbatches=2, masking="causal", **overrides):
+    reference, model = hf_parity.build_pair("llama", num_attention_heads=4, num_hidden_layers=4, **overrides)
+    pp_model = nxd_hf.parallelize(model, pipeline_parallel_size=2, context_parallel_size=2,
+                                  context_parallel_attention=kind, num_microbatches=microbatches,
+                                  broadcast_and_average_loss=True)
+    ref_opt, opt = _adamw(reference.parameters()), _adamw(list(pp_model.local_parameters()))
+    for step in range(steps):
+        ids, labels = hf_parity.batch(seed=10 + step, b=4, s=seq_len)
+        labels[1, :5] = -100  # ignored tokens spread unevenly over microbatches and CP chunks
+        inputs = dict(input_ids=ids, labels=labels)
+        if masking == "padding":
+            mask = torch.ones_like(ids)
+            mask[0, :4] = 0
+            labels[0, :4] = -100
+            inputs["attention_mask"] = mask
+        elif masking == "packed":
+            inputs["position_ids"] = torch.cat([torch.arange(9), torch.arange(seq_len - 9)]).expand(4, seq_len)
+        ref_loss = reference(**inputs).loss
+        ref_loss.backward()
+        loss = pp_model.run_train(**inputs)
+        torch.testing.assert_close(loss, ref_loss.detach(), **TOL, msg=lambda m: f"step {step} loss: {m}")
+        _check_grads(pp_model.local_named_parameters(), reference, f"step {step}")
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)
+        norm = clip_grad_norm(list(pp_model.local_parameters()), MAX_NORM)
+        torch.testing.assert_close(norm, ref_norm, **TOL)
+        ref_opt.step(), opt.step()
+        ref_opt.zero_grad(), opt.zero_grad()
+    ref_params = dict(reference.named_parameters())
+    for name, param in pp_model.local_named_parameters():
+        torch.testing.assert_close(_full(param), ref_params[name].detach(), **TOL, msg=lambda m: f"{name}: {m}")
+    ids, labels = hf_parity.batch(seed=3, b=4, s=seq_len)
+    with torch.no_grad():
+        want = reference(input_ids=ids, labels=labels)
+    loss, logits = pp_model.run_eval(input_ids=ids, labels=labels, return_logits=True)
+    torch.testing.assert_close(loss, want.loss, **TOL)
+    torch.testing.assert_close(logits, want.logits, **TOL)
+
+
+@pytest.mark.parametrize("kind", ["ring", "all_to_all"])
+def test_llama_pp2_cp2_matches_one_process(ranks4, kind):
+    ranks4.run(check_pipeline, kind)

@@ -36,11 +36,11 @@ def _check_grads(named_params, reference, label):
 # -- pipeline x context parallelism
 
 
-def check_pipeline(kind, *, steps=3, seq_len=22, microbatches=2, masking="causal", **overrides):
-    reference, model = hf_parity.build_pair("llama", num_attention_heads=4, num_hidden_layers=4, **overrides)
+def check_pipeline(kind, *, steps=3, seq_len=22, microbatches=2, masking="causal", **pp_kwargs):
+    reference, model = hf_parity.build_pair("llama", num_attention_heads=4, num_hidden_layers=4)
     pp_model = nxd_hf.parallelize(model, pipeline_parallel_size=2, context_parallel_size=2,
                                   context_parallel_attention=kind, num_microbatches=microbatches,
-                                  broadcast_and_average_loss=True)
+                                  broadcast_and_average_loss=True, **pp_kwargs)
     ref_opt, opt = _adamw(reference.parameters()), _adamw(list(pp_model.local_parameters()))
     for step in range(steps):
         ids, labels = hf_parity.batch(seed=10 + step, b=4, s=seq_len)
@@ -77,3 +77,22 @@ def check_pipeline(kind, *, steps=3, seq_len=22, microbatches=2, masking="causal
 @pytest.mark.parametrize("kind", ["ring", "all_to_all"])
 def test_llama_pp2_cp2_matches_one_process(ranks4, kind):
     ranks4.run(check_pipeline, kind)
+
+
+@pytest.mark.parametrize("masking", ["padding", "packed"])
+def test_llama_pp2_cp2_masks_one_microbatch(ranks4, masking):
+    ranks4.run(check_pipeline, "ring", masking=masking, steps=1, microbatches=1, schedule="gpipe")
+
+
+def check_pipeline_masks_refused():
+    _, model = hf_parity.build_pair("llama", num_attention_heads=4, num_hidden_layers=4)
+    pp_model = nxd_hf.parallelize(model, pipeline_parallel_size=2, context_parallel_size=2, num_microbatches=2)
+    ids, labels = hf_parity.batch(b=4, s=12)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    with pytest.raises(ValueError, match="num_microbatches=1"):
+        pp_model.run_train(input_ids=ids, attention_mask=mask, labels=labels)
+
+
+def test_pp2_cp2_refuses_masks_over_microbatches(ranks4):
+    ranks4.run(check_pipeline_masks_refused)

@@ -96,3 +96,13 @@ def check_pipeline_masks_refused():
 
 def test_pp2_cp2_refuses_masks_over_microbatches(ranks4):
     ranks4.run(check_pipeline_masks_refused)
+
+
+# -- Qwen3 (per-head q/k norms before rotary)
+
+
+@pytest.mark.parametrize("kind", ["ring", "all_to_all"])
+def test_qwen3_cp2_matches_one_process(ranks2, kind):
+    from test_context_parallel import check_model
+
+    ranks2.run(check_model, "qwen3", 2, 1, kind, num_attention_heads=4, steps=2)

@@ -106,3 +106,48 @@ def test_qwen3_cp2_matches_one_process(ranks2, kind):
     from test_context_parallel import check_model
 
     ranks2.run(check_model, "qwen3", 2, 1, kind, num_attention_heads=4, steps=2)
+
+
+# -- the MoE load-balancing loss over the whole sequence
+
+
+def check_moe_aux(model_type, kind, *, steps=2, seq_len=18, masking="padding", expert_parallel_size=1):
+    """Loss (token loss + coef x aux), every gradient and AdamW steps; 18 tokens: the CP split pads
+    to 20, and those pad tokens (routed like any other) must stay out of the aux loss."""
+    from support import moe
+
+    reference, model = moe.build_pair(model_type)
+    assert model.config.output_router_logits
+    model = nxd_hf.parallelize(model, context_parallel_size=2, context_parallel_attention=kind,
+                               expert_parallel_size=expert_parallel_size)
+    ref_opt, opt = _adamw(reference.parameters()), _adamw(model.parameters())
+    for step in range(steps):
+        ids, labels = hf_parity.batch(seed=30 + step, b=2, s=seq_len)
+        inputs = dict(input_ids=ids, labels=labels)
+        if masking == "padding":  # HF's aux loss leaves padding tokens out
+            mask = torch.ones_like(ids)
+            mask[1, :5] = 0
+            labels[1, :5] = -100
+            inputs["attention_mask"] = mask
+        want = reference(**inputs)
+        want.loss.backward()
+        got = model(**inputs)
+        got.loss.backward()
+        torch.testing.assert_close(got.aux_loss, want.aux_loss.detach(), **TOL, msg=lambda m: f"step {step} aux: {m}")
+        torch.testing.assert_close(got.loss, want.loss.detach(), **TOL, msg=lambda m: f"step {step} loss: {m}")
+        _check_grads(model.named_parameters(), reference, f"step {step}")
+        ref_opt.step(), opt.step()
+        ref_opt.zero_grad(), opt.zero_grad()
+    reference.eval(), model.eval()
+    with torch.no_grad():  # evaluation: the whole sequence's aux loss too
+        want, got = reference(**inputs), model(**inputs)
+    torch.testing.assert_close(got.loss, want.loss, **TOL)
+
+
+@pytest.mark.parametrize("model_type, kind", [("mixtral", "ring"), ("qwen3_moe", "all_to_all")])
+def test_moe_router_loss_cp2_matches_one_process(ranks2, model_type, kind):
+    ranks2.run(check_moe_aux, model_type, kind)
+
+
+def test_moe_router_loss_cp2_no_mask(ranks2):
+    ranks2.run(check_moe_aux, "mixtral", "ring", steps=1, masking="causal")

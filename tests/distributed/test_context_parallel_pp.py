@@ -113,16 +113,22 @@ def test_qwen3_cp2_matches_one_process(ranks2, kind):
 
 def check_moe_aux(model_type, kind, *, steps=2, seq_len=18, masking="padding", expert_parallel_size=1):
     """Loss (token loss + coef x aux), every gradient and AdamW steps; 18 tokens: the CP split pads
-    to 20, and those pad tokens (routed like any other) must stay out of the aux loss."""
+    to 20, and those pad tokens (routed like any other) must stay out of the aux loss. With more
+    than one replica (dp x cp), each takes its rows of the batch; the aux loss is the whole batch's."""
     from support import moe
+    from nxd_hf import backend, parallel_state
 
     reference, model = moe.build_pair(model_type)
     assert model.config.output_router_logits
     model = nxd_hf.parallelize(model, context_parallel_size=2, context_parallel_attention=kind,
                                expert_parallel_size=expert_parallel_size)
+    replicas, replica = parallel_state.get_data_parallel_replicas(), parallel_state.get_data_parallel_replica_rank()
+    if expert_parallel_size > 1:  # each rank holds its share of the experts
+        experts = dict(model.named_parameters())["model.layers.0.mlp.experts.gate_up_proj"]
+        assert experts.shape[0] == model.config.num_local_experts // expert_parallel_size, experts.shape
     ref_opt, opt = _adamw(reference.parameters()), _adamw(model.parameters())
     for step in range(steps):
-        ids, labels = hf_parity.batch(seed=30 + step, b=2, s=seq_len)
+        ids, labels = hf_parity.batch(seed=30 + step, b=2 * replicas, s=seq_len)
         inputs = dict(input_ids=ids, labels=labels)
         if masking == "padding":  # HF's aux loss leaves padding tokens out
             mask = torch.ones_like(ids)
@@ -131,17 +137,23 @@ def check_moe_aux(model_type, kind, *, steps=2, seq_len=18, masking="padding", e
             inputs["attention_mask"] = mask
         want = reference(**inputs)
         want.loss.backward()
-        got = model(**inputs)
+        mine = {k: v.chunk(replicas)[replica] for k, v in inputs.items()}
+        # the gradients' DP mean is the whole batch's when each replica divides by its share of the tokens
+        tokens = (labels[:, 1:] != -100).sum()
+        got = model(**mine, num_items_in_batch=tokens / replicas)
         got.loss.backward()
         torch.testing.assert_close(got.aux_loss, want.aux_loss.detach(), **TOL, msg=lambda m: f"step {step} aux: {m}")
-        torch.testing.assert_close(got.loss, want.loss.detach(), **TOL, msg=lambda m: f"step {step} loss: {m}")
+        loss = backend.all_reduce(got.loss.detach().clone(), parallel_state.get_data_parallel_group())
+        loss = loss / parallel_state.get_data_parallel_size()
+        torch.testing.assert_close(loss, want.loss.detach(), **TOL, msg=lambda m: f"step {step} loss: {m}")
         _check_grads(model.named_parameters(), reference, f"step {step}")
         ref_opt.step(), opt.step()
         ref_opt.zero_grad(), opt.zero_grad()
-    reference.eval(), model.eval()
-    with torch.no_grad():  # evaluation: the whole sequence's aux loss too
-        want, got = reference(**inputs), model(**inputs)
-    torch.testing.assert_close(got.loss, want.loss, **TOL)
+    if replicas == 1:
+        reference.eval(), model.eval()
+        with torch.no_grad():  # evaluation: the whole sequence's aux loss too
+            want, got = reference(**inputs), model(**inputs)
+        torch.testing.assert_close(got.loss, want.loss, **TOL)
 
 
 @pytest.mark.parametrize("model_type, kind", [("mixtral", "ring"), ("qwen3_moe", "all_to_all")])
@@ -151,3 +163,8 @@ def test_moe_router_loss_cp2_matches_one_process(ranks2, model_type, kind):
 
 def test_moe_router_loss_cp2_no_mask(ranks2):
     ranks2.run(check_moe_aux, "mixtral", "ring", steps=1, masking="causal")
+
+
+def test_moe_ep2_cp2_matches_one_process(ranks4):
+    """World 4: two replicas of cp = 2, their experts split over ep = 2."""
+    ranks4.run(check_moe_aux, "mixtral", "ring", expert_parallel_size=2)

@@ -160,8 +160,9 @@ class StepRunner:
         self.num_items = normalizer(labels, step_count) if model.is_hf else None
         if self.split is not None:  # this CP rank's chunks of the sequence (nxd_hf.pipeline.context)
             inputs, labels = self.split(inputs)
-            if "attention_mask" in model.input_names:  # HF builds no mask for CP attention: any will do
-                inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+            # HF builds no mask for CP attention; the router loss counts the tokens this one keeps
+            ids = inputs["input_ids"]
+            inputs["attention_mask"] = current_batch().token_mask(ids.shape[0]).to(ids.dtype)
         names = [name for name in model.input_names if name != "labels" or not model.is_hf]
         first, last = 0 in model.local_stage_ids, model.num_stages - 1 in model.local_stage_ids
         losses = [] if last else None

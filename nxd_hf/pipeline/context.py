@@ -15,6 +15,7 @@ import torch
 from nxd_hf import parallel_state
 from nxd_hf.context.attention import current_batch
 from nxd_hf.context.model import _check_same_batch, split_inputs
+from nxd_hf.pipeline.pooled_loss import takes_pooled_logits
 
 SPLIT_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
 
@@ -26,15 +27,16 @@ def context_parallel_size(model) -> int:
     if cp > 1 and getattr(model, "context_parallel_multiple", None) is None:
         raise ValueError(f"context_parallel_size={cp} in the pipeline needs a Hugging Face model parallelized by "
                          "nxd_hf.parallelize(..., context_parallel_size=...): build the NxDPPModel through it")
+    if cp > 1 and takes_pooled_logits(model):  # one label per row: nothing to split over the sequence
+        raise ValueError("context parallelism in the pipeline trains causal LMs (labels per token), not sequence "
+                         "classification: use context_parallel_size=1 for this model")
     return cp
 
 
 def with_position_ids(input_names: list[str]) -> list[str]:
-    """``input_names`` with ``position_ids`` (each CP rank's real positions reach every stage)."""
-    if "position_ids" in input_names:
-        return input_names
-    names = [n for n in input_names if n != "labels"]
-    return names + ["position_ids"] + (["labels"] if "labels" in input_names else [])
+    """``input_names`` with ``position_ids`` (each CP rank's real positions reach every stage),
+    last: positional ``run_train`` arguments keep the meaning the caller's names give them."""
+    return input_names if "position_ids" in input_names else [*input_names, "position_ids"]
 
 
 class StepSplit:

@@ -87,12 +87,7 @@ class StepRunner:
         self._dropout = None  # whether some stage has dropout: agreed over the pipeline on the first step
         # sequence classification: the graph ends in pooled logits [b, num_labels], the loss counts rows
         self.pooled = pp_model.is_hf and takes_pooled_logits(pp_model.hf_model)
-        self.split = None
-        if pp_model.cp_size > 1:
-            if self.pooled:  # one label per row: nothing to split over the sequence
-                raise ValueError("context parallelism in the pipeline trains causal LMs (labels per token), not "
-                                 "sequence classification: use context_parallel_size=1 for this model")
-            self.split = StepSplit(pp_model.hf_model, pp_model.num_microbatches)
+        self.split = StepSplit(pp_model.hf_model, pp_model.num_microbatches) if pp_model.cp_size > 1 else None
 
     def _stage_rng(self):
         """A context for each pass of the step: this stage's stream (one draw of the default

@@ -204,9 +204,26 @@ def check_pipeline_batches_refused():
         pp_model.run_train(input_ids=ids, labels=labels)
 
 
+def check_pipeline_model_refused():
+    import transformers
+
+    from nxd_hf import parallel_state
+    from nxd_hf.pipeline.model import NxDPPModel
+
+    _, model = hf_parity.build_pair("llama", num_attention_heads=4, num_hidden_layers=4)
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2, context_parallel_size=2)
+    with pytest.raises(ValueError, match="needs a Hugging Face model parallelized by"):
+        NxDPPModel(model, num_microbatches=2)  # not through parallelize: nothing splits the sequence
+    _, model = hf_parity.build_pair("llama", num_attention_heads=4, num_hidden_layers=4,
+                                    task_model_cls=transformers.LlamaForSequenceClassification, num_labels=3)
+    with pytest.raises(ValueError, match="not sequence classification"):
+        nxd_hf.parallelize(model, pipeline_parallel_size=2, context_parallel_size=2, num_microbatches=2)
+
+
 def test_pp2_cp2_refuses_bad_input(ranks4):
     ranks4.run(check_pipeline_masks_refused)
     ranks4.run(check_pipeline_batches_refused)
+    ranks4.run(check_pipeline_model_refused)
 
 
 # -- world 4: expert x context parallelism

@@ -38,6 +38,7 @@ import inspect
 from nxd_hf import backend, parallel_state
 from nxd_hf.checkpoint.consolidate import save_pretrained
 from nxd_hf.context import check_context_parallel, install_context_parallel
+from nxd_hf.context.model import router_token_mask
 from nxd_hf.fsdp import DataParallelSharding, check_data_parallel_sharding, shard_data_parallel
 from nxd_hf.model_setup import LocalSetup, SetupRecord, finish_parallel_model
 from nxd_hf.model_setup.activation_checkpoint import decoder_layer_types
@@ -162,7 +163,7 @@ def parallelize(
         install_context_parallel(model, kind=context_parallel_attention, sequence_parallel=sequence_parallel)
         check = install_input_check(model, check_inputs)
     if sizes.pp == 1:  # the pipeline computes the global aux loss itself (pipeline.router_aux)
-        install_global_aux_loss(model)
+        install_global_aux_loss(model, token_mask=router_token_mask if sizes.cp > 1 else None)
     setup = LocalSetup(load_weights=load_weights, param_init_fn=param_init_fn, buffer_init=getattr(model, "_init_weights", None),
                        add_adapters=_adapters(model, lora_config, autocast_adapter_dtype),
                        activation_checkpoint_config=activation_checkpoint_config,

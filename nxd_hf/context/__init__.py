@@ -21,9 +21,3 @@ def check_context_parallel(context_parallel_size, context_parallel_attention, *,
     as_kind(context_parallel_attention)
     if context_parallel_size == 1:
         return
-    if pipeline_parallel_size > 1:
-        raise ValueError(f"context_parallel_size={context_parallel_size} with pipeline_parallel_size="
-                         f"{pipeline_parallel_size} is not supported yet: use one of the two")
-    if expert_parallel_size > 1:
-        raise ValueError(f"context_parallel_size={context_parallel_size} with expert_parallel_size="
-                         f"{expert_parallel_size} is not supported yet: use one of the two")

@@ -8,6 +8,7 @@ packed documents, padding keys) set by the model's input split (``nxd_hf.context
 """
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from nxd_hf import parallel_state
 from nxd_hf.context.ring import RingAttention
@@ -49,6 +50,9 @@ def _attention(kind: str):
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         """q [b, hq, s/cp, d], k/v [b, hkv, s/cp, d] -> ([b, s/cp, hq, d], None), as HF's sdpa."""
         _check_unsupported(module, dropout, kwargs)
+        if isinstance(query, FakeTensor) or query.device.type == "meta":
+            # the pipeline's shape propagation (no batch, no peers): the output's shape and dtype
+            return query.transpose(1, 2).contiguous(), None
         batch = current_batch()
         if query.shape[2] != 2 * batch.chunk:
             raise ValueError(f"context-parallel attention got {query.shape[2]} tokens but the current batch gives this "

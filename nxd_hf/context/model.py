@@ -51,10 +51,6 @@ def install_context_parallel(model: nn.Module, *, kind: str, sequence_parallel: 
     if cp_size == 1:
         return
     kind = resolve_attention(kind)
-    if getattr(model.config, "output_router_logits", False):
-        raise ValueError("context parallelism does not compute the mixture-of-experts load-balancing loss over the "
-                         "whole sequence yet (each rank would see its own tokens only): set the config's "
-                         "output_router_logits=False, or use context_parallel_size=1")
     tp_size = parallel_state.get_tensor_model_parallel_size()
     for module in model.modules():
         if hasattr(module, "num_key_value_groups") and hasattr(module, "head_dim"):
@@ -63,6 +59,7 @@ def install_context_parallel(model: nn.Module, *, kind: str, sequence_parallel: 
     register()
     model.set_attn_implementation(IMPLEMENTATIONS[kind])
     multiple = 2 * cp_size * (tp_size if sequence_parallel else 1)
+    model.context_parallel_multiple = multiple  # the pipeline splits its step's inputs itself (pipeline.context)
     model.register_forward_pre_hook(_split_hook(multiple), with_kwargs=True, prepend=True)
     model.register_forward_hook(_gather_logits)
     _wrap_loss(model)
@@ -160,3 +157,12 @@ def _wrap_loss(model: nn.Module) -> None:
         return ContextLossSum.apply(local_loss(logits, labels, vocab_size, **kwargs), group)
 
     model.loss_function = loss_function
+
+
+def router_token_mask(num_tokens: int) -> torch.Tensor:
+    """The mask of the router logits' ``num_tokens`` tokens (this rank's, flattened) that HF's
+    load-balancing loss counts: the batch's real, unmasked tokens (``nxd_hf.moe.replica_aux``
+    sums their statistics over the data x context group, so the loss is the whole sequence's)."""
+    batch = current_batch()
+    assert num_tokens % (2 * batch.chunk) == 0, (num_tokens, batch.chunk)
+    return batch.token_mask(num_tokens // (2 * batch.chunk)).reshape(-1)

@@ -74,6 +74,13 @@ class ContextBatch:
         full[:, order.to(full.device)] = gathered
         return full[:, :self.num_tokens]
 
+    def token_mask(self, rows: int) -> torch.Tensor:
+        """[rows, 2 x chunk] bool: which of this rank's tokens are the batch's (not the padding
+        added to a multiple of 2 x cp, nor masked out by the attention mask)."""
+        index = local_index(self.seq_len, self.cp_rank, self.cp_size).to(self.device)
+        valid = (index < self.num_tokens)[None].expand(rows, -1)
+        return valid if self.key_valid is None else valid & self.key_valid[:, index]
+
     @property
     def chunk(self) -> int:
         return self.seq_len // (2 * self.cp_size)

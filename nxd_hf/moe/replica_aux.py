@@ -37,27 +37,32 @@ from nxd_hf import parallel_state
 from nxd_hf.moe import aux_loss as aux
 
 
-def install_global_aux_loss(model: nn.Module) -> bool:
+def install_global_aux_loss(model: nn.Module, token_mask=None) -> bool:
     """Make ``model``'s (an HF MoE causal LM's) aux loss the global batch's over the data-parallel
     group (module docstring), whenever a forward computes one (``output_router_logits`` in the
     config or the call). True when installed: the model is an MoE causal LM and dp > 1."""
     if parallel_state.get_data_parallel_size() == 1 or not all(
             hasattr(model, name) for name in ("router_aux_loss_coef", "num_experts", "num_experts_per_tok")):
         return False
-    model.register_forward_hook(_GlobalAuxLoss(model.num_experts, model.num_experts_per_tok), with_kwargs=True)
+    model.register_forward_hook(_GlobalAuxLoss(model.num_experts, model.num_experts_per_tok, token_mask),
+                                with_kwargs=True)
     return True
 
 
 class _GlobalAuxLoss:
     """The forward hook (see the module docstring)."""
 
-    def __init__(self, num_experts: int, top_k: int):
+    def __init__(self, num_experts: int, top_k: int, token_mask=None):
         self.num_experts, self.top_k = num_experts, top_k
+        # context parallelism: each rank routes a part of every sequence, and its forward got no
+        # attention mask; token_mask(n) gives the tokens to count (evaluation included: the
+        # forward already runs collectives over the CP group)
+        self.token_mask = token_mask
         self.warned = False
 
     def __call__(self, module, args, kwargs, output):
-        if not (module.training and torch.is_grad_enabled()):  # evaluation, generate(): no collective
-            return None
+        if not (module.training and torch.is_grad_enabled()) and self.token_mask is None:
+            return None  # evaluation, generate(): no collective
         local = getattr(output, "aux_loss", None) if not isinstance(output, tuple) else None
         logits = getattr(output, "router_logits", None) if not isinstance(output, tuple) else None
         if not isinstance(local, torch.Tensor) or not isinstance(logits, tuple) or not logits:
@@ -68,11 +73,13 @@ class _GlobalAuxLoss:
         mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
         mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
         logits = [layer.reshape(-1, layer.shape[-1]) for layer in logits]
-        stats = self._global_statistics(logits, mask, local)
+        counted = mask if self.token_mask is None else self.token_mask(logits[0].shape[0])
+        stats = self._global_statistics(logits, mask, local, counted)
         if stats is None:
             return None
         weights = aux.gradient_weights(stats, self.num_experts, coef=1.0)
-        surrogate = torch.stack([aux.surrogate_loss(layer, weights, mask).to(local.device) for layer in logits]).sum()
+        surrogate = torch.stack([aux.surrogate_loss(layer, weights, counted).to(local.device)
+                                 for layer in logits]).sum()
         dp = parallel_state.get_data_parallel_size()
         gradient_only = dp * (surrogate - surrogate.detach())
         term = aux.aux_loss(stats, self.num_experts).to(local.dtype) + gradient_only.to(local.dtype)
@@ -81,15 +88,22 @@ class _GlobalAuxLoss:
         output.aux_loss = term
         return output
 
-    def _global_statistics(self, logits: list[torch.Tensor], mask, local: torch.Tensor) -> torch.Tensor | None:
-        """The partial sums summed over the data group, or None (every rank alike) when on some
-        replica they do not give HF's own aux loss back (an architecture with another formula)."""
-        stats = aux.empty_statistics(self.num_experts, local.device)
+    def _statistics(self, logits: list[torch.Tensor], mask, device) -> torch.Tensor:
+        stats = aux.empty_statistics(self.num_experts, device)
         for layer in logits:
-            stats += aux.router_statistics(layer, num_experts=self.num_experts, top_k=self.top_k, mask=mask).to(
-                local.device)
+            stats += aux.router_statistics(layer, num_experts=self.num_experts, top_k=self.top_k, mask=mask).to(device)
+        return stats
+
+    def _global_statistics(self, logits: list[torch.Tensor], mask, local: torch.Tensor,
+                           counted) -> torch.Tensor | None:
+        """The partial sums of the ``counted`` tokens summed over the data group, or None (every
+        rank alike) when on some replica the sums of HF's ``mask`` do not give HF's own aux loss
+        back (an architecture with another formula)."""
+        stats = self._statistics(logits, mask, local.device)
         mine = aux.aux_loss(stats, self.num_experts)
         differs = ~torch.isclose(mine, local.detach().float().to(mine.device), rtol=1e-3, atol=1e-6)
+        if counted is not mask:
+            stats = self._statistics(logits, counted, local.device)
         stats = aux.reduce_statistics(torch.cat([stats, differs.float().reshape(1)]),
                                       [parallel_state.get_data_parallel_group()])
         if stats[-1] > 0:

@@ -19,6 +19,7 @@ from torch import nn
 
 from nxd_hf import backend, parallel_state
 from nxd_hf.pipeline import partition
+from nxd_hf.pipeline.context import context_parallel_size, with_position_ids
 from nxd_hf.pipeline.nxd_inputs import (
     default_microbatches, layer_kwargs_in_signature_order, named_inputs, outputs_as_tuple,
 )
@@ -101,6 +102,9 @@ class NxDPPModel(nn.Module):
             setup = _local_setup(setup, param_init_fn, activation_checkpoint_config, use_zero1_optimizer,
                                  buffer_init=getattr(module, "_init_weights", None))
             self.input_names = list(input_names or ["input_ids", "attention_mask", "labels"])
+            self.cp_size = context_parallel_size(module)
+            if self.cp_size > 1:
+                self.input_names = with_position_ids(self.input_names)
             self.config = getattr(module, "config", None)
             self.layer_types = decoder_layer_types(module, transformer_layer_cls)
             # NxD's attribute: the class (a tuple only when several were given)

@@ -22,6 +22,8 @@ from torch.nn.modules.dropout import _DropoutNd
 from nxd_hf import backend, parallel_state
 from nxd_hf.guards.input_check import check_step_inputs
 from nxd_hf.moe import aux_loss as aux
+from nxd_hf.context.attention import current_batch
+from nxd_hf.pipeline.context import StepSplit
 from nxd_hf.pipeline.failure import raise_on_every_rank
 from nxd_hf.pipeline.pooled_loss import pooled_loss_share, row_normalizer, takes_pooled_logits
 from nxd_hf.pipeline.router_aux import microbatch_masks
@@ -85,6 +87,7 @@ class StepRunner:
         self._dropout = None  # whether some stage has dropout: agreed over the pipeline on the first step
         # sequence classification: the graph ends in pooled logits [b, num_labels], the loss counts rows
         self.pooled = pp_model.is_hf and takes_pooled_logits(pp_model.hf_model)
+        self.split = StepSplit(pp_model.hf_model, pp_model.num_microbatches) if pp_model.cp_size > 1 else None
 
     def _stage_rng(self):
         """A context for each pass of the step: this stage's stream (one draw of the default
@@ -105,8 +108,9 @@ class StepRunner:
         if self.pooled:
             return pooled_loss_share(original, output, labels, self.num_items)
         if self.model.is_hf:  # the model's own loss (vocab-parallel under TP) on the logits
+            shifted = {} if self.split is None else {"shift_labels": labels}  # CP shifted them before the split
             return original.loss_function(logits=output, labels=labels, vocab_size=original.config.vocab_size,
-                                          num_items_in_batch=self.num_items)
+                                          num_items_in_batch=self.num_items, **shifted)
         # a plain module returns its loss (picked by output_loss_value_spec), a microbatch mean
         return _select_loss(output, self.model.output_loss_value_spec) / self.model.num_microbatches
 
@@ -154,6 +158,11 @@ class StepRunner:
             inputs = {**inputs, "attention_mask": torch.ones_like(inputs["input_ids"])}
         normalizer = row_normalizer if self.pooled else loss_normalizer
         self.num_items = normalizer(labels, step_count) if model.is_hf else None
+        if self.split is not None:  # this CP rank's chunks of the sequence (nxd_hf.pipeline.context)
+            inputs, labels = self.split(inputs)
+            # HF builds no mask for CP attention; the router loss counts the tokens this one keeps
+            ids = inputs["input_ids"]
+            inputs["attention_mask"] = current_batch().token_mask(ids.shape[0]).to(ids.dtype)
         names = [name for name in model.input_names if name != "labels" or not model.is_hf]
         first, last = 0 in model.local_stage_ids, model.num_stages - 1 in model.local_stage_ids
         losses = [] if last else None
@@ -186,7 +195,10 @@ class StepRunner:
             losses = [l + aux_value.to(l.device) / len(losses) for l in losses]
         loss = self._reduce_losses(losses)
         if return_logits:
-            return loss, self._logits_everywhere(outputs if last else None, inputs[model.input_names[0]].shape)
+            logits = self._logits_everywhere(outputs if last else None, inputs[model.input_names[0]].shape)
+            if self.split is not None:  # the whole sequence's, in order
+                logits = current_batch().gather(logits, parallel_state.get_context_parallel_group())
+            return loss, logits
         return loss
 
     def _router_aux_pass(self, schedule, inputs: dict, step_args, step_kwargs, last: bool, train: bool,

@@ -258,18 +258,10 @@ def test_all_to_all_refuses_heads_not_divisible(ranks2):
                context_parallel_size=2)
 
 
-def check_router_loss_refused():
-    from support import moe
-
-    _, model = moe.build_pair("mixtral")
-    with pytest.raises(ValueError, match="output_router_logits=False"):
-        nxd_hf.parallelize(model, context_parallel_size=2)
-
-
 def test_context_parallel_refuses_bad_input(ranks2):
-    ranks2.run(check_router_loss_refused)
     ranks2.run(check_refusal, "sideways", {}, "context_parallel_attention must be", context_parallel_size=2)
-    ranks2.run(check_refusal, "ring", {}, "pipeline_parallel_size", context_parallel_size=2, pipeline_parallel_size=2)
+    # pp x cp is world 4 at least: a world of 2 cannot hold it
+    ranks2.run(check_refusal, "ring", {}, "context_parallel_size", context_parallel_size=2, pipeline_parallel_size=2)
 
 
 def check_different_batches_refused():

@@ -135,7 +135,8 @@ class ConcreteTracer(fx.Tracer):
         args, kwargs = fx.node.map_aggregate(args, unwrap), fx.node.map_aggregate(kwargs, unwrap)
         if kind == "get_attr":
             owner, _, name = target.rpartition(".")
-            return getattr(self.root.get_submodule(owner) if owner else self.root, name)
+            with untraced_module_calls():  # fx's patched getattr would answer a parameter with a new proxy
+                return getattr(self.root.get_submodule(owner) if owner else self.root, name)
         if kind == "call_function":
             return target(*args, **kwargs)
         if kind == "call_method":

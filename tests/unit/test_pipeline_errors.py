@@ -30,7 +30,7 @@ def test_valid_schedules_pass():
 
 def _runner(num_microbatches=4):
     model = types.SimpleNamespace(num_microbatches=num_microbatches, input_names=["input_ids", "attention_mask", "labels"],
-                                  is_hf=False)
+                                  is_hf=False, cp_size=1)
     return StepRunner(model)
 
 

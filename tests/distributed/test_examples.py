@@ -4,22 +4,19 @@ what CI runs; the other examples and every command of their docstrings (capped s
 their scripts on the ranks of a pool (``run_on_ranks``: what torchrun starts, less the launch,
 which the torchrun tests here and in test_lightning.py cover)."""
 
-import contextlib
-import io
 import json
 import os
 import re
-import runpy
 import socket
 import subprocess
 import sys
-from unittest import mock
 
 import pytest
 import torch
 import transformers
 
 from support.paths import REPO
+from support.scripts import loss_fell, run_on_ranks
 
 ROOT = str(REPO)
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -33,32 +30,6 @@ def _check(result) -> str:
 def run_example(script: str, nproc: int, *args: str) -> str:
     command = [*TORCHRUN, "--nproc_per_node", str(nproc), script, *args]
     return _check(subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600))
-
-
-def _script_on_rank(script: str, args: list[str]) -> str:
-    """``script`` as ``torchrun`` would start it on this rank (the pool's ranks have torchrun's
-    environment: RANK, WORLD_SIZE, MASTER_ADDR...), from the repository root; the script's closing
-    ``destroy_process_group`` is skipped, as the pool keeps its group. Returns what it printed."""
-    out, cwd, argv = io.StringIO(), os.getcwd(), sys.argv
-    try:
-        os.chdir(ROOT)
-        sys.argv = [script, *args]
-        with mock.patch("torch.distributed.destroy_process_group"), contextlib.redirect_stdout(out), \
-                contextlib.redirect_stderr(io.StringIO()):
-            runpy.run_path(script, run_name="__main__")
-    finally:
-        os.chdir(cwd)
-        sys.argv = argv
-    return out.getvalue()
-
-
-def run_on_ranks(rank_pools, script: str, nproc: int, *args: str) -> str:
-    """``torchrun --nproc_per_node nproc script *args`` on the pool's ranks; rank 0's output. The
-    pool is closed after: a script leaves process-wide state (Trainer, Lightning) behind."""
-    try:
-        return rank_pools.get(nproc).run(_script_on_rank, script, list(args), timeout_s=600)[0]
-    finally:
-        rank_pools.close()
 
 
 def run_one_process(script: str, *args: str) -> str:
@@ -99,16 +70,10 @@ def check_lightning_matches_one_process(args: list[str], one_process_args: list[
     torch.testing.assert_close(ours, reference, rtol=0, atol=2e-4, msg=lambda m: f"{args}: {m}\n{outs}")
 
 
-def _loss_fell(out: str) -> tuple[float, float]:
-    first, last = map(float, re.search(r"loss fell from ([\d.]+) to ([\d.]+)", out).groups())
-    assert last < first, out
-    return first, last
-
-
 def test_finetune_causal_lm_tp2_output_loads_in_transformers(no_rank_pool, tmp_path):
     """The README's main job (capped): the loss falls and the saved model opens in transformers."""
     out = run_example("examples/finetune_causal_lm.py", 2, "--max_steps", "30", "--output_dir", str(tmp_path))
-    first, last = _loss_fell(out)
+    first, last = loss_fell(out)
     assert last < first - 0.5, out
     model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "final")
     assert model(input_ids=torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, 301)
@@ -116,12 +81,12 @@ def test_finetune_causal_lm_tp2_output_loads_in_transformers(no_rank_pool, tmp_p
 
 def test_finetune_causal_lm_pp2_zero1_lora(rank_pools, tmp_path):
     """pp=2; then LoRA with ZeRO-1 over dp=2 (adapters' state sharded); the adapter is saved."""
-    _loss_fell(run_on_ranks(rank_pools, "examples/finetune_causal_lm.py", 2, "--pp", "2", "--max_steps", "12",
+    loss_fell(run_on_ranks(rank_pools, "examples/finetune_causal_lm.py", 2, "--pp", "2", "--max_steps", "12",
                             "--logging_steps", "4", "--output_dir", str(tmp_path / "pp")))
     out = run_on_ranks(rank_pools, "examples/finetune_causal_lm.py", 2, "--lora", "--zero1", "--tp", "1",
                        "--max_steps", "12", "--logging_steps", "4", "--learning_rate", "1e-2",
                        "--output_dir", str(tmp_path / "lora"))
-    _loss_fell(out)
+    loss_fell(out)
     assert os.path.exists(tmp_path / "lora" / "final" / "adapter_model.safetensors"), out
 
 
@@ -139,9 +104,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_nodes_then_one_node_resumes(no_rank_pool, tmp_path):
+def test_two_nodes_then_one_node_resumes(rank_pools, tmp_path):
     """Two torchrun agents (--nnodes 2, c10d rendezvous on localhost, one process each) train with
-    tp=2 spanning them and save checkpoint-10; one node with two processes resumes it."""
+    tp=2 spanning them and save checkpoint-10; one node with two processes resumes it (on the pool's
+    ranks: the one-node launch is the README job's test above)."""
+    rank_pools.close()  # the agents' processes only
     job = ["examples/finetune_causal_lm.py", "--tp", "2", "--output_dir", str(tmp_path), "--save_strategy", "steps",
            "--save_steps", "10"]
     agent = [*TORCHRUN, "--nnodes", "2", "--nproc_per_node", "1", "--rdzv-backend", "c10d", "--rdzv-id", "nxd_hf_test",
@@ -154,7 +121,7 @@ def test_two_nodes_then_one_node_resumes(no_rank_pool, tmp_path):
     two_nodes = "".join(stdout for stdout, _ in outs)
     assert "steps 10..10 on 2 tp x 1 pp x 1 dp" in two_nodes, two_nodes
     assert os.path.isdir(tmp_path / "checkpoint-10")
-    resumed = run_example(*job[:1], 2, *job[1:], "--max_steps", "16", "--resume_from_checkpoint", "true")
+    resumed = run_on_ranks(rank_pools, *job[:1], 2, *job[1:], "--max_steps", "16", "--resume_from_checkpoint", "true")
     assert f"resuming from {tmp_path / 'checkpoint-10'}" in resumed, resumed
     assert "steps 10..16 on 2 tp x 1 pp x 1 dp" in resumed, resumed  # step 10's log comes with the state
 
@@ -170,7 +137,7 @@ def test_readme_first_screen_is_what_ci_runs():
 
 
 def test_parallelize_causal_lm_loss_falls(rank_pools):
-    first, last = _loss_fell(run_on_ranks(rank_pools, "examples/parallelize_causal_lm.py", 2, "--steps", "25"))
+    first, last = loss_fell(run_on_ranks(rank_pools, "examples/parallelize_causal_lm.py", 2, "--steps", "25"))
     assert last < first - 1.0
 
 
@@ -181,7 +148,7 @@ def test_train_with_config_api_pp2_zero1_loss_falls(rank_pools, tmp_path):
     out = run_on_ranks(rank_pools, "examples/train_with_config_api.py", 4, "--pp", "2", "--zero1", "--steps", "12",
                       "--checkpoint-dir", ckpt, "--save-every", "6")
     assert "tp 1 x pp 2 x dp 2, zero1=True" in out, out
-    first, last = _loss_fell(out)
+    first, last = loss_fell(out)
     assert last < first - 1.0, out
     assert sorted(os.listdir(ckpt)) == ["checkpoints.json", "owner.json", "step12", "step6"]
     resumed = run_on_ranks(rank_pools, "examples/train_with_config_api.py", 4, "--tp", "2", "--zero1", "--steps", "16",
@@ -205,7 +172,7 @@ COVERED = {  # docstring command (as written, comment dropped) -> the test that 
     "torchrun --nproc_per_node 4 examples/train_with_config_api.py --pp 2 --zero1":
         "test_train_with_config_api_pp2_zero1_loss_falls",
     "torchrun --nproc_per_node 2 examples/sft_trl.py --tensor_parallel_size 2 --lora": "test_trl.py",
-    # under torchrun: the LoRA command; the other two layouts: test_dpo.py's parity cases in the rank pool
+    # the LoRA command: test_dpo.py runs the script; the other two layouts: its parity cases
     "torchrun --nproc_per_node 2 examples/dpo_trl.py --tensor_parallel_size 2 --lora": "test_dpo.py",
     "torchrun --nproc_per_node 2 examples/dpo_trl.py --tensor_parallel_size 2": "test_dpo.py",
     "torchrun --nproc_per_node 2 examples/dpo_trl.py --zero_1 true": "test_dpo.py",

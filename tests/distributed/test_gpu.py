@@ -18,6 +18,7 @@ import torch
 
 from support import ckpt
 from support import hf_parity, lora
+from support.scripts import loss_fell
 import test_architectures
 import test_checkpoint
 import test_examples
@@ -185,11 +186,11 @@ def test_one_rank_nccl(nccl):
 def test_examples_torchrun_one_gpu(script, args, tmp_path):
     """torchrun --nproc_per_node 1 on nccl (the default with a GPU)."""
     extra = ["--output_dir", str(tmp_path)] if "finetune" in script else []
-    test_examples._loss_fell(test_examples.run_example(script, 1, *args, *extra))
+    loss_fell(test_examples.run_example(script, 1, *args, *extra))
 
 
 def test_parallelize_example_two_ranks_one_gpu(cuda_gloo):
-    test_examples._loss_fell(test_examples.run_example("examples/parallelize_causal_lm.py", 2, "--steps", "20"))
+    loss_fell(test_examples.run_example("examples/parallelize_causal_lm.py", 2, "--steps", "20"))
 
 
 FINETUNE_LAUNCHES = {  # the launch on two ranks sharing the GPU, and its one-process twin
@@ -231,4 +232,4 @@ def test_plain_python_uses_the_gpu():
                             cwd=test_examples.ROOT, capture_output=True, text=True, timeout=600, env=env)
     out = test_examples._check(result)
     assert "on cuda:0" in out, out
-    test_examples._loss_fell(out)
+    loss_fell(out)

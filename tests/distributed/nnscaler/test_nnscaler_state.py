@@ -6,9 +6,6 @@ reference document under torchrun."""
 import copy
 import io
 import os
-import re
-import subprocess
-import sys
 import types
 
 import pytest
@@ -23,7 +20,6 @@ from nxd_hf.nnscaler import (
 )
 from nxd_hf.nnscaler.state_layout import layout_of, local_piece
 from support import hf_parity
-from support.paths import REPO
 
 
 TOL = hf_parity.TOL
@@ -385,30 +381,18 @@ def test_gen_savedir_reuse_and_broadcast(ranks2, tmp_path):
     ranks2.run(gen_savedir_case, str(tmp_path))
 
 
-ROOT = str(REPO)
-
-
-@pytest.mark.parametrize("args,launch", [
-    (["--example", "1", "--policy", "tp", "--plan_ngpus", "2", "--use_zero"], "torchrun"),
-    (["--example", "3", "--policy", "tp", "--plan_ngpus", "2"], "pool"),
+@pytest.mark.parametrize("args", [
+    ["--example", "1", "--policy", "tp", "--plan_ngpus", "2", "--use_zero"],
+    ["--example", "3", "--policy", "tp", "--plan_ngpus", "2"],
 ])
-def test_nnscaler_script(rank_pools, tmp_path, args, launch):
+def test_nnscaler_script(rank_pools, tmp_path, args):
     """A script written against the reference document (imports from nxd_hf.nnscaler) trains, and
-    the original module loaded with its merged state dicts computes the same outputs: under torchrun,
-    and (the second example; the launch is the same) as torchrun starts it, on the pool's ranks."""
-    from test_examples import run_on_ranks
+    the original module loaded with its merged state dicts computes the same outputs (as torchrun
+    starts it, on the pool's ranks: the launch itself is test_examples.py's)."""
+    from support.scripts import loss_fell, run_on_ranks
 
-    script_args = ["examples/nnscaler_example.py", *args, "--gen_savedir", str(tmp_path)]
-    if launch == "pool":
-        out = run_on_ranks(rank_pools, script_args[0], 4, *script_args[1:])
-    else:
-        rank_pools.close()  # torchrun's processes only
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", *script_args]
-        result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-        out = result.stdout
-    first, last = map(float, re.search(r"loss fell from ([\d.]+) to ([\d.]+)", out).groups())
-    assert last < first, out
+    out = run_on_ranks(rank_pools, "examples/nnscaler_example.py", 4, *args, "--gen_savedir", str(tmp_path))
+    loss_fell(out)
     assert "computes the parallel module's outputs" in out
 
 

@@ -10,8 +10,6 @@ examples/dpo_trl.py runs under torchrun."""
 
 import os
 import random
-import subprocess
-import sys
 import tempfile
 
 import peft
@@ -366,19 +364,17 @@ def test_dpo_trainer_refuses_at_dp2_what_replicas_cannot_split(ranks2):
     ranks2.run(refusal_case)
 
 
-@pytest.mark.usefixtures("no_rank_pool")
-def test_example_dpo_trl_under_torchrun(tmp_path):
-    """examples/dpo_trl.py (capped) at tp=2 with LoRA under torchrun: the reward margin grows, and
-    the adapter it saves loads in plain peft (the example's other layouts: the parity cases above)."""
+def test_example_dpo_trl(rank_pools, tmp_path):
+    """examples/dpo_trl.py (capped) at tp=2 with LoRA, as torchrun starts it (on the pool's ranks):
+    the reward margin grows, and the adapter it saves loads in plain peft (the example's other
+    layouts: the parity cases above)."""
     import json
 
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "examples/dpo_trl.py",
-               "--tensor_parallel_size", "2", "--lora", "--max_steps", "12", "--logging_steps", "4",
-               "--output_dir", str(tmp_path)]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "reward margin" in result.stdout, result.stdout[-3000:]
+    from support.scripts import run_on_ranks
+
+    out = run_on_ranks(rank_pools, "examples/dpo_trl.py", 2, "--tensor_parallel_size", "2", "--lora", "--max_steps",
+                       "12", "--logging_steps", "4", "--output_dir", str(tmp_path))
+    assert "reward margin" in out, out[-3000:]
     with open(tmp_path / "trainer_state.json") as f:
         margins = [h["rewards/margins"] for h in json.load(f)["log_history"] if "rewards/margins" in h]
     assert len(margins) == 3 and margins[-1] > margins[0], margins

@@ -299,24 +299,33 @@ def test_lightning_checkpoint_resumes_resharded(ranks2, tmp_path):
     ranks2.run(check_resume_resharded, str(tmp_path))
 
 
-def test_lightning_example_under_torchrun(no_rank_pool, tmp_path):
-    """examples/lightning_causal_lm.py (capped): 12 steps at tp=2, then resumed from its checkpoint
-    at dp=2 with ZeRO-1 for 8 more (--max-steps counts this run's steps); the loss falls, one rank
-    prints and logs, and the resumed run says where it starts."""
+def test_lightning_example_under_torchrun(rank_pools, tmp_path):
+    """examples/lightning_causal_lm.py (capped): 12 steps at tp=2 under torchrun, then resumed from
+    its checkpoint at dp=2 with ZeRO-1 for 8 more (--max-steps counts this run's steps; as torchrun
+    starts it, on the pool's ranks); the loss falls, one rank prints and logs, and the resumed run
+    says where it starts."""
     import subprocess
     import sys
 
+    from support.scripts import run_on_ranks
+
     root = str(REPO)
+    rank_pools.close()  # torchrun's processes only
 
     def run(*args):
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                   "examples/lightning_causal_lm.py", "--output-dir", str(tmp_path), *args]
-        result = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600)
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-        lines = [line for line in result.stdout.splitlines() if "loss fell from" in line]
-        assert len(lines) == 1, result.stdout[-3000:]  # one rank reports
+        script_args = ["--output-dir", str(tmp_path), *args]
+        if "--resume" in args:
+            stdout = run_on_ranks(rank_pools, "examples/lightning_causal_lm.py", 2, *script_args)
+        else:
+            command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                       "examples/lightning_causal_lm.py", *script_args]
+            result = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600)
+            assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+            stdout = result.stdout
+        lines = [line for line in stdout.splitlines() if "loss fell from" in line]
+        assert len(lines) == 1, stdout[-3000:]  # one rank reports
         first, last = map(float, lines[0].split("loss fell from ")[1].split(" to "))
-        return first, last, result.stdout
+        return first, last, stdout
 
     first, last, _ = run("--tp", "2", "--max-steps", "12")
     assert last < first - 0.5

@@ -402,10 +402,10 @@ def test_sft_example(rank_pools, tmp_path):
     """examples/sft_trl.py (capped) at tp=2 with LoRA, as torchrun starts it (on the pool's ranks:
     the launch is test_examples.py's): the loss falls; the adapter loads in peft."""
     import peft
-    from test_examples import _loss_fell, run_on_ranks
+    from support.scripts import loss_fell, run_on_ranks
 
     out = run_on_ranks(rank_pools, "examples/sft_trl.py", 2, "--tensor_parallel_size", "2", "--lora", "--max_steps",
                        "8", "--logging_steps", "4", "--eval_steps", "4", "--output_dir", str(tmp_path))
-    _loss_fell(out)
+    loss_fell(out)
     plain = peft.PeftModel.from_pretrained(model(), tmp_path / "final")
     assert sum("lora_B" in name for name, _ in plain.named_parameters()) == 2 * 2  # q_proj, v_proj x 2 layers

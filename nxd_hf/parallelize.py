@@ -172,6 +172,10 @@ def parallelize(
         from nxd_hf.pipeline.model import NxDPPModel  # step 4; it runs steps 5-10 on its stages
 
         pp_model = NxDPPModel(model, setup=setup, **pipeline_kwargs)
+        if data_parallel_sharding is not None:  # each local stage its own FSDP root over the DP group
+            shard_data_parallel(pp_model, data_parallel_sharding, policy=pp_model.nxd.grad_reduction,
+                                layer_types=pp_model.layer_types, shard_size=data_parallel_shard_size,
+                                roots=pp_model.local_modules())
         pp_model.save_pretrained = _save_pretrained(pp_model, lora_config)
         model.save_pretrained = _save_pretrained(pp_model, lora_config)  # the user's object: its stages' weights
         return pp_model

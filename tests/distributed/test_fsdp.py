@@ -151,7 +151,6 @@ def test_bytes_per_rank_zero3_dp2(ranks2):
 def check_refusals() -> None:
     parallel_state.destroy_model_parallel()
     for kwargs, match in ((dict(data_parallel_sharding="full_shard"), "must be one of"),
-                          (dict(data_parallel_sharding="zero3", pipeline_parallel_size=2), "pipeline_parallel_size"),
                           (dict(data_parallel_sharding="zero3", expert_parallel_size=2), "expert_parallel_size"),
                           (dict(data_parallel_sharding="zero3", context_parallel_size=2), "context_parallel_size")):
         _, model = hf_parity.build_pair("llama", attention_bias=False)
@@ -351,6 +350,43 @@ def check_trainer_checkpoints_and_resume(out_dir: str) -> None:
 def test_nxd_trainer_fsdp_checkpoints_and_resume(ranks2, tmp_path):
     ranks2.run(check_trainer_checkpoints_and_resume, str(tmp_path))
 
+
+
+def check_pipeline_fsdp_matches_hf(mode: str) -> None:
+    """pp=2 x dp=2: each stage's layers sharded over its DP group (each stage its own FSDP root),
+    the embedding tied to the LM head across the stages; several AdamW steps with clipping
+    against the one-process model (loss, norm, every gathered gradient, the parameters)."""
+    parallel_state.destroy_model_parallel()
+    reference, model = hf_parity.build_pair("llama", attention_bias=False, tie_word_embeddings=True)
+    pp_model = nxd_hf.parallelize(model, pipeline_parallel_size=2, data_parallel_sharding=mode, num_microbatches=2,
+                                  broadcast_and_average_loss=True)
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_size()
+    assert dp_size == 2 and all(is_dp_sharded(p) for p in pp_model.parameters())
+    assert pp_model.tied.local, "the embedding and the LM head are on different stages: a tie across them"
+    ref_params = dict(reference.named_parameters(remove_duplicate=False))  # tied: both names
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.1)
+    optimizer = torch.optim.AdamW(pp_model.parameters(), lr=LR, weight_decay=0.1)
+    for step, (ids, labels) in enumerate(_batches()):
+        ref_loss, ref_norm = _step(reference, ids, labels, dp_rank=0, dp_size=1, clip=torch.nn.utils.clip_grad_norm_)
+        loss = pp_model.run_train(input_ids=ids.chunk(dp_size)[dp_rank], labels=labels.chunk(dp_size)[dp_rank])
+        norm = clip_grad_norm(pp_model.parameters(), MAX_NORM)
+        assert ref_norm > MAX_NORM, "clipping must act"
+        torch.testing.assert_close(loss, ref_loss, **TOL)
+        torch.testing.assert_close(norm, ref_norm, **TOL)
+        for name, param in pp_model.named_parameters():
+            torch.testing.assert_close(_logical_grad(param), ref_params[name].grad, **TOL,
+                                       msg=lambda m: f"pp2 {mode} step {step} grad {name}: {m}")
+        for opt in (ref_optimizer, optimizer):
+            opt.step()
+            opt.zero_grad()
+    for name, param in pp_model.named_parameters():
+        torch.testing.assert_close(logical_tensor(param), ref_params[name].detach(), **TOL,
+                                   msg=lambda m: f"pp2 {mode} param {name}: {m}")
+
+
+@pytest.mark.parametrize("mode", ["zero3", "zero2"])
+def test_fsdp_matches_hf_pp2_dp2_tied_embedding(ranks4, mode):
+    ranks4.run(check_pipeline_fsdp_matches_hf, mode)
 
 
 def test_zero3_matches_hf_tp2_dp2_sequence_parallel(ranks4):

@@ -148,7 +148,8 @@ def parallelize(
     with fail_together("nxd_hf.parallelize"):  # no collective inside: a rank failing alone fails every rank
         check_data_parallel_sharding(data_parallel_sharding, pipeline_parallel_size=sizes.pp,
                                      expert_parallel_size=expert_parallel_size, lora_config=lora_config,
-                                     pipeline_kwargs=pipeline_kwargs, context_parallel_size=sizes.cp)
+                                     pipeline_kwargs=pipeline_kwargs, context_parallel_size=sizes.cp,
+                                     shard_size=data_parallel_shard_size)
         if pipeline_kwargs and sizes.pp == 1:
             raise ValueError(f"{sorted(pipeline_kwargs)} are pipeline options: they need pipeline_parallel_size > 1")
         if fused_loss and sizes.pp > 1:

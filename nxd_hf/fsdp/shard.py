@@ -29,6 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from nxd_hf import backend, parallel_state
+from nxd_hf.fsdp.experts import expert_data_mesh, expert_modules, shard_experts
 from nxd_hf.parallel_layers.sharding import full_tensor, has_partial_grad_over_tp
 
 DataParallelSharding = Literal["zero3", "zero2"]
@@ -37,7 +38,8 @@ _HOOKED = "_nxd_tp_partial_hook"  # marks an unsharded parameter whose gradient 
 
 
 def check_data_parallel_sharding(mode, *, pipeline_parallel_size: int, expert_parallel_size: int,
-                                 lora_config=None, pipeline_kwargs=None, context_parallel_size: int = 1) -> None:
+                                 lora_config=None, pipeline_kwargs=None, context_parallel_size: int = 1,
+                                 shard_size: int | None = None) -> None:
     """A clear ValueError for what ``data_parallel_sharding`` does not compose with (yet)."""
     if mode is None:
         return
@@ -47,9 +49,10 @@ def check_data_parallel_sharding(mode, *, pipeline_parallel_size: int, expert_pa
         raise ValueError(f"data_parallel_sharding={mode!r} already shards the optimizer state over the data-parallel "
                          "ranks: use a torch optimizer, not ZeRO-1 (use_zero1_optimizer)")
     refused = {
-        "expert_parallel_size > 1": expert_parallel_size > 1,
         # untested: the shard group would span the CP ranks, whose losses are sums, not means
         "context_parallel_size > 1": context_parallel_size > 1,
+        # untested: the experts would need their own hybrid mesh over the expert-data group
+        "expert_parallel_size > 1 and data_parallel_shard_size (HSDP)": expert_parallel_size > 1 and shard_size is not None,
     }
     for what, present in refused.items():
         if present:
@@ -78,8 +81,11 @@ def shard_data_parallel(model: nn.Module, mode: DataParallelSharding, *, policy,
                          "train fp32 parameters (with bf16 autocast) or turn fp32 gradient accumulation off")
     mesh = data_parallel_mesh(shard_size)
     reshard = mode == "zero3"
+    experts_mesh = expert_data_mesh() if parallel_state.get_expert_parallel_size() > 1 else None
     for root in roots:
         metadata = {name: dict(vars(p)) for name, p in root.named_parameters(remove_duplicate=False)}
+        for module in expert_modules(root) if experts_mesh is not None else ():  # before their layers claim them
+            shard_experts(module, experts_mesh, reshard_after_forward=reshard)
         for module in [m for m in root.modules() if layer_types and isinstance(m, layer_types)]:
             fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
         fully_shard(root, mesh=mesh, reshard_after_forward=reshard)

@@ -151,8 +151,9 @@ def test_bytes_per_rank_zero3_dp2(ranks2):
 def check_refusals() -> None:
     parallel_state.destroy_model_parallel()
     for kwargs, match in ((dict(data_parallel_sharding="full_shard"), "must be one of"),
-                          (dict(data_parallel_sharding="zero3", expert_parallel_size=2), "expert_parallel_size"),
-                          (dict(data_parallel_sharding="zero3", context_parallel_size=2), "context_parallel_size")):
+                          (dict(data_parallel_sharding="zero3", context_parallel_size=2), "context_parallel_size"),
+                          (dict(data_parallel_sharding="zero3", expert_parallel_size=2, data_parallel_shard_size=1),
+                           "data_parallel_shard_size")):
         _, model = hf_parity.build_pair("llama", attention_bias=False)
         with pytest.raises(ValueError, match=match):
             nxd_hf.parallelize(model, **kwargs)
@@ -387,6 +388,74 @@ def check_pipeline_fsdp_matches_hf(mode: str) -> None:
 @pytest.mark.parametrize("mode", ["zero3", "zero2"])
 def test_fsdp_matches_hf_pp2_dp2_tied_embedding(ranks4, mode):
     ranks4.run(check_pipeline_fsdp_matches_hf, mode)
+
+
+def _route_to_first_experts(model, count: int) -> None:
+    """Every token to experts ``< count``: the second expert-parallel rank's experts get none."""
+    def hook(_module, _inputs, output):
+        logits, scores, indices = output
+        return logits, scores, indices % count
+    for name, module in model.named_modules():
+        if name.endswith("mlp.gate"):
+            module.register_forward_hook(hook)
+
+
+def check_expert_parallel_fsdp_matches_hf(model_type: str, mode: str, starve: bool = False) -> None:
+    """ep=2 x dp=4 on a MoE model: the experts sharded over the expert-data group (2 ranks), the
+    rest over DP (4); AdamW steps with clipping against the one-process model (loss, norm, every
+    gathered gradient, the parameters). ``starve``: one rank's experts get no token (their zero
+    gradients still join FSDP2's reduce-scatter)."""
+    from support import moe_ep
+
+    parallel_state.destroy_model_parallel()
+    reference, model = moe_ep.build_pair(model_type)
+    for m in (reference, model) if starve else ():
+        _route_to_first_experts(m, moe_ep.config(model_type).num_experts // 2)
+        m.config._experts_implementation = "eager"  # a loop over the experts hit: the others get no gradient
+    nxd_hf.parallelize(model, expert_parallel_size=2, data_parallel_sharding=mode)
+    dp, dp_rank = parallel_state.get_data_parallel_size(), parallel_state.get_data_parallel_rank()
+    experts = moe_ep.expert_params(model)
+    assert experts and all(is_dp_sharded(p) for p in model.parameters())
+    edp_ranks = tuple(torch.distributed.get_process_group_ranks(parallel_state.get_expert_data_parallel_group()))
+    for name, param in model.named_parameters():
+        group = param.device_mesh.get_group(0)
+        want = edp_ranks if name in experts else tuple(range(dp))
+        assert tuple(torch.distributed.get_process_group_ranks(group)) == want, name
+    ref_params = dict(reference.named_parameters())
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    for step in range(STEPS):
+        ids, labels = moe_ep.global_batch(step, dp)
+        ref_loss = reference(input_ids=ids, labels=labels).loss
+        ref_loss.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)
+        ids, labels = moe_ep.rank_batch(step, dp_rank)
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        norm = clip_grad_norm(model.parameters(), MAX_NORM)
+        assert ref_norm > MAX_NORM, "clipping must act"
+        loss = loss.detach()
+        torch.distributed.all_reduce(loss, group=parallel_state.get_data_parallel_group())
+        torch.testing.assert_close(loss / dp, ref_loss.detach(), **TOL)  # every rank has as many labels
+        torch.testing.assert_close(norm, ref_norm, **TOL)
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(_logical_grad(param), ref_params[name].grad, **TOL,
+                                       msg=lambda m: f"ep2 {mode} step {step} grad {name}: {m}")
+        for opt in (ref_optimizer, optimizer):
+            opt.step()
+            opt.zero_grad()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(logical_tensor(param), ref_params[name].detach(), **TOL,
+                                   msg=lambda m: f"ep2 {mode} param {name}: {m}")
+
+
+@pytest.mark.parametrize("model_type,mode", [("qwen3_moe", "zero3"), ("mixtral", "zero2")])
+def test_fsdp_matches_hf_ep2_dp4_experts_over_expert_data(ranks4, model_type, mode):
+    ranks4.run(check_expert_parallel_fsdp_matches_hf, model_type, mode)
+
+
+def test_fsdp_matches_hf_ep2_dp4_rank_without_tokens(ranks4):
+    ranks4.run(check_expert_parallel_fsdp_matches_hf, "qwen3_moe", "zero3", starve=True)
 
 
 def test_zero3_matches_hf_tp2_dp2_sequence_parallel(ranks4):

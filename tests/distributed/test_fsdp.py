@@ -46,12 +46,29 @@ def _logical_grad(param):
     return full.t() if getattr(param, "hf_transposed", False) else full
 
 
-def check_fsdp_matches_hf(mode: str, tp: int, sp: bool, shard_size: int | None = None) -> None:
-    """``shard_size``: HSDP, sharded over that many DP ranks and replicated across the groups."""
+def check_offload_policy(model) -> None:
+    """Every FSDP module of ``model`` (the layers and the root) has FSDP2's CPUOffloadPolicy, and
+    every parameter it manages is offloaded (its shard in host memory)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+
+    fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    assert len(fsdp_modules) == model.config.num_hidden_layers + 1, len(fsdp_modules)
+    for module in fsdp_modules:
+        group = module._get_fsdp_state()._fsdp_param_group
+        assert isinstance(group.offload_policy, CPUOffloadPolicy), type(module)
+        assert all(p.offload_to_cpu for p in group.fsdp_params)
+    assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+def check_fsdp_matches_hf(mode: str, tp: int, sp: bool, shard_size: int | None = None, offload: bool = False) -> None:
+    """``shard_size``: HSDP, sharded over that many DP ranks and replicated across the groups.
+    ``offload``: FSDP2's CPU offload (on a CPU a no-op device-wise; the path is the same)."""
     parallel_state.destroy_model_parallel()
     reference, model = hf_parity.build_pair("llama", attention_bias=False)
     nxd_hf.parallelize(model, tensor_parallel_size=tp, sequence_parallel=sp, data_parallel_sharding=mode,
-                       data_parallel_shard_size=shard_size)
+                       data_parallel_shard_size=shard_size, data_parallel_offload=offload)
+    if offload:
+        check_offload_policy(model)
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_size()
     assert dp_size == torch.distributed.get_world_size() // tp and all(is_dp_sharded(p) for p in model.parameters())
     mesh = next(model.parameters()).device_mesh
@@ -91,6 +108,10 @@ def test_zero3_matches_hf_dp2(ranks2):
 
 def test_zero2_matches_hf_dp2(ranks2):
     ranks2.run(check_fsdp_matches_hf, "zero2", 1, False)
+
+
+def test_zero3_cpu_offload_matches_hf_dp2(ranks2):
+    ranks2.run(check_fsdp_matches_hf, "zero3", 1, False, offload=True)
 
 
 def _storage_bytes(tensors) -> int:
@@ -152,6 +173,7 @@ def check_refusals() -> None:
     parallel_state.destroy_model_parallel()
     for kwargs, match in ((dict(data_parallel_sharding="full_shard"), "must be one of"),
                           (dict(data_parallel_sharding="zero3", context_parallel_size=2), "context_parallel_size"),
+                          (dict(data_parallel_offload=True), "need data_parallel_sharding"),
                           (dict(data_parallel_sharding="zero3", expert_parallel_size=2, data_parallel_shard_size=1),
                            "data_parallel_shard_size")):
         _, model = hf_parity.build_pair("llama", attention_bias=False)
@@ -170,17 +192,25 @@ def test_refusals(ranks2):
     ranks2.run(check_refusals)
 
 
-def check_trainer_matches_trainer(fsdp: str, accumulate: int) -> None:
-    """NxDTrainer(fsdp=...) at dp=2 against transformers.Trainer on one process: logged losses and
-    grad norms every step, final parameters."""
+def check_trainer_matches_trainer(fsdp: str, accumulate: int, fsdp_config: dict | None = None) -> None:
+    """NxDTrainer(fsdp=...) at dp = world (2, or 4 for HSDP) against transformers.Trainer on one
+    process (the same global batch of 4): logged losses and grad norms every step, final parameters."""
     import tempfile
 
     from test_nxd_trainer import STEPS as TRAINER_STEPS, _losses, _run_case
 
+    dp = torch.distributed.get_world_size()
     with tempfile.TemporaryDirectory() as out_dir:
-        ref, ours = _run_case(out_dir, batch=4 // accumulate, accumulate=accumulate, fsdp=fsdp)
-    assert ours.args.data_parallel_sharding == {"full_shard": "zero3", "shard_grad_op": "zero2"}[fsdp.split()[0]]
+        ref, ours = _run_case(out_dir, batch=4 // dp // accumulate, accumulate=accumulate, fsdp=fsdp,
+                              fsdp_config=fsdp_config)
+    modes = {"full_shard": "zero3", "shard_grad_op": "zero2", "hybrid_shard": "zero3", "hybrid_shard_zero2": "zero2"}
+    assert ours.args.data_parallel_sharding == modes[fsdp.split()[0]]
     assert all(is_dp_sharded(p) for p in ours.nxd_model.parameters())
+    shard_size = (fsdp_config or {}).get("dp_shard_size")
+    mesh = next(ours.nxd_model.parameters()).device_mesh
+    assert mesh.shape == ((dp // shard_size, shard_size) if shard_size else (dp,)), mesh
+    if "offload" in fsdp:
+        check_offload_policy(ours.nxd_model.nxd.hf_model)
     for key in ("loss", "grad_norm"):
         got, want = _losses(ours, key), _losses(ref, key)
         assert [s for s, _ in got] == [s for s, _ in want] == list(range(1, TRAINER_STEPS + 1)), (key, got)
@@ -190,7 +220,8 @@ def check_trainer_matches_trainer(fsdp: str, accumulate: int) -> None:
         torch.testing.assert_close(logical_tensor(param), ref_params[name].detach(), **TOL, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("fsdp,accumulate", [("full_shard auto_wrap", 1), ("shard_grad_op", 2)])
+@pytest.mark.parametrize("fsdp,accumulate", [("full_shard auto_wrap", 1), ("shard_grad_op", 2),
+                                              ("full_shard offload", 1)])
 def test_nxd_trainer_fsdp_matches_trainer(ranks2, fsdp, accumulate):
     ranks2.run(check_trainer_matches_trainer, fsdp, accumulate)
 
@@ -203,7 +234,15 @@ def test_trainer_arguments_read_hf_fsdp_and_refuse_the_rest():
     assert read_hf_fsdp(True, {"reshard_after_forward": False}).data_parallel_sharding == "zero2"
     assert read_hf_fsdp("full_shard", {"activation_checkpointing": True}).activation_checkpointing
     assert read_hf_fsdp(None, None).data_parallel_sharding is None
-    for fsdp, config, match in (("full_shard offload", None, "offload"), ("hybrid_shard", None, "HSDP"),
+    request = read_hf_fsdp("full_shard offload", None)
+    assert request.data_parallel_sharding == "zero3" and request.offload and request.shard_size is None
+    assert read_hf_fsdp("offload", None).data_parallel_sharding == "zero3"  # alone: full_shard offload
+    assert read_hf_fsdp("shard_grad_op", {"offload_params": "true"}).offload
+    request = read_hf_fsdp("hybrid_shard_zero2 auto_wrap", {"fsdp_dp_shard_size": 2})
+    assert request.data_parallel_sharding == "zero2" and request.shard_size == 2 and not request.offload
+    for fsdp, config, match in (("hybrid_shard", None, "needs fsdp_config\\['dp_shard_size'\\]"),
+                                ("full_shard", {"dp_shard_size": 2}, "add 'hybrid_shard'"),
+                                ("no_shard", None, "plain data parallelism"),
                                 ("full_shard", {"min_num_params": 1000}, "min_num_params"),
                                 ("full_shard", {"version": 1}, "version 1"), ("full_shard", {"xla": True}, "xla"),
                                 ("sharded", None, "unknown fsdp option"), (None, {"version": 2}, "without fsdp")):
@@ -211,6 +250,10 @@ def test_trainer_arguments_read_hf_fsdp_and_refuse_the_rest():
             read_hf_fsdp(fsdp, config)
     args = nxd_hf.NxDTrainingArguments(output_dir="unused", fsdp="full_shard", report_to=[])
     assert args.data_parallel_sharding == "zero3" and not args.fsdp  # accelerate never sees fsdp
+    args = nxd_hf.NxDTrainingArguments(output_dir="unused", fsdp="hybrid_shard offload",
+                                       fsdp_config={"dp_shard_size": 2}, report_to=[])
+    assert (args.data_parallel_sharding, args.data_parallel_shard_size, args.data_parallel_offload) == ("zero3", 2, True)
+    assert not args.fsdp and not args.fsdp_config
     with pytest.raises(ValueError, match="drop zero_1"):
         nxd_hf.NxDTrainingArguments(output_dir="unused", fsdp="full_shard", zero_1=True, report_to=[])
 
@@ -476,6 +519,11 @@ def test_bytes_per_rank_zero2_tp2_dp2(ranks4):
 
 def test_lora_zero3_matches_peft_tp2_dp2(ranks4):
     ranks4.run(check_lora_matches_peft, 2)
+
+
+@pytest.mark.parametrize("fsdp,accumulate", [("hybrid_shard", 1), ("hybrid_shard_zero2", 1)])
+def test_nxd_trainer_hybrid_shard_matches_trainer_dp4(ranks4, fsdp, accumulate):
+    ranks4.run(check_trainer_matches_trainer, fsdp, accumulate, {"dp_shard_size": 2})
 
 
 def test_hybrid_checkpoint_loads_at_ddp_and_tp2_zero3(ranks4, tmp_path):

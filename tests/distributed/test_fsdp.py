@@ -192,6 +192,13 @@ def test_refusals(ranks2):
     ranks2.run(check_refusals)
 
 
+def test_pipeline_with_expert_parallelism_refused():
+    from nxd_hf.fsdp import check_data_parallel_sharding
+
+    with pytest.raises(ValueError, match="pipeline_parallel_size > 1 and expert_parallel_size > 1"):
+        check_data_parallel_sharding("zero3", pipeline_parallel_size=2, expert_parallel_size=2)
+
+
 def check_trainer_matches_trainer(fsdp: str, accumulate: int, fsdp_config: dict | None = None) -> None:
     """NxDTrainer(fsdp=...) at dp = world (2, or 4 for HSDP) against transformers.Trainer on one
     process (the same global batch of 4): logged losses and grad norms every step, final parameters."""
@@ -252,7 +259,7 @@ def test_trainer_arguments_read_hf_fsdp_and_refuse_the_rest():
     assert args.data_parallel_sharding == "zero3" and not args.fsdp  # accelerate never sees fsdp
     args = nxd_hf.NxDTrainingArguments(output_dir="unused", fsdp="hybrid_shard offload",
                                        fsdp_config={"dp_shard_size": 2}, report_to=[])
-    assert (args.data_parallel_sharding, args.data_parallel_shard_size, args.data_parallel_offload) == ("zero3", 2, True)
+    assert args.data_parallel_sharding == "zero3" and args.data_parallel_shard_size == 2 and args.data_parallel_offload
     assert not args.fsdp and not args.fsdp_config
     with pytest.raises(ValueError, match="drop zero_1"):
         nxd_hf.NxDTrainingArguments(output_dir="unused", fsdp="full_shard", zero_1=True, report_to=[])

@@ -1,8 +1,10 @@
 """ZeRO-3 / ZeRO-2 on torch's FSDP2 over nxd_hf's data-parallel ranks (``data_parallel_sharding``):
 several AdamW steps with active gradient clipping against the one-process HF model (loss, norm,
-every gathered gradient, the parameters), at dp=2, tp=2 x dp=2 (+SP) and HSDP (dp=4 as 2 x 2);
-exact bytes per rank of parameters, gradients and optimizer state; NxDTrainer(fsdp=...) against
-one-process Trainer; checkpoints resumed at other layouts; LoRA against plain peft; refusals.
+every gathered gradient, the parameters), at dp=2 (also with CPU offload), tp=2 x dp=2 (+SP),
+HSDP (dp=4 as 2 x 2), pp=2 x dp=2 (tied embedding across the stages) and ep=2 x dp=4 (experts over
+the expert-data group); exact bytes per rank of parameters, gradients and optimizer state;
+NxDTrainer(fsdp=...) against one-process Trainer (also "offload" and "hybrid_shard"); checkpoints
+resumed at other layouts; LoRA against plain peft; refusals.
 The ranks2 cases come first, then the ranks4 ones: one pool of each size is started once."""
 
 import pytest

@@ -62,7 +62,8 @@ def parallelize(
     fp32_grad_accumulation: bool = False, device=None, check_inputs: bool | str = True, timeout=None,
     lora_config=None, autocast_adapter_dtype: bool = True, fused_loss: bool = False, expert_parallel_size: int = 1,
     data_parallel_sharding: DataParallelSharding | None = None, data_parallel_shard_size: int | None = None,
-    context_parallel_size: int = 1, context_parallel_attention: str = "auto", **pipeline_kwargs,
+    data_parallel_offload: bool = False, context_parallel_size: int = 1, context_parallel_attention: str = "auto",
+    **pipeline_kwargs,
 ):
     """Shard a Hugging Face model (real or meta weights) in place and return it.
 
@@ -102,6 +103,9 @@ def parallelize(
         docs/fsdp.md); None: every DP rank holds the whole TP shard (DDP, or ZeRO-1's optimizer).
     data_parallel_shard_size: with data_parallel_sharding, shard over groups of this many DP ranks and
         replicate across the groups (HSDP); None: shard over every DP rank.
+    data_parallel_offload: with data_parallel_sharding, keep the shards (parameters, gradients and so the
+        optimizer state) in host memory between uses (FSDP2's ``CPUOffloadPolicy``; the optimizer then steps
+        on the CPU).
     context_parallel_size: ranks each sequence is split over, through attention itself, carved
         from the data-parallel ranks; every CP rank of a replica passes the same full batch
         (``nxd_hf.context``, docs/context_parallel.md).
@@ -135,6 +139,7 @@ def parallelize(
         fused_loss=fused_loss, activation_checkpoint_config=repr(activation_checkpoint_config),
         pipeline_options=sorted(pipeline_kwargs), expert_parallel_size=expert_parallel_size,
         data_parallel_sharding=data_parallel_sharding, data_parallel_shard_size=data_parallel_shard_size,
+        data_parallel_offload=data_parallel_offload,
         context_parallel_size=context_parallel_size, context_parallel_attention=context_parallel_attention)
     check_same_on_every_rank("nxd_hf.parallelize", {**arguments, **model_summary(model)}, noun="arguments",
                              timeout=timeout, fix="Every rank must call it with the same arguments and the same model")
@@ -149,7 +154,8 @@ def parallelize(
     with fail_together("nxd_hf.parallelize"):  # no collective inside: a rank failing alone fails every rank
         check_data_parallel_sharding(data_parallel_sharding, pipeline_parallel_size=sizes.pp,
                                      expert_parallel_size=expert_parallel_size, lora_config=lora_config,
-                                     pipeline_kwargs=pipeline_kwargs, context_parallel_size=sizes.cp)
+                                     pipeline_kwargs=pipeline_kwargs, context_parallel_size=sizes.cp,
+                                     shard_size=data_parallel_shard_size, offload=data_parallel_offload)
         if pipeline_kwargs and sizes.pp == 1:
             raise ValueError(f"{sorted(pipeline_kwargs)} are pipeline options: they need pipeline_parallel_size > 1")
         if fused_loss and sizes.pp > 1:
@@ -173,6 +179,10 @@ def parallelize(
         from nxd_hf.pipeline.model import NxDPPModel  # step 4; it runs steps 5-10 on its stages
 
         pp_model = NxDPPModel(model, setup=setup, **pipeline_kwargs)
+        if data_parallel_sharding is not None:  # each local stage its own FSDP root over the DP group
+            shard_data_parallel(pp_model, data_parallel_sharding, policy=pp_model.nxd.grad_reduction,
+                                layer_types=pp_model.layer_types, shard_size=data_parallel_shard_size,
+                                roots=pp_model.local_modules(), offload=data_parallel_offload)
         pp_model.save_pretrained = _save_pretrained(pp_model, lora_config)
         model.save_pretrained = _save_pretrained(pp_model, lora_config)  # the user's object: its stages' weights
         return pp_model
@@ -182,7 +192,7 @@ def parallelize(
     model.no_sync = state.grad_reduction.no_sync
     if data_parallel_sharding is not None:  # FSDP2 over the DP group (nxd_hf.fsdp)
         shard_data_parallel(model, data_parallel_sharding, policy=state.grad_reduction,
-                            shard_size=data_parallel_shard_size)
+                            shard_size=data_parallel_shard_size, offload=data_parallel_offload)
     model.save_pretrained = _save_pretrained(model, lora_config)
     return model
 

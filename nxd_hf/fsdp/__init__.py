@@ -7,7 +7,10 @@ decoder layer and to the model, over a device mesh built from nxd_hf's own data-
 ranks. FSDP2's reduce-scatter then does the data-parallel mean, so the bucketed DP all-reduce of
 ``nxd_hf.parallel_layers.grad_reduction`` is not installed; replicated parameters whose gradient
 is partial per TP rank (norms under sequence parallelism) are summed over TP per backward, before
-the reduce-scatter (``partial``). docs/fsdp.md says what composes and what is refused.
+the reduce-scatter (``partial``). Under pipeline parallelism each local stage is its own FSDP
+root; under expert parallelism the experts are sharded over the expert-data group
+(``experts``); ``data_parallel_offload`` keeps the shards in host memory (FSDP2's
+``CPUOffloadPolicy``). docs/fsdp.md says what composes and what is refused.
 """
 
 from nxd_hf.fsdp.shard import (

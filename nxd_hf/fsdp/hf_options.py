@@ -3,10 +3,15 @@
 transformers' own fields and does it itself (FSDP2 over its data-parallel group, composed with
 tensor parallelism), so accelerate never wraps the model.
 
-``fsdp``: True / "full_shard" -> "zero3"; "shard_grad_op" -> "zero2"; "auto_wrap" is what nxd_hf
-always does (each transformer layer, HF's ``_no_split_modules``, is one FSDP group, as
-transformers' default policy). ``fsdp_config``: ``version`` 2, ``reshard_after_forward``
-(False: "zero2"), ``activation_checkpointing`` (every transformer layer), ``auto_wrap_policy``
+``fsdp``: True / "full_shard" -> "zero3"; "shard_grad_op" -> "zero2"; "hybrid_shard" /
+"hybrid_shard_zero2" -> "zero3" / "zero2" sharded over groups of ``fsdp_config["dp_shard_size"]``
+DP ranks and replicated across them (HSDP; accelerate's ``ParallelismConfig`` name, required:
+transformers' FSDP1 shards within a node, which nxd_hf does not know); "offload" -> the shards
+in host memory (``data_parallel_offload``; alone it means "full_shard offload"); "auto_wrap" is
+what nxd_hf always does (each transformer layer, HF's ``_no_split_modules``, is one FSDP group,
+as transformers' default policy). ``fsdp_config``: ``version`` 2, ``reshard_after_forward``
+(False: "zero2"), ``activation_checkpointing`` (every transformer layer), ``offload_params``
+(accelerate's name for "offload"), ``dp_shard_size``, ``auto_wrap_policy``
 TRANSFORMER_BASED_WRAP, ``min_num_params`` 0, ``state_dict_type``
 FULL_STATE_DICT (``save_pretrained`` writes the plain HF model); ``transformer_layer_cls_to_wrap`` and
 ``cpu_ram_efficient_loading`` are accepted with a warning (not read); the rest is a ValueError.
@@ -16,14 +21,13 @@ import dataclasses
 
 from nxd_hf import backend
 
-_MODES = {"full_shard": "zero3", "shard_grad_op": "zero2"}
+_MODES = {"full_shard": "zero3", "shard_grad_op": "zero2", "hybrid_shard": "zero3", "hybrid_shard_zero2": "zero2"}
+_HYBRID = ("hybrid_shard", "hybrid_shard_zero2")
 _REFUSED_OPTIONS = {
-    "offload": "CPU offload is not supported yet",
-    "hybrid_shard": "hybrid sharding (HSDP) is not supported yet",
-    "hybrid_shard_zero2": "hybrid sharding (HSDP) is not supported yet",
     "no_shard": "no_shard is plain data parallelism: drop fsdp (nxd_hf averages gradients over DP by default)",
 }
-_ACCEPTED_KEYS = ("version", "reshard_after_forward", "activation_checkpointing", "auto_wrap_policy",
+_ACCEPTED_KEYS = ("version", "reshard_after_forward", "activation_checkpointing", "offload_params", "dp_shard_size",
+                  "auto_wrap_policy",
                   "transformer_layer_cls_to_wrap", "min_num_params", "cpu_ram_efficient_loading", "state_dict_type")
 
 
@@ -35,6 +39,10 @@ class HFFsdpRequest:
     """"zero3", "zero2", or None (no FSDP asked)."""
     activation_checkpointing: bool = False
     """``fsdp_config["activation_checkpointing"]``: recompute every transformer layer."""
+    offload: bool = False
+    """"offload" (or ``fsdp_config["offload_params"]``): the shards in host memory (``data_parallel_offload``)."""
+    shard_size: int | None = None
+    """HSDP's ``fsdp_config["dp_shard_size"]`` (``data_parallel_shard_size``); None: shard over every DP rank."""
 
 
 def read_hf_fsdp(fsdp, fsdp_config) -> HFFsdpRequest:
@@ -49,9 +57,9 @@ def read_hf_fsdp(fsdp, fsdp_config) -> HFFsdpRequest:
     for option in options:
         if option in _REFUSED_OPTIONS:
             raise ValueError(f"NxDTrainingArguments: fsdp={option!r}: {_REFUSED_OPTIONS[option]} (docs/fsdp.md)")
-        if option not in (*_MODES, "auto_wrap"):
-            raise ValueError(f"NxDTrainingArguments: unknown fsdp option {option!r}: use 'full_shard' or "
-                             "'shard_grad_op' (with 'auto_wrap')")
+        if option not in (*_MODES, "auto_wrap", "offload"):
+            raise ValueError(f"NxDTrainingArguments: unknown fsdp option {option!r}: use 'full_shard', "
+                             "'shard_grad_op', 'hybrid_shard' or 'hybrid_shard_zero2' (with 'auto_wrap', 'offload')")
     unknown = sorted(set(config) - set(_ACCEPTED_KEYS))
     if unknown:
         raise ValueError(f"NxDTrainingArguments: fsdp_config keys {unknown} are not supported by nxd_hf's FSDP; "
@@ -63,6 +71,7 @@ def read_hf_fsdp(fsdp, fsdp_config) -> HFFsdpRequest:
     if "reshard_after_forward" in config:
         mode = "zero3" if _bool(config["reshard_after_forward"]) else "zero2"
     _check_values(config)
+    shard_size = _hybrid_shard_size(options, config)
     if config.get("transformer_layer_cls_to_wrap"):
         backend.warn_once("fsdp_config transformer_layer_cls_to_wrap is not read: nxd_hf shards the transformer layers "
                           "HF's _no_split_modules names (the classes transformers picks by default)", stacklevel=3)
@@ -70,7 +79,25 @@ def read_hf_fsdp(fsdp, fsdp_config) -> HFFsdpRequest:
         backend.warn_once("fsdp_config cpu_ram_efficient_loading is not needed: nxd_hf.from_pretrained reads only "
                           "this rank's tensor-parallel shard on every rank", stacklevel=3)
     return HFFsdpRequest(data_parallel_sharding=mode,
-                         activation_checkpointing=_bool(config.get("activation_checkpointing", False)))
+                         activation_checkpointing=_bool(config.get("activation_checkpointing", False)),
+                         offload="offload" in options or _bool(config.get("offload_params", False)),
+                         shard_size=shard_size)
+
+
+def _hybrid_shard_size(options: list[str], config: dict) -> int | None:
+    hybrid = [o for o in options if o in _HYBRID]
+    if not hybrid:
+        if "dp_shard_size" in config:
+            raise ValueError("NxDTrainingArguments: fsdp_config dp_shard_size is the shard group of hybrid sharding: "
+                             "add 'hybrid_shard' (or 'hybrid_shard_zero2') to fsdp, or drop dp_shard_size")
+        return None
+    if "dp_shard_size" not in config:
+        raise ValueError(f"NxDTrainingArguments: fsdp={hybrid[0]!r} needs fsdp_config['dp_shard_size']: the number of "
+                         "data-parallel ranks each copy is sharded over (it must divide the data-parallel size)")
+    size = int(config["dp_shard_size"])
+    if size < 1:
+        raise ValueError(f"NxDTrainingArguments: fsdp_config dp_shard_size must be >= 1, got {size}")
+    return size
 
 
 def _check_values(config: dict) -> None:

@@ -29,6 +29,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from nxd_hf import backend, parallel_state
+from nxd_hf.fsdp.experts import expert_data_mesh, expert_modules, shard_experts
 from nxd_hf.parallel_layers.sharding import full_tensor, has_partial_grad_over_tp
 
 DataParallelSharding = Literal["zero3", "zero2"]
@@ -37,20 +38,27 @@ _HOOKED = "_nxd_tp_partial_hook"  # marks an unsharded parameter whose gradient 
 
 
 def check_data_parallel_sharding(mode, *, pipeline_parallel_size: int, expert_parallel_size: int,
-                                 lora_config=None, pipeline_kwargs=None, context_parallel_size: int = 1) -> None:
+                                 lora_config=None, pipeline_kwargs=None, context_parallel_size: int = 1,
+                                 shard_size: int | None = None, offload: bool = False) -> None:
     """A clear ValueError for what ``data_parallel_sharding`` does not compose with (yet)."""
     if mode is None:
+        if offload or shard_size is not None:
+            raise ValueError("data_parallel_offload / data_parallel_shard_size need data_parallel_sharding='zero3' or "
+                             "'zero2' (they configure FSDP2's sharding)")
         return
     if mode not in DATA_PARALLEL_SHARDING:
         raise ValueError(f"data_parallel_sharding must be one of {DATA_PARALLEL_SHARDING} or None, got {mode!r}")
     if (pipeline_kwargs or {}).get("use_zero1_optimizer"):
         raise ValueError(f"data_parallel_sharding={mode!r} already shards the optimizer state over the data-parallel "
                          "ranks: use a torch optimizer, not ZeRO-1 (use_zero1_optimizer)")
+    pp, ep, hybrid = pipeline_parallel_size > 1, expert_parallel_size > 1, shard_size is not None
     refused = {
-        "pipeline_parallel_size > 1": pipeline_parallel_size > 1,
-        "expert_parallel_size > 1": expert_parallel_size > 1,
         # untested: the shard group would span the CP ranks, whose losses are sums, not means
         "context_parallel_size > 1": context_parallel_size > 1,
+        # the stages' fake shape propagation would run the experts' FSDP2 hooks inside the layers
+        "pipeline_parallel_size > 1 and expert_parallel_size > 1": pp and ep,
+        # untested: the experts would need their own hybrid mesh over the expert-data group
+        "expert_parallel_size > 1 and data_parallel_shard_size (HSDP)": ep and hybrid,
     }
     for what, present in refused.items():
         if present:
@@ -59,32 +67,56 @@ def check_data_parallel_sharding(mode, *, pipeline_parallel_size: int, expert_pa
 
 
 def shard_data_parallel(model: nn.Module, mode: DataParallelSharding, *, policy,
-                        layer_types: tuple[type, ...] | None = None, shard_size: int | None = None) -> None:
+                        layer_types: tuple[type, ...] | None = None, shard_size: int | None = None,
+                        roots: list[nn.Module] | None = None, offload: bool = False) -> None:
     """``fully_shard`` every module of ``layer_types`` (default: the transformer layers, HF's
     ``_no_split_modules``) and then ``model`` over the DP group; ``policy`` (the model's
     ``GradReduction``) leaves the DP mean to FSDP2's reduce-scatter. ``shard_size``: hybrid
     sharding (HSDP), sharded over groups of that many DP ranks and replicated across the groups
-    (``data_parallel_mesh``); None: over every DP rank."""
+    (``data_parallel_mesh``); None: over every DP rank. ``roots``: a pipeline's stage modules on
+    this rank, each its own FSDP root (torch's pipeline stages drive FSDP2 themselves: no
+    gradient sync during the step's microbatches, one reduce-scatter at its end); default ``[model]``.
+    ``offload``: the shards (parameters, gradients, so the optimizer state) live in host memory
+    between uses (FSDP2's ``CPUOffloadPolicy``; ``offload_policy``)."""
     from torch.distributed.fsdp import fully_shard
 
+    pipeline = roots is not None
+    roots = [model] if roots is None else roots
     layer_types = transformer_layer_types(model) if layer_types is None else layer_types
-    if any(hasattr(p, "main_grad") for p in model.parameters()):
+    if any(hasattr(p, "main_grad") for root in roots for p in root.parameters()):
         raise ValueError("data_parallel_sharding does not support fp32 gradient accumulation of bf16/fp16 parameters "
                          "(fp32_grad_accumulation / use_fp32_grad_acc): FSDP2 accumulates in its own gradient buffers; "
                          "train fp32 parameters (with bf16 autocast) or turn fp32 gradient accumulation off")
     mesh = data_parallel_mesh(shard_size)
     reshard = mode == "zero3"
-    metadata = {name: dict(vars(p)) for name, p in model.named_parameters(remove_duplicate=False)}
-    for module in [m for m in model.modules() if layer_types and isinstance(m, layer_types)]:
-        fully_shard(module, mesh=mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
-    for name, param in model.named_parameters(remove_duplicate=False):
-        for key, value in metadata[name].items():
-            setattr(param, key, value)
-    if parallel_state.get_tensor_model_parallel_size() > 1:
-        _install_partial_sums(model)
+    fsdp_kwargs = dict(reshard_after_forward=reshard, offload_policy=offload_policy(offload))
+    experts_mesh = expert_data_mesh() if parallel_state.get_expert_parallel_size() > 1 else None
+    for root in roots:
+        metadata = {name: dict(vars(p)) for name, p in root.named_parameters(remove_duplicate=False)}
+        for module in expert_modules(root) if experts_mesh is not None else ():  # before their layers claim them
+            shard_experts(module, experts_mesh, **fsdp_kwargs)
+        for module in [m for m in root.modules() if layer_types and isinstance(m, layer_types)]:
+            fully_shard(module, mesh=mesh, **fsdp_kwargs)
+        fully_shard(root, mesh=mesh, **fsdp_kwargs)
+        for name, param in root.named_parameters(remove_duplicate=False):
+            for key, value in metadata[name].items():
+                setattr(param, key, value)
+        if parallel_state.get_tensor_model_parallel_size() > 1:
+            _install_partial_sums(root)
     policy.reduce_in_optimizer()  # nobody else averages over DP: FSDP2's reduce-scatter does
-    model.no_sync = policy.no_sync = lambda: _no_sync(model)  # NxDTrainer's accumulation calls the policy's
+    policy.sum_partial_after_backward = False  # the hooks above sum them over TP during backward
+    if not pipeline:  # a pipeline's step reduce-scatters every time (linear: accumulation stays exact)
+        model.no_sync = policy.no_sync = lambda: _no_sync(model)  # NxDTrainer's accumulation calls the policy's
+
+
+def offload_policy(offload: bool):
+    """FSDP2's policy: ``CPUOffloadPolicy`` (pinned host memory where the model computes on an
+    accelerator: copies to and from it overlap) or the default, no offload."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    if not offload:
+        return OffloadPolicy()
+    return CPUOffloadPolicy(pin_memory=backend.default_device().type != "cpu")
 
 
 def transformer_layer_types(model: nn.Module) -> tuple[type, ...]:

@@ -61,6 +61,9 @@ class GradReduction:
         C heap)."""
         self.overlap = True
         """Start each bucket's data-parallel all-reduce during backward (False: at its end)."""
+        self.sum_partial_after_backward = True
+        """Sum the gradients partial over TP after each backward (False: something sums them during
+        it, as FSDP2's hooks on its unsharded parameters, ``nxd_hf.fsdp``)."""
         self.buckets: GradBuckets | None = None
         """The gradient buckets of the HF path (None on the pipeline path and in a world of one)."""
         self._grad_bytes = 0
@@ -167,7 +170,8 @@ class GradReduction:
             release_free_host_memory()
         for reduce in self._extra:
             reduce()
-        self._sum_partial(snapshot)
+        if self.sum_partial_after_backward:
+            self._sum_partial(snapshot)
         for p in params if parallel_state.get_expert_parallel_size() > 1 else ():
             if is_expert_parallel(p) and accumulated_grad(p) is None:  # no token reached these experts
                 p.grad = torch.zeros_like(p)

@@ -14,7 +14,8 @@
   (``num_replicas``), parameters marked ``count_in_grad_norm = False`` (a tied weight's second
   copy on another pipeline stage) skipped, and DP replicas (identical after sync) not summed;
   expert-parallel parameters summed over the expert-parallel group (each rank holds other experts);
-  gradients sharded over the DP ranks by FSDP2 (``nxd_hf.fsdp``: DTensors) summed over the DP group.
+  gradients sharded over the DP ranks by FSDP2 (``nxd_hf.fsdp``: DTensors) summed over their shard
+  group (the DP group; experts: the expert-data group).
 """
 
 from collections.abc import Iterable
@@ -132,28 +133,39 @@ def get_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) ->
     ]
     device = _local(counted[0].grad).device if counted else backend.collective_device(
         parallel_state.get_model_parallel_group())
-    dp_sharded = any(isinstance(p.grad, DTensor) for p in counted)  # ZeRO-2/3: every DP rank holds a part
+    dense = [p for p in counted if not is_expert_parallel(p)]
+    experts = [p for p in counted if is_expert_parallel(p)]
     if norm_type == float("inf"):
         total = torch.zeros((), dtype=torch.float32, device=device)
         for p in counted:
             grad = _local(p.grad).detach()
             if grad.numel():
                 total = torch.maximum(total, grad.abs().max().float())
-        if dp_sharded:
-            backend.all_reduce(total, _shard_group(counted), op="max")
+        for group in _shard_groups(dense) + _shard_groups(experts):
+            backend.all_reduce(total, group, op="max")
         backend.all_reduce(total, parallel_state.get_expert_parallel_group(), op="max")
         backend.all_reduce(total, parallel_state.get_model_parallel_group(), op="max")
         return total
-    dense = [p for p in counted if not is_expert_parallel(p)]
-    total = _power_sum([p for p in dense if not isinstance(p.grad, DTensor)], norm_type, device)
-    if dp_sharded:
-        shards = _power_sum([p for p in dense if isinstance(p.grad, DTensor)], norm_type, device)
-        total = total + backend.all_reduce(shards, _shard_group(counted))
-    experts = _power_sum([p for p in counted if is_expert_parallel(p)], norm_type, device)
+    total = _sharded_power_sum(dense, norm_type, device)
     if parallel_state.get_expert_parallel_size() > 1:  # every rank joins, with or without experts
-        total = total + backend.all_reduce(experts, parallel_state.get_expert_parallel_group())
+        experts_total = _sharded_power_sum(experts, norm_type, device)
+        total = total + backend.all_reduce(experts_total, parallel_state.get_expert_parallel_group())
+    else:
+        total = total + _power_sum(experts, norm_type, device)
     backend.all_reduce(total, parallel_state.get_model_parallel_group())
     return total ** (1.0 / norm_type)
+
+
+def _sharded_power_sum(params: list[torch.Tensor], norm_type: float, device) -> torch.Tensor:
+    """``_power_sum`` of ``params``, the parts of DP-sharded (FSDP2) gradients summed over their
+    shard group (the DP group, HSDP's shard group, or for experts the expert-data group)."""
+    total = _power_sum([p for p in params if not isinstance(p.grad, DTensor)], norm_type, device)
+    sharded = [p for p in params if isinstance(p.grad, DTensor)]
+    for group in _shard_groups(sharded):
+        parts = _power_sum([p for p in sharded if _shard_group(p.grad).group_name == group.group_name], norm_type,
+                           device)
+        total = total + backend.all_reduce(parts, group)
+    return total
 
 
 _FOREACH_DEVICES = ("cpu", "cuda")  # where torch's foreach kernels serve clip_grad_norm_
@@ -201,11 +213,19 @@ def _shard_mesh_dim(grad: DTensor) -> int:
     return next(i for i, placement in enumerate(grad.placements) if placement.is_shard())
 
 
-def _shard_group(params: list[torch.Tensor]):
-    """The group over which the DP-sharded gradients of ``params`` are split (the DP group, or
-    HSDP's shard group): their parts' ``|g|^p`` sum over it."""
-    grad = next(p.grad for p in params if isinstance(p.grad, DTensor))
+def _shard_group(grad: DTensor):
+    """The group over which FSDP2 splits ``grad``: its parts' ``|g|^p`` sum over it."""
     return grad.device_mesh.get_group(_shard_mesh_dim(grad))
+
+
+def _shard_groups(params: list[torch.Tensor]) -> list:
+    """The distinct shard groups of the DP-sharded gradients of ``params``, in first-seen order
+    (the same on every rank of a group: its ranks hold the same parameters)."""
+    groups = []
+    for p in params:
+        if isinstance(p.grad, DTensor) and _shard_group(p.grad).group_name not in {g.group_name for g in groups}:
+            groups.append(_shard_group(p.grad))
+    return groups
 
 
 def _local(grad: torch.Tensor) -> torch.Tensor:

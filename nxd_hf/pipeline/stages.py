@@ -50,6 +50,14 @@ class _RecordingInterpreter(fx.Interpreter):
         node.meta["val"] = value
         return value
 
+    def call_module(self, target, args, kwargs):
+        from torch.distributed.fsdp import FSDPModule
+
+        module = self.fetch_attr(target)
+        if isinstance(module, FSDPModule):  # ZeRO-2/3 (nxd_hf.fsdp): FSDP2's hooks would all-gather fake shards
+            return module.forward(*args, **kwargs)
+        return super().call_module(target, args, kwargs)
+
 
 def value_kinds(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> dict[str, object]:
     """Node name -> "tensor", a tuple length, None, "int" or "ints", from a fake-tensor run."""

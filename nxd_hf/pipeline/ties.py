@@ -2,6 +2,7 @@
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from nxd_hf import backend, parallel_state
 from nxd_hf.parallel_layers.grads import accumulated_grad
@@ -9,7 +10,8 @@ from nxd_hf.parallel_layers.grads import accumulated_grad
 
 class TiedParameters:
     """Parameters held by stages on different PP ranks (tied embeddings): one group per tie
-    over those ranks (and this rank's TP/DP coordinates); gradients are summed over it, values
+    over those ranks (and this rank's TP/DP coordinates); gradients are summed over it (under
+    ZeRO-2/3 the DP shards, after FSDP2's reduce-scatter at the end of the step), values
     broadcast from the first holder at setup, and only the first holder counts in the norm."""
 
     def __init__(self):
@@ -27,7 +29,9 @@ class TiedParameters:
             param = self._param(stages, name)
             if accumulated_grad(param) is None:
                 param.grad = torch.zeros_like(param)
-            backend.all_reduce(accumulated_grad(param), group)
+            grad = accumulated_grad(param)
+            # sharded over DP by FSDP2 (nxd_hf.fsdp): every holder's DP rank d has the same rows
+            backend.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group)
 
 
 def tie_across_stages(all_stages: list[nn.Module], stage_to_rank: list[int], local_ids: list[int]) -> TiedParameters:

@@ -80,6 +80,12 @@ class NxDTrainingArguments(TrainingArguments):
                                      "data-parallel ranks (docs/moe.md)."})
     data_parallel_sharding: str | None = dataclasses.field(
         default=None, metadata={"help": "zero3 or zero2 over the data-parallel ranks (FSDP2); set from fsdp= too."})
+    data_parallel_shard_size: int | None = dataclasses.field(
+        default=None, metadata={"help": "HSDP: shard over groups of this many DP ranks, replicate across them; set "
+                                        "from fsdp='hybrid_shard' with fsdp_config dp_shard_size too."})
+    data_parallel_offload: bool = dataclasses.field(
+        default=False, metadata={"help": "Keep the FSDP2 shards in host memory (CPUOffloadPolicy); set from "
+                                         "fsdp='full_shard offload' too."})
     context_parallel_size: int = dataclasses.field(
         default=1, metadata={"help": "Ranks each sequence is split over through attention, carved from the "
                                      "data-parallel ranks (docs/context_parallel.md)."})
@@ -94,6 +100,8 @@ class NxDTrainingArguments(TrainingArguments):
         fsdp = read_hf_fsdp(self.fsdp, self.fsdp_config)  # nxd_hf shards over DP itself: accelerate must not
         self.fsdp, self.fsdp_config = None, None
         self.data_parallel_sharding = fsdp.data_parallel_sharding or self.data_parallel_sharding
+        self.data_parallel_shard_size = fsdp.shard_size or self.data_parallel_shard_size
+        self.data_parallel_offload = fsdp.offload or self.data_parallel_offload
         if self.data_parallel_sharding and self.zero_1:
             raise ValueError(f"NxDTrainingArguments: fsdp / data_parallel_sharding={self.data_parallel_sharding!r} "
                              "already shards the optimizer state over the data-parallel ranks: drop zero_1")
@@ -209,6 +217,7 @@ class NxDTrainingArguments(TrainingArguments):
             mixed_precision_config={"use_master_weights": True, "use_fp32_grad_acc": self.bf16_master_weights},
             lora_config=lora_config, expert_parallel_size=self.expert_parallel_size,
             data_parallel_sharding=self.data_parallel_sharding,
+            data_parallel_shard_size=self.data_parallel_shard_size, data_parallel_offload=self.data_parallel_offload,
             context_parallel_size=self.context_parallel_size,
             context_parallel_attention=self.context_parallel_attention,
         )

@@ -91,6 +91,10 @@ class NxDConfig:
     it to derive its tensor-parallel layout (``nxd_hf.trainer.own_layout``; nnScaler's; not in NxD)."""
     data_parallel_sharding: Literal["zero3", "zero2"] | None = None
     """ZeRO-3 / ZeRO-2 over the data-parallel ranks on FSDP2 (``parallelize``'s; docs/fsdp.md; not in NxD)."""
+    data_parallel_shard_size: int | None = None
+    """With data_parallel_sharding, HSDP: shard over groups of this many DP ranks (``parallelize``'s; not in NxD)."""
+    data_parallel_offload: bool = False
+    """With data_parallel_sharding, the shards in host memory (FSDP2's CPUOffloadPolicy; not in NxD)."""
     context_parallel_size: int = 1
     """Ranks each sequence is split over through attention, carved from the data-parallel ranks (not in NxD)."""
     context_parallel_attention: Literal["auto", "ring", "all_to_all"] = "auto"
@@ -155,6 +159,7 @@ def neuronx_distributed_config(
     mixed_precision_config: dict | None = None, *, check_inputs: bool | str = True, timeout=None,
     kv_size_multiplier: int | str = "auto", expert_parallel_size: int = 1, dummy_forward_args: dict | None = None,
     data_parallel_sharding: str | None = None, context_parallel_size: int = 1, context_parallel_attention: str = "auto",
+    data_parallel_shard_size: int | None = None, data_parallel_offload: bool = False,
 ) -> NxDConfig:
     """Validate the training configuration and initialize model parallelism (see ``NxDConfig``).
 
@@ -173,12 +178,14 @@ def neuronx_distributed_config(
         check_inputs=check_inputs, timeout=timeout, kv_size_multiplier=kv_size_multiplier,
         expert_parallel_size=expert_parallel_size, dummy_forward_args=dummy_forward_args,
         data_parallel_sharding=data_parallel_sharding, context_parallel_size=context_parallel_size,
-        context_parallel_attention=context_parallel_attention,
+        context_parallel_attention=context_parallel_attention, data_parallel_shard_size=data_parallel_shard_size,
+        data_parallel_offload=data_parallel_offload,
     )
     hints = typing.get_type_hints(NxDConfig)
     for key in ("tensor_parallel_size", "pipeline_parallel_size", "pad_model", "sequence_parallel", "check_inputs",
                 "timeout", "kv_size_multiplier", "expert_parallel_size", "dummy_forward_args", "data_parallel_sharding",
-                "context_parallel_size", "context_parallel_attention"):
+                "context_parallel_size", "context_parallel_attention", "data_parallel_shard_size",
+                "data_parallel_offload"):
         _check_type("neuronx_distributed_config", key, getattr(config, key), hints[key])
     _check_pipeline_config(config.pipeline_config)
     if not 1 <= config.model_init_config.sequential_move_factor <= 32:

@@ -236,6 +236,8 @@ def initialize_parallel_model(nxd_config: NxDConfig, model_fn, *model_args, **mo
         autocast_adapter_dtype=nxd_config.autocast_adapter_dtype, fused_loss=nxd_config.fused_loss,
         expert_parallel_size=nxd_config.expert_parallel_size,
         data_parallel_sharding=nxd_config.data_parallel_sharding, context_parallel_size=nxd_config.context_parallel_size,
+        data_parallel_shard_size=nxd_config.data_parallel_shard_size,
+        data_parallel_offload=nxd_config.data_parallel_offload,
         context_parallel_attention=nxd_config.context_parallel_attention, **pipeline_kwargs,
     )
     nxd_model = NxDModel(wrapped, nxd_config)

@@ -1,8 +1,10 @@
 """ZeRO-3 / ZeRO-2 on torch's FSDP2 over nxd_hf's data-parallel ranks (``data_parallel_sharding``):
 several AdamW steps with active gradient clipping against the one-process HF model (loss, norm,
-every gathered gradient, the parameters), at dp=2, tp=2 x dp=2 (+SP) and HSDP (dp=4 as 2 x 2);
-exact bytes per rank of parameters, gradients and optimizer state; NxDTrainer(fsdp=...) against
-one-process Trainer; checkpoints resumed at other layouts; LoRA against plain peft; refusals.
+every gathered gradient, the parameters), at dp=2 (also with CPU offload), tp=2 x dp=2 (+SP),
+HSDP (dp=4 as 2 x 2), pp=2 x dp=2 (tied embedding across the stages) and ep=2 x dp=4 (experts over
+the expert-data group); exact bytes per rank of parameters, gradients and optimizer state;
+NxDTrainer(fsdp=...) against one-process Trainer (also "offload" and "hybrid_shard"); checkpoints
+resumed at other layouts; LoRA against plain peft; refusals.
 The ranks2 cases come first, then the ranks4 ones: one pool of each size is started once."""
 
 import pytest
@@ -46,12 +48,29 @@ def _logical_grad(param):
     return full.t() if getattr(param, "hf_transposed", False) else full
 
 
-def check_fsdp_matches_hf(mode: str, tp: int, sp: bool, shard_size: int | None = None) -> None:
-    """``shard_size``: HSDP, sharded over that many DP ranks and replicated across the groups."""
+def check_offload_policy(model) -> None:
+    """Every FSDP module of ``model`` (the layers and the root) has FSDP2's CPUOffloadPolicy, and
+    every parameter it manages is offloaded (its shard in host memory)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+
+    fsdp_modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    assert len(fsdp_modules) == model.config.num_hidden_layers + 1, len(fsdp_modules)
+    for module in fsdp_modules:
+        group = module._get_fsdp_state()._fsdp_param_group
+        assert isinstance(group.offload_policy, CPUOffloadPolicy), type(module)
+        assert all(p.offload_to_cpu for p in group.fsdp_params)
+    assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+def check_fsdp_matches_hf(mode: str, tp: int, sp: bool, shard_size: int | None = None, offload: bool = False) -> None:
+    """``shard_size``: HSDP, sharded over that many DP ranks and replicated across the groups.
+    ``offload``: FSDP2's CPU offload (on a CPU a no-op device-wise; the path is the same)."""
     parallel_state.destroy_model_parallel()
     reference, model = hf_parity.build_pair("llama", attention_bias=False)
     nxd_hf.parallelize(model, tensor_parallel_size=tp, sequence_parallel=sp, data_parallel_sharding=mode,
-                       data_parallel_shard_size=shard_size)
+                       data_parallel_shard_size=shard_size, data_parallel_offload=offload)
+    if offload:
+        check_offload_policy(model)
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_size()
     assert dp_size == torch.distributed.get_world_size() // tp and all(is_dp_sharded(p) for p in model.parameters())
     mesh = next(model.parameters()).device_mesh
@@ -91,6 +110,10 @@ def test_zero3_matches_hf_dp2(ranks2):
 
 def test_zero2_matches_hf_dp2(ranks2):
     ranks2.run(check_fsdp_matches_hf, "zero2", 1, False)
+
+
+def test_zero3_cpu_offload_matches_hf_dp2(ranks2):
+    ranks2.run(check_fsdp_matches_hf, "zero3", 1, False, offload=True)
 
 
 def _storage_bytes(tensors) -> int:
@@ -151,9 +174,10 @@ def test_bytes_per_rank_zero3_dp2(ranks2):
 def check_refusals() -> None:
     parallel_state.destroy_model_parallel()
     for kwargs, match in ((dict(data_parallel_sharding="full_shard"), "must be one of"),
-                          (dict(data_parallel_sharding="zero3", pipeline_parallel_size=2), "pipeline_parallel_size"),
-                          (dict(data_parallel_sharding="zero3", expert_parallel_size=2), "expert_parallel_size"),
-                          (dict(data_parallel_sharding="zero3", context_parallel_size=2), "context_parallel_size")):
+                          (dict(data_parallel_sharding="zero3", context_parallel_size=2), "context_parallel_size"),
+                          (dict(data_parallel_offload=True), "need data_parallel_sharding"),
+                          (dict(data_parallel_sharding="zero3", expert_parallel_size=2, data_parallel_shard_size=1),
+                           "data_parallel_shard_size")):
         _, model = hf_parity.build_pair("llama", attention_bias=False)
         with pytest.raises(ValueError, match=match):
             nxd_hf.parallelize(model, **kwargs)
@@ -170,17 +194,32 @@ def test_refusals(ranks2):
     ranks2.run(check_refusals)
 
 
-def check_trainer_matches_trainer(fsdp: str, accumulate: int) -> None:
-    """NxDTrainer(fsdp=...) at dp=2 against transformers.Trainer on one process: logged losses and
-    grad norms every step, final parameters."""
+def test_pipeline_with_expert_parallelism_refused():
+    from nxd_hf.fsdp import check_data_parallel_sharding
+
+    with pytest.raises(ValueError, match="pipeline_parallel_size > 1 and expert_parallel_size > 1"):
+        check_data_parallel_sharding("zero3", pipeline_parallel_size=2, expert_parallel_size=2)
+
+
+def check_trainer_matches_trainer(fsdp: str, accumulate: int, fsdp_config: dict | None = None) -> None:
+    """NxDTrainer(fsdp=...) at dp = world (2, or 4 for HSDP) against transformers.Trainer on one
+    process (the same global batch of 4): logged losses and grad norms every step, final parameters."""
     import tempfile
 
     from test_nxd_trainer import STEPS as TRAINER_STEPS, _losses, _run_case
 
+    dp = torch.distributed.get_world_size()
     with tempfile.TemporaryDirectory() as out_dir:
-        ref, ours = _run_case(out_dir, batch=4 // accumulate, accumulate=accumulate, fsdp=fsdp)
-    assert ours.args.data_parallel_sharding == {"full_shard": "zero3", "shard_grad_op": "zero2"}[fsdp.split()[0]]
+        ref, ours = _run_case(out_dir, batch=4 // dp // accumulate, accumulate=accumulate, fsdp=fsdp,
+                              fsdp_config=fsdp_config)
+    modes = {"full_shard": "zero3", "shard_grad_op": "zero2", "hybrid_shard": "zero3", "hybrid_shard_zero2": "zero2"}
+    assert ours.args.data_parallel_sharding == modes[fsdp.split()[0]]
     assert all(is_dp_sharded(p) for p in ours.nxd_model.parameters())
+    shard_size = (fsdp_config or {}).get("dp_shard_size")
+    mesh = next(ours.nxd_model.parameters()).device_mesh
+    assert mesh.shape == ((dp // shard_size, shard_size) if shard_size else (dp,)), mesh
+    if "offload" in fsdp:
+        check_offload_policy(ours.nxd_model.nxd.hf_model)
     for key in ("loss", "grad_norm"):
         got, want = _losses(ours, key), _losses(ref, key)
         assert [s for s, _ in got] == [s for s, _ in want] == list(range(1, TRAINER_STEPS + 1)), (key, got)
@@ -190,7 +229,8 @@ def check_trainer_matches_trainer(fsdp: str, accumulate: int) -> None:
         torch.testing.assert_close(logical_tensor(param), ref_params[name].detach(), **TOL, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("fsdp,accumulate", [("full_shard auto_wrap", 1), ("shard_grad_op", 2)])
+@pytest.mark.parametrize("fsdp,accumulate", [("full_shard auto_wrap", 1), ("shard_grad_op", 2),
+                                              ("full_shard offload", 1)])
 def test_nxd_trainer_fsdp_matches_trainer(ranks2, fsdp, accumulate):
     ranks2.run(check_trainer_matches_trainer, fsdp, accumulate)
 
@@ -203,7 +243,15 @@ def test_trainer_arguments_read_hf_fsdp_and_refuse_the_rest():
     assert read_hf_fsdp(True, {"reshard_after_forward": False}).data_parallel_sharding == "zero2"
     assert read_hf_fsdp("full_shard", {"activation_checkpointing": True}).activation_checkpointing
     assert read_hf_fsdp(None, None).data_parallel_sharding is None
-    for fsdp, config, match in (("full_shard offload", None, "offload"), ("hybrid_shard", None, "HSDP"),
+    request = read_hf_fsdp("full_shard offload", None)
+    assert request.data_parallel_sharding == "zero3" and request.offload and request.shard_size is None
+    assert read_hf_fsdp("offload", None).data_parallel_sharding == "zero3"  # alone: full_shard offload
+    assert read_hf_fsdp("shard_grad_op", {"offload_params": "true"}).offload
+    request = read_hf_fsdp("hybrid_shard_zero2 auto_wrap", {"fsdp_dp_shard_size": 2})
+    assert request.data_parallel_sharding == "zero2" and request.shard_size == 2 and not request.offload
+    for fsdp, config, match in (("hybrid_shard", None, "needs fsdp_config\\['dp_shard_size'\\]"),
+                                ("full_shard", {"dp_shard_size": 2}, "add 'hybrid_shard'"),
+                                ("no_shard", None, "plain data parallelism"),
                                 ("full_shard", {"min_num_params": 1000}, "min_num_params"),
                                 ("full_shard", {"version": 1}, "version 1"), ("full_shard", {"xla": True}, "xla"),
                                 ("sharded", None, "unknown fsdp option"), (None, {"version": 2}, "without fsdp")):
@@ -211,6 +259,10 @@ def test_trainer_arguments_read_hf_fsdp_and_refuse_the_rest():
             read_hf_fsdp(fsdp, config)
     args = nxd_hf.NxDTrainingArguments(output_dir="unused", fsdp="full_shard", report_to=[])
     assert args.data_parallel_sharding == "zero3" and not args.fsdp  # accelerate never sees fsdp
+    args = nxd_hf.NxDTrainingArguments(output_dir="unused", fsdp="hybrid_shard offload",
+                                       fsdp_config={"dp_shard_size": 2}, report_to=[])
+    assert args.data_parallel_sharding == "zero3" and args.data_parallel_shard_size == 2 and args.data_parallel_offload
+    assert not args.fsdp and not args.fsdp_config
     with pytest.raises(ValueError, match="drop zero_1"):
         nxd_hf.NxDTrainingArguments(output_dir="unused", fsdp="full_shard", zero_1=True, report_to=[])
 
@@ -353,6 +405,111 @@ def test_nxd_trainer_fsdp_checkpoints_and_resume(ranks2, tmp_path):
 
 
 
+def check_pipeline_fsdp_matches_hf(mode: str) -> None:
+    """pp=2 x dp=2: each stage's layers sharded over its DP group (each stage its own FSDP root),
+    the embedding tied to the LM head across the stages; several AdamW steps with clipping
+    against the one-process model (loss, norm, every gathered gradient, the parameters)."""
+    parallel_state.destroy_model_parallel()
+    reference, model = hf_parity.build_pair("llama", attention_bias=False, tie_word_embeddings=True)
+    pp_model = nxd_hf.parallelize(model, pipeline_parallel_size=2, data_parallel_sharding=mode, num_microbatches=2,
+                                  broadcast_and_average_loss=True)
+    dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_size()
+    assert dp_size == 2 and all(is_dp_sharded(p) for p in pp_model.parameters())
+    assert pp_model.tied.local, "the embedding and the LM head are on different stages: a tie across them"
+    ref_params = dict(reference.named_parameters(remove_duplicate=False))  # tied: both names
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.1)
+    optimizer = torch.optim.AdamW(pp_model.parameters(), lr=LR, weight_decay=0.1)
+    for step, (ids, labels) in enumerate(_batches()):
+        ref_loss, ref_norm = _step(reference, ids, labels, dp_rank=0, dp_size=1, clip=torch.nn.utils.clip_grad_norm_)
+        loss = pp_model.run_train(input_ids=ids.chunk(dp_size)[dp_rank], labels=labels.chunk(dp_size)[dp_rank])
+        norm = clip_grad_norm(pp_model.parameters(), MAX_NORM)
+        assert ref_norm > MAX_NORM, "clipping must act"
+        torch.testing.assert_close(loss, ref_loss, **TOL)
+        torch.testing.assert_close(norm, ref_norm, **TOL)
+        for name, param in pp_model.named_parameters():
+            torch.testing.assert_close(_logical_grad(param), ref_params[name].grad, **TOL,
+                                       msg=lambda m: f"pp2 {mode} step {step} grad {name}: {m}")
+        for opt in (ref_optimizer, optimizer):
+            opt.step()
+            opt.zero_grad()
+    for name, param in pp_model.named_parameters():
+        torch.testing.assert_close(logical_tensor(param), ref_params[name].detach(), **TOL,
+                                   msg=lambda m: f"pp2 {mode} param {name}: {m}")
+
+
+@pytest.mark.parametrize("mode", ["zero3", "zero2"])
+def test_fsdp_matches_hf_pp2_dp2_tied_embedding(ranks4, mode):
+    ranks4.run(check_pipeline_fsdp_matches_hf, mode)
+
+
+def _route_to_first_experts(model, count: int) -> None:
+    """Every token to experts ``< count``: the second expert-parallel rank's experts get none."""
+    def hook(_module, _inputs, output):
+        logits, scores, indices = output
+        return logits, scores, indices % count
+    for name, module in model.named_modules():
+        if name.endswith("mlp.gate"):
+            module.register_forward_hook(hook)
+
+
+def check_expert_parallel_fsdp_matches_hf(model_type: str, mode: str, starve: bool = False) -> None:
+    """ep=2 x dp=4 on a MoE model: the experts sharded over the expert-data group (2 ranks), the
+    rest over DP (4); AdamW steps with clipping against the one-process model (loss, norm, every
+    gathered gradient, the parameters). ``starve``: one rank's experts get no token (their zero
+    gradients still join FSDP2's reduce-scatter)."""
+    from support import moe_ep
+
+    parallel_state.destroy_model_parallel()
+    reference, model = moe_ep.build_pair(model_type)
+    for m in (reference, model) if starve else ():
+        _route_to_first_experts(m, moe_ep.config(model_type).num_experts // 2)
+        m.config._experts_implementation = "eager"  # a loop over the experts hit: the others get no gradient
+    nxd_hf.parallelize(model, expert_parallel_size=2, data_parallel_sharding=mode)
+    dp, dp_rank = parallel_state.get_data_parallel_size(), parallel_state.get_data_parallel_rank()
+    experts = moe_ep.expert_params(model)
+    assert experts and all(is_dp_sharded(p) for p in model.parameters())
+    edp_ranks = tuple(torch.distributed.get_process_group_ranks(parallel_state.get_expert_data_parallel_group()))
+    for name, param in model.named_parameters():
+        group = param.device_mesh.get_group(0)
+        want = edp_ranks if name in experts else tuple(range(dp))
+        assert tuple(torch.distributed.get_process_group_ranks(group)) == want, name
+    ref_params = dict(reference.named_parameters())
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    for step in range(STEPS):
+        ids, labels = moe_ep.global_batch(step, dp)
+        ref_loss = reference(input_ids=ids, labels=labels).loss
+        ref_loss.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)
+        ids, labels = moe_ep.rank_batch(step, dp_rank)
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        norm = clip_grad_norm(model.parameters(), MAX_NORM)
+        assert ref_norm > MAX_NORM, "clipping must act"
+        loss = loss.detach()
+        torch.distributed.all_reduce(loss, group=parallel_state.get_data_parallel_group())
+        torch.testing.assert_close(loss / dp, ref_loss.detach(), **TOL)  # every rank has as many labels
+        torch.testing.assert_close(norm, ref_norm, **TOL)
+        for name, param in model.named_parameters():
+            torch.testing.assert_close(_logical_grad(param), ref_params[name].grad, **TOL,
+                                       msg=lambda m: f"ep2 {mode} step {step} grad {name}: {m}")
+        for opt in (ref_optimizer, optimizer):
+            opt.step()
+            opt.zero_grad()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(logical_tensor(param), ref_params[name].detach(), **TOL,
+                                   msg=lambda m: f"ep2 {mode} param {name}: {m}")
+
+
+@pytest.mark.parametrize("model_type,mode", [("qwen3_moe", "zero3"), ("mixtral", "zero2")])
+def test_fsdp_matches_hf_ep2_dp4_experts_over_expert_data(ranks4, model_type, mode):
+    ranks4.run(check_expert_parallel_fsdp_matches_hf, model_type, mode)
+
+
+def test_fsdp_matches_hf_ep2_dp4_rank_without_tokens(ranks4):
+    ranks4.run(check_expert_parallel_fsdp_matches_hf, "qwen3_moe", "zero3", starve=True)
+
+
 def test_zero3_matches_hf_tp2_dp2_sequence_parallel(ranks4):
     ranks4.run(check_fsdp_matches_hf, "zero3", 2, True)
 
@@ -371,6 +528,11 @@ def test_bytes_per_rank_zero2_tp2_dp2(ranks4):
 
 def test_lora_zero3_matches_peft_tp2_dp2(ranks4):
     ranks4.run(check_lora_matches_peft, 2)
+
+
+@pytest.mark.parametrize("fsdp,accumulate", [("hybrid_shard", 1), ("hybrid_shard_zero2", 1)])
+def test_nxd_trainer_hybrid_shard_matches_trainer_dp4(ranks4, fsdp, accumulate):
+    ranks4.run(check_trainer_matches_trainer, fsdp, accumulate, {"dp_shard_size": 2})
 
 
 def test_hybrid_checkpoint_loads_at_ddp_and_tp2_zero3(ranks4, tmp_path):

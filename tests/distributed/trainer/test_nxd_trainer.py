@@ -89,7 +89,8 @@ def _run_case(out_dir, *, batch, accumulate=1, lora=False, trainer_cls=nxd_hf.Nx
         torch.manual_seed(11)  # the same adapter initialization on both sides
         reference = peft.get_peft_model(reference, _lora())
     data = _dataset(samples, uniform=mean_loss)
-    dp = 2 // (layout.get("tensor_parallel_size", 1) * layout.get("pipeline_parallel_size", 1))
+    dp = torch.distributed.get_world_size() // (layout.get("tensor_parallel_size", 1)
+                                                * layout.get("pipeline_parallel_size", 1))
     ref_args = one_process_reference_args(
         output_dir=f"{out_dir}/ref", per_device_train_batch_size=batch * dp, gradient_accumulation_steps=accumulate,
         **COMMON)

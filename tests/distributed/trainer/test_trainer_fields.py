@@ -244,7 +244,7 @@ def test_fields_change_behaviour_world4():
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("fsdp", "full_shard offload", "CPU offload is not supported"),  # full_shard itself: tests/distributed/test_fsdp.py
+    ("fsdp", "no_shard", "plain data parallelism"),  # full_shard, offload, hybrid_shard: tests/distributed/test_fsdp.py
     ("deepspeed", "ds_config.json", "deepspeed is not used"),
 ])
 def test_refused_hf_fields(field, value, message):

@@ -128,7 +128,8 @@ def parallelize(
     if auto:
         sizes = _auto_sizes(model, tensor_parallel_size, pipeline_parallel_size, expert_parallel_size, timeout,
                             lora_config=lora_config, sequence_parallel=sequence_parallel,
-                            recompute=activation_checkpoint_config is not None)
+                            recompute=activation_checkpoint_config is not None,
+                            data_parallel_sharding=data_parallel_sharding)
         tensor_parallel_size, pipeline_parallel_size = sizes.tp, sizes.pp
     register_with_peft()  # peft.get_peft_model on the result then knows the parallel layers
     if bucket_size_mb <= 0:
@@ -254,16 +255,18 @@ def _check_model(model) -> None:
         raise ValueError("nxd_hf.parallelize does not support quantized models: load the model unquantized")
 
 
-def _auto_sizes(model, tp, pp, ep, timeout, *, lora_config, sequence_parallel: bool, recompute: bool) -> ParallelSizes:
+def _auto_sizes(model, tp, pp, ep, timeout, *, lora_config, sequence_parallel: bool, recompute: bool,
+                data_parallel_sharding=None) -> ParallelSizes:
     """``"auto"`` sizes: ``nxd_hf.plan``'s best layout for this model on the launched world, for
     one sequence of ``max_position_embeddings`` tokens (at most 4096) per rank and step, with the
     smallest memory any rank has (every rank then takes the same sizes); the sizes given as
-    integers, sequence parallelism and recomputation stay as asked. ``NxDTrainingArguments``'
-    "auto" prices the training arguments' batch instead."""
+    integers, sequence parallelism, recomputation and ``data_parallel_sharding`` stay as asked.
+    ``NxDTrainingArguments``' "auto" prices the training arguments' batch instead."""
     from nxd_hf.plan.auto import device_memory_bytes, resolve_auto_sizes
 
     backend.init_process_group_from_env(parallel_state.as_timeout(timeout))
     memory = min(backend.all_gather_object(device_memory_bytes()))
     return resolve_auto_sizes(model, tensor_parallel_size=tp, pipeline_parallel_size=pp, expert_parallel_size=ep,
                               sequence_parallel=sequence_parallel, recompute=recompute, lora_config=lora_config,
-                              world_size=backend.world_size(), device_memory=memory)
+                              world_size=backend.world_size(), device_memory=memory,
+                              data_parallel_sharding=data_parallel_sharding)

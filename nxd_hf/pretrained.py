@@ -35,6 +35,10 @@ def from_pretrained(path: str, *, auto_class=transformers.AutoModelForCausalLM, 
             dtype = getattr(torch, dtype)
         with accelerate.init_empty_weights(include_buffers=False):
             hf_model = auto_class.from_config(config, dtype=dtype)
+        # accelerate's meta context registers a new Parameter for every assignment, which unties what
+        # transformers tied in __init__ (GPT-2's, Qwen2's head and embedding): tie them again, as
+        # transformers' own from_pretrained does, so the head's gradient reaches the embedding
+        hf_model.tie_weights()
     reports = []
     # ZeRO-2/3: the parameters are read into FSDP2's DP shards, never whole (nxd_hf.fsdp.load)
     into_dp_shards = (parallelize_kwargs.get("data_parallel_sharding") is not None

@@ -37,8 +37,7 @@ def check_loads_into_dp_shards(directory: str, model_type: str, tp: int, mode: s
     params = dict(model.named_parameters())
     assert params and all(is_dp_sharded(p) for p in params.values())
     for name, want in reference.named_parameters():
-        got = logical_tensor(params[name])
-        got = got.t() if getattr(params[name], "hf_transposed", False) else got
+        got = _hf_layout(params[name], logical_tensor(params[name]))
         torch.testing.assert_close(got, want.detach(), rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
     report = model.nxd.load_report
     shards = [local_of(p) for p in params.values()]
@@ -46,10 +45,26 @@ def check_loads_into_dp_shards(directory: str, model_type: str, tp: int, mode: s
     assert report.largest_bytes == max(s.numel() * s.element_size() for s in shards), report
     real_rows = sum(_stored_numel(p) for p in params.values()) * 4  # fp32, TP padding rows not read
     assert report.bytes_read == real_rows, (report, real_rows)
-    ids, labels = hf_parity.batch()
-    with torch.no_grad():
-        torch.testing.assert_close(model(input_ids=ids, labels=labels).loss,
-                                   reference.eval()(input_ids=ids, labels=labels).loss, **hf_parity.TOL)
+    ids, labels = hf_parity.batch()  # the same rows on every DP rank: FSDP2's mean is the one gradient
+    loss = model.train()(input_ids=ids, labels=labels).loss
+    ref_loss = reference(input_ids=ids, labels=labels).loss
+    torch.testing.assert_close(loss, ref_loss, **hf_parity.TOL)
+    loss.backward()
+    ref_loss.backward()
+    for name, want in reference.named_parameters():
+        grad = _hf_layout(params[name], logical_tensor(params[name], params[name].grad))
+        torch.testing.assert_close(grad, want.grad, **hf_parity.TOL, msg=lambda m: f"grad {name}: {m}")
+
+
+def check_load_dp_shards_needs_data_parallel_sharding() -> None:
+    parallel_state.destroy_model_parallel()
+    _, model = hf_parity.build_pair("llama")
+    try:
+        nxd_hf.parallelize(model, load_dp_shards=lambda m: None)
+    except ValueError as error:
+        assert "load_dp_shards" in str(error) and "data_parallel_sharding" in str(error), error
+    else:
+        raise AssertionError("load_dp_shards without data_parallel_sharding was accepted")
 
 
 def _stored_numel(param) -> int:
@@ -130,6 +145,10 @@ def test_gpt2_conv1d_zero3_checkpoint_loads_at_zero1_tp2_and_in_transformers(ran
 
 def test_from_pretrained_zero3_llama_dp2(ranks2, tmp_path):
     ranks2.run(check_loads_into_dp_shards, str(tmp_path), "llama", 1, "zero3")
+
+
+def test_load_dp_shards_needs_data_parallel_sharding(ranks2):
+    ranks2.run(check_load_dp_shards_needs_data_parallel_sharding)
 
 
 def test_from_pretrained_zero3_gpt2_conv1d_dp2(ranks2, tmp_path):

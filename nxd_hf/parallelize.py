@@ -40,7 +40,9 @@ from nxd_hf.checkpoint.consolidate import save_pretrained
 from nxd_hf.context import check_context_parallel, install_context_parallel
 from nxd_hf.context.model import router_token_mask
 from nxd_hf.fsdp import DataParallelSharding, check_data_parallel_sharding, shard_data_parallel
+from nxd_hf.fsdp.load import allocate_dp_shards
 from nxd_hf.model_setup import LocalSetup, SetupRecord, finish_parallel_model
+from nxd_hf.model_setup.local import target_device
 from nxd_hf.model_setup.activation_checkpoint import decoder_layer_types
 from nxd_hf.model_setup.materialize import refuse_deferred_init
 from nxd_hf.model_state import state_of
@@ -63,7 +65,7 @@ def parallelize(
     lora_config=None, autocast_adapter_dtype: bool = True, fused_loss: bool = False, expert_parallel_size: int = 1,
     data_parallel_sharding: DataParallelSharding | None = None, data_parallel_shard_size: int | None = None,
     data_parallel_offload: bool = False, context_parallel_size: int = 1, context_parallel_attention: str = "auto",
-    **pipeline_kwargs,
+    load_dp_shards=None, **pipeline_kwargs,
 ):
     """Shard a Hugging Face model (real or meta weights) in place and return it.
 
@@ -101,6 +103,10 @@ def parallelize(
     data_parallel_sharding: "zero3" (parameters, gradients and optimizer state) or "zero2" (gradients and
         optimizer state) sharded over the data-parallel ranks by torch's FSDP2 (``nxd_hf.fsdp``,
         docs/fsdp.md); None: every DP rank holds the whole TP shard (DDP, or ZeRO-1's optimizer).
+    load_dp_shards: with data_parallel_sharding, ``fn(model)`` filling the parameters once FSDP2 has
+        sharded them on the meta device and each rank's local shards are allocated
+        (``nxd_hf.fsdp.load``); ``load_weights`` then fills the buffers only. No rank ever holds a
+        TP shard whole. ``nxd_hf.from_pretrained`` passes its reader.
     data_parallel_shard_size: with data_parallel_sharding, shard over groups of this many DP ranks and
         replicate across the groups (HSDP); None: shard over every DP rank.
     data_parallel_offload: with data_parallel_sharding, keep the shards (parameters, gradients and so the
@@ -127,7 +133,8 @@ def parallelize(
     if auto:
         sizes = _auto_sizes(model, tensor_parallel_size, pipeline_parallel_size, expert_parallel_size, timeout,
                             lora_config=lora_config, sequence_parallel=sequence_parallel,
-                            recompute=activation_checkpoint_config is not None)
+                            recompute=activation_checkpoint_config is not None,
+                            data_parallel_sharding=data_parallel_sharding)
         tensor_parallel_size, pipeline_parallel_size = sizes.tp, sizes.pp
     register_with_peft()  # peft.get_peft_model on the result then knows the parallel layers
     if bucket_size_mb <= 0:
@@ -140,7 +147,8 @@ def parallelize(
         pipeline_options=sorted(pipeline_kwargs), expert_parallel_size=expert_parallel_size,
         data_parallel_sharding=data_parallel_sharding, data_parallel_shard_size=data_parallel_shard_size,
         data_parallel_offload=data_parallel_offload,
-        context_parallel_size=context_parallel_size, context_parallel_attention=context_parallel_attention)
+        context_parallel_size=context_parallel_size, context_parallel_attention=context_parallel_attention,
+        load_dp_shards=load_dp_shards is not None)
     check_same_on_every_rank("nxd_hf.parallelize", {**arguments, **model_summary(model)}, noun="arguments",
                              timeout=timeout, fix="Every rank must call it with the same arguments and the same model")
     if not auto:  # checked after the agreement: sizes wrong on some ranks only fail every rank alike
@@ -156,6 +164,9 @@ def parallelize(
                                      expert_parallel_size=expert_parallel_size, lora_config=lora_config,
                                      pipeline_kwargs=pipeline_kwargs, context_parallel_size=sizes.cp,
                                      shard_size=data_parallel_shard_size, offload=data_parallel_offload)
+        if load_dp_shards is not None and (data_parallel_sharding is None or lora_config is not None):
+            raise ValueError("load_dp_shards loads the weights into FSDP2's data-parallel shards: it needs "
+                             "data_parallel_sharding and no lora_config (load the weights with load_weights instead)")
         if pipeline_kwargs and sizes.pp == 1:
             raise ValueError(f"{sorted(pipeline_kwargs)} are pipeline options: they need pipeline_parallel_size > 1")
         if fused_loss and sizes.pp > 1:
@@ -174,7 +185,7 @@ def parallelize(
                        add_adapters=_adapters(model, lora_config, autocast_adapter_dtype),
                        activation_checkpoint_config=activation_checkpoint_config,
                        fp32_grad_accumulation=fp32_grad_accumulation, bucket_size_mb=bucket_size_mb, device=device,
-                       record=SetupRecord(patch=patch, head_layout=layout, input_check=check, on_hf_model=True))
+                       parameters_after_sharding=load_dp_shards is not None, record=SetupRecord(patch=patch, head_layout=layout, input_check=check, on_hf_model=True))
     if sizes.pp > 1:
         from nxd_hf.pipeline.model import NxDPPModel  # step 4; it runs steps 5-10 on its stages
 
@@ -193,6 +204,10 @@ def parallelize(
     if data_parallel_sharding is not None:  # FSDP2 over the DP group (nxd_hf.fsdp)
         shard_data_parallel(model, data_parallel_sharding, policy=state.grad_reduction,
                             shard_size=data_parallel_shard_size, offload=data_parallel_offload)
+    if load_dp_shards is not None:
+        with fail_together("nxd_hf.parallelize (weights into the data-parallel shards)"):
+            allocate_dp_shards(model, target_device(device, [model]))
+            load_dp_shards(model)
     model.save_pretrained = _save_pretrained(model, lora_config)
     return model
 
@@ -251,16 +266,18 @@ def _check_model(model) -> None:
         raise ValueError("nxd_hf.parallelize does not support quantized models: load the model unquantized")
 
 
-def _auto_sizes(model, tp, pp, ep, timeout, *, lora_config, sequence_parallel: bool, recompute: bool) -> ParallelSizes:
+def _auto_sizes(model, tp, pp, ep, timeout, *, lora_config, sequence_parallel: bool, recompute: bool,
+                data_parallel_sharding=None) -> ParallelSizes:
     """``"auto"`` sizes: ``nxd_hf.plan``'s best layout for this model on the launched world, for
     one sequence of ``max_position_embeddings`` tokens (at most 4096) per rank and step, with the
     smallest memory any rank has (every rank then takes the same sizes); the sizes given as
-    integers, sequence parallelism and recomputation stay as asked. ``NxDTrainingArguments``'
-    "auto" prices the training arguments' batch instead."""
+    integers, sequence parallelism, recomputation and ``data_parallel_sharding`` stay as asked.
+    ``NxDTrainingArguments``' "auto" prices the training arguments' batch instead."""
     from nxd_hf.plan.auto import device_memory_bytes, resolve_auto_sizes
 
     backend.init_process_group_from_env(parallel_state.as_timeout(timeout))
     memory = min(backend.all_gather_object(device_memory_bytes()))
     return resolve_auto_sizes(model, tensor_parallel_size=tp, pipeline_parallel_size=pp, expert_parallel_size=ep,
                               sequence_parallel=sequence_parallel, recompute=recompute, lora_config=lora_config,
-                              world_size=backend.world_size(), device_memory=memory)
+                              world_size=backend.world_size(), device_memory=memory,
+                              data_parallel_sharding=data_parallel_sharding)

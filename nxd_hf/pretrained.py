@@ -5,7 +5,8 @@ import torch
 import transformers
 
 from nxd_hf import backend
-from nxd_hf.checkpoint.hf_safetensors import check_checkpoint_dir, load_hf_safetensors
+from nxd_hf.checkpoint.hf_dp_shards import load_hf_into_dp_shards
+from nxd_hf.checkpoint.hf_safetensors import LoadReport, check_checkpoint_dir, load_hf_safetensors
 from nxd_hf.guards.fail_together import fail_together
 from nxd_hf.parallelize import parallelize
 
@@ -20,7 +21,9 @@ def from_pretrained(path: str, *, auto_class=transformers.AutoModelForCausalLM, 
     With ``pipeline_parallel_size`` > 1 it returns an ``NxDPPModel`` and each rank reads only
     the weights of its own stages. Slices go from the file straight to ``device`` (default: the
     backend's compute device, as ``parallelize``). Returns the model in eval mode, as transformers does;
-    ``model.nxd.load_report`` holds the bytes this rank read.
+    ``model.nxd.load_report`` holds the bytes this rank read. With ``data_parallel_sharding``
+    (and no ``lora_config``) the parameters are read straight into FSDP2's data-parallel shards:
+    no rank holds more than its shard plus one parameter's DP rows (docs/fsdp.md).
     expert_parallel_size: split each mixture-of-experts layer's experts over this many
     data-parallel ranks (``parallelize``); each rank reads only its experts' per-expert tensors.
     """
@@ -32,16 +35,30 @@ def from_pretrained(path: str, *, auto_class=transformers.AutoModelForCausalLM, 
             dtype = getattr(torch, dtype)
         with accelerate.init_empty_weights(include_buffers=False):
             hf_model = auto_class.from_config(config, dtype=dtype)
+        # accelerate's meta context registers a new Parameter for every assignment, which unties what
+        # transformers tied in __init__ (GPT-2's, Qwen2's head and embedding): tie them again, as
+        # transformers' own from_pretrained does, so the head's gradient reaches the embedding
+        hf_model.tie_weights()
     reports = []
+    # ZeRO-2/3: the parameters are read into FSDP2's DP shards, never whole (nxd_hf.fsdp.load)
+    into_dp_shards = (parallelize_kwargs.get("data_parallel_sharding") is not None
+                      and parallelize_kwargs.get("lora_config") is None)
 
     def load_weights(modules):  # setup step 5, on this rank's modules (its stages with PP)
         device = parallelize_kwargs.get("device") or backend.default_device()  # as parallelize's default
         # no fail_together of its own: setup step 5 runs inside one (nxd_hf.model_setup.local)
-        reports.append(load_hf_safetensors(modules, path, hf_model=hf_model, device=device))
+        reports.append(load_hf_safetensors(modules, path, hf_model=hf_model, device=device,
+                                           parameters=not into_dp_shards))
+
+    def load_dp_shards(model):
+        reports.append(load_hf_into_dp_shards([model], path, hf_model=hf_model))
 
     model = parallelize(hf_model, tensor_parallel_size=tensor_parallel_size,
                         pipeline_parallel_size=pipeline_parallel_size, load_weights=load_weights,
-                        expert_parallel_size=expert_parallel_size, **parallelize_kwargs)
-    model.nxd.record_load_report(reports[0])
+                        expert_parallel_size=expert_parallel_size,
+                        load_dp_shards=load_dp_shards if into_dp_shards else None, **parallelize_kwargs)
+    model.nxd.record_load_report(LoadReport(
+        bytes_read=sum(r.bytes_read for r in reports), keys_read=sum(r.keys_read for r in reports),
+        bytes_padding=sum(r.bytes_padding for r in reports), largest_bytes=max(r.largest_bytes for r in reports)))
     model.eval()
     return model

@@ -67,6 +67,14 @@ EXTRA = [
 
 # the architectures of the sweep validated with a few layouts each (``--grid sweep``; cases() drops
 # sequence parallelism where the architecture's patch refuses it and LoRA where it has no q_proj)
+# FSDP2's ZeRO-3 / ZeRO-2 (``data_parallel_sharding``): run with --grid fsdp
+FSDP = [
+    ("llama-s", 1, 1, 2, {"data_parallel_sharding": "zero3"}),
+    ("llama-s", 1, 1, 2, {"data_parallel_sharding": "zero2"}),
+    ("qwen2-s", 1, 1, 2, {"data_parallel_sharding": "zero3"}),
+    ("llama-s", 2, 1, 2, {"data_parallel_sharding": "zero3", "sequence_parallel": True}),
+]
+
 SWEEP_MODELS = ["gpt2-s", "phi3-s", "qwen3-s", "neox-s", "gemma-s"]
 SWEEP_LAYOUTS = [
     (2, 1, 1, {}),

@@ -27,12 +27,12 @@ from bench.common import RESULTS
 from bench.common.stamp import stamp
 from bench.common.table import Column, table
 from bench.plan.compare import compare_case, layout_of, measured_ranks, spearman
-from bench.plan.models import EXTRA, GRID, MODELS, SWEEP
+from bench.plan.models import EXTRA, FSDP, GRID, MODELS, SWEEP
 
 MICRO_BATCH, SEQ = 2, 128
 
 
-GRIDS = {"grid": GRID, "extra": EXTRA, "sweep": SWEEP}
+GRIDS = {"grid": GRID, "extra": EXTRA, "sweep": SWEEP, "fsdp": FSDP}
 
 
 def _runs(model: str, options: dict) -> bool:
@@ -68,6 +68,7 @@ def cases(steps: int, grid: str = "grid", seq: int = SEQ, only: list[str] | None
         out.append(dict(model=model, tp=tp, pp=pp, dp=dp, sequence_parallel=options.get("sequence_parallel", False),
                         recompute=options.get("recompute", False), lora=options.get("lora", False), lora_r=8,
                         zero_1=options.get("zero_1", False), schedule=options.get("schedule"),
+                        data_parallel_sharding=options.get("data_parallel_sharding"),
                         num_microbatches=options.get("num_microbatches", 1), micro_batch=MICRO_BATCH, seq=seq,
                         steps=steps))
     return [c for c in out if _selected(c, only)] if only else out

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from bench.memory.rank import PeakSampler, read_status
+from nxd_hf.checkpoint.dp_shard import local_of
 from bench.plan.models import MODELS
 
 
@@ -76,7 +77,8 @@ def build(case: dict):
     model = nxd_hf.parallelize(
         model, tensor_parallel_size=case["tp"], pipeline_parallel_size=case["pp"],
         sequence_parallel=case["sequence_parallel"], param_init_fn=_init_weights, check_inputs=False,
-        activation_checkpoint_config="full" if case["recompute"] else None, lora_config=lora, **kwargs)
+        activation_checkpoint_config="full" if case["recompute"] else None, lora_config=lora,
+        data_parallel_sharding=case.get("data_parallel_sharding"), **kwargs)
     return config, model
 
 
@@ -109,6 +111,11 @@ def run_case(case: dict) -> dict:
     times, cpu_times, sends = [], [], []
     with PeakSampler(interval_s=0.002) as sampler:
         config, model = build(case)
+        if case.get("data_parallel_sharding"):
+            # param_init_fn materializes each TP shard before FSDP2 shards it (from_pretrained reads into
+            # the shards instead): the plan prices training, so the peak is taken from here on
+            _trim()
+            sampler.peak = read_status()
         optimizer = _optimizer(model, case)
         dp_rank = parallel_state.get_data_parallel_rank()
         rows = case["micro_batch"] * case.get("num_microbatches", 1)
@@ -125,7 +132,7 @@ def run_case(case: dict) -> dict:
     axis = {ranks: name for name, ranks in groups.items()}  # the last axis of equal ranks wins
     comm = [dict(op=r.op, axis=axis.get(r.ranks, "other"), group_size=r.group_size, bytes=r.payload_bytes)
             for r in records]
-    local = {id(p): p for p in model.parameters()}
+    local = {id(p): local_of(p) for p in model.parameters()}  # FSDP2's DTensors: this rank's shard
     result = dict(
         rank=dist.get_rank(), baseline_anon=baseline, peak_anon=sampler.peak["RssAnon"], samples=sampler.samples,
         param_bytes=sum(p.numel() * p.element_size() for p in local.values()),

@@ -7,7 +7,8 @@ the same logical safetensors a DDP or ZeRO-1 job writes and loads at any layout:
 
 - replicated over TP: its DP rows along dim 0, written by TP rank 0;
 - TP-sharded along dim 0: the DP rows are a run of the TP shard's rows (``shard_index``);
-- TP-sharded along another dim: a box, the DP rows along dim 0 x the TP rows along ``partition_dim``.
+- TP-sharded along another dim: a box, the DP rows along dim 0 x the TP rows along ``partition_dim``;
+- an HF ``Conv1D`` weight (GPT-2), stored transposed: the same, along the swapped dims.
 
 The local tensor (``DTensor._local_tensor``, one object for the life of the shard) stands for
 the parameter: optimizer state is keyed by it (``optim_state``) and loading copies into it.
@@ -48,10 +49,21 @@ def dp_rows(param: DTensor) -> tuple[int, int, bool]:
 
 def describe_dp_shard(name: str, model_name: str, param: DTensor, tp_rank: int, owned_runs) -> dict:
     """The fields of ``param``'s ``LogicalTensor`` (see the module docstring); ``owned_runs(rows,
-    tp_rank)`` is ``logical._owned_runs`` (collective over TP: every TP rank holds the same DP rows)."""
-    if getattr(param, "hf_transposed", False):
-        raise ValueError(f"{model_name}: checkpoints of data_parallel_sharding models with HF Conv1D weights "
-                         "(GPT-2 style) are not supported yet: save without data_parallel_sharding")
+    tp_rank)`` is ``logical._owned_runs`` (collective over TP: every TP rank holds the same DP rows).
+    An HF ``Conv1D`` weight (GPT-2, stored ``[in, out]``) is described as its transpose: the same
+    rows and runs, along the swapped dims of the on-disk orientation."""
+    fields = _describe_untransposed(name, model_name, param, tp_rank, owned_runs)
+    if not getattr(param, "hf_transposed", False):
+        return fields
+    assert param.dim() == 2, "HF Conv1D weights are 2-D"
+    fields.update(transposed=True, shape=fields["shape"][::-1], dim=1 - fields["dim"])
+    if "inner_dim" in fields:
+        fields["inner_dim"] = 1 - fields["inner_dim"]
+    return fields
+
+
+def _describe_untransposed(name: str, model_name: str, param: DTensor, tp_rank: int, owned_runs) -> dict:
+    """``describe_dp_shard`` in the TP-local tensor's orientation."""
     local = local_of(param)
     start, count, first_copy = dp_rows(param)
     # an HSDP copy of the shard (first_copy False) writes nothing: the first copy writes it

@@ -201,7 +201,7 @@ class Reader:
             full = self.full(section, name)
             return lt.from_disk(full) if like.shape == lt.tensor.shape else full
         if lt.inner_dim is not None or any("inner" in p for p in parts):  # sharded along two dims
-            return self._box(parts, lt, like.dtype)
+            return lt.from_disk(self._box(parts, lt, like.dtype))
         if not all(p["dim"] == lt.dim for p in parts):  # saved unsharded or along another dim
             return lt.from_disk(shard_from_full(self.full(section, name), lt.dim, lt.rows))
         return lt.from_disk(self._rows(parts, lt, like.dtype))

@@ -36,6 +36,9 @@ class LoadReport:
     bytes_padding: int = 0
     """Bytes of padding rows (past a tensor's stored size, e.g. a vocabulary padded to a multiple
     of tp) this rank filled with zeros instead of reading: held, but in no file."""
+    largest_bytes: int = 0
+    """Bytes of the largest tensor the reader handed back (one read or one sharded slice): what
+    loading holds beyond the model's own parameters at any time."""
 
 
 def check_checkpoint_dir(path) -> None:
@@ -97,6 +100,10 @@ class SafetensorsCheckpoint:
         with _naming_file(self.files[key]):
             tensor = self._slice(key)[:]
         self.report.bytes_read += tensor.numel() * tensor.element_size()
+        return self._handed(tensor)
+
+    def _handed(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.report.largest_bytes = max(self.report.largest_bytes, tensor.numel() * tensor.element_size())
         return tensor
 
     def read_rows(self, key: str, dim: int, rows: torch.Tensor, within: tuple[int, int, int] | None = None
@@ -124,11 +131,12 @@ class SafetensorsCheckpoint:
             dtype = piece.dtype
             pieces.append(("data", piece))
         if len(pieces) == 1 and pieces[0][0] == "data":
-            return pieces[0][1]  # one run: keep the (copy-on-write) view of the mapped file
+            return self._handed(pieces[0][1])  # one run: keep the (copy-on-write) view of the mapped file
         dtype = dtype or torch.float32
         self.report.bytes_padding += sum(
             torch.Size(p).numel() for kind, p in pieces if kind == "zeros") * dtype.itemsize
-        return torch.cat([p if kind == "data" else torch.zeros(p, dtype=dtype) for kind, p in pieces], dim=dim)
+        return self._handed(torch.cat([p if kind == "data" else torch.zeros(p, dtype=dtype) for kind, p in pieces],
+                                      dim=dim))
 
 
 def row_runs(rows: torch.Tensor) -> list[tuple[int, int, bool]]:
@@ -223,6 +231,20 @@ class HFRenames:
         return mapping
 
 
+def parameter_keys(modules: list[nn.Module], checkpoint: SafetensorsCheckpoint, key_of: HFKeys,
+                   hf_model: nn.Module | None, path: str):
+    """(named parameters, checkpoint key of each, per-expert sources of fused ones), after checking
+    that every parameter is in the checkpoint with its logical shape (before any slice is read)."""
+    named = list(_named_parameters(modules))
+    keys = {name: key_of(name) for name, _ in named}
+    fused = fused_parameters(hf_model if hf_model is not None else modules[0], named, keys, checkpoint)
+    missing = [name for name, key in keys.items() if key is None and name not in fused]
+    if missing:
+        raise ValueError(f"{len(missing)} parameters are not in the checkpoint at {path}: {missing[:5]}")
+    _check_shapes([(keys[name], logical_shape(param)) for name, param in named if name not in fused], checkpoint, path)
+    return named, keys, fused
+
+
 def _named_parameters(modules: list[nn.Module]):
     seen = set()
     for module in modules:
@@ -233,23 +255,19 @@ def _named_parameters(modules: list[nn.Module]):
 
 
 def load_hf_safetensors(modules: nn.Module | list[nn.Module], path: str, *,
-                        hf_model: nn.Module | None = None, device=None) -> LoadReport:
+                        hf_model: nn.Module | None = None, device=None, parameters: bool = True) -> LoadReport:
     """Fill every parameter and persistent buffer of a (parallelized) model, or of a list of
     its modules under the model's names (pipeline stages), from ``path``. ``hf_model``: the HF
     model they were made from (default: ``modules``), for its renames, tied-weight keys and
-    base-model prefix. ``device``: where the read slices go (None: the CPU)."""
+    base-model prefix. ``device``: where the read slices go (None: the CPU). ``parameters=False``:
+    check the parameters' keys and shapes but fill only the buffers (the parameters are read into
+    their data-parallel shards once FSDP2 has sharded them: ``hf_dp_shards``)."""
     modules = list(modules) if isinstance(modules, (list, tuple)) else [modules]
     checkpoint = SafetensorsCheckpoint(path)
     owners = owners_of(modules)
     key_of = HFKeys(hf_model if hf_model is not None else modules[0], checkpoint.files)
-    named = list(_named_parameters(modules))
-    keys = {name: key_of(name) for name, _ in named}
-    fused = fused_parameters(hf_model if hf_model is not None else modules[0], named, keys, checkpoint)
-    missing = [name for name, key in keys.items() if key is None and name not in fused]
-    if missing:
-        raise ValueError(f"{len(missing)} parameters are not in the checkpoint at {path}: {missing[:5]}")
-    _check_shapes([(keys[name], logical_shape(param)) for name, param in named if name not in fused], checkpoint, path)
-    for name, param in named:
+    named, keys, fused = parameter_keys(modules, checkpoint, key_of, hf_model, path)
+    for name, param in named if parameters else ():
         key = keys[name]
         if name in fused:
             local = read_fused(checkpoint, fused[name], param)

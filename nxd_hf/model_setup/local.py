@@ -83,6 +83,10 @@ class LocalSetup:
     check_replicas: bool = True
     """Check that data-parallel replicas hold the same weights (step 7); False when the weights
     are copied in after setup (nnScaler's ``init_params=False`` + ``broadcast_weights``)."""
+    parameters_after_sharding: bool = False
+    """The parameters stay on the meta device through these steps (``load_weights`` fills the
+    buffers only; step 10 moves only them): FSDP2 shards them afterwards and each rank then loads
+    its DP shards (``nxd_hf.fsdp.load``)."""
     record: SetupRecord = dataclasses.field(default_factory=SetupRecord)
     """What the steps before these decided, for the model's ``NxDModelState``."""
 
@@ -129,8 +133,18 @@ def _finish(modules: list[nn.Module], setup: LocalSetup, layer_types: tuple[type
         install_fp32_grad_accumulation(policy.params())
     if device is not None:
         for module in modules:
-            move_model_to_device(module, device)
+            if setup.parameters_after_sharding:
+                _move_buffers(module, device)
+            else:
+                move_model_to_device(module, device)
     return policy
+
+
+def _move_buffers(model: nn.Module, device: torch.device) -> None:
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = buffer.to(device)
 
 
 def target_device(requested, modules: list[nn.Module]) -> torch.device | None:

@@ -18,6 +18,9 @@ class Layout:
     """Activations split along the sequence between TP regions."""
     zero_1: bool = False
     """Optimizer state sharded over dp."""
+    data_parallel_sharding: str | None = None
+    """"zero3" / "zero2": parameters, gradients and optimizer state sharded over dp by FSDP2
+    (``parallelize(data_parallel_sharding=...)``, docs/fsdp.md); None: not."""
     num_microbatches: int = 1
     """Microbatches per optimizer step and replica (pipeline microbatches, or gradient accumulation at pp=1)."""
     schedule: Schedule | None = None
@@ -53,6 +56,7 @@ class Layout:
         parts += [f"ep{self.ep}"] if self.ep > 1 else []
         parts += ["sp"] if self.sequence_parallel else []
         parts += ["zero1"] if self.zero_1 else []
+        parts += [self.data_parallel_sharding] if self.data_parallel_sharding else []
         parts += [f"mb{self.num_microbatches}"]
         parts += [self.schedule + (f"x{self.virtual_stages}" if self.virtual_stages > 1 else "")] if self.schedule else []
         parts += ["recompute"] if self.recompute else []

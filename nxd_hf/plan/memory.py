@@ -16,13 +16,16 @@ fused top-k experts); a frozen linear layer (LoRA) saves no input for its weight
 Sharded parts divide by tp (sequence parallelism divides the rest too). The peak is at the
 start of backward (all activations, the loss's logits, log-probabilities and their gradient,
 no gradients yet) or at its end (all gradients), on top of the parameters, optimizer state and
-the buffers kept between steps (the pipeline's receive buffers, ZeRO-1's staging buckets)."""
+the buffers kept between steps (the pipeline's receive buffers, ZeRO-1's staging buckets). Under
+FSDP2's ZeRO-3/ZeRO-2 (``Layout.data_parallel_sharding``) parameters, gradients and optimizer
+state are 1/dp, and the parameters it all-gathers during the step count as a buffer
+(``fsdp_memory``)."""
 
 import dataclasses
 
 from nxd_hf.plan.activations import ActivationTrace
 from nxd_hf.plan.layout import Layout
-from nxd_hf.plan.shapes import PRE, ModelShape, RankParams
+from nxd_hf.plan.shapes import POST, PRE, ModelShape, RankParams
 from nxd_hf.parallel_layers.sharding import padded_size
 
 BUCKET_BYTES = 25 * 2**20  # parallelize's bucket_size_mb
@@ -131,6 +134,10 @@ def rank_memory(shape: ModelShape, params: RankParams, work: Workload, layout: L
     if work.param_bytes < 4 and not work.lora and not layout.zero_1:
         state += 4 * trainable  # fp32 master weights of low-precision parameters
     buffers = 0.0
+    fsdp = fsdp_memory(params, work, layout, layers) if layout.data_parallel_sharding else None
+    if fsdp is not None:  # FSDP2: parameters, gradients and state 1/dp at rest; gathered ones during the step
+        state /= layout.dp
+        buffers = fsdp["gathered"]
     if layout.zero_1:
         state += 2 * 4 * trainable_sharded / dp_shard  # the fp32 master slice and its gradient
         buffers = zero1_staging_bytes(grad_bytes, layout.dp, 4 if work.lora else work.param_bytes)
@@ -188,14 +195,41 @@ def rank_memory(shape: ModelShape, params: RankParams, work: Workload, layout: L
     end_of_forward = held + loss_forward
     start_of_backward = held + loss_saved + loss_backward + head_grad
     first_layer_backward = held + head_grad + layer_grads + 2 * largest + (one_layer if layout.recompute else 0)
-    end_of_backward = grad_bytes + one_layer + tied_grad + (per_microbatch + loss_saved * last) * after_first
-    reduction = grad_bytes
-    items = dict(parameters=n_params * work.param_bytes, lora=n_lora * 4, gradients=grad_bytes, optimizer_state=state,
+    if fsdp is not None:
+        first_layer_backward += fsdp["scatter_copy"]
+    held_grads = grad_bytes if fsdp is None else grad_bytes / layout.dp + fsdp["root_grads"]
+    end_of_backward = held_grads + one_layer + tied_grad + (per_microbatch + loss_saved * last) * after_first
+    reduction = held_grads if fsdp is None else held_grads + fsdp["root_grads"]  # FSDP2 copies them in to reduce-scatter
+    shard = layout.dp if fsdp is not None else 1
+    items = dict(parameters=n_params * work.param_bytes / shard, lora=n_lora * 4 / shard,
+                 gradients=grad_bytes / shard, optimizer_state=state,
                  activations=activations, loss=max(loss_forward, loss_saved + loss_backward),
                  communication_buffers=buffers + pipeline_buffers)
     items["peak"] = int(items["parameters"] + items["lora"] + state + pipeline_buffers + buffers
                         + max(end_of_forward, start_of_backward, first_layer_backward, end_of_backward, reduction))
     return {k: int(v) for k, v in items.items()}
+
+
+def fsdp_memory(params: RankParams, work: Workload, layout: Layout, layers: range) -> dict:
+    """What FSDP2 (``data_parallel_sharding``, pp = 1) holds beyond the 1/dp shards, in bytes:
+
+    - ``gathered``, the all-gathered (TP-local) parameters during the step: under "zero3" the root
+      group's (embeddings, final norm, LM head: FSDP2 keeps the root unsharded from forward to
+      backward) and two decoder layers' (in backward the layer computing and the one before it,
+      which FSDP2 prefetches); under "zero2" every parameter (each layer's gathered parameters
+      are kept from its forward to its backward);
+    - ``scatter_copy``: a layer's gradients once more, the flat input FSDP2 copies them into to
+      reduce-scatter them (freed with them, layer by layer);
+    - ``root_grads``: the root group's unsharded gradients, held until its reduce-scatter at the
+      end of backward (the decoder layers' are reduce-scattered and freed layer by layer)."""
+    table = params.lora_by_place if work.lora else params.by_place
+    root = params.by_place.get(PRE, 0) + params.by_place.get(POST, 0)
+    largest_layer = max((params.by_place.get(i, 0) for i in layers), default=0)
+    every = params.stage(layers, first=True, last=True)
+    gathered = every if layout.data_parallel_sharding == "zero2" else root + min(2, len(layers)) * largest_layer
+    grad_element = 4 if work.lora else work.param_bytes
+    return dict(gathered=gathered * work.param_bytes, root_grads=(table.get(PRE, 0) + table.get(POST, 0)) * grad_element,
+                scatter_copy=max((table.get(i, 0) for i in layers), default=0) * grad_element)
 
 
 def peak_memory(shape: ModelShape, params: RankParams, work: Workload, layout: Layout, *,

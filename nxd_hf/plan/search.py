@@ -1,4 +1,4 @@
-"""The search: every (tp, pp, dp, ep, sequence parallelism, ZeRO-1, schedule, recomputation)
+"""The search: every (tp, pp, dp, ep, sequence parallelism, ZeRO-1 or ZeRO-2/3, schedule, recomputation)
 for the world size, each checked against nxd_hf's rules and priced by the cost model; the ones
 that fit are ranked by predicted step time (then memory), the others kept with the reason."""
 
@@ -57,16 +57,27 @@ def candidates(shape: ModelShape, world_size: int, work: Workload, *, schedules=
             eps = [e for e in _divisors(dp) if shape.num_experts and shape.num_experts % e == 0] or [1]
             for ep in eps:
                 for sp in ([False, True] if tp > 1 else [False]):
-                    for zero_1 in ([False, True] if dp > 1 else [False]):
+                    for zero_1, sharding in _dp_options(dp, pp, ep, fixed.get("data_parallel_sharding")):
                         for recompute in (False, True):
                             for schedule, virtual in ([(s, 2 if s.startswith("interleaved") else 1) for s in schedules]
                                                       if pp > 1 else [(None, 1)]):
                                 sizes = ParallelSizes(tp=tp, pp=pp, dp=dp, ep=ep)
                                 layout = Layout(sizes=sizes, sequence_parallel=sp, zero_1=zero_1,
+                                                data_parallel_sharding=sharding,
                                                 num_microbatches=microbatches, schedule=schedule,
                                                 virtual_stages=virtual, recompute=recompute)
                                 if all(getattr(layout, k) == v for k, v in fixed.items()):
                                     yield layout
+
+
+def _dp_options(dp: int, pp: int, ep: int, asked: str | None) -> list[tuple[bool, str | None]]:
+    """(ZeRO-1, data_parallel_sharding) pairs of a dp: ZeRO-1 and FSDP2's ZeRO-3/ZeRO-2 are
+    alternatives, and FSDP2 is built for pp = 1 and ep = 1 only (``fsdp.check_data_parallel_sharding``).
+    At dp = 1 sharding changes nothing: offered only when ``asked`` (the run is set to use it)."""
+    fsdp = [(False, "zero3"), (False, "zero2")] if pp == 1 and ep == 1 else []
+    if dp == 1:
+        return [(False, None)] + ([(False, asked)] if asked and fsdp else [])
+    return [(False, None), (True, None)] + fsdp
 
 
 def why_not(shape: ModelShape, work: Workload, layout: Layout) -> str | None:

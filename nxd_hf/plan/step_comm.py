@@ -2,14 +2,15 @@
 the busiest pipeline stage: each decoder layer's tensor-parallel traffic (``comm.block_terms``'s
 theory), the vocab-parallel embedding, LM head and loss, the weight-gradient syncs the layout
 needs (replicated K/V, sequence-parallel norms, per-head norms, LoRA factors), data-parallel
-gradient reduction (all-reduce, or ZeRO-1's reduce-scatter and all-gather), a tied embedding's
+gradient reduction (all-reduce, ZeRO-1's reduce-scatter and all-gather, or FSDP2's all-gathers and
+reduce-scatter), a tied embedding's
 gradient sum over the pipeline and the pipeline's sends."""
 
 from nxd_hf.plan.activations import ActivationTrace
 from nxd_hf.plan.comm import FP32_BYTES, Term, bucket_count, kv_size_multiplier
 from nxd_hf.plan.layout import Layout
 from nxd_hf.plan.memory import BUCKET_BYTES, Workload, stage_layers
-from nxd_hf.plan.shapes import ModelShape, RankParams
+from nxd_hf.plan.shapes import POST, PRE, ModelShape, RankParams
 from nxd_hf.parallel_layers.sharding import padded_size
 
 
@@ -103,6 +104,25 @@ def _lora_tp_sync_bytes(shape: ModelShape, work: Workload, n_layers: int) -> int
     return sum(shape.hidden * work.lora_r for t in work.lora_targets if t in projections) * n_layers * FP32_BYTES
 
 
+def fsdp_terms(params: RankParams, work: Workload, layout: Layout, layers: range) -> list[Term]:
+    """FSDP2's collectives (``data_parallel_sharding``, pp = 1), issued by torch itself (not
+    ``backend.count_comm``'s): each decoder layer's parameters all-gathered before its forward
+    and, under "zero3", again before its backward; the root group's (embeddings, final norm, LM
+    head) once, kept to backward; every trainable gradient reduce-scattered once per step.
+    Payload: this rank's shard (1/dp of the TP-local bytes) per all-gather, the TP-local
+    gradients per reduce-scatter."""
+    every = params.stage(layers, first=True, last=True) * work.param_bytes
+    root = (params.by_place.get(PRE, 0) + params.by_place.get(POST, 0)) * work.param_bytes
+    gathers = 2 if layout.data_parallel_sharding == "zero3" else 1
+    trainable = params.stage(layers, first=True, last=True, lora=work.lora) * (4 if work.lora else work.param_bytes)
+    groups = len(layers) + 1
+    return [Term(phase="fsdp", op="all_gather", kind="gradient", count=gathers * len(layers) + 1,
+                 payload_bytes=(gathers * (every - root) + root) // layout.dp,
+                 formula="params / dp, per layer x (2: zero3, 1: zero2), root once", axis="dp"),
+            Term(phase="fsdp", op="reduce_scatter", kind="gradient", count=groups, payload_bytes=trainable,
+                 formula="trainable grads, one per FSDP group", axis="dp")]
+
+
 def step_terms(shape: ModelShape, params: RankParams, work: Workload, layout: Layout, pp_rank: int = 0, *,
                trace: ActivationTrace | None = None) -> list[Term]:
     """Every communication term of one optimizer step on pipeline rank ``pp_rank`` (``trace``: the
@@ -127,6 +147,8 @@ def step_terms(shape: ModelShape, params: RankParams, work: Workload, layout: La
                           formula="trainable grads, padded to dp", axis="dp"))
         terms.append(Term(phase="zero1", op="all_gather", kind="gradient", count=buckets,
                           payload_bytes=padded // layout.dp, formula="trainable params / dp", axis="dp"))
+    elif layout.dp > 1 and layout.data_parallel_sharding:
+        terms += fsdp_terms(params, work, layout, layers)
     elif layout.dp > 1:
         terms.append(Term(phase="dp_grad", op="all_reduce", kind="gradient", count=bucket_count(trainable, BUCKET_BYTES),
                           payload_bytes=trainable, formula="trainable grads, bucketed", axis="dp"))

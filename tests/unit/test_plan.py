@@ -298,3 +298,34 @@ def test_plan_is_a_plain_module_with_a_function():
 
     assert type(nxd_hf.plan) is types.ModuleType and not callable(nxd_hf.plan)
     assert nxd_hf.plan_layout is nxd_hf.plan.plan
+
+
+def test_zero3_and_zero2_shard_params_grads_and_state_and_gather_layers(tmp_path):
+    """FSDP2's layouts: parameters, gradients and optimizer state 1/dp of the same layout without it;
+    gathered during the step: the root group (embeddings, final norm, head) and two layers (one
+    prefetched in backward) under ZeRO-3, every parameter under ZeRO-2; pp = 1 only, and a fixed ``data_parallel_sharding`` is kept."""
+    from nxd_hf.plan.shapes import POST, PRE
+
+    path = _write(tmp_path, "llama", LLAMA_8B)
+    result = nxd_hf.plan_layout(path, world_size=8, device_memory="10TB", seq_len=1024, dtype="bfloat16")
+
+    def memory(**fields) -> dict:
+        layout = Layout(sizes=ParallelSizes(tp=2, dp=4), num_microbatches=2, **fields)
+        return next(p.memory for p in result.ranked if p.layout == layout)
+
+    plain, zero3, zero2 = memory(), memory(data_parallel_sharding="zero3"), memory(data_parallel_sharding="zero2")
+    for sharded in (zero3, zero2):
+        for item in ("parameters", "gradients", "optimizer_state"):
+            assert sharded[item] == pytest.approx(plain[item] / 4, abs=1), item
+    counts = rank_params(transformers.AutoConfig.from_pretrained(path), meta_model(
+        transformers.AutoConfig.from_pretrained(path)), tp=2)
+    layer = max(v for k, v in counts.by_place.items() if isinstance(k, int))
+    assert zero3["communication_buffers"] == 2 * (counts.by_place[PRE] + counts.by_place[POST] + 2 * layer)  # bf16
+    assert zero2["communication_buffers"] == 2 * sum(counts.by_place.values())
+    assert zero3["peak"] < zero2["peak"] < plain["peak"]
+    sharded_layouts = [p.layout for p in result.ranked if p.layout.data_parallel_sharding]
+    assert sharded_layouts and all(lo.pp == 1 and not lo.zero_1 for lo in sharded_layouts)
+    kept = nxd_hf.plan_layout(path, world_size=8, device_memory="10TB", seq_len=1024, dtype="bfloat16",
+                              fixed={"data_parallel_sharding": "zero3"})
+    assert kept.ranked and {p.layout.data_parallel_sharding for p in kept.ranked} == {"zero3"}
+    assert any(p.layout.dp == 1 for p in kept.ranked)  # tp x pp = 8 too: sharding over one rank is allowed

@@ -1,0 +1,163 @@
+"""``nxd_hf.from_pretrained(..., data_parallel_sharding=...)`` reads the weights straight into
+FSDP2's data-parallel shards: the parameters equal HF's, bit for bit, and the largest tensor any
+rank ever got from the reader is exactly its largest DP shard of one parameter (no TP shard is
+materialized whole); the bytes read are exactly this rank's rows. Llama (TP along dim 0 and 1,
+odd vocab padded) and GPT-2 (HF Conv1D weights, stored transposed; tied head).
+GPT-2 under ZeRO-3 checkpoints: trained, saved (``save_checkpoint`` and ``save_pretrained`` in
+several output shards), loaded at ZeRO-1 and at tp=2 ZeRO-3 and opened by plain transformers,
+bit for bit. The ranks2 cases come first, then the ranks4 ones."""
+
+import json
+
+import torch
+import transformers
+from safetensors.torch import load_file
+
+from support import hf_parity
+import nxd_hf
+from nxd_hf import parallel_state
+from nxd_hf.checkpoint.dp_shard import local_of
+from nxd_hf.fsdp import is_dp_sharded, logical_tensor
+
+
+def _save_reference(model_type: str, directory: str):
+    """The tiny HF model (the same on every rank), saved by rank 0."""
+    reference, _ = hf_parity.build_pair(model_type)
+    if torch.distributed.get_rank() == 0:
+        reference.save_pretrained(directory)
+    torch.distributed.barrier()
+    return reference
+
+
+def check_loads_into_dp_shards(directory: str, model_type: str, tp: int, mode: str) -> None:
+    parallel_state.destroy_model_parallel()
+    reference = _save_reference(model_type, directory)
+    model = nxd_hf.from_pretrained(directory, tensor_parallel_size=tp, data_parallel_sharding=mode,
+                                   sequence_parallel=tp > 1)
+    params = dict(model.named_parameters())
+    assert params and all(is_dp_sharded(p) for p in params.values())
+    for name, want in reference.named_parameters():
+        got = _hf_layout(params[name], logical_tensor(params[name]))
+        torch.testing.assert_close(got, want.detach(), rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+    report = model.nxd.load_report
+    shards = [local_of(p) for p in params.values()]
+    # the reader never handed back more than one DP shard: the largest parameter shard here
+    assert report.largest_bytes == max(s.numel() * s.element_size() for s in shards), report
+    real_rows = sum(_stored_numel(p) for p in params.values()) * 4  # fp32, TP padding rows not read
+    assert report.bytes_read == real_rows, (report, real_rows)
+    ids, labels = hf_parity.batch()  # the same rows on every DP rank: FSDP2's mean is the one gradient
+    loss = model.train()(input_ids=ids, labels=labels).loss
+    ref_loss = reference(input_ids=ids, labels=labels).loss
+    torch.testing.assert_close(loss, ref_loss, **hf_parity.TOL)
+    loss.backward()
+    ref_loss.backward()
+    for name, want in reference.named_parameters():
+        grad = _hf_layout(params[name], logical_tensor(params[name], params[name].grad))
+        torch.testing.assert_close(grad, want.grad, **hf_parity.TOL, msg=lambda m: f"grad {name}: {m}")
+
+
+def check_load_dp_shards_needs_data_parallel_sharding() -> None:
+    parallel_state.destroy_model_parallel()
+    _, model = hf_parity.build_pair("llama")
+    try:
+        nxd_hf.parallelize(model, load_dp_shards=lambda m: None)
+    except ValueError as error:
+        assert "load_dp_shards" in str(error) and "data_parallel_sharding" in str(error), error
+    else:
+        raise AssertionError("load_dp_shards without data_parallel_sharding was accepted")
+
+
+def _stored_numel(param) -> int:
+    """Elements of this rank's DP shard that come from the file (not TP's padding rows)."""
+    local = local_of(param)
+    if not getattr(param, "tensor_model_parallel", False) or local.numel() == 0:
+        return local.numel()
+    from nxd_hf.checkpoint.dp_shard import dp_rows
+
+    start, count, _ = dp_rows(param)
+    real = param.shard_index >= 0
+    if param.partition_dim == 0:
+        return int(real[start:start + count].sum()) * local[0].numel()
+    return local.numel() // len(real) * int(real.sum())
+
+
+def _hf_layout(param, tensor):
+    return tensor.t() if getattr(param, "hf_transposed", False) else tensor
+
+
+def _moments(model, optimizer) -> dict:
+    """name -> (exp_avg, exp_avg_sq), logical and in HF layout."""
+    return {name: tuple(_hf_layout(p, logical_tensor(p, optimizer.state[p][k])) for k in ("exp_avg", "exp_avg_sq"))
+            for name, p in model.named_parameters()}
+
+
+def check_gpt2_zero3_checkpoint(tmp_dir: str) -> None:
+    """Two AdamW steps of GPT-2 (HF Conv1D weights, tied head) at ZeRO-3 dp=2, then
+    ``save_checkpoint`` and ``save_pretrained`` (in output shards of at most 20 kB, or one bigger
+    tensor: rank 0 holds one at a time); plain transformers opens the latter, ZeRO-1 and tp=2 ZeRO-3 load the former:
+    the trained parameters (and AdamW's moments) exactly."""
+    from nxd_hf.optim import NeuronZero1Optimizer
+
+    parallel_state.destroy_model_parallel()
+    reference, model = hf_parity.build_pair("gpt2")
+    nxd_hf.parallelize(model, data_parallel_sharding="zero3")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    dp_rank = parallel_state.get_data_parallel_rank()
+    for seed in (1, 2):
+        ids, labels = hf_parity.batch(seed=seed, b=4)
+        model(input_ids=ids.chunk(2)[dp_rank], labels=labels.chunk(2)[dp_rank]).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    want = {name: _hf_layout(p, logical_tensor(p)) for name, p in model.named_parameters()}
+    want_moments = _moments(model, optimizer)
+    assert not torch.equal(want["transformer.h.0.attn.c_attn.weight"], reference.transformer.h[0].attn.c_attn.weight)
+    nxd_hf.save_checkpoint(tmp_dir, "step2", model=model, optimizer=optimizer)
+    model.save_pretrained(f"{tmp_dir}/hf", max_shard_size="20kB")
+    with open(f"{tmp_dir}/hf/model.safetensors.index.json") as f:
+        files = sorted(set(json.load(f)["weight_map"].values()))
+    held = [[t.numel() * t.element_size() for t in load_file(f"{tmp_dir}/hf/{f}").values()] for f in files]
+    assert len(files) > 3 and all(sum(f) <= 20_000 or len(f) == 1 for f in held), held  # a bigger tensor: alone
+    plain = transformers.GPT2LMHeadModel.from_pretrained(f"{tmp_dir}/hf")
+    for name, param in plain.named_parameters():
+        torch.testing.assert_close(param.detach(), want[name], rtol=0, atol=0, msg=lambda m: f"transformers {name}: {m}")
+    for layout in ("zero1", "tp2_zero3"):
+        parallel_state.destroy_model_parallel()
+        _, other = hf_parity.build_pair("gpt2")
+        if layout == "zero1":
+            nxd_hf.parallelize(other)
+            other_optimizer = NeuronZero1Optimizer(other.parameters(), torch.optim.AdamW, lr=1e-3)
+        else:
+            nxd_hf.parallelize(other, tensor_parallel_size=2, data_parallel_sharding="zero3")
+            other_optimizer = torch.optim.AdamW(other.parameters(), lr=1e-3)
+        nxd_hf.load_checkpoint(tmp_dir, "step2", model=other, optimizer=other_optimizer)
+        for name, param in other.named_parameters():
+            torch.testing.assert_close(_hf_layout(param, logical_tensor(param)), want[name], rtol=0, atol=0,
+                                       msg=lambda m: f"{layout} {name}: {m}")
+        if layout == "tp2_zero3":
+            for name, moments in _moments(other, other_optimizer).items():
+                for got, expected in zip(moments, want_moments[name]):
+                    torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=lambda m: f"{layout} {name}: {m}")
+
+
+def test_gpt2_conv1d_zero3_checkpoint_loads_at_zero1_tp2_and_in_transformers(ranks2, tmp_path):
+    ranks2.run(check_gpt2_zero3_checkpoint, str(tmp_path))
+
+
+def test_from_pretrained_zero3_llama_dp2(ranks2, tmp_path):
+    ranks2.run(check_loads_into_dp_shards, str(tmp_path), "llama", 1, "zero3")
+
+
+def test_load_dp_shards_needs_data_parallel_sharding(ranks2):
+    ranks2.run(check_load_dp_shards_needs_data_parallel_sharding)
+
+
+def test_from_pretrained_zero3_gpt2_conv1d_dp2(ranks2, tmp_path):
+    ranks2.run(check_loads_into_dp_shards, str(tmp_path), "gpt2", 1, "zero3")
+
+
+def test_from_pretrained_zero2_llama_tp2_dp2(ranks4, tmp_path):
+    ranks4.run(check_loads_into_dp_shards, str(tmp_path), "llama", 2, "zero2")
+
+
+def test_from_pretrained_zero3_gpt2_conv1d_tp2_dp2(ranks4, tmp_path):
+    ranks4.run(check_loads_into_dp_shards, str(tmp_path), "gpt2", 2, "zero3")

@@ -77,9 +77,19 @@ def _split_hook(multiple: int):
         if not checked:  # the first forward: a batch split as under data parallelism would train silently wrong
             _check_same_batch(kwargs)
             checked.append(True)
-        return args, split_inputs(kwargs, multiple)
+        return args, split_inputs(kwargs, multiple, packed=not _builds_cache(module, kwargs))
 
     return split
+
+
+def _builds_cache(model: nn.Module, kwargs: dict) -> bool:
+    """Whether the one-device forward would build a KV cache: HF then reads no packed documents
+    from the position ids (``masking_utils._preprocess_mask_arguments``) and attends across them."""
+    use_cache = kwargs.get("use_cache")
+    if use_cache is None:
+        use_cache = getattr(model.config, "use_cache", False) and not (
+            model.training and getattr(model, "is_gradient_checkpointing", False))
+    return bool(use_cache)
 
 
 def _check_same_batch(kwargs: dict) -> None:
@@ -110,8 +120,9 @@ def _gather_logits(module, args, output):
     return output
 
 
-def split_inputs(kwargs: dict, multiple: int) -> dict:
-    """The full-batch keyword inputs -> this rank's (module docstring)."""
+def split_inputs(kwargs: dict, multiple: int, *, packed: bool = True) -> dict:
+    """The full-batch keyword inputs -> this rank's (module docstring). ``packed``: read packed
+    documents from the position ids when there is no attention mask (as HF does without a cache)."""
     cp_rank, cp_size = parallel_state.get_context_parallel_rank(), parallel_state.get_context_parallel_size()
     if kwargs.get("past_key_values") is not None:
         raise ValueError("context parallelism does not run with a KV cache (generation): generate with a model "
@@ -137,7 +148,8 @@ def split_inputs(kwargs: dict, multiple: int) -> dict:
         labels = pad_to_multiple(labels, multiple, IGNORE_INDEX)
         out["labels"] = out["shift_labels"] = split_sequence(labels, cp_rank, cp_size)
     key_valid = None if mask is None or bool(mask.all()) else pad_to_multiple(mask.bool(), multiple, None)
-    doc = documents(positions) if mask is None else None  # as HF: packing is read from positions without a mask
+    # as HF: packing is read from positions without a mask (and without a cache)
+    doc = documents(positions) if mask is None and packed else None
     padded = pad_to_multiple(positions, multiple, None)
     set_batch(ContextBatch(seq_len=padded.shape[1], num_tokens=seq_len, cp_rank=cp_rank, cp_size=cp_size,
                            device=tokens.device,

@@ -128,6 +128,12 @@ def test_load_balanced_split_holds_both_ends():
     assert sorted(torch.cat([local_index(16, r, 4) for r in range(4)]).tolist()) == list(range(16))
 
 
+def test_documents_of_packed_rows():
+    two = torch.cat([torch.arange(3), torch.arange(2)]).expand(2, 5)  # two documents in every row
+    assert documents(two).tolist() == [[0, 0, 0, 1, 1]] * 2
+    assert documents(torch.arange(5).expand(2, 5)) is None
+
+
 @pytest.mark.parametrize("kind", ["ring", "all_to_all"])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 2), (4, 4), (2, 1)])
 @pytest.mark.parametrize("masking", ["causal", "packed", "padding"])
@@ -176,7 +182,9 @@ def check_model(model_type, cp, tp, kind, *, masking="causal", seq_len=22, steps
         inputs = dict(input_ids=ids, labels=labels, attention_mask=mask)
     elif masking == "packed":
         positions = torch.cat([torch.arange(9), torch.arange(seq_len - 9)]).expand(2, seq_len)
-        inputs = dict(input_ids=ids, labels=labels, position_ids=positions)
+        # without a cache: HF reads packed documents from the positions only then (with one it
+        # attends across them, and so does the CP model)
+        inputs = dict(input_ids=ids, labels=labels, position_ids=positions, use_cache=False)
     ref_opt, opt = _adamw(reference.parameters()), _adamw(model.parameters())
     ref_params = dict(reference.named_parameters())
     for step in range(steps):

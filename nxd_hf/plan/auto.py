@@ -37,6 +37,7 @@ def resolve_auto_sizes(model, *, tensor_parallel_size: int | str, pipeline_paral
     recomputation stay as asked (the plan prices the run they make; ``context_parallel_size`` too:
     the CP ranks of a replica share its rows and split its sequences). The sequence length is
     ``seq_len`` or the model's ``max_position_embeddings`` (capped at 4096)."""
+    ParallelSizes.check_sizes(cp=context_parallel_size)
     world = world_size or int(os.environ.get("WORLD_SIZE", 1))
     asked = {"tp": tensor_parallel_size, "pp": pipeline_parallel_size}
     fixed = {axis: int(size) for axis, size in asked.items() if size != AUTO}

@@ -250,6 +250,10 @@ def test_auto_sizes_resolve_from_the_plan():
     assert sizes == ParallelSizes(tp=1, pp=1, dp=1) and args.tensor_parallel_size == "auto"  # a new value
     args.use_sizes(sizes)
     assert args.tensor_parallel_size == 1 and not args.has_auto_sizes
+    # the context_parallel_size asked stays: the plan ranks the layouts with it
+    sizes = nxd_hf.plan.resolve_auto_sizes(model, tensor_parallel_size="auto", pipeline_parallel_size=1,
+                                           context_parallel_size=2, world_size=2, device_memory=2**30, seq_len=64)
+    assert sizes == ParallelSizes(tp=1, pp=1, dp=2, cp=2)
 
 
 def test_autodist_policy_returns_the_best_layout():

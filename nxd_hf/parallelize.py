@@ -127,14 +127,11 @@ def parallelize(
     _check_model(model)
     _check_pipeline_option_names(pipeline_kwargs)
     auto = "auto" in (tensor_parallel_size, pipeline_parallel_size)
-    if auto and context_parallel_size != 1:
-        raise ValueError(f"context_parallel_size={context_parallel_size} with \"auto\" sizes: the plan search does not "
-                         "model context parallelism yet; give tensor_parallel_size and pipeline_parallel_size as ints")
     if auto:
         sizes = _auto_sizes(model, tensor_parallel_size, pipeline_parallel_size, expert_parallel_size, timeout,
                             lora_config=lora_config, sequence_parallel=sequence_parallel,
                             recompute=activation_checkpoint_config is not None,
-                            data_parallel_sharding=data_parallel_sharding)
+                            data_parallel_sharding=data_parallel_sharding, cp=context_parallel_size)
         tensor_parallel_size, pipeline_parallel_size = sizes.tp, sizes.pp
     register_with_peft()  # peft.get_peft_model on the result then knows the parallel layers
     if bucket_size_mb <= 0:
@@ -267,7 +264,7 @@ def _check_model(model) -> None:
 
 
 def _auto_sizes(model, tp, pp, ep, timeout, *, lora_config, sequence_parallel: bool, recompute: bool,
-                data_parallel_sharding=None) -> ParallelSizes:
+                data_parallel_sharding=None, cp: int = 1) -> ParallelSizes:
     """``"auto"`` sizes: ``nxd_hf.plan``'s best layout for this model on the launched world, for
     one sequence of ``max_position_embeddings`` tokens (at most 4096) per rank and step, with the
     smallest memory any rank has (every rank then takes the same sizes); the sizes given as
@@ -278,6 +275,6 @@ def _auto_sizes(model, tp, pp, ep, timeout, *, lora_config, sequence_parallel: b
     backend.init_process_group_from_env(parallel_state.as_timeout(timeout))
     memory = min(backend.all_gather_object(device_memory_bytes()))
     return resolve_auto_sizes(model, tensor_parallel_size=tp, pipeline_parallel_size=pp, expert_parallel_size=ep,
-                              sequence_parallel=sequence_parallel, recompute=recompute, lora_config=lora_config,
-                              world_size=backend.world_size(), device_memory=memory,
+                              context_parallel_size=cp, sequence_parallel=sequence_parallel, recompute=recompute,
+                              lora_config=lora_config, world_size=backend.world_size(), device_memory=memory,
                               data_parallel_sharding=data_parallel_sharding)

@@ -8,7 +8,8 @@ above the reading taken just before the step (model built, inputs made). S doubl
 ``--start`` until a step exceeds the budget on some rank, then a bisection to ``--step`` tokens
 finds the longest S within it. Target: the longest S at cp = 2 >= 1.8 x the longest at cp = 1.
 
-Run from the repo root: ``python -m bench.context_parallel [--budget-mib 256] [--cp 1 2] [--out PATH]``.
+Run from the repo root: ``python -m bench.context_parallel [--budget-mib 256] [--cp 1 2 4] [--out PATH]``
+(docs/benchmarks.md: ``--budget-mib 64 --cp 1 2 4 --start 1024 --step 256``).
 """
 
 import argparse
@@ -82,6 +83,18 @@ def longest(cp: int, budget: int, start: int, step: int, timeout_s: float) -> tu
         mid = (good + bad) // 2 // step * step
         good, bad = (mid, bad) if fits(mid) else (good, mid)
     return good, probes
+
+
+def format_table(result: dict) -> str:
+    """The markdown table of a result (``docs/benchmarks.md``, ``docs/context_parallel.md``)."""
+    budget = result["budget_mib"]
+    lines = [f"| cp | attention | longest sequence within {budget:.0f} MiB per rank | vs cp=1 | "
+             "peak per rank at that length |", "|---|---|---|---|---|"]
+    for cp, row in result["cp"].items():
+        peak = next((p["peak_mib"] for p in row["probes"] if p["seq"] == row["longest_seq"]), None)
+        lines.append(f"| {cp} | {'HF SDPA' if cp == '1' else 'ring'} | {row['longest_seq']} | "
+                     f"{row['vs_first']:.2f}x | {'-' if peak is None else f'{peak:.0f} MiB'} |")
+    return "\n".join(lines)
 
 
 def main() -> None:

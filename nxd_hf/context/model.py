@@ -57,26 +57,60 @@ def install_context_parallel(model: nn.Module, *, kind: str, sequence_parallel: 
             heads = getattr(module, "num_heads", None) or module.config.num_attention_heads // tp_size
             check_heads(kind, heads, cp_size, tp_size)
     register()
+    unsplit = {"generating": False}
+    _generate_unsplit(model, unsplit)
     model.set_attn_implementation(IMPLEMENTATIONS[kind])
     multiple = 2 * cp_size * (tp_size if sequence_parallel else 1)
     model.context_parallel_multiple = multiple  # the pipeline splits its step's inputs itself (pipeline.context)
-    model.register_forward_pre_hook(_split_hook(multiple), with_kwargs=True, prepend=True)
-    model.register_forward_hook(_gather_logits)
+    model.register_forward_pre_hook(_split_hook(multiple, unsplit), with_kwargs=True, prepend=True)
+    model.register_forward_hook(_gather_logits(unsplit))
     _wrap_loss(model)
 
 
-def _split_hook(multiple: int):
+def _generate_unsplit(model: nn.Module, unsplit: dict) -> None:
+    """``model.generate`` runs unsplit: every CP rank computes the whole sequence with the
+    attention the model had before (a KV cache holds every token, and decoding adds one token at a
+    time, which cannot be cut into 2 x cp chunks). Exact, and the same tokens on every CP rank;
+    the sequence's memory is not divided in generation."""
+    generate, attention = model.generate, model.config._attn_implementation
+
+    def generate_unsplit(*args, **kwargs):
+        cp_attention = model.config._attn_implementation
+        unsplit["generating"] = True
+        model.set_attn_implementation(attention)
+        try:
+            return generate(*args, **kwargs)
+        finally:
+            unsplit["generating"] = False
+            model.set_attn_implementation(cp_attention)
+
+    model.generate = generate_unsplit
+
+
+def _split_hook(multiple: int, unsplit: dict):
     checked = []
 
     def split(module, args, kwargs):
+        if unsplit["generating"]:
+            return args, kwargs
         if args:
             raise ValueError("a context-parallel model takes its inputs by name (input_ids=..., labels=...)")
         if not checked:  # the first forward: a batch split as under data parallelism would train silently wrong
             _check_same_batch(kwargs)
             checked.append(True)
-        return args, split_inputs(kwargs, multiple)
+        return args, split_inputs(kwargs, multiple, packed=not _builds_cache(module, kwargs))
 
     return split
+
+
+def _builds_cache(model: nn.Module, kwargs: dict) -> bool:
+    """Whether the one-device forward would build a KV cache: HF then reads no packed documents
+    from the position ids (``masking_utils._preprocess_mask_arguments``) and attends across them."""
+    use_cache = kwargs.get("use_cache")
+    if use_cache is None:
+        use_cache = getattr(model.config, "use_cache", False) and not (
+            model.training and getattr(model, "is_gradient_checkpointing", False))
+    return bool(use_cache)
 
 
 def _check_same_batch(kwargs: dict) -> None:
@@ -97,22 +131,26 @@ def _check_same_batch(kwargs: dict) -> None:
 _BATCH_KEYS = ("input_ids", "inputs_embeds", "labels", "attention_mask", "position_ids", "shift_labels")
 
 
-def _gather_logits(module, args, output):
-    """Outside autograd in evaluation (``Trainer.evaluate``/``predict``, ``torch.no_grad``), the
-    logits of the whole sequence, in order, on every CP rank; in training this rank's chunks."""
-    logits = getattr(output, "logits", None)
-    if logits is None or module.training or torch.is_grad_enabled():
+def _gather_logits(unsplit: dict):
+    def gather(module, args, output):
+        """Outside autograd in evaluation (``Trainer.evaluate``/``predict``, ``torch.no_grad``), the
+        logits of the whole sequence, in order, on every CP rank; in training this rank's chunks."""
+        logits = getattr(output, "logits", None)
+        if logits is None or module.training or torch.is_grad_enabled() or unsplit["generating"]:
+            return output
+        output.logits = current_batch().gather(logits, parallel_state.get_context_parallel_group())
         return output
-    output.logits = current_batch().gather(logits, parallel_state.get_context_parallel_group())
-    return output
+
+    return gather
 
 
-def split_inputs(kwargs: dict, multiple: int) -> dict:
-    """The full-batch keyword inputs -> this rank's (module docstring)."""
+def split_inputs(kwargs: dict, multiple: int, *, packed: bool = True) -> dict:
+    """The full-batch keyword inputs -> this rank's (module docstring). ``packed``: read packed
+    documents from the position ids when there is no attention mask (as HF does without a cache)."""
     cp_rank, cp_size = parallel_state.get_context_parallel_rank(), parallel_state.get_context_parallel_size()
-    if kwargs.get("past_key_values") is not None:
-        raise ValueError("context parallelism does not run with a KV cache (generation): generate with a model "
-                         "parallelized with context_parallel_size=1")
+    if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None:
+        raise ValueError("a context-parallel model's forward does not take a KV cache: generate with "
+                         "model.generate(...), which runs unsplit on every CP rank")
     tokens = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
     if tokens is None:
         raise ValueError("a context-parallel model needs input_ids or inputs_embeds")
@@ -134,7 +172,8 @@ def split_inputs(kwargs: dict, multiple: int) -> dict:
         labels = pad_to_multiple(labels, multiple, IGNORE_INDEX)
         out["labels"] = out["shift_labels"] = split_sequence(labels, cp_rank, cp_size)
     key_valid = None if mask is None or bool(mask.all()) else pad_to_multiple(mask.bool(), multiple, None)
-    doc = documents(positions) if mask is None else None  # as HF: packing is read from positions without a mask
+    # as HF: packing is read from positions without a mask (and without a cache)
+    doc = documents(positions) if mask is None and packed else None
     padded = pad_to_multiple(positions, multiple, None)
     set_batch(ContextBatch(seq_len=padded.shape[1], num_tokens=seq_len, cp_rank=cp_rank, cp_size=cp_size,
                            device=tokens.device,

@@ -47,7 +47,7 @@ def documents(position_ids: torch.Tensor) -> torch.Tensor | None:
     first = position_ids[:, :1] - 1
     starts = torch.diff(position_ids, prepend=first, dim=-1) != 1
     docs = starts.cumsum(-1)
-    return None if bool((docs[:, -1] == 1).all()) else docs
+    return None if bool((docs[:, -1] == 0).all()) else docs
 
 
 @dataclasses.dataclass(eq=False)

@@ -5,13 +5,16 @@ TRL's trainers patch the model (``trl.trainer.utils.add_fused_lm_head``) so that
 ``lm_head.weight``. Under tensor parallelism that weight is a vocabulary shard, so TRL's kernel
 would normalize over part of the vocabulary: a silently wrong loss. ``install`` replaces the
 patch with one that keeps TRL's settings (temperature, logit scale and soft-capping, the fields
-asked for) and computes the same fields from the vocab-parallel logits (``token_stats``)."""
+asked for) and computes the same fields from the vocab-parallel logits (``token_stats``). Under
+context parallelism the fields are those of the whole sequence, on every CP rank
+(``nxd_hf.context.gather``)."""
 
 import inspect
 import types
 
 import torch
 
+from nxd_hf.context.gather import gather_sequence
 from nxd_hf.integrations.token_stats import token_stats
 
 
@@ -68,6 +71,9 @@ def _fused(model, settings, args, kwargs, labels, shift_labels, num_items_in_bat
         labels = shift_labels
     vocab_size = model.config.get_text_config().vocab_size
     stats = token_stats(transform(logits, settings), labels.to(logits.device), vocab_size, outputs=settings["outputs"])
+    # under context parallelism each rank holds its chunks of the sequence: TRL sums these
+    # per-token fields itself, so it gets the whole sequence's (the labels came shifted)
+    stats = {key: None if value is None else gather_sequence(value) for key, value in stats.items()}
     mask = stats["label_mask"]
     count = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
     return FusedCausalLMOutput(loss=-stats["log_probs"].sum() / count,

@@ -124,7 +124,13 @@ def dp_gather(value):
         return {k: dp_gather(v) for k, v in value.items()}
     rows = value.detach().reshape(1) if value.dim() == 0 else value.detach()
     with torch.no_grad():  # as accelerate's gather: values for metrics, no gradient
-        return backend.all_gather(rows.contiguous(), 0, parallel_state.get_data_parallel_group())
+        gathered = backend.all_gather(rows.contiguous(), 0, parallel_state.get_data_parallel_group())
+    cp_size = parallel_state.get_context_parallel_size()
+    if cp_size == 1:
+        return gathered
+    # the data-parallel group is dp x cp in blocks of cp consecutive ranks, and the CP ranks of a
+    # replica hold the same (whole-sequence) values: one block per replica
+    return gathered.view(-1, cp_size, *rows.shape)[:, 0].reshape(-1, *rows.shape[1:])
 
 
 def parallel_trainer(trainer_cls: type) -> type:

@@ -57,11 +57,12 @@ class NxDSFTTrainer(parallel_trainer(SFTTrainer)):
             raise ValueError("NxDSFTTrainer takes a model object: load it with "
                              "transformers.AutoModelForCausalLM.from_pretrained(name) first")
         padding_free = args.padding_free or (args.packing and args.packing_strategy in {"bfd", "bfd_split"})
-        model_parallel = args.tensor_parallel_size * args.pipeline_parallel_size
+        # the CP ranks of a replica share its rows (the model splits the sequence)
+        model_parallel = args.tensor_parallel_size * args.pipeline_parallel_size * args.context_parallel_size
         if padding_free and backend.world_size() > model_parallel:
             raise ValueError("padding-free batches (padding_free=True, or packing with packing_strategy 'bfd') are one "
                              "row, which data parallelism cannot split: use packing_strategy='wrapped', or "
-                             "tensor_parallel_size x pipeline_parallel_size = the world size")
+                             "tensor_parallel_size x pipeline_parallel_size x context_parallel_size = the world size")
         torch.manual_seed(args.seed)  # SFTTrainer seeds before it creates the adapter: the same LoRA weights
         super().__init__(model, args, *trainer_args, **trainer_kwargs)
         self._nxd_sums: list[torch.Tensor] = []

@@ -21,7 +21,8 @@ def layer_flops_per_token(shape: ModelShape, seq_len: int, *, moe: bool) -> floa
 
 def compute_seconds(shape: ModelShape, work: Workload, layout: Layout, cluster: Cluster) -> float:
     """Seconds of arithmetic on the busiest pipeline rank for one optimizer step (no bubble)."""
-    tokens = work.micro_batch_size * work.seq_len * layout.num_microbatches
+    # each CP rank computes its cp-th of the tokens; their queries still see the whole sequence
+    tokens = work.micro_batch_size * layout.local_seq_len(work.seq_len) * layout.num_microbatches
     backward = 1.0 if work.lora else 2.0  # frozen weights: no weight gradients
     factor = 1 + backward + (1 if layout.recompute else 0)
     moe = shape.moe_layers == shape.num_layers and shape.num_experts > 0
@@ -38,7 +39,7 @@ def _link(axis: str, layout: Layout, cluster: Cluster) -> tuple[float, float]:
     """(bandwidth, latency) of a group: inside a node when its ranks span no more than one
     (tp innermost, then dp, then pp; an ep group is a block of consecutive dp indices)."""
     size, stride = {"tp": (layout.tp, 1), "dp": (layout.dp, layout.tp), "ep": (layout.ep, layout.tp),
-                    "pp": (layout.pp, layout.tp * layout.dp)}[axis]
+                    "cp": (layout.cp, layout.tp), "pp": (layout.pp, layout.tp * layout.dp)}[axis]
     if size * stride <= cluster.ranks_per_node:
         return cluster.intra_bandwidth, cluster.intra_latency
     return cluster.inter_bandwidth, cluster.inter_latency
@@ -49,7 +50,7 @@ def step_time(shape: ModelShape, work: Workload, layout: Layout, cluster: Cluste
     compute = compute_seconds(shape, work, layout, cluster)
     items = {"compute": compute}
     for term in terms:
-        size = {"tp": layout.tp, "dp": layout.dp, "pp": layout.pp, "ep": layout.ep}[term.axis]
+        size = {"tp": layout.tp, "dp": layout.dp, "pp": layout.pp, "ep": layout.ep, "cp": layout.cp}[term.axis]
         bandwidth, latency = _link(term.axis, layout, cluster)
         seconds = term.count * latency + ring_send_bytes(term.op, size, term.payload_bytes) / bandwidth
         key = f"{term.axis}:{term.phase}:{term.op}"

@@ -29,6 +29,8 @@ class Layout:
     """Pipeline stages per rank (interleaved schedules)."""
     recompute: bool = False
     """Full activation checkpointing of every decoder layer."""
+    context_parallel_attention: Literal["ring", "all_to_all"] | None = None
+    """How attention runs across the context-parallel ranks (None at cp=1; ``nxd_hf.context``)."""
 
     @property
     def tp(self) -> int:
@@ -46,6 +48,19 @@ class Layout:
     def ep(self) -> int:
         return self.sizes.ep
 
+    @property
+    def cp(self) -> int:
+        return self.sizes.cp
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding different rows: dp / cp (the CP ranks of a replica split its sequences)."""
+        return self.sizes.dp // self.sizes.cp
+
+    def local_seq_len(self, seq_len: int) -> int:
+        """Tokens of a sequence one rank holds: padded to a multiple of 2 x cp and split over cp."""
+        return seq_len if self.cp == 1 else -(-seq_len // (2 * self.cp)) * 2
+
     def as_dict(self) -> dict:
         """The sizes and the other fields, flat (the report's JSON)."""
         rest = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "sizes"}
@@ -54,6 +69,7 @@ class Layout:
     def name(self) -> str:
         parts = [f"tp{self.tp}", f"pp{self.pp}", f"dp{self.dp}"]
         parts += [f"ep{self.ep}"] if self.ep > 1 else []
+        parts += [f"cp{self.cp} {self.context_parallel_attention}"] if self.cp > 1 else []
         parts += ["sp"] if self.sequence_parallel else []
         parts += ["zero1"] if self.zero_1 else []
         parts += [self.data_parallel_sharding] if self.data_parallel_sharding else []

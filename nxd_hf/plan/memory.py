@@ -13,7 +13,9 @@ fused top-k experts); a frozen linear layer (LoRA) saves no input for its weight
 - experts: router logits (E) and top-k, and per chosen expert the token (h), gate|up (2I),
   act (I), product (I), output (h) and weight (1);
 - LoRA: the r-wide output of each adapter's A.
-Sharded parts divide by tp (sequence parallelism divides the rest too). The peak is at the
+Sharded parts divide by tp (sequence parallelism divides the rest too); context parallelism
+divides every token-proportional term by cp (each rank holds a cp-th of the sequence, padded to
+2 x cp, in every layer, attention included; its logits are its own tokens'). The peak is at the
 start of backward (all activations, the loss's logits, log-probabilities and their gradient,
 no gradients yet) or at its end (all gradients), on top of the parameters, optimizer state and
 the buffers kept between steps (the pipeline's receive buffers, ZeRO-1's staging buckets). Under
@@ -143,7 +145,8 @@ def rank_memory(shape: ModelShape, params: RankParams, work: Workload, layout: L
         buffers = zero1_staging_bytes(grad_bytes, layout.dp, 4 if work.lora else work.param_bytes)
     # plain data parallelism: the gradients live in the all-reduce's flat buckets
     # (``parallel_layers.grad_buckets``), so reducing them takes no buffer of its own
-    tokens = work.micro_batch_size * work.seq_len
+    tokens = work.micro_batch_size * layout.local_seq_len(work.seq_len)
+    share = layout.local_seq_len(work.seq_len) / work.seq_len  # of the trace, made on the whole sequence
     act_bytes = work.param_bytes  # activations take the parameters' dtype
     # the pipeline's receive buffers, one per microbatch and kept between steps: the hidden states
     # a later stage receives, the gradients an earlier one receives
@@ -151,10 +154,11 @@ def rank_memory(shape: ModelShape, params: RankParams, work: Workload, layout: L
     pipeline_buffers = layout.num_microbatches * boundary * ((not first) + (not last)) if layout.pp > 1 else 0
     moe_layers = set(range(shape.num_layers)) if shape.moe_layers == shape.num_layers else set()
     if trace is not None:
-        per_layer = [trace.place_bytes(i, tp=layout.tp, sequence_parallel=layout.sequence_parallel,
-                                       fractions=params.fractions) for i in layers]
+        per_layer = [share * trace.place_bytes(i, tp=layout.tp, sequence_parallel=layout.sequence_parallel,
+                                               fractions=params.fractions) for i in layers]
         # the embeddings' own (dropout masks, learned positions' sums), on the first stage
-        pre = trace.place_bytes(PRE, tp=layout.tp, sequence_parallel=False, fractions=params.fractions) if first else 0
+        pre = share * trace.place_bytes(PRE, tp=layout.tp, sequence_parallel=False,
+                                        fractions=params.fractions) if first else 0
     else:
         per_layer = [layer_activation_elements(shape, work, layout, moe=i in moe_layers) * tokens * act_bytes
                      for i in layers]
@@ -163,8 +167,8 @@ def rank_memory(shape: ModelShape, params: RankParams, work: Workload, layout: L
     # backward of the stage's last layer: its weight gradients and the gradients of its largest
     # activations (two alive at once) join everything still held
     if trace is not None:
-        largest = max((trace.largest_bytes(i, tp=layout.tp, sequence_parallel=layout.sequence_parallel,
-                                           fractions=params.fractions) for i in layers), default=0)
+        largest = share * max((trace.largest_bytes(i, tp=layout.tp, sequence_parallel=layout.sequence_parallel,
+                                                   fractions=params.fractions) for i in layers), default=0)
     else:
         largest = tokens * act_bytes * max(shape.intermediate / layout.tp, shape.hidden)
     table = params.lora_by_place if work.lora else params.by_place

@@ -1,4 +1,4 @@
-"""The search: every (tp, pp, dp, ep, sequence parallelism, ZeRO-1 or ZeRO-2/3, schedule, recomputation)
+"""The search: every (tp, pp, dp, ep, cp, sequence parallelism, ZeRO-1 or ZeRO-2/3, schedule, recomputation)
 for the world size, each checked against nxd_hf's rules and priced by the cost model; the ones
 that fit are ranked by predicted step time (then memory), the others kept with the reason."""
 
@@ -52,39 +52,54 @@ def candidates(shape: ModelShape, world_size: int, work: Workload, *, schedules=
     for tp in _divisors(world_size):
         for pp in _divisors(world_size // tp):
             dp = world_size // (tp * pp)
-            per_step = dp * work.micro_batch_size
-            microbatches = max(1, work.global_batch_size // per_step)
             eps = [e for e in _divisors(dp) if shape.num_experts and shape.num_experts % e == 0] or [1]
-            for ep in eps:
+            for ep, cp, attention in _context_choices(eps, dp, pp):
+                # the CP ranks of a replica share its rows: dp / cp replicas take different ones
+                microbatches = max(1, work.global_batch_size // (dp // cp * work.micro_batch_size))
                 for sp in ([False, True] if tp > 1 else [False]):
-                    for zero_1, sharding in _dp_options(dp, pp, ep, fixed.get("data_parallel_sharding")):
+                    for zero_1, sharding in _dp_options(dp, pp, ep, cp, fixed.get("data_parallel_sharding")):
                         for recompute in (False, True):
                             for schedule, virtual in ([(s, 2 if s.startswith("interleaved") else 1) for s in schedules]
                                                       if pp > 1 else [(None, 1)]):
-                                sizes = ParallelSizes(tp=tp, pp=pp, dp=dp, ep=ep)
+                                sizes = ParallelSizes(tp=tp, pp=pp, dp=dp, ep=ep, cp=cp)
                                 layout = Layout(sizes=sizes, sequence_parallel=sp, zero_1=zero_1,
                                                 data_parallel_sharding=sharding,
                                                 num_microbatches=microbatches, schedule=schedule,
-                                                virtual_stages=virtual, recompute=recompute)
+                                                virtual_stages=virtual, recompute=recompute,
+                                                context_parallel_attention=attention)
                                 if all(getattr(layout, k) == v for k, v in fixed.items()):
                                     yield layout
 
 
-def _dp_options(dp: int, pp: int, ep: int, asked: str | None) -> list[tuple[bool, str | None]]:
+def _dp_options(dp: int, pp: int, ep: int, cp: int, asked: str | None) -> list[tuple[bool, str | None]]:
     """(ZeRO-1, data_parallel_sharding) pairs of a dp: ZeRO-1 and FSDP2's ZeRO-3/ZeRO-2 are
-    alternatives, and FSDP2 is built for pp = 1 and ep = 1 only (``fsdp.check_data_parallel_sharding``).
+    alternatives, and the plan prices FSDP2 at pp = 1, ep = 1 and cp = 1 only (context parallelism
+    under FSDP is refused: ``fsdp.check_data_parallel_sharding``).
     At dp = 1 sharding changes nothing: offered only when ``asked`` (the run is set to use it)."""
-    fsdp = [(False, "zero3"), (False, "zero2")] if pp == 1 and ep == 1 else []
+    fsdp = [(False, "zero3"), (False, "zero2")] if pp == 1 and ep == 1 and cp == 1 else []
     if dp == 1:
         return [(False, None)] + ([(False, asked)] if asked and fsdp else [])
     return [(False, None), (True, None)] + fsdp
 
 
+def _context_choices(eps: list[int], dp: int, pp: int):
+    """(ep, cp, attention): context parallelism (carved from dp) runs without pipeline or expert
+    parallelism (nxd_hf.context refuses them), with ring or all-to-all attention."""
+    yield from ((ep, 1, None) for ep in eps)
+    if pp == 1 and 1 in eps:
+        for cp in _divisors(dp)[1:]:
+            yield 1, cp, "ring"
+            yield 1, cp, "all_to_all"
+
+
 def why_not(shape: ModelShape, work: Workload, layout: Layout) -> str | None:
     """The rule a layout breaks, in words, or None."""
-    if work.global_batch_size % (layout.dp * work.micro_batch_size):
-        return (f"global batch {work.global_batch_size} does not divide into dp={layout.dp} x micro batch "
-                f"{work.micro_batch_size}")
+    if work.global_batch_size % (layout.replicas * work.micro_batch_size):
+        replicas = f"dp={layout.dp}" + (f"/cp={layout.cp} replicas" if layout.cp > 1 else "")
+        return f"global batch {work.global_batch_size} does not divide into {replicas} x micro batch {work.micro_batch_size}"
+    if layout.context_parallel_attention == "all_to_all" and (shape.num_heads // layout.tp) % layout.cp:
+        return (f"all-to-all attention splits the {shape.num_heads // layout.tp} heads per tensor-parallel rank over "
+                f"cp={layout.cp}")
     if layout.pp * layout.virtual_stages > shape.num_layers:
         return f"{layout.pp * layout.virtual_stages} pipeline stages for {shape.num_layers} layers"
     if layout.schedule == "1f1b" and layout.num_microbatches < layout.pp:

@@ -3,8 +3,11 @@ the busiest pipeline stage: each decoder layer's tensor-parallel traffic (``comm
 theory), the vocab-parallel embedding, LM head and loss, the weight-gradient syncs the layout
 needs (replicated K/V, sequence-parallel norms, per-head norms, LoRA factors), data-parallel
 gradient reduction (all-reduce, ZeRO-1's reduce-scatter and all-gather, or FSDP2's all-gathers and
-reduce-scatter), a tied embedding's
-gradient sum over the pipeline and the pipeline's sends."""
+reduce-scatter), a tied embedding's gradient sum over the pipeline, the pipeline's sends and
+context-parallel attention's K/V (ring) or Q/K/V (all-to-all) traffic. Under context parallelism
+every token-proportional term counts the rank's own tokens (a cp-th of the sequence)."""
+
+import dataclasses
 
 from nxd_hf.plan.activations import ActivationTrace
 from nxd_hf.plan.comm import FP32_BYTES, Term, bucket_count, kv_size_multiplier
@@ -123,6 +126,38 @@ def fsdp_terms(params: RankParams, work: Workload, layout: Layout, layers: range
                  formula="trainable grads, one per FSDP group", axis="dp")]
 
 
+def context_parallel_terms(shape: ModelShape, work: Workload, layout: Layout, num_layers: int) -> list[Term]:
+    """Attention's traffic over the CP group per step (``bench``/tests measure it: 1.00x), with K/V
+    (``kv``) and Q (``q``) bytes of the rank's b x s/cp tokens and its TP rank's heads: ring,
+    forward (cp-1) K/V hops, backward (cp-1) K/V and cp dK/dV hops; all-to-all, forward Q, K/V and
+    the output once each, backward their gradients (K/V heads cp does not divide travel repeated to
+    the query heads). A recomputed layer runs its forward's again."""
+    if layout.cp == 1:
+        return []
+    tp, cp, m = layout.tp, layout.cp, layout.num_microbatches
+    mha = shape.num_heads == shape.num_kv_heads
+    q_heads = (padded_size(shape.num_heads, tp) if mha else shape.num_heads) // tp
+    kv_heads = q_heads if mha else shape.num_kv_heads * kv_size_multiplier(shape.num_kv_heads, tp) // tp
+    tokens = work.micro_batch_size * work.seq_len  # work: the rank's tokens (step_terms)
+    q = tokens * q_heads * shape.head_dim * work.param_bytes
+    kv = 2 * tokens * kv_heads * shape.head_dim * work.param_bytes
+    passes = m * num_layers * (2 if layout.recompute else 1)  # forwards
+    terms = []
+    if layout.context_parallel_attention == "ring":
+        _add(terms, phase="cp_fwd", op="send", kind="activation", count=passes * (cp - 1),
+             payload_bytes=passes * (cp - 1) * kv, formula="m x L x (cp-1) x kv (K/V hops; again if recomputed)",
+             axis="cp")
+        _add(terms, phase="cp_bwd", op="send", kind="activation", count=m * num_layers * (2 * cp - 1),
+             payload_bytes=m * num_layers * (2 * cp - 1) * kv, formula="m x L x ((cp-1) x kv + cp x dkv)", axis="cp")
+    else:
+        kv = kv if kv_heads % cp == 0 else 2 * q
+        _add(terms, phase="cp_fwd", op="all_to_all", kind="activation", count=passes * 4,
+             payload_bytes=passes * (2 * q + kv), formula="m x L x (2q + kv) (again if recomputed)", axis="cp")
+        _add(terms, phase="cp_bwd", op="all_to_all", kind="activation", count=m * num_layers * 4,
+             payload_bytes=m * num_layers * (2 * q + kv), formula="m x L x (2q + kv)", axis="cp")
+    return terms
+
+
 def step_terms(shape: ModelShape, params: RankParams, work: Workload, layout: Layout, pp_rank: int = 0, *,
                trace: ActivationTrace | None = None) -> list[Term]:
     """Every communication term of one optimizer step on pipeline rank ``pp_rank`` (``trace``: the
@@ -131,7 +166,8 @@ def step_terms(shape: ModelShape, params: RankParams, work: Workload, layout: La
     stages = stage_layers(shape.num_layers, layout.pp, layout.virtual_stages)
     layers = stages[pp_rank]
     first, last = pp_rank == 0, pp_rank == layout.pp - 1
-    terms = []
+    work = dataclasses.replace(work, seq_len=layout.local_seq_len(work.seq_len))  # this rank's tokens
+    terms = context_parallel_terms(shape, work, layout, len(layers))
     if layout.tp > 1:
         recomputed = sum(trace.reductions.get(i, 1) if trace is not None else 1 for i in layers)
         terms += _tp_activation_terms(shape, work, layout, layers, 0 in layers, shape.num_layers - 1 in layers,

@@ -274,7 +274,8 @@ def _resolve_auto_sizes(args: NxDTrainingArguments, model, peft_config) -> None:
 
     sizes = resolve_auto_sizes(
         model, tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
-        expert_parallel_size=args.expert_parallel_size, sequence_parallel=args.sequence_parallel, zero_1=args.zero_1,
+        expert_parallel_size=args.expert_parallel_size, context_parallel_size=args.context_parallel_size,
+        sequence_parallel=args.sequence_parallel, zero_1=args.zero_1,
         recompute=args.nxd_activation_checkpointing, micro_batch_size=args.per_device_train_batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps, lora_config=peft_config,
         data_parallel_sharding=args.data_parallel_sharding)

@@ -128,6 +128,12 @@ def test_load_balanced_split_holds_both_ends():
     assert sorted(torch.cat([local_index(16, r, 4) for r in range(4)]).tolist()) == list(range(16))
 
 
+def test_documents_of_packed_rows():
+    two = torch.cat([torch.arange(3), torch.arange(2)]).expand(2, 5)  # two documents in every row
+    assert documents(two).tolist() == [[0, 0, 0, 1, 1]] * 2
+    assert documents(torch.arange(5).expand(2, 5)) is None
+
+
 @pytest.mark.parametrize("kind", ["ring", "all_to_all"])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 2), (4, 4), (2, 1)])
 @pytest.mark.parametrize("masking", ["causal", "packed", "padding"])
@@ -176,7 +182,9 @@ def check_model(model_type, cp, tp, kind, *, masking="causal", seq_len=22, steps
         inputs = dict(input_ids=ids, labels=labels, attention_mask=mask)
     elif masking == "packed":
         positions = torch.cat([torch.arange(9), torch.arange(seq_len - 9)]).expand(2, seq_len)
-        inputs = dict(input_ids=ids, labels=labels, position_ids=positions)
+        # without a cache: HF reads packed documents from the positions only then (with one it
+        # attends across them, and so does the CP model)
+        inputs = dict(input_ids=ids, labels=labels, position_ids=positions, use_cache=False)
     ref_opt, opt = _adamw(reference.parameters()), _adamw(model.parameters())
     ref_params = dict(reference.named_parameters())
     for step in range(steps):
@@ -283,6 +291,34 @@ def test_registered_in_attention_interface():
     assert {"nxd_cp_ring", "nxd_cp_all_to_all"} <= set(AttentionInterface._global_mapping)
 
 
+# -- generation: unsplit on every CP rank
+
+
+def check_generate(kind):
+    from transformers import DynamicCache
+
+    reference, model = hf_parity.build_pair("llama", num_attention_heads=4)
+    nxd_hf.parallelize(model, context_parallel_size=2, context_parallel_attention=kind)
+    ids, labels = hf_parity.batch(seed=4, b=2, s=7)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding, as generation pads
+    settings = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
+    reference.eval(), model.eval()
+    want = reference.generate(input_ids=ids, attention_mask=mask, **settings)
+    got = model.generate(input_ids=ids, attention_mask=mask, **settings)
+    assert torch.equal(got, want), (got, want)
+    with torch.no_grad():  # the model has its context-parallel attention back
+        torch.testing.assert_close(model(input_ids=ids, labels=labels).loss,
+                                   reference(input_ids=ids, labels=labels).loss, **TOL)
+        with pytest.raises(ValueError, match="model.generate"):
+            model(input_ids=ids, cache=DynamicCache(config=model.config))
+
+
+@pytest.mark.parametrize("kind", ["ring", "all_to_all"])
+def test_generate_cp2_matches_hf(ranks2, kind):
+    ranks2.run(check_generate, kind)
+
+
 # -- NxDTrainer: the user splits nothing
 
 
@@ -323,6 +359,8 @@ def check_trainer(kind, steps=4, **layout):
         ours.train()
         held_out = _dataset(n=4, seed=9)
         want, got = ref.predict(held_out), ours.predict(held_out)
+        evaluated = ours.evaluate(held_out), ref.evaluate(held_out)
+    assert evaluated[0]["eval_loss"] == pytest.approx(evaluated[1]["eval_loss"], rel=1e-4)
     torch.testing.assert_close(torch.as_tensor(got.predictions), torch.as_tensor(want.predictions), **TOL)
     assert got.metrics["test_loss"] == pytest.approx(want.metrics["test_loss"], rel=1e-4)
     for key in ("loss", "grad_norm"):

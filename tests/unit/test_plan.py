@@ -250,6 +250,10 @@ def test_auto_sizes_resolve_from_the_plan():
     assert sizes == ParallelSizes(tp=1, pp=1, dp=1) and args.tensor_parallel_size == "auto"  # a new value
     args.use_sizes(sizes)
     assert args.tensor_parallel_size == 1 and not args.has_auto_sizes
+    # the context_parallel_size asked stays: the plan ranks the layouts with it
+    sizes = nxd_hf.plan.resolve_auto_sizes(model, tensor_parallel_size="auto", pipeline_parallel_size=1,
+                                           context_parallel_size=2, world_size=2, device_memory=2**30, seq_len=64)
+    assert sizes == ParallelSizes(tp=1, pp=1, dp=2, cp=2)
 
 
 def test_autodist_policy_returns_the_best_layout():
@@ -329,3 +333,53 @@ def test_zero3_and_zero2_shard_params_grads_and_state_and_gather_layers(tmp_path
                               fixed={"data_parallel_sharding": "zero3"})
     assert kept.ranked and {p.layout.data_parallel_sharding for p in kept.ranked} == {"zero3"}
     assert any(p.layout.dp == 1 for p in kept.ranked)  # tp x pp = 8 too: sharding over one rank is allowed
+
+
+def _tiny_terms(cp: int, attention: str | None, *, recompute: bool = False):
+    from nxd_hf.plan.search import predict
+
+    config = nxd_hf.plan.load_config(TINY)
+    model = meta_model(config)
+    shape, counts = model_shape(config, model), rank_params(config, model, tp=1)
+    work = Workload(micro_batch_size=1, seq_len=64, global_batch_size=2 // cp)
+    layout = Layout(sizes=ParallelSizes(dp=2, cp=cp), context_parallel_attention=attention, recompute=recompute)
+    prediction = predict(shape, counts, work, layout, nxd_hf.plan.make_cluster(world_size=2, device_memory="1GiB",
+                                                                               preset="cpu"))
+    return prediction, {t.phase: t for t in prediction.comm if t.axis == "cp"}
+
+
+def test_context_parallel_plan_divides_activations_and_prices_attention():
+    """tiny-llama (2 layers, 4 heads, 2 K/V heads of 32), one sequence of 64 tokens, fp32: at cp=2
+    each rank holds 32 tokens, K/V = 2 x 32 x 2 x 32 x 4 = 16384 bytes and Q = 32 x 4 x 32 x 4 =
+    16384 bytes per layer; the formulas test_context_parallel.py measures (count_comm, 1.00x)."""
+    one, none = _tiny_terms(1, None)
+    ring, terms = _tiny_terms(2, "ring")
+    assert none == {}
+    assert ring.memory["activations"] * 2 == one.memory["activations"]  # the trace's, halved
+    kv, q = 16384, 16384
+    assert terms["cp_fwd"].payload_bytes == 2 * (2 - 1) * kv  # L x (cp-1) K/V hops
+    assert terms["cp_bwd"].payload_bytes == 2 * ((2 - 1) * kv + 2 * kv)  # and cp dK/dV hops
+    assert (terms["cp_fwd"].op, terms["cp_fwd"].axis) == ("send", "cp")
+    _, recomputed = _tiny_terms(2, "ring", recompute=True)
+    assert recomputed["cp_fwd"].payload_bytes == 2 * terms["cp_fwd"].payload_bytes
+    _, a2a = _tiny_terms(2, "all_to_all")
+    assert a2a["cp_fwd"].payload_bytes == a2a["cp_bwd"].payload_bytes == 2 * (2 * q + kv)
+    grads = [t for t in ring.comm if t.phase == "dp_grad"]  # averaged over dp x cp, as at cp=1
+    assert grads and grads[0].payload_bytes == [t for t in one.comm if t.phase == "dp_grad"][0].payload_bytes
+
+
+def test_plan_picks_context_parallelism_for_a_long_sequence():
+    """4096 tokens on 2 ranks of 70 MiB: one rank's activations do not fit, two CP ranks' halves do."""
+    result = nxd_hf.plan_layout(TINY, world_size=2, device_memory=70 * 2**20, seq_len=4096, memory_margin=0.0,
+                                device="cpu")
+    assert result.best.layout.cp == 2 and result.best.layout.name().startswith("tp1 pp1 dp2 cp2")
+    reasons = {r.layout.name(): r.reason for r in result.rejected}
+    assert "does not fit" in reasons["tp1 pp1 dp2 mb1"]
+    pinned = nxd_hf.plan_layout(TINY, world_size=4, device_memory="1GiB", seq_len=64, fixed={"cp": 2})
+    assert pinned.ranked and all(p.layout.cp == 2 and p.layout.pp == 1 for p in pinned.ranked)
+    from nxd_hf.plan.search import why_not
+
+    config = nxd_hf.plan.load_config(TINY)
+    shape, work = model_shape(config, meta_model(config)), Workload(micro_batch_size=1, seq_len=64, global_batch_size=2)
+    layout = Layout(sizes=ParallelSizes(tp=2, dp=4, cp=4), context_parallel_attention="all_to_all")
+    assert "the 2 heads per tensor-parallel rank over cp=4" in why_not(shape, work, layout)

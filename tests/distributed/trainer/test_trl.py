@@ -76,7 +76,7 @@ def run_pair(out_dir: str, *, kind: str, batch: int, lora: bool = False, sft=Non
     sft = sft or {}
     train, evaluation = datasets(kind)
     tp, pp = layout.get("tensor_parallel_size", 1), layout.get("pipeline_parallel_size", 1)
-    dp = 2 // (tp * pp)
+    dp = 2 // (tp * pp * layout.get("context_parallel_size", 1))
     ref = trl.SFTTrainer(model(), trl.SFTConfig(output_dir=f"{out_dir}/ref", per_device_train_batch_size=batch * dp,
                                                 **trl_args.common(**sft)),
                          train_dataset=train, eval_dataset=evaluation, processing_class=tokenizer(),
@@ -193,6 +193,34 @@ def _sft_layouts() -> None:
 
 def test_sft_trainer_parity_at_every_layout():
     run_distributed(_sft_layouts, 2, timeout_s=900)
+
+
+CP_CASES = [  # context parallelism: every CP rank gets the whole rows, the model splits the sequence
+    ("cp2-chat", "chat", 4, False, {}, {"context_parallel_size": 2}),
+    ("cp2-packed-padding-free-text", "text", 2, False, {"packing": True}, {"context_parallel_size": 2}),
+]
+
+
+def _sft_context_parallel(case) -> None:
+    name, kind, batch, lora, sft, layout = case
+    with tempfile.TemporaryDirectory() as out:
+        out = shared_dir(out)
+        ref, ours = run_pair(out, kind=kind, batch=batch, lora=lora, sft=sft, **layout)
+        check_logs(ref, ours, name)
+        check_weights(ref, ours, name)
+
+
+def check_weights(ref, ours, case) -> None:
+    from nxd_hf.parallel_layers.sharding import full_tensor
+
+    want = dict(ref.model.named_parameters())
+    for name, param in ours.nxd_model.named_parameters():
+        torch.testing.assert_close(full_tensor(param), want[name].detach(), **TOL, msg=lambda m: f"{case} {name}: {m}")
+
+
+@pytest.mark.parametrize("case", CP_CASES, ids=[c[0] for c in CP_CASES])
+def test_sft_trainer_cp2_matches_sft_trainer(ranks2, case):
+    ranks2.run(_sft_context_parallel, case)
 
 
 class ScaledLoss(transformers.Trainer):

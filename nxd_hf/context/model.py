@@ -71,8 +71,11 @@ def _generate_unsplit(model: nn.Module, unsplit: dict) -> None:
     """``model.generate`` runs unsplit: every CP rank computes the whole sequence with the
     attention the model had before (a KV cache holds every token, and decoding adds one token at a
     time, which cannot be cut into 2 x cp chunks). Exact, and the same tokens on every CP rank;
-    the sequence's memory is not divided in generation."""
-    generate, attention = model.generate, model.config._attn_implementation
+    the sequence's memory is not divided in generation. A model that does not generate (a
+    sequence classifier) is left as it is."""
+    generate, attention = getattr(model, "generate", None), model.config._attn_implementation
+    if generate is None:
+        return
 
     def generate_unsplit(*args, **kwargs):
         cp_attention = model.config._attn_implementation

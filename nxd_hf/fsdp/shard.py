@@ -53,8 +53,6 @@ def check_data_parallel_sharding(mode, *, pipeline_parallel_size: int, expert_pa
                          "ranks: use a torch optimizer, not ZeRO-1 (use_zero1_optimizer)")
     pp, ep, hybrid = pipeline_parallel_size > 1, expert_parallel_size > 1, shard_size is not None
     refused = {
-        # untested: the shard group would span the CP ranks, whose losses are sums, not means
-        "context_parallel_size > 1": context_parallel_size > 1,
         # the stages' fake shape propagation would run the experts' FSDP2 hooks inside the layers
         "pipeline_parallel_size > 1 and expert_parallel_size > 1": pp and ep,
         # untested: the experts would need their own hybrid mesh over the expert-data group

@@ -156,3 +156,18 @@ def run_distributed(fn, world_size: int, *args, timeout_s: float = 300.0, **kwar
     if errors:
         raise DistributedTestError("\n".join(errors))
     return [outcome[r] for r in range(world_size)]
+
+
+def run_process(fn, *args, timeout_s: float = 300.0) -> int:
+    """Run ``fn(*args)`` in one process forked from the shared forkserver (torch, transformers and
+    nxd_hf already imported: a fraction of a second, not a new interpreter's seconds) with no
+    process group; return its exit code (negative: killed by that signal). For a test of a
+    process that dies; ``fn`` must be importable (module level)."""
+    process = _get_context().Process(target=fn, args=args, daemon=True)
+    process.start()
+    process.join(timeout=timeout_s)
+    if process.is_alive():
+        process.kill()
+        process.join()
+        raise DistributedTestError(f"{getattr(fn, '__name__', fn)} did not finish within {timeout_s:.0f}s")
+    return process.exitcode

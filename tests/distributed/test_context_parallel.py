@@ -168,10 +168,11 @@ def _adamw(params):
     return torch.optim.AdamW(params, lr=1e-3, eps=1e-4, weight_decay=0.1)
 
 
-def check_model(model_type, cp, tp, kind, *, masking="causal", seq_len=22, steps=3, sp=False, **overrides):
+def check_model(model_type, cp, tp, kind, *, masking="causal", seq_len=22, steps=3, sp=False, sharding=None,
+                **overrides):
     reference, model = hf_parity.build_pair(model_type, **overrides)
     nxd_hf.parallelize(model, tensor_parallel_size=tp, context_parallel_size=cp, context_parallel_attention=kind,
-                       sequence_parallel=sp)
+                       sequence_parallel=sp, data_parallel_sharding=sharding)
     ids, labels = hf_parity.batch(b=2, s=seq_len)
     inputs = dict(input_ids=ids, labels=labels)
     if masking == "padding":  # left padding in row 0: HF's positions stay 0..S-1 in training
@@ -195,7 +196,7 @@ def check_model(model_type, cp, tp, kind, *, masking="causal", seq_len=22, steps
         torch.testing.assert_close(loss, ref_loss, **TOL, msg=lambda m: f"step {step} loss: {m}")
         if step == 0:
             for name, param in model.named_parameters():
-                torch.testing.assert_close(hf_parity.gathered_grad(param), ref_params[name].grad, **TOL,
+                torch.testing.assert_close(_full(param, param.grad), ref_params[name].grad, **TOL,
                                            msg=lambda m: f"step {step} {name}: {m}")
         ref_opt.step(), opt.step()
         ref_opt.zero_grad(), opt.zero_grad()
@@ -210,15 +211,23 @@ def check_model(model_type, cp, tp, kind, *, masking="causal", seq_len=22, steps
     torch.testing.assert_close(got, want, **TOL)
 
 
-def _full(param):
-    from nxd_hf.parallel_layers.sharding import full_tensor
+def _full(param, tensor=None):
+    """The logical tensor (``param``'s, or e.g. its grad): gathered over FSDP's DP shards and TP."""
+    from nxd_hf.fsdp import logical_tensor
 
-    return full_tensor(param, param.detach())
+    return logical_tensor(param, (param if tensor is None else tensor).detach())
 
 
 @pytest.mark.parametrize("kind", ["ring", "all_to_all"])
 def test_llama_cp2_matches_one_process(ranks2, kind):
     ranks2.run(check_model, "llama", 2, 1, kind, num_attention_heads=4)
+
+
+@pytest.mark.parametrize("sharding", ["zero3", "zero2"])
+def test_llama_cp2_fsdp_matches_one_process(ranks2, sharding):
+    """FSDP2 over the data-parallel group, which holds the CP ranks (their gradients are partial
+    sums scaled as for a mean over dp, as without FSDP)."""
+    ranks2.run(check_model, "llama", 2, 1, "ring", sharding=sharding, num_attention_heads=4)
 
 
 @pytest.mark.parametrize("kind", ["ring", "all_to_all"])
@@ -432,6 +441,11 @@ def test_llama_tp2_cp2_matches_one_process(ranks4):
     ranks4.run(check_model, "llama", 2, 2, "ring", steps=2)
     ranks4.run(check_model, "llama", 2, 2, "ring", steps=1, sp=True)
     ranks4.run(check_model, "llama", 2, 2, "all_to_all", num_attention_heads=8, num_key_value_heads=2, steps=1)
+
+
+def test_llama_dp4_cp2_zero3_matches_one_process(ranks4):
+    """Two replicas of two CP ranks, ZeRO-3 over all four (the same batch on both replicas)."""
+    ranks4.run(check_model, "llama", 2, 1, "all_to_all", sharding="zero3", num_attention_heads=4, steps=2)
 
 
 def test_llama_cp4_matches_one_process(ranks4):

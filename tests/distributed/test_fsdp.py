@@ -174,7 +174,6 @@ def test_bytes_per_rank_zero3_dp2(ranks2):
 def check_refusals() -> None:
     parallel_state.destroy_model_parallel()
     for kwargs, match in ((dict(data_parallel_sharding="full_shard"), "must be one of"),
-                          (dict(data_parallel_sharding="zero3", context_parallel_size=2), "context_parallel_size"),
                           (dict(data_parallel_offload=True), "need data_parallel_sharding"),
                           (dict(data_parallel_sharding="zero3", expert_parallel_size=2, data_parallel_shard_size=1),
                            "data_parallel_shard_size")):

@@ -1,31 +1,39 @@
 """Crash safety: a process SIGKILLed while writing a new checkpoint, while re-saving an existing
 tag, or between the two renames that put a re-saved tag in place, leaves every earlier
 checkpoint loadable and ``tag=None`` never picks the partial one; an ``async_save`` followed at
-once by interpreter exit still completes. Each case is a fresh single-process Python that
-kills itself at the chosen moment (a patched write)."""
+once by interpreter exit still completes. Each case is a process that kills itself at the
+chosen moment (a patched write): forked from the test forkserver, or, where the interpreter's
+own exit is under test, a fresh Python."""
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
 from support.paths import TESTS
+from nxd_hf.testing import run_process
 
-SCRIPT = textwrap.dedent("""
-    import os, signal, sys, time
-    sys.path.insert(0, {tests!r})
+
+def job(path: str, mode: str, report: str) -> None:
+    """Save checkpoint "a", then die in ``mode``'s way while saving the next; or ("load") write
+    what ``load_checkpoint`` picks to ``report``."""
+    import torch
+
     import nxd_hf
     from support import hf_parity
     from nxd_hf.checkpoint import store, writer
 
-    path, mode = sys.argv[1], sys.argv[2]
+    torch.set_num_threads(1)
     _, model = hf_parity.build_pair("llama")
     nxd_hf.parallelize(model)
     if mode == "load":
-        print("LOADED", nxd_hf.load_checkpoint(path, model=model))
-        sys.exit(0)
+        with open(report, "w") as f:
+            f.write(f"LOADED {nxd_hf.load_checkpoint(path, model=model)}")
+        return
     nxd_hf.save_checkpoint(path, tag="a", model=model, user_content="first")
     real_write, real_rename = writer.write_file, os.rename
     if mode in ("kill_new", "kill_resave"):
@@ -46,13 +54,23 @@ SCRIPT = textwrap.dedent("""
         writer.write_file = slow_write
     tag = "b" if mode == "kill_new" else "a"
     nxd_hf.save_checkpoint(path, tag=tag, model=model, user_content="second", async_save=mode == "async_exit")
-    print("RETURNED")  # async_save: the interpreter exits now, the write still finishes
+    with open(report, "w") as f:
+        f.write("RETURNED")  # async_save: the interpreter exits now, the write still finishes
+
+
+SCRIPT = textwrap.dedent("""
+    import sys
+    sys.path[:0] = [{tests!r}, {here!r}]
+    from test_checkpoint_crash import job
+    job(*sys.argv[1:])
 """)
 
 
-def _run(script, path, mode):
-    return subprocess.run([sys.executable, str(script), str(path), mode], capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+def _run_interpreter(tmp_path, mode) -> subprocess.CompletedProcess:
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT.format(tests=str(TESTS), here=os.path.dirname(os.path.abspath(__file__))))
+    return subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt"), mode, str(tmp_path / "report")],
+                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
 
 
 @pytest.mark.parametrize("mode, newest, leftover", [
@@ -62,16 +80,14 @@ def _run(script, path, mode):
     ("async_exit", "second", None),
 ])
 def test_killed_save_leaves_the_previous_checkpoint(tmp_path, mode, newest, leftover):
-    script = tmp_path / "job.py"
-    script.write_text(SCRIPT.format(tests=str(TESTS)))
-    path = tmp_path / "ckpt"
-    done = _run(script, path, mode)
+    path, report = tmp_path / "ckpt", tmp_path / "report"
     if mode == "async_exit":
-        assert done.returncode == 0 and "RETURNED" in done.stdout, done.stderr
+        done = _run_interpreter(tmp_path, mode)
+        assert done.returncode == 0 and report.read_text() == "RETURNED", done.stderr
     else:
-        assert done.returncode == -9, (done.returncode, done.stderr)
+        assert run_process(job, str(path), mode, str(report)) == -signal.SIGKILL
+        assert not report.exists()
     if leftover:
         assert leftover in os.listdir(path), os.listdir(path)
-    loaded = _run(script, path, "load")
-    assert loaded.returncode == 0, loaded.stderr
-    assert f"LOADED {newest}" in loaded.stdout, loaded.stdout
+    assert run_process(job, str(path), "load", str(report)) == 0
+    assert report.read_text() == f"LOADED {newest}"

@@ -5,7 +5,9 @@ materialized whole); the bytes read are exactly this rank's rows. Llama (TP alon
 odd vocab padded) and GPT-2 (HF Conv1D weights, stored transposed; tied head).
 GPT-2 under ZeRO-3 checkpoints: trained, saved (``save_checkpoint`` and ``save_pretrained`` in
 several output shards), loaded at ZeRO-1 and at tp=2 ZeRO-3 and opened by plain transformers,
-bit for bit. The ranks2 cases come first, then the ranks4 ones."""
+bit for bit. A pp=2 x dp=2 ZeRO-3 checkpoint (tied embedding across the stages) and an ep=2 x dp=4
+ZeRO-3 MoE one, loaded without FSDP at ZeRO-1 and at another layout under ZeRO-3: the gathered
+parameters and AdamW state bit for bit. The ranks2 cases come first, then the ranks4 ones."""
 
 import json
 

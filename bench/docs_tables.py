@@ -19,6 +19,7 @@ from bench.common import REPO, RESULTS
 from bench.checkpoint.run import GB
 from bench.comm_volume.run import format_case
 from bench.context_parallel.run import format_table as context_parallel_table
+from bench.fsdp.run import format_table as fsdp_table
 from bench.lora.run import format_table as lora_table
 from bench.memory.report import format_table as memory_table
 from bench.optimizer.report import format_table as optimizer_table
@@ -108,13 +109,17 @@ def context_parallel(result: dict) -> str:
     return _markdown(context_parallel_table(result))
 
 
+def fsdp(result: dict) -> str:
+    return _markdown(fsdp_table(result))
+
+
 def train_step(result: dict) -> str:
     return _markdown(train_step_table(result))
 
 
 TABLES = dict(comm_volume=comm_volume, memory=memory, pipeline=pipeline, lora=lora, optimizer=optimizer,
               checkpoint=checkpoint, train_step=train_step, overlap=train_step, train_step_peers=train_step,
-              train_step_throughput=train_step, context_parallel=context_parallel)
+              train_step_throughput=train_step, context_parallel=context_parallel, fsdp=fsdp)
 
 
 def _splice(page: str, begin: str, end: str, body: str) -> str:

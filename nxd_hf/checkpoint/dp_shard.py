@@ -8,7 +8,9 @@ the same logical safetensors a DDP or ZeRO-1 job writes and loads at any layout:
 - replicated over TP: its DP rows along dim 0, written by TP rank 0;
 - TP-sharded along dim 0: the DP rows are a run of the TP shard's rows (``shard_index``);
 - TP-sharded along another dim: a box, the DP rows along dim 0 x the TP rows along ``partition_dim``;
-- an HF ``Conv1D`` weight (GPT-2), stored transposed: the same, along the swapped dims.
+- an HF ``Conv1D`` weight (GPT-2), stored transposed: the same, along the swapped dims;
+- an expert-parallel tensor (fused experts), sharded over the expert-data group instead: its
+  rows along dim 0 are experts (``expert_shard_index``), the expert-data rank's run of them.
 
 The local tensor (``DTensor._local_tensor``, one object for the life of the shard) stands for
 the parameter: optimizer state is keyed by it (``optim_state``) and loading copies into it.
@@ -85,3 +87,24 @@ def _describe_untransposed(name: str, model_name: str, param: DTensor, tp_rank: 
     return dict(**common, shape=tuple(shape), rows=rows,
                          runs=[(0, count, start)] if count and tp_runs and first_copy else [],
                          inner_dim=dim, inner_rows=shard_index, inner_runs=tp_runs)
+
+
+def describe_dp_experts(name: str, model_name: str, param: DTensor, tp_rank: int, owned_runs) -> dict:
+    """The fields of the ``LogicalTensor`` of a fused experts tensor FSDP2 shards over the
+    expert-data group (``nxd_hf.fsdp.experts``): this rank's run of its expert-parallel rank's
+    experts along dim 0, a box when TP also shards each expert's rows (``logical.describe_experts``)."""
+    assert not getattr(param, "hf_transposed", False), "fused experts are not HF Conv1D weights"
+    start, count, first_copy = dp_rows(param)
+    rows = param.expert_shard_index[start:start + count]
+    shape = [param.expert_logical_size, *param.shape[1:]]
+    edp_first = first_copy and param.device_mesh.get_local_rank(0) == 0
+    inner, writes_rows = {}, count > 0 and first_copy and tp_rank == 0
+    if is_sharded(param):
+        assert param.partition_dim != 0, "TP shards the expert rows, not the experts"
+        shape[param.partition_dim] = param.logical_size
+        inner_runs = owned_runs(param.shard_index, tp_rank)  # collective over TP: every rank joins
+        inner = dict(inner_dim=param.partition_dim, inner_rows=param.shard_index, inner_runs=inner_runs)
+        writes_rows = count > 0 and first_copy and bool(inner_runs)
+    return dict(name=name, model_name=model_name, tensor=local_of(param), shape=tuple(shape), dim=0, rows=rows,
+                transposed=False, runs=[(0, count, int(rows[0]))] if writes_rows else [],
+                writes_whole=edp_first and tp_rank == 0 and parallel_state.get_expert_parallel_rank() == 0, **inner)

@@ -10,7 +10,8 @@ import torch
 
 from nxd_hf import backend, parallel_state
 from nxd_hf.checkpoint import optim_state
-from nxd_hf.checkpoint.logical import LogicalTensor, logical_tensors
+from nxd_hf.checkpoint.dp_shard import as_dp_shard
+from nxd_hf.checkpoint.logical import LogicalTensor, TensorSet, logical_tensors, named_local_tensors
 from nxd_hf.parallel_layers.sharding import full_tensor
 
 
@@ -20,12 +21,29 @@ def _gather_tp(lt: LogicalTensor, value: torch.Tensor) -> torch.Tensor:
     return lt.to_disk(full_tensor(lt.tensor, value))  # over TP and over EP for experts
 
 
-def _gather(entries: list[tuple[str, LogicalTensor, torch.Tensor]], rank0_only: bool) -> dict | None:
+def _dp_sharded(model) -> dict[str, torch.Tensor]:
+    """model name -> parameter, for those FSDP2 shards over DP (ZeRO-2/3): DTensors, whose
+    ``LogicalTensor`` holds only this rank's local shard."""
+    if isinstance(model, TensorSet):
+        return {}
+    return {name: t for name, t in named_local_tensors(model, buffers=False) if type(t).__name__ == "DTensor"}
+
+
+def _whole(lt: LogicalTensor, value: torch.Tensor, dp_sharded: dict) -> torch.Tensor:
+    param = dp_sharded.get(lt.model_name)
+    if param is None or value.dim() == 0:
+        return _gather_tp(lt, value)
+    # gathered over DP first (FSDP2's DTensor), then over TP and EP as any parameter
+    return lt.to_disk(full_tensor(param, as_dp_shard(param, value).full_tensor()))
+
+
+def _gather(entries: list[tuple[str, LogicalTensor, torch.Tensor]], rank0_only: bool,
+            dp_sharded: dict) -> dict | None:
     """name -> whole tensor, from every pipeline stage; a weight tied across stages once."""
     local = {}
     for name, lt, value in entries:
-        full = _gather_tp(lt, value)
-        if getattr(lt.tensor, "count_in_grad_norm", True):
+        full = _whole(lt, value, dp_sharded)
+        if getattr(lt.tensor, "count_in_grad_norm", True) and not lt.tied_copy:
             local[name] = full.cpu().clone()
     merged = {}
     for part in backend.all_gather_object(local, parallel_state.get_pipeline_model_parallel_group()):
@@ -39,7 +57,7 @@ def full_state_dict(model, *, rank0_only: bool = False) -> dict[str, torch.Tenso
     """The model's tensors gathered over TP and PP, unpadded, under the names ``save_pretrained``
     writes (HF ``Conv1D`` weights ``[in, out]``); every rank calls it. ``rank0_only``: other
     ranks get None (the gathers still run on all of them)."""
-    return _gather([(lt.name, lt, lt.tensor) for lt in logical_tensors(model)], rank0_only)
+    return _gather([(lt.name, lt, lt.tensor) for lt in logical_tensors(model)], rank0_only, _dp_sharded(model))
 
 
 def full_optimizer_state(model, optimizer, *, rank0_only: bool = False) -> dict[str, torch.Tensor] | None:
@@ -50,4 +68,4 @@ def full_optimizer_state(model, optimizer, *, rank0_only: bool = False) -> dict[
     for lt in logical_tensors(model):
         for key, value in sorted(states.get(id(lt.tensor), (None, {}))[1].items()):
             entries.append((f"{lt.name}::{key}", lt, value))
-    return _gather(entries, rank0_only)
+    return _gather(entries, rank0_only, _dp_sharded(model))

@@ -54,6 +54,9 @@ class LogicalTensor:
     inner_dim: int | None = None  # a second sharded dim (TP rows of experts split along dim 0 over EP)
     inner_rows: torch.Tensor | None = None  # logical row of each local row along inner_dim, -1: padding
     inner_runs: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)  # inner rows this rank writes
+    # a weight tied across pipeline stages, held here as a later stage's copy (``count_in_grad_norm``
+    # False on the parameter): its first holder writes and gathers it
+    tied_copy: bool = False
 
     def to_disk(self, local: torch.Tensor) -> torch.Tensor:
         """``local`` (laid out as ``tensor``) in on-disk orientation."""
@@ -190,6 +193,10 @@ def describe_experts(name: str, model_name: str, tensor: torch.Tensor, writes_he
     TP dim too when TP shards it (module docstring; collective over TP then). ``writes_here``: this
     expert-data replica's turn; within it each TP rank writes the rows it owns."""
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    if type(tensor).__name__ == "DTensor":  # sharded over the expert-data ranks by FSDP2 (ZeRO-2/3)
+        from nxd_hf.checkpoint.dp_shard import describe_dp_experts
+
+        return LogicalTensor(**describe_dp_experts(name, model_name, tensor, tp_rank, _owned_runs))
     rows = tensor.expert_shard_index
     shape = [tensor.expert_logical_size, *tensor.shape[1:]]
     assert rows.tolist() == list(range(int(rows[0]), int(rows[0]) + len(rows))), "experts are held in one block"
@@ -213,7 +220,10 @@ def describe(name: str, model_name: str, tensor: torch.Tensor, tp_rank: int, wri
     if type(tensor).__name__ == "DTensor":  # sharded over DP by FSDP2 (ZeRO-2/3): every DP rank writes its rows
         from nxd_hf.checkpoint.dp_shard import describe_dp_shard
 
-        return LogicalTensor(**describe_dp_shard(name, model_name, tensor, tp_rank, _owned_runs))
+        fields = describe_dp_shard(name, model_name, tensor, tp_rank, _owned_runs)
+        if not getattr(tensor, "count_in_grad_norm", True):  # the fields' tensor is the local shard, without the mark
+            fields.update(runs=[], writes_whole=False, inner_runs=[], tied_copy=True)
+        return LogicalTensor(**fields)
     transposed = bool(getattr(tensor, "hf_transposed", False))
     shape = list(tensor.shape)
     writes_whole = writes_here and tp_rank == 0

@@ -10,7 +10,7 @@ The ranks2 cases come first, then the ranks4 ones: one pool of each size is star
 import pytest
 import torch
 
-from support import hf_parity
+from support import hf_parity, moe
 import nxd_hf
 from nxd_hf import backend, parallel_state
 from nxd_hf.fsdp import is_dp_sharded, logical_tensor
@@ -441,16 +441,6 @@ def test_fsdp_matches_hf_pp2_dp2_tied_embedding(ranks4, mode):
     ranks4.run(check_pipeline_fsdp_matches_hf, mode)
 
 
-def _route_to_first_experts(model, count: int) -> None:
-    """Every token to experts ``< count``: the second expert-parallel rank's experts get none."""
-    def hook(_module, _inputs, output):
-        logits, scores, indices = output
-        return logits, scores, indices % count
-    for name, module in model.named_modules():
-        if name.endswith("mlp.gate"):
-            module.register_forward_hook(hook)
-
-
 def check_expert_parallel_fsdp_matches_hf(model_type: str, mode: str, starve: bool = False) -> None:
     """ep=2 x dp=4 on a MoE model: the experts sharded over the expert-data group (2 ranks), the
     rest over DP (4); AdamW steps with clipping against the one-process model (loss, norm, every
@@ -461,7 +451,7 @@ def check_expert_parallel_fsdp_matches_hf(model_type: str, mode: str, starve: bo
     parallel_state.destroy_model_parallel()
     reference, model = moe_ep.build_pair(model_type)
     for m in (reference, model) if starve else ():
-        _route_to_first_experts(m, moe_ep.config(model_type).num_experts // 2)
+        moe.route_to_first_experts(m, moe_ep.config(model_type).num_experts // 2)
         m.config._experts_implementation = "eager"  # a loop over the experts hit: the others get no gradient
     nxd_hf.parallelize(model, expert_parallel_size=2, data_parallel_sharding=mode)
     dp, dp_rank = parallel_state.get_data_parallel_size(), parallel_state.get_data_parallel_rank()

@@ -126,3 +126,14 @@ def saved_as_transformers(model, tmp: str, ids, expected) -> None:
         assert _stored_names(directory) == _stored_names(hf_dir), directory  # what transformers writes
         plain = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
         torch.testing.assert_close(eval_logits_of(plain, ids), expected, **TOL)
+
+
+def route_to_first_experts(model, count: int) -> None:
+    """Route every token to experts ``< count`` (the router's indices modulo ``count``): the ranks
+    holding the other experts receive no rows."""
+    def hook(_module, _inputs, output):
+        logits, scores, indices = output
+        return logits, scores, indices % count
+    for name, module in model.named_modules():
+        if name.endswith("mlp.gate"):
+            module.register_forward_hook(hook)

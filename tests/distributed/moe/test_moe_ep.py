@@ -7,6 +7,7 @@ import torch
 import transformers
 
 from nxd_hf import backend, parity
+from support import moe
 from support.moe_ep import (
     batch, build_pair, check_checkpoint_reshard, check_trainer_matches, config, expert_params, global_batch,
     rank_batch, TOL, VOCAB,
@@ -14,17 +15,6 @@ from support.moe_ep import (
 
 
 STEPS = 3
-
-
-def _route_to_first_experts(model, count: int) -> None:
-    """Route every token to experts ``< count`` (the router's indices modulo ``count``): the ranks
-    holding the other experts receive no rows."""
-    def hook(_module, _inputs, output):
-        logits, scores, indices = output
-        return logits, scores, indices % count
-    for name, module in model.named_modules():
-        if name.endswith("mlp.gate"):
-            module.register_forward_hook(hook)
 
 
 def check_ep_training(model_type: str, ep: int, steps: int = STEPS, starve: bool = False) -> None:
@@ -39,7 +29,7 @@ def check_ep_training(model_type: str, ep: int, steps: int = STEPS, starve: bool
     reference, model = build_pair(model_type)
     if starve:
         for m in (reference, model):
-            _route_to_first_experts(m, config(model_type).num_local_experts // ep)
+            moe.route_to_first_experts(m, config(model_type).num_local_experts // ep)
     nxd_hf.parallelize(model, expert_parallel_size=ep)
     dp, dp_rank = parallel_state.get_data_parallel_size(), parallel_state.get_data_parallel_rank()
     assert parallel_state.get_expert_parallel_size() == ep and len(expert_params(model)) > 0

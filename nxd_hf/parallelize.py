@@ -159,8 +159,8 @@ def parallelize(
     with fail_together("nxd_hf.parallelize"):  # no collective inside: a rank failing alone fails every rank
         check_data_parallel_sharding(data_parallel_sharding, pipeline_parallel_size=sizes.pp,
                                      expert_parallel_size=expert_parallel_size, lora_config=lora_config,
-                                     pipeline_kwargs=pipeline_kwargs, context_parallel_size=sizes.cp,
-                                     shard_size=data_parallel_shard_size, offload=data_parallel_offload)
+                                     pipeline_kwargs=pipeline_kwargs, shard_size=data_parallel_shard_size,
+                                     offload=data_parallel_offload)
         if load_dp_shards is not None and (data_parallel_sharding is None or lora_config is not None):
             raise ValueError("load_dp_shards loads the weights into FSDP2's data-parallel shards: it needs "
                              "data_parallel_sharding and no lora_config (load the weights with load_weights instead)")
@@ -182,7 +182,8 @@ def parallelize(
                        add_adapters=_adapters(model, lora_config, autocast_adapter_dtype),
                        activation_checkpoint_config=activation_checkpoint_config,
                        fp32_grad_accumulation=fp32_grad_accumulation, bucket_size_mb=bucket_size_mb, device=device,
-                       parameters_after_sharding=load_dp_shards is not None, record=SetupRecord(patch=patch, head_layout=layout, input_check=check, on_hf_model=True))
+                       parameters_after_sharding=load_dp_shards is not None,
+                       record=SetupRecord(patch=patch, head_layout=layout, input_check=check, on_hf_model=True))
     if sizes.pp > 1:
         from nxd_hf.pipeline.model import NxDPPModel  # step 4; it runs steps 5-10 on its stages
 

@@ -99,7 +99,7 @@ def _split_hook(multiple: int, unsplit: dict):
         if args:
             raise ValueError("a context-parallel model takes its inputs by name (input_ids=..., labels=...)")
         if not checked:  # the first forward: a batch split as under data parallelism would train silently wrong
-            _check_same_batch(kwargs)
+            check_same_batch(kwargs)
             checked.append(True)
         return args, split_inputs(kwargs, multiple, packed=not _builds_cache(module, kwargs))
 
@@ -116,7 +116,7 @@ def _builds_cache(model: nn.Module, kwargs: dict) -> bool:
     return bool(use_cache)
 
 
-def _check_same_batch(kwargs: dict) -> None:
+def check_same_batch(kwargs: dict) -> None:
     """ValueError on every CP rank unless they all got the same batch."""
     tensors = {k: v for k, v in kwargs.items() if torch.is_tensor(v) and k in _BATCH_KEYS}
     if not tensors:

@@ -38,8 +38,8 @@ _HOOKED = "_nxd_tp_partial_hook"  # marks an unsharded parameter whose gradient 
 
 
 def check_data_parallel_sharding(mode, *, pipeline_parallel_size: int, expert_parallel_size: int,
-                                 lora_config=None, pipeline_kwargs=None, context_parallel_size: int = 1,
-                                 shard_size: int | None = None, offload: bool = False) -> None:
+                                 lora_config=None, pipeline_kwargs=None, shard_size: int | None = None,
+                                 offload: bool = False) -> None:
     """A clear ValueError for what ``data_parallel_sharding`` does not compose with (yet)."""
     if mode is None:
         if offload or shard_size is not None:

@@ -14,7 +14,7 @@ import torch
 
 from nxd_hf import parallel_state
 from nxd_hf.context.attention import current_batch
-from nxd_hf.context.model import _check_same_batch, split_inputs
+from nxd_hf.context.model import check_same_batch, split_inputs
 from nxd_hf.pipeline.pooled_loss import takes_pooled_logits
 
 SPLIT_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
@@ -55,7 +55,7 @@ class StepSplit:
             raise ValueError(f"context parallelism in the pipeline splits {list(SPLIT_KEYS)} over the sequence; got "
                              f"{unknown} too: pass only those")
         if not self.checked:
-            _check_same_batch(inputs)
+            check_same_batch(inputs)
             self.checked = True
         local = split_inputs(dict(inputs), self.multiple)
         batch = current_batch()

@@ -39,7 +39,7 @@ from nxd_hf.trainer.batches import (
     FILLER_ROWS, ROW_WEIGHT, check_dataset_size, data_parallel_mean, pad_rows, pipeline_inputs, replica_rows,
 )
 from nxd_hf.trainer.hf_checkpoints import CheckpointHooks
-from nxd_hf.trainer.model import NxDModel, _loss_of, initialize_parallel_model
+from nxd_hf.trainer.model import NxDModel, loss_of, initialize_parallel_model
 from nxd_hf.trainer.optimizer import initialize_parallel_optimizer
 from nxd_hf.trainer.own_model import check_trainer_model
 from nxd_hf.trainer.options import check_liger, compile_model, without_trainers_liger_patch
@@ -223,7 +223,7 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
         ``compute_loss`` through here. A model nxd_hf did not shard from a Hugging Face plan (the
         user's own, ``nxd_hf.trainer.own_model``) may return the loss itself or a dict holding it."""
         output = model(**inputs, **loss_kwargs)
-        return output.loss if model.hf_loss else _loss_of(output, type(model.hf_model).__name__, "NxDTrainer")
+        return output.loss if model.hf_loss else loss_of(output, type(model.hf_model).__name__, "NxDTrainer")
 
     def _clip_grad_norm(self, model):
         return None  # the optimizer clips on the global norm in step()

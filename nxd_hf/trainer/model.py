@@ -94,7 +94,7 @@ class NxDModel(nn.Module):
             normalizer = loss_normalizer(inputs["labels"], inputs.pop("num_items_in_batch", None))
             loss = self.module(**inputs, num_items_in_batch=normalizer).loss
         else:
-            loss = _loss_of(self.module(**inputs), type(self.nxd.hf_model).__name__)
+            loss = loss_of(self.module(**inputs), type(self.nxd.hf_model).__name__)
         loss.backward()
         dp_size = parallel_state.get_data_parallel_size()
         share = loss.detach() / dp_size
@@ -107,7 +107,7 @@ class NxDModel(nn.Module):
         inputs = self._named_inputs(args, inputs)
         with torch.no_grad():
             output = self.module(**inputs)
-        return output.loss if self.hf_loss else _loss_of(output, type(self.nxd.hf_model).__name__)
+        return output.loss if self.hf_loss else loss_of(output, type(self.nxd.hf_model).__name__)
 
     def _named_inputs(self, args: tuple, inputs: dict) -> dict:
         if not args:
@@ -176,7 +176,7 @@ class NxDModel(nn.Module):
         return next(self.parameters()).dtype
 
 
-def _loss_of(output, model_name: str, caller: str = "run_train/run_eval") -> torch.Tensor:
+def loss_of(output, model_name: str, caller: str = "run_train/run_eval") -> torch.Tensor:
     """The loss in what a model's forward returned: the output itself (a tensor), its ``loss``
     attribute or key (HF outputs, dicts)."""
     loss = output if isinstance(output, torch.Tensor) else getattr(output, "loss", None)

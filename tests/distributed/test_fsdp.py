@@ -48,6 +48,27 @@ def _logical_grad(param):
     return full.t() if getattr(param, "hf_transposed", False) else full
 
 
+def _check_step_and_step(label: str, model, reference, optimizers, *, loss, ref_loss, norm, ref_norm) -> None:
+    """One step's checks against the one-process model (clipping acted; loss, norm, every gathered
+    gradient), then both optimizers step. ``loss``: already the mean over the data-parallel ranks."""
+    assert ref_norm > MAX_NORM, "clipping must act"
+    torch.testing.assert_close(loss, ref_loss, **TOL)
+    torch.testing.assert_close(norm, ref_norm, **TOL)
+    ref_grads = {n: p.grad for n, p in reference.named_parameters(remove_duplicate=False)}
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(_logical_grad(param), ref_grads[name], **TOL, msg=lambda m: f"{label} grad {name}: {m}")
+    for opt in optimizers:
+        opt.step()
+        opt.zero_grad()
+
+
+def _check_params(label: str, model, reference) -> None:
+    ref_params = dict(reference.named_parameters(remove_duplicate=False))
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(logical_tensor(param), ref_params[name].detach(), **TOL,
+                                   msg=lambda m: f"{label} param {name}: {m}")
+
+
 def check_offload_policy(model) -> None:
     """Every FSDP module of ``model`` (the layers and the root) has FSDP2's CPUOffloadPolicy, and
     every parameter it manages is offloaded (its shard in host memory)."""
@@ -78,7 +99,6 @@ def check_fsdp_matches_hf(mode: str, tp: int, sp: bool, shard_size: int | None =
     norm_ranks = tuple(torch.distributed.get_process_group_ranks(mesh.get_group(mesh.ndim - 1)))
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
-    ref_grads = {}
     for step, (ids, labels) in enumerate(_batches()):
         ref_loss, ref_norm = _step(reference, ids, labels, dp_rank=0, dp_size=1, clip=torch.nn.utils.clip_grad_norm_)
         with backend.count_comm() as records:
@@ -87,21 +107,10 @@ def check_fsdp_matches_hf(mode: str, tp: int, sp: bool, shard_size: int | None =
         dp_all_reduces = [r for r in records if r.op == "all_reduce" and r.ranks in (dp_ranks, norm_ranks)]
         assert len(dp_all_reduces) == 1, records  # the norm's sum of shards: FSDP2's reduce-scatter did the mean
         assert dp_all_reduces[0].ranks == norm_ranks  # under HSDP over the shard group: the replicas hold copies
-        assert ref_norm > MAX_NORM, "clipping must act"
         torch.distributed.all_reduce(loss, group=parallel_state.get_data_parallel_group())
-        torch.testing.assert_close(loss / dp_size, ref_loss, **TOL)
-        torch.testing.assert_close(norm, ref_norm, **TOL)
-        ref_grads = {n: p.grad for n, p in reference.named_parameters()}
-        for name, param in model.named_parameters():
-            torch.testing.assert_close(_logical_grad(param), ref_grads[name], **TOL,
-                                       msg=lambda m: f"{mode} tp={tp} step {step} grad {name}: {m}")
-        ref_optimizer.step()
-        optimizer.step()
-        ref_optimizer.zero_grad()
-        optimizer.zero_grad()
-    for name, param in model.named_parameters():
-        torch.testing.assert_close(logical_tensor(param), dict(reference.named_parameters())[name].detach(), **TOL,
-                                   msg=lambda m: f"{mode} tp={tp} param {name}: {m}")
+        _check_step_and_step(f"{mode} tp={tp} step {step}", model, reference, (ref_optimizer, optimizer),
+                             loss=loss / dp_size, ref_loss=ref_loss, norm=norm, ref_norm=ref_norm)
+    _check_params(f"{mode} tp={tp}", model, reference)
 
 
 def test_zero3_matches_hf_dp2(ranks2):
@@ -415,25 +424,15 @@ def check_pipeline_fsdp_matches_hf(mode: str) -> None:
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_size()
     assert dp_size == 2 and all(is_dp_sharded(p) for p in pp_model.parameters())
     assert pp_model.tied.local, "the embedding and the LM head are on different stages: a tie across them"
-    ref_params = dict(reference.named_parameters(remove_duplicate=False))  # tied: both names
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.1)
     optimizer = torch.optim.AdamW(pp_model.parameters(), lr=LR, weight_decay=0.1)
     for step, (ids, labels) in enumerate(_batches()):
         ref_loss, ref_norm = _step(reference, ids, labels, dp_rank=0, dp_size=1, clip=torch.nn.utils.clip_grad_norm_)
         loss = pp_model.run_train(input_ids=ids.chunk(dp_size)[dp_rank], labels=labels.chunk(dp_size)[dp_rank])
         norm = clip_grad_norm(pp_model.parameters(), MAX_NORM)
-        assert ref_norm > MAX_NORM, "clipping must act"
-        torch.testing.assert_close(loss, ref_loss, **TOL)
-        torch.testing.assert_close(norm, ref_norm, **TOL)
-        for name, param in pp_model.named_parameters():
-            torch.testing.assert_close(_logical_grad(param), ref_params[name].grad, **TOL,
-                                       msg=lambda m: f"pp2 {mode} step {step} grad {name}: {m}")
-        for opt in (ref_optimizer, optimizer):
-            opt.step()
-            opt.zero_grad()
-    for name, param in pp_model.named_parameters():
-        torch.testing.assert_close(logical_tensor(param), ref_params[name].detach(), **TOL,
-                                   msg=lambda m: f"pp2 {mode} param {name}: {m}")
+        _check_step_and_step(f"pp2 {mode} step {step}", pp_model, reference, (ref_optimizer, optimizer),
+                             loss=loss, ref_loss=ref_loss, norm=norm, ref_norm=ref_norm)
+    _check_params(f"pp2 {mode}", pp_model, reference)
 
 
 @pytest.mark.parametrize("mode", ["zero3", "zero2"])
@@ -462,7 +461,6 @@ def check_expert_parallel_fsdp_matches_hf(model_type: str, mode: str, starve: bo
         group = param.device_mesh.get_group(0)
         want = edp_ranks if name in experts else tuple(range(dp))
         assert tuple(torch.distributed.get_process_group_ranks(group)) == want, name
-    ref_params = dict(reference.named_parameters())
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     for step in range(STEPS):
@@ -474,20 +472,12 @@ def check_expert_parallel_fsdp_matches_hf(model_type: str, mode: str, starve: bo
         loss = model(input_ids=ids, labels=labels).loss
         loss.backward()
         norm = clip_grad_norm(model.parameters(), MAX_NORM)
-        assert ref_norm > MAX_NORM, "clipping must act"
         loss = loss.detach()
         torch.distributed.all_reduce(loss, group=parallel_state.get_data_parallel_group())
-        torch.testing.assert_close(loss / dp, ref_loss.detach(), **TOL)  # every rank has as many labels
-        torch.testing.assert_close(norm, ref_norm, **TOL)
-        for name, param in model.named_parameters():
-            torch.testing.assert_close(_logical_grad(param), ref_params[name].grad, **TOL,
-                                       msg=lambda m: f"ep2 {mode} step {step} grad {name}: {m}")
-        for opt in (ref_optimizer, optimizer):
-            opt.step()
-            opt.zero_grad()
-    for name, param in model.named_parameters():
-        torch.testing.assert_close(logical_tensor(param), ref_params[name].detach(), **TOL,
-                                   msg=lambda m: f"ep2 {mode} param {name}: {m}")
+        # every rank has as many labels: the mean of the ranks' means is the whole batch's
+        _check_step_and_step(f"ep2 {mode} step {step}", model, reference, (ref_optimizer, optimizer),
+                             loss=loss / dp, ref_loss=ref_loss.detach(), norm=norm, ref_norm=ref_norm)
+    _check_params(f"ep2 {mode}", model, reference)
 
 
 @pytest.mark.parametrize("model_type,mode", [("qwen3_moe", "zero3"), ("mixtral", "zero2")])

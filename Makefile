@@ -14,10 +14,12 @@ PYTHON := $(VENV)/bin/python
 
 install: $(VENV)/.installed
 
+# --no-compile: byte-compiling every module of torch and transformers at install was more than half
+# of the install's CPU time; Python compiles what a run imports on first import (and caches it)
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
-	$(PYTHON) -m pip install -q torch==2.13.0
-	$(PYTHON) -m pip install -q -e ".[test,trl,lightning]"
+	$(PYTHON) -m pip install -q --no-compile torch==2.13.0
+	$(PYTHON) -m pip install -q --no-compile -e ".[test,trl,lightning]"
 	touch $@
 
 train: install
@@ -39,8 +41,8 @@ XLA_PINS := torch==2.9.0 torch-xla==2.9.0 transformers==5.23.0 peft==0.21.2
 
 $(XLA_VENV)/.installed: pyproject.toml
 	python3 -m venv $(XLA_VENV)
-	$(XLA_VENV)/bin/python -m pip install -q $(XLA_PINS)
-	$(XLA_VENV)/bin/python -m pip install -q -e ".[test]" $(XLA_PINS)
+	$(XLA_VENV)/bin/python -m pip install -q --no-compile $(XLA_PINS)
+	$(XLA_VENV)/bin/python -m pip install -q --no-compile -e ".[test]" $(XLA_PINS)
 	touch $@
 
 test-xla: $(XLA_VENV)/.installed

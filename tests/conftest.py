@@ -34,6 +34,18 @@ for _folder in _test_folders():
         sys.path.insert(0, _folder)
 
 
+def _support_modules() -> list[str]:
+    folder = os.path.join(TESTS, "support")
+    return sorted(f"support.{f[:-3]}" for f in os.listdir(folder) if f.endswith(".py") and f != "__init__.py")
+
+
+# A rank unpickling its case function imports the case's module, which imports pytest and the
+# shared builders: imported once in the forkserver instead of in every rank it starts.
+from nxd_hf.testing import preload  # noqa: E402  (after sys.path holds the test folders)
+
+preload("pytest", *_support_modules())
+
+
 @pytest.fixture(scope="session")
 def rank_pools():
     from nxd_hf.testing.pool import RankPools

@@ -22,6 +22,7 @@ import traceback
 import torch.distributed as dist
 
 _PRELOAD = ["torch", "torch.distributed", "transformers", "transformers.trainer", "accelerate", "peft", "nxd_hf"]
+_extra_preload: list[str] = []
 _context = None
 
 
@@ -29,11 +30,18 @@ class DistributedTestError(AssertionError):
     pass
 
 
+def preload(*module_names: str) -> None:
+    """Have the forkserver import ``module_names`` too, once, so that no rank imports them again
+    (a test suite's own helpers, pytest: a rank unpickling a case function imports its module).
+    Only names given before the first rank starts count: the forkserver imports once."""
+    _extra_preload.extend(name for name in module_names if name not in _extra_preload)
+
+
 def _get_context():
     global _context
     if _context is None:
         _context = mp.get_context("forkserver")
-        _context.set_forkserver_preload(_PRELOAD)
+        _context.set_forkserver_preload(_PRELOAD + _extra_preload)
     return _context
 
 

@@ -20,9 +20,12 @@ class TiedParameters:
     def _param(self, stages, name):
         return dict(p for stage in stages for p in stage.named_parameters(remove_duplicate=False))[name]
 
+    @torch.no_grad()
     def sync_initial_values(self) -> None:
         for name, src, group, stages in self.local:
-            backend.broadcast(self._param(stages, name).data, src, group)
+            param = self._param(stages, name)
+            # sharded over DP by FSDP2: every holder's DP rank d has the same rows (sum_grads)
+            backend.broadcast(param.to_local() if isinstance(param, DTensor) else param.data, src, group)
 
     def sum_grads(self) -> None:
         for name, _, group, stages in self.local:

@@ -6,7 +6,8 @@ its own parameters back as a plain tensor of the TP-local shape for ``fn(module)
 rank keeps its DP rows of the result. So a rank holds its shards plus one TP-local parameter at a
 time (``InitReport.largest_bytes``), never a TP shard of the model, and the values are those of
 ``fn`` without FSDP, bit for bit: the same modules and parameters in the same order draw from the
-same generator.
+same generator. As without FSDP, the data-parallel replicas are checked to have initialized
+alike (a fingerprint of each TP-local value, compared over the DP group: an unseeded init raises).
 
 A parameter shared by several modules (an embedding tied to the LM head) is initialized by each
 of them in turn, as without FSDP (the last one's values stay): from the second on, ``fn`` sees
@@ -21,6 +22,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from nxd_hf.checkpoint.dp_shard import dp_rows, local_of
+from nxd_hf.model_setup.replicas import fingerprint
+from nxd_hf.parallel_layers.sharding import is_expert_parallel
 
 
 @dataclasses.dataclass
@@ -32,6 +35,9 @@ class InitReport:
     what initializing holds beyond the model's own shards at any time."""
     parameters_initialized: int = 0
     """Parameters handed to ``param_init_fn`` (a tied one once per module holding it)."""
+    fingerprints: list = dataclasses.field(default_factory=list, repr=False)
+    """(name, ``replicas.fingerprint`` of the TP-local value, expert-parallel) of each, for the
+    check that the data-parallel replicas initialized alike (``replicas.check_fingerprints_equal``)."""
 
 
 @torch.no_grad()
@@ -44,7 +50,7 @@ def init_dp_shards(roots: list[nn.Module], param_init_fn) -> InitReport:
     report, seen_modules, seen_params = InitReport(), set(), set()
     error = None
     for root in roots:
-        for module in root.modules():
+        for module_name, module in root.named_modules():
             if id(module) in seen_modules:
                 continue
             seen_modules.add(id(module))
@@ -58,7 +64,11 @@ def init_dp_shards(roots: list[nn.Module], param_init_fn) -> InitReport:
                     param_init_fn(module)
                     report.parameters_initialized += len(plain)
                     for name, param in sharded.items():
-                        _keep_rows(param, module._parameters[name])
+                        value = module._parameters[name]
+                        _keep_rows(param, value)
+                        if getattr(param, "count_in_grad_norm", True):  # else tied to an earlier stage's: overwritten
+                                report.fingerprints.append((f"{module_name}.{name}".lstrip("."), fingerprint(value),
+                                                        is_expert_parallel(param)))
                 except Exception as caught:  # noqa: BLE001 - raised after the loop, on every rank alike
                     error = caught
                 finally:

@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from nxd_hf.fsdp.init import InitReport, init_dp_shards
 from nxd_hf.guards.fail_together import fail_together
+from nxd_hf.model_setup.replicas import check_fingerprints_equal
 
 
 def fill_dp_shards(roots: list[nn.Module], device, *, load_dp_shards=None, param_init_fn=None,
@@ -31,6 +32,8 @@ def fill_dp_shards(roots: list[nn.Module], device, *, load_dp_shards=None, param
             load_dp_shards(roots)
         else:
             report = init_dp_shards(roots, param_init_fn)
+    if report is not None:  # as step 7 checks materialized weights (nxd_hf.model_setup.replicas)
+        check_fingerprints_equal(report.fingerprints)
     if sync_ties is not None:
         sync_ties()
     return report

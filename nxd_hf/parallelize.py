@@ -40,7 +40,7 @@ from nxd_hf.checkpoint.consolidate import save_pretrained
 from nxd_hf.context import check_context_parallel, install_context_parallel
 from nxd_hf.context.model import router_token_mask
 from nxd_hf.fsdp import DataParallelSharding, check_data_parallel_sharding, shard_data_parallel
-from nxd_hf.fsdp.load import fill_dp_shards
+from nxd_hf.fsdp.load import fill_dp_shards, init_after_sharding
 from nxd_hf.model_setup import LocalSetup, SetupRecord, finish_parallel_model
 from nxd_hf.model_setup.local import target_device
 from nxd_hf.model_setup.activation_checkpoint import decoder_layer_types
@@ -182,8 +182,8 @@ def parallelize(
     if sizes.pp == 1:  # the pipeline computes the global aux loss itself (pipeline.router_aux)
         install_global_aux_loss(model, token_mask=router_token_mask if sizes.cp > 1 else None)
     # ZeRO-2/3: weights loaded or initialized into FSDP2's DP shards, the TP shard never whole (nxd_hf.fsdp.load)
-    fill_after = load_dp_shards is not None or _init_after_sharding(model, data_parallel_sharding, param_init_fn,
-                                                                     load_weights, lora_config)
+    fill_after = load_dp_shards is not None or init_after_sharding(model, data_parallel_sharding, param_init_fn,
+                                                                    load_weights=load_weights, lora_config=lora_config)
     setup = LocalSetup(load_weights=load_weights, param_init_fn=param_init_fn, buffer_init=getattr(model, "_init_weights", None),
                        add_adapters=_adapters(model, lora_config, autocast_adapter_dtype),
                        activation_checkpoint_config=activation_checkpoint_config,
@@ -199,8 +199,9 @@ def parallelize(
                                 layer_types=pp_model.layer_types, shard_size=data_parallel_shard_size,
                                 roots=pp_model.local_modules(), offload=data_parallel_offload)
         if fill_after:
-            _fill(pp_model, pp_model.local_modules(), device, load_dp_shards, param_init_fn,
-                  sync_ties=pp_model.tied.sync_initial_values)
+            fill_dp_shards(pp_model, pp_model.local_modules(), target_device(device, pp_model.local_modules()),
+                           load_dp_shards=load_dp_shards, param_init_fn=param_init_fn,
+                           sync_ties=pp_model.tied.sync_initial_values)
         pp_model.save_pretrained = _save_pretrained(pp_model, lora_config)
         model.save_pretrained = _save_pretrained(pp_model, lora_config)  # the user's object: its stages' weights
         return pp_model
@@ -212,26 +213,10 @@ def parallelize(
         shard_data_parallel(model, data_parallel_sharding, policy=state.grad_reduction,
                             shard_size=data_parallel_shard_size, offload=data_parallel_offload)
     if fill_after:
-        _fill(model, [model], device, load_dp_shards, param_init_fn)
+        fill_dp_shards(model, [model], target_device(device, [model]), load_dp_shards=load_dp_shards,
+                       param_init_fn=param_init_fn)
     model.save_pretrained = _save_pretrained(model, lora_config)
     return model
-
-
-def _init_after_sharding(model, data_parallel_sharding, param_init_fn, load_weights, lora_config) -> bool:
-    """Whether ``param_init_fn`` initializes FSDP2's DP shards instead of the TP shard: a model
-    wholly on the meta device under ZeRO-2/3 (LoRA's adapters are added before sharding: then,
-    and for real or partly real weights, the TP shard is materialized as without FSDP)."""
-    return (data_parallel_sharding is not None and param_init_fn is not None and load_weights is None
-            and lora_config is None and all(p.is_meta for p in model.parameters()))
-
-
-def _fill(model, roots, device, load_dp_shards, param_init_fn, sync_ties=None) -> None:
-    """Allocate and fill the DP shards of ``roots`` (``fill_dp_shards``): loaded, or initialized
-    (then its ``InitReport`` becomes ``model.nxd.init_report``)."""
-    report = fill_dp_shards(roots, target_device(device, roots), load_dp_shards=load_dp_shards,
-                            param_init_fn=None if load_dp_shards is not None else param_init_fn, sync_ties=sync_ties)
-    if report is not None:
-        model.nxd.record_init_report(report)
 
 
 def _save_pretrained(model, lora_config):

@@ -12,18 +12,29 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from nxd_hf.fsdp.init import InitReport, init_dp_shards
+from nxd_hf.fsdp.init import init_dp_shards
 from nxd_hf.guards.fail_together import fail_together
 from nxd_hf.model_setup.replicas import check_fingerprints_equal
 
 
-def fill_dp_shards(roots: list[nn.Module], device, *, load_dp_shards=None, param_init_fn=None,
-                   sync_ties=None) -> InitReport | None:
+def init_after_sharding(model: nn.Module, data_parallel_sharding, param_init_fn, *, load_weights,
+                        lora_config) -> bool:
+    """Whether ``param_init_fn`` initializes FSDP2's DP shards (``nxd_hf.fsdp.init``) instead of the
+    TP shard: a model wholly on the meta device under ZeRO-2/3. LoRA's adapters are added before
+    sharding: with them, and for real or partly real weights, the TP shard is materialized as
+    without FSDP."""
+    return (data_parallel_sharding is not None and param_init_fn is not None and load_weights is None
+            and lora_config is None and all(p.is_meta for p in model.parameters()))
+
+
+def fill_dp_shards(model: nn.Module, roots: list[nn.Module], device, *, load_dp_shards=None, param_init_fn=None,
+                   sync_ties=None) -> None:
     """Allocate the DP shards of every FSDP root in ``roots`` (the model, or a pipeline's local
     stages) on ``device`` and fill them: ``load_dp_shards(roots)`` reads them, or else
-    ``param_init_fn`` initializes them (returns its ``InitReport``). ``sync_ties()`` then makes
-    the weights tied across pipeline stages equal (the first holder's values, as without FSDP)."""
-    assert (load_dp_shards is None) != (param_init_fn is None), "one way to fill the shards"
+    ``param_init_fn`` initializes them (its ``InitReport`` becomes ``model.nxd.init_report``;
+    the replicas are checked to have initialized alike, as step 7 checks materialized weights).
+    ``sync_ties()`` then makes the weights tied across pipeline stages equal (the first holder's
+    values, as without FSDP)."""
     report = None
     with fail_together("nxd_hf.parallelize (weights into the data-parallel shards)"):
         for root in roots:
@@ -32,11 +43,11 @@ def fill_dp_shards(roots: list[nn.Module], device, *, load_dp_shards=None, param
             load_dp_shards(roots)
         else:
             report = init_dp_shards(roots, param_init_fn)
-    if report is not None:  # as step 7 checks materialized weights (nxd_hf.model_setup.replicas)
+    if report is not None:
         check_fingerprints_equal(report.fingerprints)
+        model.nxd.record_init_report(report)
     if sync_ties is not None:
         sync_ties()
-    return report
 
 
 def allocate_dp_shards(model: nn.Module, device) -> None:

@@ -17,7 +17,9 @@ a directly constructed ``NxDPPModel`` all run these steps, in this order:
     fails every rank with the same ValueError instead of leaving them in the next collective;
  4. partition into pipeline stages, keeping this rank's (``NxDPPModel``, when pp > 1);
  5. weights: load only the local ones (``load_weights``; ``from_pretrained`` reads its slices),
-    or materialize meta weights with ``param_init_fn``;
+    or materialize meta weights with ``param_init_fn``; under ZeRO-2/3 without LoRA the meta
+    parameters wait, and are read or initialized into FSDP2's DP shards once sharded
+    (``nxd_hf.fsdp.load.fill_dp_shards``);
  6. tie weights shared by stages on different pipeline ranks;
  7. adapters: LoRA through peft (``lora_config``; ``nxd_hf.lora.setup.setup_lora``: inject, and
     NxD's ``load_lora_from_ckpt``);

@@ -21,6 +21,7 @@ from nxd_hf.parallel_sizes import ParallelSizes
 
 if TYPE_CHECKING:  # upper layers: for the annotations only
     from nxd_hf.checkpoint.hf_safetensors import LoadReport
+    from nxd_hf.fsdp.init import InitReport
     from nxd_hf.lora.checkpoint import LoraCheckpoint
     from nxd_hf.tp.plan import ModelPatch
     from nxd_hf.trainer.config import NxDConfig
@@ -55,6 +56,8 @@ class NxDModelState:
     ``nxd_hf.checkpoint.logical``), else None."""
     load_report: "LoadReport | None" = None
     """What ``nxd_hf.from_pretrained`` read (``record_load_report``)."""
+    init_report: "InitReport | None" = None
+    """What ``param_init_fn`` held initializing into FSDP2's DP shards (``record_init_report``)."""
     nxd_config: "NxDConfig | None" = None
     """The config API's config once an ``NxDModel`` wraps the model (checkpoint options; ``attach_config``)."""
 
@@ -81,6 +84,10 @@ class NxDModelState:
     def record_load_report(self, report: "LoadReport") -> None:
         """``nxd_hf.from_pretrained``: what this rank read of the files."""
         self.load_report = report
+
+    def record_init_report(self, report: "InitReport") -> None:
+        """``nxd_hf.parallelize``: the largest tensor ``param_init_fn`` got under ZeRO-2/3 (``nxd_hf.fsdp.init``)."""
+        self.init_report = report
 
     def attach_config(self, nxd_config: "NxDConfig") -> None:
         """``NxDModel``: the config whose checkpoint options (master weights, LoRA) ``save_checkpoint`` reads."""

@@ -17,7 +17,9 @@ a directly constructed ``NxDPPModel`` all run these steps, in this order:
     fails every rank with the same ValueError instead of leaving them in the next collective;
  4. partition into pipeline stages, keeping this rank's (``NxDPPModel``, when pp > 1);
  5. weights: load only the local ones (``load_weights``; ``from_pretrained`` reads its slices),
-    or materialize meta weights with ``param_init_fn``;
+    or materialize meta weights with ``param_init_fn``; under ZeRO-2/3 without LoRA the meta
+    parameters wait, and are read or initialized into FSDP2's DP shards once sharded
+    (``nxd_hf.fsdp.load.fill_dp_shards``);
  6. tie weights shared by stages on different pipeline ranks;
  7. adapters: LoRA through peft (``lora_config``; ``nxd_hf.lora.setup.setup_lora``: inject, and
     NxD's ``load_lora_from_ckpt``);
@@ -40,7 +42,7 @@ from nxd_hf.checkpoint.consolidate import save_pretrained
 from nxd_hf.context import check_context_parallel, install_context_parallel
 from nxd_hf.context.model import router_token_mask
 from nxd_hf.fsdp import DataParallelSharding, check_data_parallel_sharding, shard_data_parallel
-from nxd_hf.fsdp.load import allocate_dp_shards
+from nxd_hf.fsdp.load import fill_dp_shards, init_after_sharding
 from nxd_hf.model_setup import LocalSetup, SetupRecord, finish_parallel_model
 from nxd_hf.model_setup.local import target_device
 from nxd_hf.model_setup.activation_checkpoint import decoder_layer_types
@@ -103,10 +105,13 @@ def parallelize(
     data_parallel_sharding: "zero3" (parameters, gradients and optimizer state) or "zero2" (gradients and
         optimizer state) sharded over the data-parallel ranks by torch's FSDP2 (``nxd_hf.fsdp``,
         docs/fsdp.md); None: every DP rank holds the whole TP shard (DDP, or ZeRO-1's optimizer).
-    load_dp_shards: with data_parallel_sharding, ``fn(model)`` filling the parameters once FSDP2 has
-        sharded them on the meta device and each rank's local shards are allocated
-        (``nxd_hf.fsdp.load``); ``load_weights`` then fills the buffers only. No rank ever holds a
-        TP shard whole. ``nxd_hf.from_pretrained`` passes its reader.
+    load_dp_shards: with data_parallel_sharding, ``fn(modules)`` filling the parameters of ``modules``
+        (the model, or this rank's pipeline stages) once FSDP2 has sharded them on the meta device
+        and each rank's local shards are allocated (``nxd_hf.fsdp.load``); ``load_weights`` then
+        fills the buffers only. No rank ever holds a TP shard whole. ``nxd_hf.from_pretrained``
+        passes its reader. Without it, ``param_init_fn`` on a model wholly on the meta device under
+        data_parallel_sharding (no lora_config) initializes the DP shards the same way, one TP-local
+        parameter at a time (``nxd_hf.fsdp.init``; ``model.nxd.init_report``).
     data_parallel_shard_size: with data_parallel_sharding, shard over groups of this many DP ranks and
         replicate across the groups (HSDP); None: shard over every DP rank.
     data_parallel_offload: with data_parallel_sharding, keep the shards (parameters, gradients and so the
@@ -178,11 +183,14 @@ def parallelize(
         check = install_input_check(model, check_inputs)
     if sizes.pp == 1:  # the pipeline computes the global aux loss itself (pipeline.router_aux)
         install_global_aux_loss(model, token_mask=router_token_mask if sizes.cp > 1 else None)
+    # ZeRO-2/3: weights loaded or initialized into FSDP2's DP shards, the TP shard never whole (nxd_hf.fsdp.load)
+    fill_after = load_dp_shards is not None or init_after_sharding(model, data_parallel_sharding, param_init_fn,
+                                                                    load_weights=load_weights, lora_config=lora_config)
     setup = LocalSetup(load_weights=load_weights, param_init_fn=param_init_fn, buffer_init=getattr(model, "_init_weights", None),
                        add_adapters=_adapters(model, lora_config, autocast_adapter_dtype),
                        activation_checkpoint_config=activation_checkpoint_config,
                        fp32_grad_accumulation=fp32_grad_accumulation, bucket_size_mb=bucket_size_mb, device=device,
-                       parameters_after_sharding=load_dp_shards is not None,
+                       parameters_after_sharding=fill_after,
                        record=SetupRecord(patch=patch, head_layout=layout, input_check=check, on_hf_model=True))
     if sizes.pp > 1:
         from nxd_hf.pipeline.model import NxDPPModel  # step 4; it runs steps 5-10 on its stages
@@ -192,6 +200,10 @@ def parallelize(
             shard_data_parallel(pp_model, data_parallel_sharding, policy=pp_model.nxd.grad_reduction,
                                 layer_types=pp_model.layer_types, shard_size=data_parallel_shard_size,
                                 roots=pp_model.local_modules(), offload=data_parallel_offload)
+        if fill_after:
+            fill_dp_shards(pp_model, pp_model.local_modules(), target_device(device, pp_model.local_modules()),
+                           load_dp_shards=load_dp_shards, param_init_fn=param_init_fn,
+                           sync_ties=pp_model.tied.sync_initial_values)
         pp_model.save_pretrained = _save_pretrained(pp_model, lora_config)
         model.save_pretrained = _save_pretrained(pp_model, lora_config)  # the user's object: its stages' weights
         return pp_model
@@ -202,10 +214,9 @@ def parallelize(
     if data_parallel_sharding is not None:  # FSDP2 over the DP group (nxd_hf.fsdp)
         shard_data_parallel(model, data_parallel_sharding, policy=state.grad_reduction,
                             shard_size=data_parallel_shard_size, offload=data_parallel_offload)
-    if load_dp_shards is not None:
-        with fail_together("nxd_hf.parallelize (weights into the data-parallel shards)"):
-            allocate_dp_shards(model, target_device(device, [model]))
-            load_dp_shards(model)
+    if fill_after:
+        fill_dp_shards(model, [model], target_device(device, [model]), load_dp_shards=load_dp_shards,
+                       param_init_fn=param_init_fn)
     model.save_pretrained = _save_pretrained(model, lora_config)
     return model
 

@@ -50,8 +50,8 @@ def from_pretrained(path: str, *, auto_class=transformers.AutoModelForCausalLM, 
         reports.append(load_hf_safetensors(modules, path, hf_model=hf_model, device=device,
                                            parameters=not into_dp_shards))
 
-    def load_dp_shards(model):
-        reports.append(load_hf_into_dp_shards([model], path, hf_model=hf_model))
+    def load_dp_shards(modules):  # the model, or this rank's pipeline stages
+        reports.append(load_hf_into_dp_shards(modules, path, hf_model=hf_model))
 
     model = parallelize(hf_model, tensor_parallel_size=tensor_parallel_size,
                         pipeline_parallel_size=pipeline_parallel_size, load_weights=load_weights,

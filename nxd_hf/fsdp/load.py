@@ -1,14 +1,53 @@
 """Weights loaded straight into the data-parallel shards (``nxd_hf.from_pretrained`` with
-``data_parallel_sharding``): the parameters stay on the meta device through the setup steps,
+``data_parallel_sharding``), or initialized there (``param_init_fn`` on a meta-device model,
+``nxd_hf.fsdp.init``): the parameters stay on the meta device through the setup steps,
 ``fully_shard`` shards them there, and only then does each rank allocate its DP shards
 (``allocate_dp_shards``) and read its rows of the files into them
-(``nxd_hf.checkpoint.hf_dp_shards``). No rank ever holds a whole TP shard of the model, nor of
-any one parameter: at rest it holds 1/dp of it, and while loading one parameter's DP rows more.
+(``nxd_hf.checkpoint.hf_dp_shards``). No rank ever holds a whole TP shard of the model, nor, while
+loading, of any one parameter: at rest it holds 1/dp of it, and while loading one parameter's DP
+rows more (while initializing, one TP-local parameter more).
 """
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from nxd_hf.fsdp.init import init_dp_shards
+from nxd_hf.guards.fail_together import fail_together
+from nxd_hf.model_setup.replicas import check_fingerprints_equal
+
+
+def init_after_sharding(model: nn.Module, data_parallel_sharding, param_init_fn, *, load_weights,
+                        lora_config) -> bool:
+    """Whether ``param_init_fn`` initializes FSDP2's DP shards (``nxd_hf.fsdp.init``) instead of the
+    TP shard: a model wholly on the meta device under ZeRO-2/3. LoRA's adapters are added before
+    sharding: with them, and for real or partly real weights, the TP shard is materialized as
+    without FSDP."""
+    return (data_parallel_sharding is not None and param_init_fn is not None and load_weights is None
+            and lora_config is None and all(p.is_meta for p in model.parameters()))
+
+
+def fill_dp_shards(model: nn.Module, roots: list[nn.Module], device, *, load_dp_shards=None, param_init_fn=None,
+                   sync_ties=None) -> None:
+    """Allocate the DP shards of every FSDP root in ``roots`` (the model, or a pipeline's local
+    stages) on ``device`` and fill them: ``load_dp_shards(roots)`` reads them, or else
+    ``param_init_fn`` initializes them (its ``InitReport`` becomes ``model.nxd.init_report``;
+    the replicas are checked to have initialized alike, as step 7 checks materialized weights).
+    ``sync_ties()`` then makes the weights tied across pipeline stages equal (the first holder's
+    values, as without FSDP)."""
+    report = None
+    with fail_together("nxd_hf.parallelize (weights into the data-parallel shards)"):
+        for root in roots:
+            allocate_dp_shards(root, device)
+        if load_dp_shards is not None:
+            load_dp_shards(roots)
+        else:
+            report = init_dp_shards(roots, param_init_fn)
+    if report is not None:
+        check_fingerprints_equal(report.fingerprints)
+        model.nxd.record_init_report(report)
+    if sync_ties is not None:
+        sync_ties()
 
 
 def allocate_dp_shards(model: nn.Module, device) -> None:

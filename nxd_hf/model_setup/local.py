@@ -85,8 +85,9 @@ class LocalSetup:
     are copied in after setup (nnScaler's ``init_params=False`` + ``broadcast_weights``)."""
     parameters_after_sharding: bool = False
     """The parameters stay on the meta device through these steps (``load_weights`` fills the
-    buffers only; step 10 moves only them): FSDP2 shards them afterwards and each rank then loads
-    its DP shards (``nxd_hf.fsdp.load``)."""
+    buffers only, ``param_init_fn`` is not called here, the ties of step 6 wait; step 10 moves only
+    the buffers): FSDP2 shards them afterwards and each rank then loads or initializes its DP shards
+    (``nxd_hf.fsdp.load.fill_dp_shards``)."""
     record: SetupRecord = dataclasses.field(default_factory=SetupRecord)
     """What the steps before these decided, for the model's ``NxDModelState``."""
 
@@ -105,7 +106,7 @@ def set_up_local_modules(modules: list[nn.Module], setup: LocalSetup, *, layer_t
     # code in load_weights / param_init_fn, a device out of memory) fails every rank with its error
     with fail_together("nxd_hf.parallelize (step 5: the weights)"):
         _weights(modules, setup, device)
-    if tie is not None:
+    if tie is not None and not setup.parameters_after_sharding:  # else once the DP shards are filled
         tie()
     adapters = setup.add_adapters(modules) if setup.add_adapters is not None else None
     if setup.check_replicas:
@@ -118,6 +119,8 @@ def _weights(modules: list[nn.Module], setup: LocalSetup, device: torch.device |
     """Step 5."""
     if setup.load_weights is not None:
         setup.load_weights(modules)
+        rebuild_all_meta_buffers(modules, setup.buffer_init)
+    elif setup.parameters_after_sharding:  # param_init_fn runs on the DP shards (nxd_hf.fsdp.init)
         rebuild_all_meta_buffers(modules, setup.buffer_init)
     elif has_meta_tensors(modules) or setup.param_init_fn is not None:
         materialize(modules, setup.param_init_fn, device=device or "cpu", buffer_init=setup.buffer_init)

@@ -15,13 +15,10 @@ from nxd_hf import backend, parallel_state
 from nxd_hf.parallel_layers.sharding import is_expert_parallel
 
 
-def _fingerprints(params: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """[2 * n] on ``device``: each parameter's sum and sum of squares, in float64."""
-    values = []
-    for p in params:
-        flat = p.detach().double().reshape(-1)
-        values += [flat.sum().to(device), flat.square().sum().to(device)]
-    return torch.stack(values) if values else torch.zeros(0, dtype=torch.float64, device=device)
+def fingerprint(tensor: torch.Tensor) -> torch.Tensor:
+    """[2] on ``tensor``'s device: its sum and sum of squares, in float64."""
+    flat = tensor.detach().double().reshape(-1)
+    return torch.stack([flat.sum(), flat.square().sum()])
 
 
 def check_replicas_equal(modules: list[nn.Module]) -> None:
@@ -33,12 +30,22 @@ def check_replicas_equal(modules: list[nn.Module]) -> None:
         for name, param in root.named_parameters():
             if not param.is_meta:
                 named.setdefault(id(param), (name, param))
+    check_fingerprints_equal([(n, fingerprint(p), is_expert_parallel(p))
+                              for n, p in named.values()])
+
+
+def check_fingerprints_equal(fingerprints: list[tuple[str, torch.Tensor, bool]]) -> None:
+    """``check_replicas_equal`` on fingerprints taken before (name, ``[sum, sum of squares]`` in
+    float64, expert-parallel): ``nxd_hf.fsdp.init`` takes them from each TP-local parameter it
+    initializes, before keeping its DP rows. Every rank calls it with the same names."""
+    if parallel_state.get_data_parallel_size() == 1:
+        return
     listed = []
     for experts, group in ((False, parallel_state.get_data_parallel_group()),
                            (True, parallel_state.get_expert_data_parallel_group())):
-        chosen = [(n, p) for n, p in named.values() if is_expert_parallel(p) == experts]
+        chosen = [(n, f) for n, f, expert in fingerprints if expert == experts]
         if chosen or not experts:  # expert tensors exist on every rank or on none (ep > 1)
-            listed += _differing([n for n, _ in chosen], [p for _, p in chosen], group)
+            listed += _differing([n for n, _ in chosen], [f for _, f in chosen], group)
     if listed:
         raise ValueError(
             f"data-parallel replicas hold different weights ({len(listed)} parameters differ, e.g. {listed[:3]}): "
@@ -47,9 +54,11 @@ def check_replicas_equal(modules: list[nn.Module]) -> None:
             "or copy rank 0's weights to the others (torch.distributed.broadcast of each parameter) before setup")
 
 
-def _differing(names: list[str], params: list[torch.Tensor], group) -> list[str]:
-    """The names of ``params`` that differ from their replicas over ``group``."""
-    mine = _fingerprints(params, backend.collective_device(group))
+def _differing(names: list[str], fingerprints: list[torch.Tensor], group) -> list[str]:
+    """The names whose ``fingerprints`` differ from their replicas' over ``group``."""
+    device = backend.collective_device(group)
+    mine = torch.cat([f.to(device) for f in fingerprints]) if fingerprints else torch.zeros(0, dtype=torch.float64,
+                                                                                          device=device)
     extremes = torch.cat([mine, -mine])
     backend.all_reduce(extremes, group, op="max")
     highest, lowest = extremes[: len(mine)].cpu(), -extremes[len(mine):].cpu()

@@ -17,6 +17,7 @@ would under ``transformers.Trainer``).
 import contextlib
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.nn.modules.dropout import _DropoutNd
 
 from nxd_hf import backend, parallel_state
@@ -30,6 +31,26 @@ from nxd_hf.pipeline.router_aux import microbatch_masks
 from nxd_hf.parallel_layers.loss_functions import loss_normalizer
 from nxd_hf.parallel_layers.random import draw_step_seed, pipeline_stage_rng
 from nxd_hf.parallel_layers.sharding import gather_logical
+
+
+class _KeptShardGrads:
+    """The gradients FSDP2 (ZeRO-2/3) has accumulated in its DP shards before this call
+    (accumulation over several ``run_train`` calls). torch's schedule sets them to None whenever
+    it (re)initializes a stage — on a schedule's first step, and on every switch between
+    ``eval`` and ``step`` (the MoE aux pass's forwards run as ``eval``) — and FSDP2's next
+    reduce-scatter then replaces them instead of adding to them: ``restore`` adds them back."""
+
+    def __init__(self, modules):
+        params = {id(p): p for m in modules for p in m.parameters()}.values()
+        self.kept = [(p, p.grad) for p in params if isinstance(p, DTensor) and p.grad is not None]
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for param, grad in self.kept:
+            if param.grad is None:
+                param.grad = grad
+            elif param.grad is not grad:  # cleared, then this call's reduce-scatter made a new one
+                param.grad.add_(grad)
 
 
 def _select_loss(output, spec):
@@ -172,6 +193,9 @@ class StepRunner:
             step_kwargs.update(target=labels, losses=losses)
         router_aux, aux_value = model.router_aux, None
         stage_rng = self._stage_rng()  # the aux pass and the step draw the same dropout masks
+        kept = _KeptShardGrads(model.local_modules())
+        if train:
+            model.tied.begin_step()
         try:  # no agreement per microbatch: a failure aborts the groups, which its peers notice at once
             schedule = self._schedule([inputs[name] for name in names], train)  # keyword inputs last, as traced
             if router_aux is not None:
@@ -181,9 +205,11 @@ class StepRunner:
             if train:
                 with stage_rng(), model.nxd.grad_reduction.one_backward():
                     schedule.step(*step_args, return_outputs=False, **step_kwargs)
+                    kept.restore()  # before the reductions: the ties sum this step's part
             else:
                 with stage_rng():
                     outputs = schedule.eval(*step_args, return_outputs=return_logits, **step_kwargs)
+                kept.restore()
             if router_aux is not None and not train:
                 aux_value = self._router_aux_value()
         except Exception as error:

@@ -16,22 +16,48 @@ class TiedParameters:
 
     def __init__(self):
         self.local: list[tuple] = []  # (name, first holder's global rank, group, local stages holding it)
+        self._before: dict[str, torch.Tensor | None] | None = None  # each gradient as the step found it
 
     def _param(self, stages, name):
         return dict(p for stage in stages for p in stage.named_parameters(remove_duplicate=False))[name]
 
+    @torch.no_grad()
     def sync_initial_values(self) -> None:
         for name, src, group, stages in self.local:
-            backend.broadcast(self._param(stages, name).data, src, group)
+            param = self._param(stages, name)
+            # sharded over DP by FSDP2: every holder's DP rank d has the same rows (sum_grads)
+            backend.broadcast(param.to_local() if isinstance(param, DTensor) else param.data, src, group)
 
+    @torch.no_grad()
+    def begin_step(self) -> None:
+        """Keep each tied gradient as it is before a training step: ``sum_grads`` then sums only
+        the step's part over the tie group (a gradient accumulated over several ``run_train``
+        calls was already summed for the earlier ones)."""
+        self._before = {}
+        for name, _, _, stages in self.local:
+            grad = accumulated_grad(self._param(stages, name))
+            self._before[name] = None if grad is None else _local(grad).clone()
+
+    @torch.no_grad()
     def sum_grads(self) -> None:
+        before, self._before = self._before or {}, None
         for name, _, group, stages in self.local:
             param = self._param(stages, name)
             if accumulated_grad(param) is None:
                 param.grad = torch.zeros_like(param)
-            grad = accumulated_grad(param)
-            # sharded over DP by FSDP2 (nxd_hf.fsdp): every holder's DP rank d has the same rows
-            backend.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group)
+            grad = _local(accumulated_grad(param))
+            earlier = before.get(name)
+            if earlier is not None:
+                grad.sub_(earlier)
+            backend.all_reduce(grad, group)
+            if earlier is not None:
+                grad.add_(earlier)
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """The gradient's tensor on this rank: sharded over DP by FSDP2 (nxd_hf.fsdp), every holder's
+    DP rank d has the same rows."""
+    return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
 def tie_across_stages(all_stages: list[nn.Module], stage_to_rank: list[int], local_ids: list[int]) -> TiedParameters:

@@ -10,7 +10,7 @@ The ranks2 cases come first, then the ranks4 ones: one pool of each size is star
 import pytest
 import torch
 
-from support import hf_parity, moe
+from support import hf_parity, moe, moe_pp
 import nxd_hf
 from nxd_hf import backend, parallel_state
 from nxd_hf.fsdp import is_dp_sharded, logical_tensor
@@ -413,31 +413,37 @@ def test_nxd_trainer_fsdp_checkpoints_and_resume(ranks2, tmp_path):
 
 
 
-def check_pipeline_fsdp_matches_hf(mode: str) -> None:
+def check_pipeline_fsdp_matches_hf(mode: str | None, accumulate: int = 1) -> None:
     """pp=2 x dp=2: each stage's layers sharded over its DP group (each stage its own FSDP root),
     the embedding tied to the LM head across the stages; several AdamW steps with clipping
-    against the one-process model (loss, norm, every gathered gradient, the parameters)."""
+    against the one-process model (loss, norm, every gathered gradient, the parameters).
+    ``accumulate``: each step's rows in that many ``run_train`` calls (one microbatch each, GPipe), the
+    gradients accumulated (the tied one summed over its stages once per call); ``mode`` None: no
+    FSDP, the same check."""
     parallel_state.destroy_model_parallel()
     reference, model = hf_parity.build_pair("llama", attention_bias=False, tie_word_embeddings=True)
-    pp_model = nxd_hf.parallelize(model, pipeline_parallel_size=2, data_parallel_sharding=mode, num_microbatches=2,
-                                  broadcast_and_average_loss=True)
+    schedule = dict(num_microbatches=2) if accumulate == 1 else dict(num_microbatches=1, schedule="gpipe")
+    pp_model = nxd_hf.parallelize(model, pipeline_parallel_size=2, data_parallel_sharding=mode,
+                                  broadcast_and_average_loss=True, **schedule)
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_size()
-    assert dp_size == 2 and all(is_dp_sharded(p) for p in pp_model.parameters())
+    assert dp_size == 2 and all(is_dp_sharded(p) == (mode is not None) for p in pp_model.parameters())
     assert pp_model.tied.local, "the embedding and the LM head are on different stages: a tie across them"
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.1)
     optimizer = torch.optim.AdamW(pp_model.parameters(), lr=LR, weight_decay=0.1)
     for step, (ids, labels) in enumerate(_batches()):
         ref_loss, ref_norm = _step(reference, ids, labels, dp_rank=0, dp_size=1, clip=torch.nn.utils.clip_grad_norm_)
-        loss = pp_model.run_train(input_ids=ids.chunk(dp_size)[dp_rank], labels=labels.chunk(dp_size)[dp_rank])
+        num_items = (labels[:, 1:] != -100).sum()  # the step's tokens, over the calls and the DP ranks
+        rows = zip(ids.chunk(dp_size)[dp_rank].chunk(accumulate), labels.chunk(dp_size)[dp_rank].chunk(accumulate))
+        loss = sum(pp_model.run_train(input_ids=i, labels=l, num_items_in_batch=num_items) for i, l in rows)
         norm = clip_grad_norm(pp_model.parameters(), MAX_NORM)
         _check_step_and_step(f"pp2 {mode} step {step}", pp_model, reference, (ref_optimizer, optimizer),
                              loss=loss, ref_loss=ref_loss, norm=norm, ref_norm=ref_norm)
     _check_params(f"pp2 {mode}", pp_model, reference)
 
 
-@pytest.mark.parametrize("mode", ["zero3", "zero2"])
-def test_fsdp_matches_hf_pp2_dp2_tied_embedding(ranks4, mode):
-    ranks4.run(check_pipeline_fsdp_matches_hf, mode)
+@pytest.mark.parametrize("mode,accumulate", [("zero3", 1), ("zero2", 2), (None, 2)])
+def test_fsdp_matches_hf_pp2_dp2_tied_embedding(ranks4, mode, accumulate):
+    ranks4.run(check_pipeline_fsdp_matches_hf, mode, accumulate)
 
 
 def check_expert_parallel_fsdp_matches_hf(model_type: str, mode: str, starve: bool = False) -> None:
@@ -516,3 +522,10 @@ def test_nxd_trainer_hybrid_shard_matches_trainer_dp4(ranks4, fsdp, accumulate):
 
 def test_hybrid_checkpoint_loads_at_ddp_and_tp2_zero3(ranks4, tmp_path):
     ranks4.run(check_hybrid_checkpoint_loads_unsharded, str(tmp_path))
+
+
+@pytest.mark.parametrize("pp,ep", [(2, 1), (1, 2)], ids=["pp2_dp2", "ep2_dp4"])
+def test_nxd_trainer_fsdp_pipeline_or_experts_matches_trainer(ranks4, tmp_path, pp, ep):
+    """NxDTrainer(fsdp="full_shard") on a Mixtral at pp=2 x dp=2 (each stage its own FSDP root) and
+    at ep=2 x dp=4 (experts over the expert-data group) against one-process transformers.Trainer."""
+    ranks4.run(moe_pp.trainer_matches_hf, "mixtral", str(tmp_path), pp=pp, ep=ep, fsdp="full_shard", steps=3)

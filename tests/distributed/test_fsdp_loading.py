@@ -253,3 +253,38 @@ def test_pp2_dp2_zero3_checkpoint_loads_at_zero1_and_dp4_zero3(ranks4, tmp_path)
 
 def test_ep2_dp4_zero3_checkpoint_loads_at_ep2_zero1_and_ep1_zero3(ranks4, tmp_path):
     ranks4.run(check_expert_parallel_zero3_checkpoint, str(tmp_path))
+
+
+def check_pipeline_loads_into_dp_shards(directory: str) -> None:
+    """``from_pretrained`` at pp=2 x dp=2 ZeRO-3 (embedding tied to the head across the stages):
+    each stage's parameters read straight into its DP shards, equal to HF's bit for bit; one
+    step's loss and gradients equal HF's."""
+    parallel_state.destroy_model_parallel()
+    reference, _ = hf_parity.build_pair("llama", attention_bias=False, tie_word_embeddings=True)
+    if torch.distributed.get_rank() == 0:
+        reference.save_pretrained(directory)
+    torch.distributed.barrier()
+    model = nxd_hf.from_pretrained(directory, pipeline_parallel_size=2, data_parallel_sharding="zero3",
+                                   num_microbatches=2, broadcast_and_average_loss=True)
+    params = dict(model.named_parameters())
+    assert params and all(is_dp_sharded(p) and not local_of(p).is_meta for p in params.values())
+    ref_params = dict(reference.named_parameters(remove_duplicate=False))
+    for name, param in params.items():
+        torch.testing.assert_close(logical_tensor(param), ref_params[name].detach(), rtol=0, atol=0,
+                                   msg=lambda m: f"{name}: {m}")
+    report = model.nxd.load_report
+    assert report.largest_bytes == max(local_of(p).numel() * 4 for p in params.values()), report
+    ids, labels = hf_parity.batch(b=4)
+    dp, dp_rank = parallel_state.get_data_parallel_size(), parallel_state.get_data_parallel_rank()
+    model.train()
+    loss = model.run_train(input_ids=ids.chunk(dp)[dp_rank], labels=labels.chunk(dp)[dp_rank])
+    ref_loss = reference(input_ids=ids, labels=labels).loss
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), **hf_parity.TOL)
+    for name, param in params.items():
+        torch.testing.assert_close(logical_tensor(param, param.grad), ref_params[name].grad, **hf_parity.TOL,
+                                   msg=lambda m: f"grad {name}: {m}")
+
+
+def test_from_pretrained_zero3_pp2_dp2_tied_embedding(ranks4, tmp_path):
+    ranks4.run(check_pipeline_loads_into_dp_shards, str(tmp_path))

@@ -104,11 +104,15 @@ def trainer_dataset(n=32, s=8, seed=3):
     return rows
 
 
-def trainer_matches_hf(model_type: str, out_dir: str, *, accumulate: int = 2, pp: int = 2, lora: bool = False) -> None:
+def trainer_matches_hf(model_type: str, out_dir: str, *, accumulate: int = 2, pp: int = 2, lora: bool = False,
+                       fsdp: str = "", ep: int = 1, steps: int = TRAINER_COMMON["max_steps"]) -> None:
     """NxDTrainer at pp (M=2, gradient accumulation; the rest of the world data parallel) logs the
     losses and grad norms of transformers.Trainer on the whole model, with HF's aux loss in them,
-    and ends with its weights. ``lora``: ``peft_config`` (the experts included) on both."""
+    and ends with its weights. ``lora``: ``peft_config`` (the experts included) on both. ``fsdp``:
+    NxDTrainingArguments' (ZeRO-2/3 over the DP ranks); ``ep``: expert_parallel_size; ``steps``: max_steps."""
     import peft
+
+    from nxd_hf.fsdp import is_dp_sharded, logical_tensor
 
     parallel_state.destroy_model_parallel()
     reference, model = build_pair(model_type)  # the aux loss of the global batch at pp=1 too (moe.replica_aux)
@@ -117,22 +121,26 @@ def trainer_matches_hf(model_type: str, out_dir: str, *, accumulate: int = 2, pp
         reference = peft.get_peft_model(reference, moe_lora_config(model_type))
     data = trainer_dataset()
     dp = backend.world_size() // pp
+    common = {**TRAINER_COMMON, "max_steps": steps}
     ref_args = transformers.TrainingArguments(output_dir=f"{out_dir}/ref", per_device_train_batch_size=4 * dp,
-                                              gradient_accumulation_steps=accumulate, **TRAINER_COMMON)
+                                              gradient_accumulation_steps=accumulate, **common)
     ref = transformers.Trainer(reference, ref_args, train_dataset=data)
     ref.train()
     layout = dict(pipeline_parallel_size=pp, num_microbatches=2) if pp > 1 else {}
+    layout.update(dict(fsdp=fsdp) if fsdp else {}, **(dict(expert_parallel_size=ep) if ep > 1 else {}))
     args = nxd_hf.NxDTrainingArguments(output_dir=f"{out_dir}/nxd", per_device_train_batch_size=4,
-                                       gradient_accumulation_steps=accumulate, **layout, **TRAINER_COMMON)
+                                       gradient_accumulation_steps=accumulate, **layout, **common)
     torch.manual_seed(11)
     ours = nxd_hf.NxDTrainer(model, args, train_dataset=data, peft_config=moe_lora_config(model_type) if lora else None)
     ours.train()
     for key in ("loss", "grad_norm"):
         got = [h[key] for h in ours.state.log_history if key in h]
         want = [h[key] for h in ref.state.log_history if key in h]
-        assert len(got) == len(want) == TRAINER_COMMON["max_steps"], (key, got, want)
+        assert len(got) == len(want) == steps, (key, got, want)
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), **TOL, msg=lambda m, k=key: f"{k}: {m}")
     ref_params = {n.removeprefix("base_model.model."): p for n, p in ref.model.named_parameters()}
+    assert all(is_dp_sharded(p) == bool(fsdp) for p in ours.nxd_model.parameters())
     for name, param in ours.nxd_model.named_parameters():
-        torch.testing.assert_close(param, ref_params[name].detach(), **TOL, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(logical_tensor(param), ref_params[name].detach(), **TOL,
+                                   msg=lambda m, n=name: f"{n}: {m}")
         assert param.requires_grad == ref_params[name].requires_grad, name

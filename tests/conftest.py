@@ -46,6 +46,15 @@ from nxd_hf.testing import preload  # noqa: E402  (after sys.path holds the test
 preload("pytest", *_support_modules())
 
 
+def pytest_collection_finish(session):
+    """What collection imported (torch, transformers, every test module) moves to the collector's
+    permanent generation: tests that call ``Trainer.train`` (a ``gc.collect()`` each) then do not
+    traverse it every time (as ``nxd_hf.testing.gc_freeze`` does for the ranks)."""
+    import gc
+
+    gc.freeze()
+
+
 @pytest.fixture(scope="session")
 def rank_pools():
     from nxd_hf.testing.pool import RankPools

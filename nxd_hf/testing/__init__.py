@@ -41,7 +41,7 @@ def _get_context():
     global _context
     if _context is None:
         _context = mp.get_context("forkserver")
-        _context.set_forkserver_preload(_PRELOAD + _extra_preload)
+        _context.set_forkserver_preload([*_PRELOAD, *_extra_preload, "nxd_hf.testing.gc_freeze"])
     return _context
 
 

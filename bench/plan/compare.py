@@ -98,6 +98,15 @@ def measured_ranks(row: dict) -> list[dict]:
     return ranks
 
 
+def pairs_ordered(predicted: list[float], measured: list[float], apart: float = 1.25) -> tuple[int, int]:
+    """(pairs of layouts whose measured times differ by at least ``apart`` x, how many of them the
+    prediction orders the same way): the ranking where the difference is large, which noise
+    between near-equal layouts cannot flip."""
+    pairs = [(i, j) for i in range(len(measured)) for j in range(i + 1, len(measured))
+             if max(measured[i], measured[j]) >= apart * min(measured[i], measured[j])]
+    return len(pairs), sum((predicted[i] - predicted[j]) * (measured[i] - measured[j]) > 0 for i, j in pairs)
+
+
 def spearman(xs: list[float], ys: list[float]) -> float:
     """Spearman's rank correlation (average ranks for ties)."""
     def ranks(v):

@@ -26,7 +26,7 @@ import time
 from bench.common import RESULTS
 from bench.common.stamp import stamp
 from bench.common.table import Column, table
-from bench.plan.compare import compare_case, layout_of, measured_ranks, spearman
+from bench.plan.compare import compare_case, layout_of, measured_ranks, pairs_ordered, spearman
 from bench.plan.models import EXTRA, FSDP, GRID, MODELS, SWEEP
 
 MICRO_BATCH, SEQ = 2, 128
@@ -135,14 +135,18 @@ def main(argv: list[str] | None = None) -> None:
     print(format_rows(rows))
     ratios = [r["memory_ratio"] for row in rows for r in row["ranks"]]
     predicted = [row["predicted_step_s"] for row in rows]
-    rho = spearman(predicted, [row["measured_step_s"] for row in rows])
-    rho_cpu = spearman(predicted, [row["measured_step_cpu_s"] for row in rows])
+    wall, cpu = [row["measured_step_s"] for row in rows], [row["measured_step_cpu_s"] for row in rows]
+    rho, rho_cpu = spearman(predicted, wall), spearman(predicted, cpu)
+    (far, far_right), (far_cpu, far_cpu_right) = pairs_ordered(predicted, wall), pairs_ordered(predicted, cpu)
     summary = dict(
         memory_ratio_min=min(ratios), memory_ratio_max=max(ratios),
         memory_within_10pct=all(0.9 <= x <= 1.1 for x in ratios),
         param_bytes_equal=all(r["param_bytes_equal"] for row in rows for r in row["ranks"]),
         comm_bytes_equal=all(r["comm_equal"] for row in rows for r in row["ranks"]),
-        step_time_spearman=rho, step_cpu_time_spearman=rho_cpu, total_seconds=time.perf_counter() - start)
+        step_time_spearman=rho, step_cpu_time_spearman=rho_cpu,
+        step_time_pairs_1_25x_apart=far, step_time_pairs_1_25x_apart_ordered=far_right,
+        step_cpu_time_pairs_1_25x_apart=far_cpu, step_cpu_time_pairs_1_25x_apart_ordered=far_cpu_right,
+        total_seconds=time.perf_counter() - start)
     print("\n" + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in summary.items()))
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:

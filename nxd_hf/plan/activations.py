@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from nxd_hf.architectures import get_patch
-from nxd_hf.plan.shapes import POST, PRE, meta_model
+from nxd_hf.plan.shapes import POST, PRE, decoder_layers, meta_model
 from nxd_hf.tp import plan as tp_plan
 from nxd_hf.tp.apply import match_plan
 
@@ -279,11 +279,3 @@ def _meta_experts():
 
 def _strip(name: str) -> str:
     return name.removeprefix("base_model.model.")
-
-
-def decoder_layers(model: nn.Module, patch) -> nn.ModuleList:
-    """The decoder layers of ``model`` (an HF causal LM or its peft wrapper)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    prefix = patch.base_model_prefix if patch.base_model_prefix is not None else base.base_model_prefix
-    root = base.get_submodule(prefix) if prefix and hasattr(base, prefix) else base
-    return root.get_submodule(patch.decoder_layers)

@@ -10,13 +10,18 @@ from nxd_hf.plan.memory import Workload, stage_layers
 from nxd_hf.plan.shapes import ModelShape
 
 
-def layer_flops_per_token(shape: ModelShape, seq_len: int, *, moe: bool) -> float:
-    """Forward FLOPs of one decoder layer per token (2 per multiply-add; causal attention)."""
+def layer_flops_per_token(shape: ModelShape, seq_len: int, layer: int, *, moe: bool) -> float:
+    """Forward FLOPs of decoder layer ``layer`` per token (2 per multiply-add; causal attention's
+    scores and weighted sum): its weight matrices as counted on the model (``layer_macs``), else
+    from the dimensions of a Llama-style layer."""
     h, d = shape.hidden, shape.head_dim
-    attention = 2 * h * d * (2 * shape.num_heads + 2 * shape.num_kv_heads) + 2 * seq_len * shape.num_heads * d
+    scores = 2 * seq_len * shape.num_heads * d
+    if shape.layer_macs:
+        return 2 * shape.layer_macs[layer] + scores
+    attention = 2 * h * d * (2 * shape.num_heads + 2 * shape.num_kv_heads)
     mlp = 2 * 3 * h * (shape.top_k * shape.expert_intermediate if moe else shape.intermediate)
     router = 2 * h * shape.num_experts if moe else 0
-    return attention + mlp + router
+    return attention + scores + mlp + router
 
 
 def compute_seconds(shape: ModelShape, work: Workload, layout: Layout, cluster: Cluster) -> float:
@@ -28,7 +33,7 @@ def compute_seconds(shape: ModelShape, work: Workload, layout: Layout, cluster: 
     moe = shape.moe_layers == shape.num_layers and shape.num_experts > 0
     worst = 0.0
     for rank, layers in enumerate(stage_layers(shape.num_layers, layout.pp, layout.virtual_stages)):
-        flops = len(layers) * layer_flops_per_token(shape, work.seq_len, moe=moe) * factor
+        flops = sum(layer_flops_per_token(shape, work.seq_len, i, moe=moe) for i in layers) * factor
         if rank == layout.pp - 1:
             flops += 2 * shape.hidden * shape.vocab * 3
         worst = max(worst, flops * tokens / layout.tp)

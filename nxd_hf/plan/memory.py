@@ -95,8 +95,9 @@ def zero1_staging_bytes(grad_bytes: int, dp: int, grad_element_bytes: int, bucke
     return min(2, buckets) * min(bucket_bytes, padded)
 
 
-def stage_layers(num_layers: int, pp: int, virtual: int = 1) -> list[range]:
-    """Layers of each pipeline rank (``nxd_hf.pipeline.partition.auto_cuts``: remainder on later stages)."""
+def stage_layers(num_layers: int, pp: int, virtual: int = 1) -> list[tuple[int, ...]]:
+    """Layers of each pipeline rank (``nxd_hf.pipeline.partition.auto_cuts``: remainder on later
+    stages); with virtual stages a rank's layers are not contiguous (rank 0: stages 0, pp, ...)."""
     stages = pp * virtual
     base, extra = divmod(num_layers, stages)
     sizes = [base + (1 if s >= stages - extra else 0) for s in range(stages)]
@@ -104,7 +105,7 @@ def stage_layers(num_layers: int, pp: int, virtual: int = 1) -> list[range]:
     per_rank = [[] for _ in range(pp)]
     for s in range(stages):
         per_rank[s % pp].extend(range(starts[s], starts[s] + sizes[s]))
-    return [range(min(r), max(r) + 1) if r else range(0) for r in per_rank]
+    return [tuple(r) for r in per_rank]
 
 
 def in_flight(layout: Layout, pp_rank: int) -> int:

@@ -48,6 +48,11 @@ class ModelShape:
     """The architecture's patch allows sequence parallelism."""
     total_params: int = 0
     """Unsharded parameter count (tied weights once)."""
+    layer_macs: tuple[int, ...] = ()
+    """Per decoder layer, the multiply-adds per token of its weight matrices: every parameter of two
+    or more dims (GPT-2's Conv1D, fused projections, routers and shared experts alike), an expert
+    tensor ``[E, ...]`` times top_k / E. Counted on the meta model, so no architecture needs a
+    rule of its own; empty: the FLOPs come from the dimensions above (a Llama-style layer)."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -71,7 +76,7 @@ class RankParams:
     """Module name -> the share of its output a rank computes, for each column-parallel layer and
     fused expert block: what its sharded activations scale by (``plan.activations``)."""
 
-    def stage(self, layers: range, *, first: bool, last: bool, lora: bool = False) -> int:
+    def stage(self, layers, *, first: bool, last: bool, lora: bool = False) -> int:
         table = self.lora_by_place if lora else self.by_place
         total = sum(table.get(i, 0) for i in layers)
         total += (table.get(PRE, 0) if first else 0) + (table.get(POST, 0) if last else 0)
@@ -113,13 +118,24 @@ def model_shape(config, model: nn.Module | None = None) -> ModelShape:
         top_k = next((getattr(text, k) for k in ("num_experts_per_tok", "moe_top_k", "top_k") if hasattr(text, k)), 1)
     dense = [m for n, m in model.named_modules() if n.endswith(".mlp") and hasattr(m, "down_proj")
              and isinstance(m.down_proj, nn.Linear)]
+    expert_params = {id(p): top_k / num_experts for m in experts for p in m.parameters()}
     return ModelShape(
         model_type=config.model_type, hidden=text.hidden_size, num_layers=text.num_hidden_layers,
         intermediate=dense[0].down_proj.in_features if dense else 0,
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=config_head_dim(text, num_heads),
         vocab=text.vocab_size, num_experts=num_experts, top_k=top_k, expert_intermediate=expert_intermediate,
         moe_layers=len(experts), sequence_parallel=patch.sequence_parallel,
-        total_params=sum(p.numel() for p in model.parameters()))
+        total_params=sum(p.numel() for p in model.parameters()),
+        layer_macs=tuple(round(sum(p.numel() * expert_params.get(id(p), 1) for p in layer.parameters() if p.dim() >= 2))
+                         for layer in decoder_layers(model, patch)))
+
+
+def decoder_layers(model: nn.Module, patch) -> nn.ModuleList:
+    """The decoder layers of ``model`` (an HF causal LM or its peft wrapper)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    prefix = patch.base_model_prefix if patch.base_model_prefix is not None else base.base_model_prefix
+    root = base.get_submodule(prefix) if prefix and hasattr(base, prefix) else base
+    return root.get_submodule(patch.decoder_layers)
 
 
 def experts_supported(tp: int, pp: int, ep: int, zero_1: bool, num_experts: int) -> str | None:

@@ -144,6 +144,36 @@ def test_stage_layers_match_the_pipeline_partition():
     assert [f"layers.{e}" for e in ends[:-1]] == cuts
 
 
+def test_stage_layers_of_virtual_stages_are_the_ranks_own():
+    """Interleaved: a rank holds stages r, r + pp, ... (their layers only, not the span between)."""
+    from nxd_hf.pipeline.partition import auto_cuts, local_stages, stage_of_layers
+
+    names = [f"layers.{i}" for i in range(10)]
+    stage_of = stage_of_layers(names, auto_cuts(names, 4), 4)
+    for rank in range(2):
+        mine = local_stages(4, 2, rank, "looped")
+        assert stage_layers(10, 2, 2)[rank] == tuple(i for i, n in enumerate(names) if stage_of[n] in mine)
+    assert stage_layers(10, 2, 2) == [(0, 1, 4, 5, 6), (2, 3, 7, 8, 9)]
+
+
+@pytest.mark.parametrize("config,macs", [
+    # Conv1D: c_attn 3h^2 + c_proj h^2, MLP h x 4h twice; no down_proj to read a width from
+    (transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=100), 12 * 64 * 64),
+    # parallel residual, dense_h_to_4h / dense_4h_to_h, fused per-head qkv
+    (transformers.GPTNeoXConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                vocab_size=100), 4 * 64 * 64 + 2 * 64 * 96),
+    # fused experts [E, ...] count top_k / E of their elements; the router [E, h] counts whole
+    (transformers.MixtralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=100),
+     2 * 64 * 64 + 2 * 64 * 32 + 64 * 4 + 2 * 3 * 64 * 96),
+])
+def test_layer_multiply_adds_are_counted_on_the_model(config, macs):
+    """The step time's FLOPs come from each layer's own weight matrices (the width of a GPT-2 or
+    NeoX MLP was once read as 0: half their FLOPs missing from the plan's ranking)."""
+    shape = model_shape(config)
+    assert shape.layer_macs == (macs,) * config.num_hidden_layers
+
+
 def test_rejections_say_why():
     result = nxd_hf.plan_layout(TINY, world_size=8, device_memory="1GiB", seq_len=63, micro_batch_size=1,
                                 global_batch_size=8)

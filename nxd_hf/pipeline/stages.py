@@ -20,6 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from nxd_hf import backend
 from nxd_hf.pipeline.fake_experts import fake_safe_experts
+from nxd_hf.pipeline.trace import FAKE_FAILED
 from nxd_hf.parallel_layers.sharding import copy_tensor_model_parallel_attributes
 
 
@@ -60,8 +61,11 @@ class _RecordingInterpreter(fx.Interpreter):
 
 
 def value_kinds(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> dict[str, object]:
-    """Node name -> "tensor", a tuple length, None, "int" or "ints", from a fake-tensor run."""
-    fake_propagate(gm, example_inputs)
+    """Node name -> "tensor", a tuple length, None, "int" or "ints", from a fake-tensor run: the
+    one ``HFSpineTracer`` made while tracing on these ``example_inputs`` when it valued every node
+    (a second run costs as much as the trace again), else a new one."""
+    if not _traced_values_complete(gm):
+        fake_propagate(gm, example_inputs)
     kinds = {}
     for node in gm.graph.nodes:
         value = node.meta.get("val")
@@ -78,6 +82,18 @@ def value_kinds(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> dict[
         else:
             kinds[node.name] = "other"
     return kinds
+
+
+def _traced_values_complete(gm: fx.GraphModule) -> bool:
+    """Whether the tracer recorded a fake value for every node (then sets the output's). Not after
+    a failed one, nor with ``get_attr`` nodes, which the tracer leaves unvalued (an operation on
+    one may have been valued from a None)."""
+    nodes = list(gm.graph.nodes)
+    if any(n.op == "get_attr" or "val" not in n.meta or n.meta.get(FAKE_FAILED) for n in nodes if n.op != "output"):
+        return False
+    output = nodes[-1]
+    output.meta["val"] = fx.node.map_arg(output.args[0], lambda n: n.meta["val"])
+    return True
 
 
 def assign_stages(gm: fx.GraphModule, stage_of_layer: dict[str, int]) -> dict[fx.Node, int]:

@@ -90,8 +90,12 @@ class MetaProxy(fx.Proxy):
         return self._value().dim()
 
 
+FAKE_FAILED = "fake_failed"
+"""``node.meta`` key set on a traced node whose fake value could not be computed (its "val" is then None)."""
+
+
 def _fake_value(kind: str, target, args, kwargs, root: nn.Module, mode: FakeTensorMode):
-    """The fake result of one traced operation, or None when it cannot be computed."""
+    """The fake result of one traced operation, or ``_FAILED`` when it cannot be computed."""
     def unwrap(a):
         return a.node.meta.get("val") if isinstance(a, fx.Proxy) else a
 
@@ -105,8 +109,11 @@ def _fake_value(kind: str, target, args, kwargs, root: nn.Module, mode: FakeTens
             if kind == "call_module":
                 return root.get_submodule(target)(*args, **kwargs)
     except Exception:
-        return None
-    return None
+        return _FAILED
+    return _FAILED
+
+
+_FAILED = object()
 
 
 @contextlib.contextmanager
@@ -143,7 +150,10 @@ class HFSpineTracer(fx.Tracer):
             proxy.node.meta["val"] = self.fake_mode.from_tensor(self.example_inputs[target])
         elif kind in ("call_function", "call_method", "call_module"):
             root = _ExtraModules(self.root, self.extra_modules)
-            proxy.node.meta["val"] = _fake_value(kind, target, args, kwargs, root, self.fake_mode)
+            value = _fake_value(kind, target, args, kwargs, root, self.fake_mode)
+            if value is _FAILED:
+                proxy.node.meta[FAKE_FAILED] = True
+            proxy.node.meta["val"] = None if value is _FAILED else value
         return proxy
 
     def mark_spine(self, root: nn.Module) -> None:

@@ -49,12 +49,12 @@ def check_consolidate(root: str, model_type: str) -> None:
     torch.testing.assert_close(_logits(again, ids), _logits(reference, ids), **hf_parity.TOL)
 
 
-@pytest.mark.parametrize("model_type", list(CASES))
+@pytest.mark.parametrize("model_type", [m for m in CASES if m != "gpt2"])  # gpt2: the command's test below
 def test_consolidated_tp2_checkpoint_loads_in_transformers(ranks2, tmp_path, model_type):
     ranks2.run(check_consolidate, str(tmp_path), model_type)
 
 
-def test_consolidate_command_casts_dtype_and_rejects_a_plain_directory(ranks2, tmp_path):
+def test_consolidate_command_casts_dtype_and_rejects_a_plain_directory(ranks2, tmp_path, capsys):
     ranks2.run(check_consolidate, str(tmp_path), "gpt2")
     # the console command on one of them, with a dtype cast
     out = tmp_path / "gpt2_cli"
@@ -66,9 +66,11 @@ def test_consolidate_command_casts_dtype_and_rejects_a_plain_directory(ranks2, t
     reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "gpt2" / "hf")
     for name, tensor in reference.state_dict().items():
         torch.testing.assert_close(loaded.state_dict()[name], tensor.to(torch.bfloat16), rtol=0, atol=0)
-    bad = subprocess.run([sys.executable, "-m", "nxd_hf.cli", "consolidate", str(tmp_path), str(out)],
-                         capture_output=True, text=True)
-    assert bad.returncode == 2 and "not an nxd_hf checkpoint directory" in bad.stderr, bad.stderr
+    from nxd_hf.cli import main  # the command's exit code and message, without a second interpreter
+
+    capsys.readouterr()
+    assert main(["consolidate", str(tmp_path), str(out)]) == 2
+    assert "not an nxd_hf checkpoint directory" in capsys.readouterr().err
 
 
 def test_parse_size():

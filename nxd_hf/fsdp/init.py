@@ -67,7 +67,7 @@ def init_dp_shards(roots: list[nn.Module], param_init_fn) -> InitReport:
                         value = module._parameters[name]
                         _keep_rows(param, value)
                         if getattr(param, "count_in_grad_norm", True):  # else tied to an earlier stage's: overwritten
-                                report.fingerprints.append((f"{module_name}.{name}".lstrip("."), fingerprint(value),
+                            report.fingerprints.append((f"{module_name}.{name}".lstrip("."), fingerprint(value),
                                                         is_expert_parallel(param)))
                 except Exception as caught:  # noqa: BLE001 - raised after the loop, on every rank alike
                     error = caught

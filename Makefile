@@ -15,11 +15,14 @@ PYTHON := $(VENV)/bin/python
 install: $(VENV)/.installed
 
 # --no-compile: byte-compiling every module of torch and transformers at install was more than half
-# of the install's CPU time; Python compiles what a run imports on first import (and caches it)
+# of the install's CPU time. Instead the bytecode of what every run imports is written once, by
+# importing it (also where the environment sets PYTHONDONTWRITEBYTECODE: each new interpreter of the
+# tests, torchrun's ranks among them, would compile torch and transformers again, ~10 s each).
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PYTHON) -m pip install -q --no-compile torch==2.13.0
 	$(PYTHON) -m pip install -q --no-compile -e ".[test,trl,lightning]"
+	PYTHONDONTWRITEBYTECODE= $(PYTHON) -c "import torch.distributed.run, transformers.trainer, peft, trl, pytorch_lightning, pytest, nxd_hf"
 	touch $@
 
 train: install

@@ -13,6 +13,7 @@ with a timeout) ends the pool, and the next ``run`` starts a fresh one.
 import datetime
 import itertools
 import os
+import queue
 import traceback
 
 import torch.distributed as dist
@@ -23,13 +24,13 @@ from nxd_hf.testing import _collect, _get_context, _join_or_kill, _setup_rank, D
 _HEALTH_TIMEOUT = datetime.timedelta(seconds=30)
 
 
-def _pool_rank_main(rank, world_size, port, tasks, results, process_group_backend="gloo"):
+def _pool_rank_main(rank, world_size, port, tasks, results, process_group_backend="gloo", owner=None):
     try:
         _setup_rank(rank, world_size, port, process_group_backend)
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
         return
-    while (task := tasks.get()) is not None:
+    while (task := _next_task(tasks, owner)) is not None:
         seq, fn, args, kwargs, layout = task
         status, value = _run_case(fn, args, kwargs, layout)
         if status == "ok":
@@ -39,6 +40,25 @@ def _pool_rank_main(rank, world_size, port, tasks, results, process_group_backen
                 status = "broken"
         results.put((rank, "error", value) if status == "error" else (rank, "ok", (seq, value, status == "broken")))
     dist.destroy_process_group()
+
+
+def _next_task(tasks, owner: int | None, poll_s: float = 5.0):
+    """The next case; None once the pool is closed or the process that owns it (pytest) is gone:
+    a killed test run would otherwise leave its ranks waiting for cases, on the machine, forever."""
+    while True:
+        try:
+            return tasks.get(timeout=poll_s)
+        except queue.Empty:
+            if owner is not None and not _alive(owner):
+                return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def _has_layout(layout: tuple[int, int]) -> bool:
@@ -78,7 +98,7 @@ class RankPool:
         self._procs = [
             ctx.Process(target=_pool_rank_main, daemon=True,
                         args=(r, self.world_size, self._store.port, self._tasks[r], self._results,
-                              process_group_backend))
+                              process_group_backend, os.getpid()))
             for r in range(self.world_size)
         ]
         for p in self._procs:

@@ -92,3 +92,18 @@ def test_parallel_state_reset_between_cases_unless_the_layout_is_asked_again(poo
     assert pool.run(layout_state, model_parallel=(2, 1))[0] == (2, group)  # kept
     assert pool.run(layout_state) == [None, None]  # reset
     assert pool.run(layout_state, model_parallel=(1, 1))[0][0] == 1
+
+
+def test_a_rank_whose_pool_owner_is_gone_stops_waiting_for_cases():
+    """A killed test run (its pytest gone) does not leave its ranks waiting for cases forever."""
+    import queue
+    import subprocess
+
+    from nxd_hf.testing.pool import _next_task
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    tasks = queue.Queue()
+    assert _next_task(tasks, gone.pid, poll_s=0.05) is None
+    tasks.put("case")
+    assert _next_task(tasks, os.getpid(), poll_s=0.05) == "case"

@@ -64,7 +64,10 @@ def value_kinds(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> dict[
     """Node name -> "tensor", a tuple length, None, "int" or "ints", from a fake-tensor run: the
     one ``HFSpineTracer`` made while tracing on these ``example_inputs`` when it valued every node
     (a second run costs as much as the trace again), else a new one."""
-    if not _traced_values_complete(gm):
+    if _traced_values_complete(gm):  # the output's value, as a run would record it
+        output = next(n for n in gm.graph.nodes if n.op == "output")
+        output.meta["val"] = fx.node.map_arg(output.args[0], lambda n: n.meta["val"])
+    else:
         fake_propagate(gm, example_inputs)
     kinds = {}
     for node in gm.graph.nodes:
@@ -85,15 +88,11 @@ def value_kinds(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> dict[
 
 
 def _traced_values_complete(gm: fx.GraphModule) -> bool:
-    """Whether the tracer recorded a fake value for every node (then sets the output's). Not after
-    a failed one, nor with ``get_attr`` nodes, which the tracer leaves unvalued (an operation on
-    one may have been valued from a None)."""
-    nodes = list(gm.graph.nodes)
-    if any(n.op == "get_attr" or "val" not in n.meta or n.meta.get(FAKE_FAILED) for n in nodes if n.op != "output"):
-        return False
-    output = nodes[-1]
-    output.meta["val"] = fx.node.map_arg(output.args[0], lambda n: n.meta["val"])
-    return True
+    """Whether the tracer recorded a fake value for every node but the output. Not after a failed
+    one, nor with ``get_attr`` nodes, which the tracer leaves unvalued (an operation on one may
+    have been valued from a None)."""
+    return not any(n.op == "get_attr" or "val" not in n.meta or n.meta.get(FAKE_FAILED)
+                   for n in gm.graph.nodes if n.op != "output")
 
 
 def assign_stages(gm: fx.GraphModule, stage_of_layer: dict[str, int]) -> dict[fx.Node, int]:

@@ -5,7 +5,8 @@ and in every spawned rank.
 
 ``ranks2``/``ranks4``/``ranks8``: a pool of live gloo ranks (``nxd_hf.testing.pool``) on which a
 test runs its case function, ``ranks4.run(check_x, ...)``: one pytest item per case without a
-spawn per case. One pool lives at a time (each rank is a process holding torch).
+spawn per case. One pool lives at a time in a pytest process (each rank is a process holding torch;
+``make test`` runs two pytest workers, each with its own pools).
 """
 
 import os

@@ -51,10 +51,8 @@ def check_data_parallel_sharding(mode, *, pipeline_parallel_size: int, expert_pa
     if (pipeline_kwargs or {}).get("use_zero1_optimizer"):
         raise ValueError(f"data_parallel_sharding={mode!r} already shards the optimizer state over the data-parallel "
                          "ranks: use a torch optimizer, not ZeRO-1 (use_zero1_optimizer)")
-    pp, ep, hybrid = pipeline_parallel_size > 1, expert_parallel_size > 1, shard_size is not None
+    ep, hybrid = expert_parallel_size > 1, shard_size is not None
     refused = {
-        # the stages' fake shape propagation would run the experts' FSDP2 hooks inside the layers
-        "pipeline_parallel_size > 1 and expert_parallel_size > 1": pp and ep,
         # untested: the experts would need their own hybrid mesh over the expert-data group
         "expert_parallel_size > 1 and data_parallel_shard_size (HSDP)": ep and hybrid,
     }

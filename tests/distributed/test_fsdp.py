@@ -202,13 +202,6 @@ def test_refusals(ranks2):
     ranks2.run(check_refusals)
 
 
-def test_pipeline_with_expert_parallelism_refused():
-    from nxd_hf.fsdp import check_data_parallel_sharding
-
-    with pytest.raises(ValueError, match="pipeline_parallel_size > 1 and expert_parallel_size > 1"):
-        check_data_parallel_sharding("zero3", pipeline_parallel_size=2, expert_parallel_size=2)
-
-
 def check_trainer_matches_trainer(fsdp: str, accumulate: int, fsdp_config: dict | None = None) -> None:
     """NxDTrainer(fsdp=...) at dp = world (2, or 4 for HSDP) against transformers.Trainer on one
     process (the same global batch of 4): logged losses and grad norms every step, final parameters."""
@@ -529,3 +522,42 @@ def test_nxd_trainer_fsdp_pipeline_or_experts_matches_trainer(ranks4, tmp_path, 
     """NxDTrainer(fsdp="full_shard") on a Mixtral at pp=2 x dp=2 (each stage its own FSDP root) and
     at ep=2 x dp=4 (experts over the expert-data group) against one-process transformers.Trainer."""
     ranks4.run(moe_pp.trainer_matches_hf, "mixtral", str(tmp_path), pp=pp, ep=ep, fsdp="full_shard", steps=3)
+
+
+def check_pipeline_expert_fsdp_matches_hf(mode: str) -> None:
+    """pp=2 x ep=2 on a Qwen3-MoE with HF's aux loss (world 4: dp=2 per stage, the expert-data group
+    one rank): each stage its own FSDP root, the dense parts sharded over DP, the experts over the
+    expert-data group; AdamW steps with clipping against the one-process model (loss, norm, every
+    gathered gradient, the parameters)."""
+    from support.moe_pp import build_pair as moe_pp_pair, replica_rows
+    from support.moe_pp_ep import expert_params, padded_batch, parallelize_pp_ep
+
+    parallel_state.destroy_model_parallel()
+    reference, model = moe_pp_pair("qwen3_moe")
+    pp_model = parallelize_pp_ep(model, num_microbatches=2, data_parallel_sharding=mode)
+    assert all(is_dp_sharded(p) for p in pp_model.parameters())
+    experts, dp = expert_params(pp_model), parallel_state.get_data_parallel_size()
+    edp_ranks = tuple(torch.distributed.get_process_group_ranks(parallel_state.get_expert_data_parallel_group()))
+    dp_ranks = tuple(torch.distributed.get_process_group_ranks(parallel_state.get_data_parallel_group()))
+    assert experts and dp == 2
+    for name, param in pp_model.named_parameters():
+        ranks = tuple(torch.distributed.get_process_group_ranks(param.device_mesh.get_group(0)))
+        assert ranks == (edp_ranks if name in experts else dp_ranks), name
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.1)
+    optimizer = torch.optim.AdamW(pp_model.parameters(), lr=LR, weight_decay=0.1)
+    for step in range(STEPS):
+        ids, mask, labels = padded_batch(seed=100 + step)
+        total = (labels[..., 1:] != -100).sum()
+        out = reference(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=total)
+        out.loss.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)
+        ids_r, mask_r, labels_r = replica_rows(ids, mask, labels)
+        loss = pp_model.run_train(input_ids=ids_r, attention_mask=mask_r, labels=labels_r, num_items_in_batch=total)
+        norm = clip_grad_norm(pp_model.parameters(), MAX_NORM)
+        _check_step_and_step(f"pp2 ep2 {mode} step {step}", pp_model, reference, (ref_optimizer, optimizer),
+                             loss=loss, ref_loss=out.loss.detach(), norm=norm, ref_norm=ref_norm)
+    _check_params(f"pp2 ep2 {mode}", pp_model, reference)
+
+
+def test_fsdp_matches_hf_pp2_ep2_dp2(ranks4):
+    ranks4.run(check_pipeline_expert_fsdp_matches_hf, "zero3")

@@ -20,7 +20,7 @@ instead (``set_reduce_scatter_unused_params``, DDP's ``find_unused_parameters``)
 
 from torch import nn
 
-from nxd_hf import backend, parallel_state
+from nxd_hf import parallel_state
 from nxd_hf.parallel_layers.sharding import is_expert_parallel
 
 
@@ -37,14 +37,6 @@ def expert_modules(root: nn.Module) -> list[nn.Module]:
         if experts:
             found.append(module)
     return found
-
-
-def expert_data_mesh():
-    """A 1-D device mesh over nxd_hf's expert-data group (named after it, as ``data_parallel_mesh``)."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    group = parallel_state.get_expert_data_parallel_group()
-    return DeviceMesh.from_group(group, backend.default_device().type, mesh_dim_names=(f"edp_{group.group_name}",))
 
 
 def shard_experts(module: nn.Module, mesh, *, reshard_after_forward: bool, **fsdp_kwargs) -> None:

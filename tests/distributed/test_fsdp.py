@@ -535,10 +535,11 @@ def test_hybrid_checkpoint_loads_at_ddp_and_tp2_zero3(ranks4, tmp_path):
     ranks4.run(check_hybrid_checkpoint_loads_unsharded, str(tmp_path))
 
 
-@pytest.mark.parametrize("pp,ep", [(2, 1), (1, 2)], ids=["pp2_dp2", "ep2_dp4"])
+@pytest.mark.parametrize("pp,ep", [(2, 1), (1, 2), (2, 2)], ids=["pp2_dp2", "ep2_dp4", "pp2_ep2_dp2"])
 def test_nxd_trainer_fsdp_pipeline_or_experts_matches_trainer(ranks4, tmp_path, pp, ep):
-    """NxDTrainer(fsdp="full_shard") on a Mixtral at pp=2 x dp=2 (each stage its own FSDP root) and
-    at ep=2 x dp=4 (experts over the expert-data group) against one-process transformers.Trainer."""
+    """NxDTrainer(fsdp="full_shard") on a Mixtral at pp=2 x dp=2 (each stage its own FSDP root), at
+    ep=2 x dp=4 (experts over the expert-data group) and at pp=2 x ep=2 (both) against one-process
+    transformers.Trainer."""
     ranks4.run(moe_pp.trainer_matches_hf, "mixtral", str(tmp_path), pp=pp, ep=ep, fsdp="full_shard", steps=3)
 
 

@@ -51,7 +51,8 @@ def _fsdp_hooks_off(gm: fx.GraphModule):
     """Without FSDP2's forward hooks (ZeRO-2/3, ``nxd_hf.fsdp``) on every module of ``gm``: they
     would all-gather fake shards, over groups the other ranks do not join. That covers a layer the
     graph calls and an FSDP group inside it (the experts under expert parallelism, called by the
-    layer's own code). The hook dicts are restored as they were, order included."""
+    layer's own code). FSDP2 has no public switch for them: its two hook handles are taken out of
+    the module's hook dicts, which are restored as they were, order included."""
     from torch.distributed.fsdp import FSDPModule
 
     saved = []
@@ -77,7 +78,6 @@ class _RecordingInterpreter(fx.Interpreter):
         value = super().run_node(node)
         node.meta["val"] = value
         return value
-
 
 
 def value_kinds(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> dict[str, object]:

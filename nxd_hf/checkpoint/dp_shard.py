@@ -97,7 +97,8 @@ def describe_dp_experts(name: str, model_name: str, param: DTensor, tp_rank: int
     start, count, first_copy = dp_rows(param)
     rows = param.expert_shard_index[start:start + count]
     shape = [param.expert_logical_size, *param.shape[1:]]
-    edp_first = first_copy and param.device_mesh.get_local_rank(0) == 0
+    mesh = param.device_mesh  # the expert-data group's first rank: every coordinate 0 (HSDP's mesh is 2-D)
+    edp_first = all(mesh.get_local_rank(d) == 0 for d in range(mesh.ndim))
     inner, writes_rows = {}, count > 0 and first_copy and tp_rank == 0
     if is_sharded(param):
         assert param.partition_dim != 0, "TP shards the expert rows, not the experts"

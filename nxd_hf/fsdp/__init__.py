@@ -9,8 +9,8 @@ ranks. FSDP2's reduce-scatter then does the data-parallel mean, so the bucketed 
 is partial per TP rank (norms under sequence parallelism) are summed over TP per backward, before
 the reduce-scatter (``partial``). Under pipeline parallelism each local stage is its own FSDP
 root; under expert parallelism the experts are sharded over the expert-data group
-(``experts``); ``data_parallel_offload`` keeps the shards in host memory (FSDP2's
-``CPUOffloadPolicy``). docs/fsdp.md says what composes and what is refused.
+(``experts``; the meshes, HSDP's 2-D ones included, in ``mesh``); ``data_parallel_offload``
+keeps the shards in host memory (FSDP2's ``CPUOffloadPolicy``). docs/fsdp.md says what composes and what is refused.
 """
 
 from nxd_hf.fsdp.shard import (

@@ -7,8 +7,11 @@ mesh of the expert-data group; the rest of its layer is sharded over the DP grou
 
 Its gradient is a data-parallel mean all the same: the all-to-all's backward already summed the
 tokens of its expert-parallel peers, so the expert-data ranks' gradients are summed and divided
-by the DP size (``grads.data_parallel_mean``), not by the expert-data size, FSDP2's default
-(``set_gradient_divide_factor``; summed, then divided: gloo has no pre-multiplied sum).
+by the DP size (``grads.data_parallel_mean``), not by the expert-data size, FSDP2's default. FSDP2
+sums (gloo has no pre-multiplied sum) and a hook on its reduced shard divides by the DP size: a
+divide factor would be applied twice where the expert-data group is one rank (pp=2 x ep=2 at
+world 4, or an HSDP shard group of one), as FSDP2's copy for one rank divides by it and then
+divides again after the "reduction".
 
 A rank whose experts got no token (HF's eager experts loop) has no gradient for them, and FSDP2
 would then reduce-scatter fewer gradients there than on its peers: their zeros are reduce-scattered
@@ -17,7 +20,7 @@ instead (``set_reduce_scatter_unused_params``, DDP's ``find_unused_parameters``)
 
 from torch import nn
 
-from nxd_hf import backend, parallel_state
+from nxd_hf import parallel_state
 from nxd_hf.parallel_layers.sharding import is_expert_parallel
 
 
@@ -36,20 +39,14 @@ def expert_modules(root: nn.Module) -> list[nn.Module]:
     return found
 
 
-def expert_data_mesh():
-    """A 1-D device mesh over nxd_hf's expert-data group (named after it, as ``data_parallel_mesh``)."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    group = parallel_state.get_expert_data_parallel_group()
-    return DeviceMesh.from_group(group, backend.default_device().type, mesh_dim_names=(f"edp_{group.group_name}",))
-
-
 def shard_experts(module: nn.Module, mesh, *, reshard_after_forward: bool, **fsdp_kwargs) -> None:
     """``fully_shard`` one experts module over ``mesh`` (the expert-data group), its gradient a DP mean."""
     from torch.distributed.fsdp import fully_shard
 
     fully_shard(module, mesh=mesh, reshard_after_forward=reshard_after_forward, **fsdp_kwargs)
-    module.set_gradient_divide_factor(float(parallel_state.get_data_parallel_size()))
+    module.set_gradient_divide_factor(1.0)  # a sum over the mesh (module docstring) ...
     module.set_force_sum_reduction_for_comms(True)
+    dp = float(parallel_state.get_data_parallel_size())
+    module.set_all_reduce_hook(lambda reduced: reduced.div_(dp))  # ... then the DP mean, on the shard
     module.set_reduce_scatter_unused_params(True, recurse=False)
 

@@ -29,7 +29,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from nxd_hf import backend, parallel_state
-from nxd_hf.fsdp.experts import expert_data_mesh, expert_modules, shard_experts
+from nxd_hf.fsdp.experts import expert_modules, shard_experts
+from nxd_hf.fsdp.mesh import data_parallel_mesh, expert_data_mesh
 from nxd_hf.parallel_layers.sharding import full_tensor, has_partial_grad_over_tp
 
 DataParallelSharding = Literal["zero3", "zero2"]
@@ -51,17 +52,11 @@ def check_data_parallel_sharding(mode, *, pipeline_parallel_size: int, expert_pa
     if (pipeline_kwargs or {}).get("use_zero1_optimizer"):
         raise ValueError(f"data_parallel_sharding={mode!r} already shards the optimizer state over the data-parallel "
                          "ranks: use a torch optimizer, not ZeRO-1 (use_zero1_optimizer)")
-    pp, ep, hybrid = pipeline_parallel_size > 1, expert_parallel_size > 1, shard_size is not None
-    refused = {
-        # the stages' fake shape propagation would run the experts' FSDP2 hooks inside the layers
-        "pipeline_parallel_size > 1 and expert_parallel_size > 1": pp and ep,
-        # untested: the experts would need their own hybrid mesh over the expert-data group
-        "expert_parallel_size > 1 and data_parallel_shard_size (HSDP)": ep and hybrid,
-    }
-    for what, present in refused.items():
-        if present:
-            raise ValueError(f"data_parallel_sharding={mode!r} is not supported with {what}: "
-                             "use data_parallel_sharding=None (docs/fsdp.md)")
+    if shard_size is not None and expert_parallel_size > 1 and shard_size % expert_parallel_size and \
+            expert_parallel_size % shard_size:
+        raise ValueError(f"data_parallel_shard_size={shard_size} with expert_parallel_size={expert_parallel_size}: one "
+                         "must divide the other, so that every shard block holds as many ranks of each expert-data "
+                         "group (the experts shard over those: docs/fsdp.md)")
 
 
 def shard_data_parallel(model: nn.Module, mode: DataParallelSharding, *, policy,
@@ -88,7 +83,7 @@ def shard_data_parallel(model: nn.Module, mode: DataParallelSharding, *, policy,
     mesh = data_parallel_mesh(shard_size)
     reshard = mode == "zero3"
     fsdp_kwargs = dict(reshard_after_forward=reshard, offload_policy=offload_policy(offload))
-    experts_mesh = expert_data_mesh() if parallel_state.get_expert_parallel_size() > 1 else None
+    experts_mesh = expert_data_mesh(shard_size) if parallel_state.get_expert_parallel_size() > 1 else None
     for root in roots:
         metadata = {name: dict(vars(p)) for name, p in root.named_parameters(remove_duplicate=False)}
         for module in expert_modules(root) if experts_mesh is not None else ():  # before their layers claim them
@@ -122,54 +117,6 @@ def transformer_layer_types(model: nn.Module) -> tuple[type, ...]:
     plain module (then only the root is sharded, as one group)."""
     names = set(getattr(model, "_no_split_modules", None) or [])
     return tuple({type(m) for m in model.modules() if type(m).__name__ in names})
-
-
-def data_parallel_mesh(shard_size: int | None = None):
-    """A device mesh over nxd_hf's data-parallel group (not a second set of ranks): 1-D, or with
-    ``shard_size`` 2-D (replicate, shard) for HSDP: the DP ranks in consecutive blocks of
-    ``shard_size`` shard, the same position in every block replicates."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    group = parallel_state.get_data_parallel_group()
-    device_type = backend.default_device().type
-    # Meshes over the same ranks compare equal, and DTensor caches its sharding decisions (which
-    # hold the mesh) by them: named after the group, a mesh of groups re-created after
-    # ``destroy_model_parallel`` is never mistaken for the old one (whose groups are gone).
-    if shard_size is None or shard_size == parallel_state.get_data_parallel_size():
-        return DeviceMesh.from_group(group, device_type, mesh_dim_names=(f"dp_{group.group_name}",))
-    dp_size = parallel_state.get_data_parallel_size()
-    if shard_size < 1 or dp_size % shard_size:
-        raise ValueError(f"data_parallel_shard_size={shard_size} must divide the data-parallel size {dp_size}")
-    replicate_group, shard_group, ranks = _hybrid_groups(shard_size)
-    return DeviceMesh.from_group([replicate_group, shard_group], device_type, mesh=ranks,
-                                 mesh_dim_names=(f"dp_replicate_{group.group_name}", f"dp_shard_{group.group_name}"))
-
-
-def _hybrid_groups(shard_size: int):
-    """(replicate group, shard group, this DP group's ranks as [replicas, shard_size]); the groups
-    are created on every rank, in the same order, and destroyed with the parallel state."""
-    mine = torch.distributed.get_rank()
-    found = {}
-    for dp_ranks in parallel_state.get_data_parallel_group(as_list=True):
-        grid = torch.tensor(dp_ranks).reshape(-1, shard_size)
-        for kind, rows in (("shard", grid.tolist()), ("replicate", grid.t().tolist())):
-            for ranks in rows:
-                pg = backend.new_group(ranks, timeout=parallel_state.get_collective_timeout(), name=f"dp {kind}")
-                _HYBRID_GROUPS.append(pg)
-                if mine in ranks:
-                    found[kind] = pg
-        if mine in dp_ranks:
-            found["grid"] = grid
-    parallel_state.register_before_destroy(_destroy_hybrid_groups)
-    return found["replicate"], found["shard"], found["grid"]
-
-
-_HYBRID_GROUPS: list = []
-
-
-def _destroy_hybrid_groups() -> None:
-    while _HYBRID_GROUPS:
-        backend.destroy_group(_HYBRID_GROUPS.pop())
 
 
 @contextlib.contextmanager

@@ -11,6 +11,7 @@ value that turns out None for a batch (a mask it builds only when given one) is 
 that boundary's sends and handed to the next stage as None (``NoneAtBoundary``).
 """
 
+import contextlib
 import operator
 
 import torch
@@ -41,8 +42,35 @@ def fake_propagate(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> No
         originals = dict([*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)])
         for name, fake in state.items():  # layers read their shard_index (replicated K/V) in forward
             copy_tensor_model_parallel_attributes(fake, originals[name])
-        with _reparametrize_module(gm, state, strict=False):
+        with _reparametrize_module(gm, state, strict=False), _fsdp_hooks_off(gm):
             _RecordingInterpreter(gm).run(*fake_inputs)
+
+
+@contextlib.contextmanager
+def _fsdp_hooks_off(gm: fx.GraphModule):
+    """Without FSDP2's forward hooks (ZeRO-2/3, ``nxd_hf.fsdp``) on every module of ``gm``: they
+    would all-gather fake shards, over groups the other ranks do not join. That covers a layer the
+    graph calls and an FSDP group inside it (the experts under expert parallelism, called by the
+    layer's own code). FSDP2 has no public switch for them: its two hook handles are taken out of
+    the module's hook dicts, which are restored as they were, order included."""
+    from torch.distributed.fsdp import FSDPModule
+
+    saved = []
+    for module in gm.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        state = module._get_fsdp_state()
+        ids = {state._pre_forward_hook_handle.id, state._post_forward_hook_handle.id}
+        for hooks in (module._forward_pre_hooks, module._forward_hooks):
+            saved.append((hooks, dict(hooks)))
+            for key in ids & hooks.keys():
+                del hooks[key]
+    try:
+        yield
+    finally:
+        for hooks, before in saved:
+            hooks.clear()
+            hooks.update(before)
 
 
 class _RecordingInterpreter(fx.Interpreter):
@@ -50,14 +78,6 @@ class _RecordingInterpreter(fx.Interpreter):
         value = super().run_node(node)
         node.meta["val"] = value
         return value
-
-    def call_module(self, target, args, kwargs):
-        from torch.distributed.fsdp import FSDPModule
-
-        module = self.fetch_attr(target)
-        if isinstance(module, FSDPModule):  # ZeRO-2/3 (nxd_hf.fsdp): FSDP2's hooks would all-gather fake shards
-            return module.forward(*args, **kwargs)
-        return super().call_module(target, args, kwargs)
 
 
 def value_kinds(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> dict[str, object]:

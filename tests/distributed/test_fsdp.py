@@ -183,9 +183,7 @@ def test_bytes_per_rank_zero3_dp2(ranks2):
 def check_refusals() -> None:
     parallel_state.destroy_model_parallel()
     for kwargs, match in ((dict(data_parallel_sharding="full_shard"), "must be one of"),
-                          (dict(data_parallel_offload=True), "need data_parallel_sharding"),
-                          (dict(data_parallel_sharding="zero3", expert_parallel_size=2, data_parallel_shard_size=1),
-                           "data_parallel_shard_size")):
+                          (dict(data_parallel_offload=True), "need data_parallel_sharding")):
         _, model = hf_parity.build_pair("llama", attention_bias=False)
         with pytest.raises(ValueError, match=match):
             nxd_hf.parallelize(model, **kwargs)
@@ -202,11 +200,12 @@ def test_refusals(ranks2):
     ranks2.run(check_refusals)
 
 
-def test_pipeline_with_expert_parallelism_refused():
+def test_hybrid_shard_size_cutting_expert_data_groups_refused():
+    """At dp=12, ep=3, blocks of 4 DP ranks would hold 2 ranks of one expert-data group and 1 of the others."""
     from nxd_hf.fsdp import check_data_parallel_sharding
 
-    with pytest.raises(ValueError, match="pipeline_parallel_size > 1 and expert_parallel_size > 1"):
-        check_data_parallel_sharding("zero3", pipeline_parallel_size=2, expert_parallel_size=2)
+    with pytest.raises(ValueError, match="data_parallel_shard_size=4 with expert_parallel_size=3: one must divide"):
+        check_data_parallel_sharding("zero3", pipeline_parallel_size=1, expert_parallel_size=3, shard_size=4)
 
 
 def check_trainer_matches_trainer(fsdp: str, accumulate: int, fsdp_config: dict | None = None) -> None:
@@ -446,11 +445,14 @@ def test_fsdp_matches_hf_pp2_dp2_tied_embedding(ranks4, mode, accumulate):
     ranks4.run(check_pipeline_fsdp_matches_hf, mode, accumulate)
 
 
-def check_expert_parallel_fsdp_matches_hf(model_type: str, mode: str, starve: bool = False) -> None:
+def check_expert_parallel_fsdp_matches_hf(model_type: str, mode: str, starve: bool = False,
+                                         shard_size: int | None = None) -> None:
     """ep=2 x dp=4 on a MoE model: the experts sharded over the expert-data group (2 ranks), the
     rest over DP (4); AdamW steps with clipping against the one-process model (loss, norm, every
     gathered gradient, the parameters). ``starve``: one rank's experts get no token (their zero
-    gradients still join FSDP2's reduce-scatter)."""
+    gradients still join FSDP2's reduce-scatter). ``shard_size``: HSDP, the rest sharded over blocks
+    of that many DP ranks, the experts over the expert-data ranks inside the block (shard_size / 2,
+    at least one), both replicated across the blocks."""
     from support import moe_ep
 
     parallel_state.destroy_model_parallel()
@@ -458,15 +460,18 @@ def check_expert_parallel_fsdp_matches_hf(model_type: str, mode: str, starve: bo
     for m in (reference, model) if starve else ():
         moe.route_to_first_experts(m, moe_ep.config(model_type).num_experts // 2)
         m.config._experts_implementation = "eager"  # a loop over the experts hit: the others get no gradient
-    nxd_hf.parallelize(model, expert_parallel_size=2, data_parallel_sharding=mode)
+    nxd_hf.parallelize(model, expert_parallel_size=2, data_parallel_sharding=mode, data_parallel_shard_size=shard_size)
     dp, dp_rank = parallel_state.get_data_parallel_size(), parallel_state.get_data_parallel_rank()
     experts = moe_ep.expert_params(model)
     assert experts and all(is_dp_sharded(p) for p in model.parameters())
     edp_ranks = tuple(torch.distributed.get_process_group_ranks(parallel_state.get_expert_data_parallel_group()))
+    edp, experts_shard = len(edp_ranks), max((shard_size or dp) // 2, 1)
+    hybrid = dict(dense=(dp // shard_size, shard_size), experts=(edp // experts_shard, experts_shard)
+                  ) if shard_size else dict(dense=(dp,), experts=(edp,))
     for name, param in model.named_parameters():
-        group = param.device_mesh.get_group(0)
-        want = edp_ranks if name in experts else tuple(range(dp))
-        assert tuple(torch.distributed.get_process_group_ranks(group)) == want, name
+        mesh, kind = param.device_mesh, "experts" if name in experts else "dense"
+        assert tuple(sorted(mesh.mesh.flatten().tolist())) == (edp_ranks if name in experts else tuple(range(dp))), name
+        assert tuple(mesh.shape) == hybrid[kind], (name, mesh)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     for step in range(STEPS):
@@ -489,6 +494,12 @@ def check_expert_parallel_fsdp_matches_hf(model_type: str, mode: str, starve: bo
 @pytest.mark.parametrize("model_type,mode", [("qwen3_moe", "zero3"), ("mixtral", "zero2")])
 def test_fsdp_matches_hf_ep2_dp4_experts_over_expert_data(ranks4, model_type, mode):
     ranks4.run(check_expert_parallel_fsdp_matches_hf, model_type, mode)
+
+
+def test_hybrid_zero3_matches_hf_ep2_dp4_shard2(ranks4):
+    """HSDP with expert parallelism at world 4: the dense parts 2 x 2, the experts 2 copies of one
+    shard (the block of 2 DP ranks holds one rank of each expert-data group)."""
+    ranks4.run(check_expert_parallel_fsdp_matches_hf, "qwen3_moe", "zero3", shard_size=2)
 
 
 def test_fsdp_matches_hf_ep2_dp4_rank_without_tokens(ranks4):
@@ -524,8 +535,58 @@ def test_hybrid_checkpoint_loads_at_ddp_and_tp2_zero3(ranks4, tmp_path):
     ranks4.run(check_hybrid_checkpoint_loads_unsharded, str(tmp_path))
 
 
-@pytest.mark.parametrize("pp,ep", [(2, 1), (1, 2)], ids=["pp2_dp2", "ep2_dp4"])
+@pytest.mark.parametrize("pp,ep", [(2, 1), (1, 2), (2, 2)], ids=["pp2_dp2", "ep2_dp4", "pp2_ep2_dp2"])
 def test_nxd_trainer_fsdp_pipeline_or_experts_matches_trainer(ranks4, tmp_path, pp, ep):
-    """NxDTrainer(fsdp="full_shard") on a Mixtral at pp=2 x dp=2 (each stage its own FSDP root) and
-    at ep=2 x dp=4 (experts over the expert-data group) against one-process transformers.Trainer."""
+    """NxDTrainer(fsdp="full_shard") on a Mixtral at pp=2 x dp=2 (each stage its own FSDP root), at
+    ep=2 x dp=4 (experts over the expert-data group) and at pp=2 x ep=2 (both) against one-process
+    transformers.Trainer."""
     ranks4.run(moe_pp.trainer_matches_hf, "mixtral", str(tmp_path), pp=pp, ep=ep, fsdp="full_shard", steps=3)
+
+
+def check_pipeline_expert_fsdp_matches_hf(mode: str) -> None:
+    """pp=2 x ep=2 on a Qwen3-MoE with HF's aux loss (world 4: dp=2 per stage, the expert-data group
+    one rank; world 8: dp=4, expert-data 2): each stage its own FSDP root, the dense parts sharded
+    over DP, the experts over the expert-data group; AdamW steps with clipping against the
+    one-process model (loss, norm, every gathered gradient, the parameters)."""
+    from support.moe_pp import build_pair as moe_pp_pair, replica_rows
+    from support.moe_pp_ep import expert_params, padded_batch, parallelize_pp_ep
+
+    parallel_state.destroy_model_parallel()
+    reference, model = moe_pp_pair("qwen3_moe")
+    pp_model = parallelize_pp_ep(model, num_microbatches=2, data_parallel_sharding=mode)
+    assert all(is_dp_sharded(p) for p in pp_model.parameters())
+    experts, dp = expert_params(pp_model), parallel_state.get_data_parallel_size()
+    edp_ranks = tuple(torch.distributed.get_process_group_ranks(parallel_state.get_expert_data_parallel_group()))
+    dp_ranks = tuple(torch.distributed.get_process_group_ranks(parallel_state.get_data_parallel_group()))
+    assert experts and dp == torch.distributed.get_world_size() // 2
+    for name, param in pp_model.named_parameters():
+        ranks = tuple(torch.distributed.get_process_group_ranks(param.device_mesh.get_group(0)))
+        assert ranks == (edp_ranks if name in experts else dp_ranks), name
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.1)
+    optimizer = torch.optim.AdamW(pp_model.parameters(), lr=LR, weight_decay=0.1)
+    for step in range(STEPS):
+        ids, mask, labels = padded_batch(seed=100 + step)
+        total = (labels[..., 1:] != -100).sum()
+        out = reference(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=total)
+        out.loss.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)
+        ids_r, mask_r, labels_r = replica_rows(ids, mask, labels)
+        loss = pp_model.run_train(input_ids=ids_r, attention_mask=mask_r, labels=labels_r, num_items_in_batch=total)
+        norm = clip_grad_norm(pp_model.parameters(), MAX_NORM)
+        _check_step_and_step(f"pp2 ep2 {mode} step {step}", pp_model, reference, (ref_optimizer, optimizer),
+                             loss=loss, ref_loss=out.loss.detach(), norm=norm, ref_norm=ref_norm)
+    _check_params(f"pp2 ep2 {mode}", pp_model, reference)
+
+
+def test_fsdp_matches_hf_pp2_ep2_dp2(ranks4):
+    ranks4.run(check_pipeline_expert_fsdp_matches_hf, "zero3")
+
+
+# world 8: the experts' own shards are more than one rank (expert-data group of 2)
+def test_hybrid_zero3_matches_hf_ep2_dp8_shard4(ranks8):
+    """The dense parts 2 copies of 4 shards, the experts 2 copies of 2 shards."""
+    ranks8.run(check_expert_parallel_fsdp_matches_hf, "qwen3_moe", "zero3", shard_size=4)
+
+
+def test_fsdp_matches_hf_pp2_ep2_dp4(ranks8):
+    ranks8.run(check_pipeline_expert_fsdp_matches_hf, "zero3")

@@ -206,25 +206,27 @@ def check_pipeline_zero3_checkpoint(tmp_dir: str) -> None:
         _assert_same(saved, _full_states(model, optimizer), f"pp={pp} {'zero3' if zero3 else 'zero1'}")
 
 
-def _build_moe(ep: int, zero3: bool):
+def _build_moe(ep: int, zero3: bool, shard_size: int | None = None):
     from support import moe_ep
     from nxd_hf.optim import NeuronZero1Optimizer
 
     parallel_state.destroy_model_parallel()
     _, model = moe_ep.build_pair("qwen3_moe")
-    nxd_hf.parallelize(model, expert_parallel_size=ep, data_parallel_sharding="zero3" if zero3 else None)
+    nxd_hf.parallelize(model, expert_parallel_size=ep, data_parallel_sharding="zero3" if zero3 else None,
+                       data_parallel_shard_size=shard_size)
     if zero3:
         return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
     return model, NeuronZero1Optimizer(model.parameters(), torch.optim.AdamW, grad_clipping=False, lr=1e-2)
 
 
-def check_expert_parallel_zero3_checkpoint(tmp_dir: str) -> None:
+def check_expert_parallel_zero3_checkpoint(tmp_dir: str, shard_size: int | None = None) -> None:
     """Two AdamW steps of a MoE at ep=2 x dp=4 ZeRO-3 (experts over the expert-data group),
     ``save_checkpoint``; loaded at ep=2 ZeRO-1 (no FSDP) and at ep=1 x dp=4 ZeRO-3: the gathered
-    parameters and AdamW state exactly."""
+    parameters and AdamW state exactly. ``shard_size``: saved under HSDP (the experts replicated
+    across the shard blocks: only their first copy writes)."""
     from support import moe_ep
 
-    model, optimizer = _build_moe(2, zero3=True)
+    model, optimizer = _build_moe(2, zero3=True, shard_size=shard_size)
     dp_rank = parallel_state.get_data_parallel_rank()
     for step in range(2):
         ids, labels = moe_ep.rank_batch(step, dp_rank)
@@ -253,6 +255,15 @@ def test_pp2_dp2_zero3_checkpoint_loads_at_zero1_and_dp4_zero3(ranks4, tmp_path)
 
 def test_ep2_dp4_zero3_checkpoint_loads_at_ep2_zero1_and_ep1_zero3(ranks4, tmp_path):
     ranks4.run(check_expert_parallel_zero3_checkpoint, str(tmp_path))
+
+
+def test_ep2_dp4_hybrid_zero3_checkpoint_loads_at_ep2_zero1_and_ep1_zero3(ranks4, tmp_path):
+    ranks4.run(check_expert_parallel_zero3_checkpoint, str(tmp_path), shard_size=2)
+
+
+def test_ep2_dp8_hybrid_zero3_checkpoint_loads_at_ep2_zero1_and_ep1_zero3(ranks8, tmp_path):
+    """The experts 2 copies of 2 shards: the scalar state written by the expert-data group's first rank only."""
+    ranks8.run(check_expert_parallel_zero3_checkpoint, str(tmp_path), shard_size=4)
 
 
 def check_pipeline_loads_into_dp_shards(directory: str) -> None:

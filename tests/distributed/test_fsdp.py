@@ -1,8 +1,8 @@
 """ZeRO-3 / ZeRO-2 on torch's FSDP2 over nxd_hf's data-parallel ranks (``data_parallel_sharding``):
 several AdamW steps with active gradient clipping against the one-process HF model (loss, norm,
 every gathered gradient, the parameters), at dp=2 (also with CPU offload), tp=2 x dp=2 (+SP),
-HSDP (dp=4 as 2 x 2), pp=2 x dp=2 (tied embedding across the stages) and ep=2 x dp=4 (experts over
-the expert-data group); exact bytes per rank of parameters, gradients and optimizer state;
+HSDP (dp=4 as 2 x 2) and pp=2 x dp=2 (tied embedding across the stages; MoE models under FSDP:
+tests/distributed/moe/test_moe_fsdp.py); exact bytes per rank of parameters, gradients and optimizer state;
 NxDTrainer(fsdp=...) against one-process Trainer (also "offload" and "hybrid_shard"); checkpoints
 resumed at other layouts; LoRA against plain peft; refusals.
 The ranks2 cases come first, then the ranks4 ones: one pool of each size is started once."""
@@ -10,63 +10,12 @@ The ranks2 cases come first, then the ranks4 ones: one pool of each size is star
 import pytest
 import torch
 
-from support import hf_parity, moe, moe_pp
+from support import hf_parity, moe_pp
+from support.fsdp import LR, MAX_NORM, TOL, batches, check_params, check_step_and_step, logical_grad, train_step
 import nxd_hf
 from nxd_hf import backend, parallel_state
 from nxd_hf.fsdp import is_dp_sharded, logical_tensor
 from nxd_hf.parallel_layers.grads import clip_grad_norm
-
-TOL = dict(rtol=1e-4, atol=1e-5)
-STEPS = 4
-MAX_NORM = 1.0
-LR = 1e-3
-GLOBAL_BATCH = 4
-
-
-def _batches():
-    out = []
-    for step in range(STEPS):
-        ids, labels = hf_parity.batch(seed=10 + step, b=GLOBAL_BATCH, s=8)
-        g = torch.Generator().manual_seed(100 + step)
-        labels[torch.rand(labels.shape, generator=g) < 0.2] = -100  # ignored tokens on every row
-        out.append((ids, labels))
-    return out
-
-
-def _step(model, ids, labels, *, dp_rank: int, dp_size: int, clip):
-    """Forward and backward of this DP rank's rows; the loss is normalized by the global token count
-    (x dp: the DP mean divides it back), then the gradients are clipped. Returns (loss, norm)."""
-    num_items = (labels[:, 1:] != -100).sum() / dp_size
-    ids, labels = ids.chunk(dp_size)[dp_rank], labels.chunk(dp_size)[dp_rank]
-    loss = model(input_ids=ids, labels=labels, num_items_in_batch=num_items).loss
-    loss.backward()
-    return loss.detach(), clip(model.parameters(), MAX_NORM)
-
-
-def _logical_grad(param):
-    full = logical_tensor(param, param.grad)
-    return full.t() if getattr(param, "hf_transposed", False) else full
-
-
-def _check_step_and_step(label: str, model, reference, optimizers, *, loss, ref_loss, norm, ref_norm) -> None:
-    """One step's checks against the one-process model (clipping acted; loss, norm, every gathered
-    gradient), then both optimizers step. ``loss``: already the mean over the data-parallel ranks."""
-    assert ref_norm > MAX_NORM, "clipping must act"
-    torch.testing.assert_close(loss, ref_loss, **TOL)
-    torch.testing.assert_close(norm, ref_norm, **TOL)
-    ref_grads = {n: p.grad for n, p in reference.named_parameters(remove_duplicate=False)}
-    for name, param in model.named_parameters():
-        torch.testing.assert_close(_logical_grad(param), ref_grads[name], **TOL, msg=lambda m: f"{label} grad {name}: {m}")
-    for opt in optimizers:
-        opt.step()
-        opt.zero_grad()
-
-
-def _check_params(label: str, model, reference) -> None:
-    ref_params = dict(reference.named_parameters(remove_duplicate=False))
-    for name, param in model.named_parameters():
-        torch.testing.assert_close(logical_tensor(param), ref_params[name].detach(), **TOL,
-                                   msg=lambda m: f"{label} param {name}: {m}")
 
 
 def check_offload_policy(model) -> None:
@@ -99,18 +48,18 @@ def check_fsdp_matches_hf(mode: str, tp: int, sp: bool, shard_size: int | None =
     norm_ranks = tuple(torch.distributed.get_process_group_ranks(mesh.get_group(mesh.ndim - 1)))
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
-    for step, (ids, labels) in enumerate(_batches()):
-        ref_loss, ref_norm = _step(reference, ids, labels, dp_rank=0, dp_size=1, clip=torch.nn.utils.clip_grad_norm_)
+    for step, (ids, labels) in enumerate(batches()):
+        ref_loss, ref_norm = train_step(reference, ids, labels, dp_rank=0, dp_size=1, clip=torch.nn.utils.clip_grad_norm_)
         with backend.count_comm() as records:
-            loss, norm = _step(model, ids, labels, dp_rank=dp_rank, dp_size=dp_size, clip=clip_grad_norm)
+            loss, norm = train_step(model, ids, labels, dp_rank=dp_rank, dp_size=dp_size, clip=clip_grad_norm)
         dp_ranks = tuple(torch.distributed.get_process_group_ranks(parallel_state.get_data_parallel_group()))
         dp_all_reduces = [r for r in records if r.op == "all_reduce" and r.ranks in (dp_ranks, norm_ranks)]
         assert len(dp_all_reduces) == 1, records  # the norm's sum of shards: FSDP2's reduce-scatter did the mean
         assert dp_all_reduces[0].ranks == norm_ranks  # under HSDP over the shard group: the replicas hold copies
         torch.distributed.all_reduce(loss, group=parallel_state.get_data_parallel_group())
-        _check_step_and_step(f"{mode} tp={tp} step {step}", model, reference, (ref_optimizer, optimizer),
+        check_step_and_step(f"{mode} tp={tp} step {step}", model, reference, (ref_optimizer, optimizer),
                              loss=loss / dp_size, ref_loss=ref_loss, norm=norm, ref_norm=ref_norm)
-    _check_params(f"{mode} tp={tp}", model, reference)
+    check_params(f"{mode} tp={tp}", model, reference)
 
 
 def test_zero3_matches_hf_dp2(ranks2):
@@ -161,8 +110,8 @@ def check_bytes_per_rank(mode: str, tp: int) -> None:
     assert world.item() == logical + (tp - 1) * replicated + tp_padding, (world.item(), logical, replicated, tp_padding)
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    ids, labels = _batches()[0]
-    _step(model, ids, labels, dp_rank=dp_rank, dp_size=dp, clip=clip_grad_norm)
+    ids, labels = batches()[0]
+    train_step(model, ids, labels, dp_rank=dp_rank, dp_size=dp, clip=clip_grad_norm)
     grads = [p.grad.to_local() for p in params]
     assert sum(g.numel() for g in grads) == local
     grad_bytes = _storage_bytes(grads)
@@ -278,7 +227,7 @@ def _train(model, optimizer, batches, *, zero1: bool = False):
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_size()
     losses = []
     for ids, labels in batches:
-        loss, _ = _step(model, ids, labels, dp_rank=dp_rank, dp_size=dp_size,
+        loss, _ = train_step(model, ids, labels, dp_rank=dp_rank, dp_size=dp_size,
                         clip=(lambda params, norm: None) if zero1 else clip_grad_norm)  # ZeRO-1 clips in step()
         optimizer.step()
         optimizer.zero_grad()
@@ -293,15 +242,15 @@ def check_checkpoint_resumes_at_other_layouts(tmp_dir: str) -> None:
     of the ZeRO-3 model opens in plain transformers."""
     from nxd_hf.optim import NeuronZero1Optimizer
 
-    batches = _batches()
+    data = batches()
     parallel_state.destroy_model_parallel()
     reference, model = hf_parity.build_pair("llama", attention_bias=False)
     nxd_hf.parallelize(model, data_parallel_sharding="zero3")
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
-    _train(model, optimizer, batches[:2])
+    _train(model, optimizer, data[:2])
     nxd_hf.save_checkpoint(tmp_dir, "step2", model=model, optimizer=optimizer)
     model.save_pretrained(f"{tmp_dir}/hf")
-    want_losses, want_params = _train(model, optimizer, batches[2:])
+    want_losses, want_params = _train(model, optimizer, data[2:])
     saved = type(reference).from_pretrained(f"{tmp_dir}/hf")  # plain transformers, the weights after two steps
     for layout in ("zero1", "tp2", "zero3"):
         parallel_state.destroy_model_parallel()
@@ -317,7 +266,7 @@ def check_checkpoint_resumes_at_other_layouts(tmp_dir: str) -> None:
         if layout == "zero1":
             for name, param in saved.named_parameters():
                 torch.testing.assert_close(logical_tensor(dict(other.named_parameters())[name]), param.detach())
-        losses, params = _train(other, other_optimizer, batches[2:], zero1=layout == "zero1")
+        losses, params = _train(other, other_optimizer, data[2:], zero1=layout == "zero1")
         torch.testing.assert_close(losses, want_losses, **TOL, msg=lambda m: f"{layout} losses: {m}")
         for name, param in params.items():
             torch.testing.assert_close(param, want_params[name], **TOL, msg=lambda m: f"{layout} {name}: {m}")
@@ -349,15 +298,15 @@ def check_lora_matches_peft(tp: int) -> None:
     assert all(is_dp_sharded(p) for p in model.parameters())  # the frozen base too
     ref_optimizer = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=LR)
     optimizer = torch.optim.AdamW([p for _, p in trained], lr=LR)
-    for step, (ids, labels) in enumerate(_batches()):
-        ref_loss, ref_norm = _step(reference, ids, labels, dp_rank=0, dp_size=1, clip=torch.nn.utils.clip_grad_norm_)
-        loss, norm = _step(model, ids, labels, dp_rank=dp_rank, dp_size=dp_size,
+    for step, (ids, labels) in enumerate(batches()):
+        ref_loss, ref_norm = train_step(reference, ids, labels, dp_rank=0, dp_size=1, clip=torch.nn.utils.clip_grad_norm_)
+        loss, norm = train_step(model, ids, labels, dp_rank=dp_rank, dp_size=dp_size,
                            clip=lambda params, max_norm: clip_grad_norm([p for p in params if p.requires_grad], max_norm))
         torch.distributed.all_reduce(loss, group=parallel_state.get_data_parallel_group())
         torch.testing.assert_close(loss / dp_size, ref_loss, **TOL)
         torch.testing.assert_close(norm, ref_norm, **TOL)
         for name, param in trained:
-            torch.testing.assert_close(_logical_grad(param), ref_named[name].grad, **TOL,
+            torch.testing.assert_close(logical_grad(param), ref_named[name].grad, **TOL,
                                        msg=lambda m: f"lora step {step} grad {name}: {m}")
         for opt in (ref_optimizer, optimizer):
             opt.step()
@@ -378,7 +327,7 @@ def check_hybrid_checkpoint_loads_unsharded(tmp_dir: str) -> None:
     _, model = hf_parity.build_pair("llama", attention_bias=False)
     nxd_hf.parallelize(model, data_parallel_sharding="zero3", data_parallel_shard_size=2)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    _train(model, optimizer, _batches()[:1])
+    _train(model, optimizer, batches()[:1])
     nxd_hf.save_checkpoint(tmp_dir, "hsdp", model=model, optimizer=optimizer)
     want = {n: logical_tensor(p) for n, p in model.named_parameters()}
     want_moments = {n: logical_tensor(p, optimizer.state[p]["exp_avg"]) for n, p in model.named_parameters()}
@@ -429,81 +378,20 @@ def check_pipeline_fsdp_matches_hf(mode: str | None, accumulate: int = 1) -> Non
     assert pp_model.tied.local, "the embedding and the LM head are on different stages: a tie across them"
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.1)
     optimizer = torch.optim.AdamW(pp_model.parameters(), lr=LR, weight_decay=0.1)
-    for step, (ids, labels) in enumerate(_batches()):
-        ref_loss, ref_norm = _step(reference, ids, labels, dp_rank=0, dp_size=1, clip=torch.nn.utils.clip_grad_norm_)
+    for step, (ids, labels) in enumerate(batches()):
+        ref_loss, ref_norm = train_step(reference, ids, labels, dp_rank=0, dp_size=1, clip=torch.nn.utils.clip_grad_norm_)
         num_items = (labels[:, 1:] != -100).sum()  # the step's tokens, over the calls and the DP ranks
         rows = zip(ids.chunk(dp_size)[dp_rank].chunk(accumulate), labels.chunk(dp_size)[dp_rank].chunk(accumulate))
         loss = sum(pp_model.run_train(input_ids=i, labels=l, num_items_in_batch=num_items) for i, l in rows)
         norm = clip_grad_norm(pp_model.parameters(), MAX_NORM)
-        _check_step_and_step(f"pp2 {mode} step {step}", pp_model, reference, (ref_optimizer, optimizer),
+        check_step_and_step(f"pp2 {mode} step {step}", pp_model, reference, (ref_optimizer, optimizer),
                              loss=loss, ref_loss=ref_loss, norm=norm, ref_norm=ref_norm)
-    _check_params(f"pp2 {mode}", pp_model, reference)
+    check_params(f"pp2 {mode}", pp_model, reference)
 
 
 @pytest.mark.parametrize("mode,accumulate", [("zero3", 1), ("zero2", 2), (None, 2)])
 def test_fsdp_matches_hf_pp2_dp2_tied_embedding(ranks4, mode, accumulate):
     ranks4.run(check_pipeline_fsdp_matches_hf, mode, accumulate)
-
-
-def check_expert_parallel_fsdp_matches_hf(model_type: str, mode: str, starve: bool = False,
-                                         shard_size: int | None = None) -> None:
-    """ep=2 x dp=4 on a MoE model: the experts sharded over the expert-data group (2 ranks), the
-    rest over DP (4); AdamW steps with clipping against the one-process model (loss, norm, every
-    gathered gradient, the parameters). ``starve``: one rank's experts get no token (their zero
-    gradients still join FSDP2's reduce-scatter). ``shard_size``: HSDP, the rest sharded over blocks
-    of that many DP ranks, the experts over the expert-data ranks inside the block (shard_size / 2,
-    at least one), both replicated across the blocks."""
-    from support import moe_ep
-
-    parallel_state.destroy_model_parallel()
-    reference, model = moe_ep.build_pair(model_type)
-    for m in (reference, model) if starve else ():
-        moe.route_to_first_experts(m, moe_ep.config(model_type).num_experts // 2)
-        m.config._experts_implementation = "eager"  # a loop over the experts hit: the others get no gradient
-    nxd_hf.parallelize(model, expert_parallel_size=2, data_parallel_sharding=mode, data_parallel_shard_size=shard_size)
-    dp, dp_rank = parallel_state.get_data_parallel_size(), parallel_state.get_data_parallel_rank()
-    experts = moe_ep.expert_params(model)
-    assert experts and all(is_dp_sharded(p) for p in model.parameters())
-    edp_ranks = tuple(torch.distributed.get_process_group_ranks(parallel_state.get_expert_data_parallel_group()))
-    edp, experts_shard = len(edp_ranks), max((shard_size or dp) // 2, 1)
-    hybrid = dict(dense=(dp // shard_size, shard_size), experts=(edp // experts_shard, experts_shard)
-                  ) if shard_size else dict(dense=(dp,), experts=(edp,))
-    for name, param in model.named_parameters():
-        mesh, kind = param.device_mesh, "experts" if name in experts else "dense"
-        assert tuple(sorted(mesh.mesh.flatten().tolist())) == (edp_ranks if name in experts else tuple(range(dp))), name
-        assert tuple(mesh.shape) == hybrid[kind], (name, mesh)
-    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.1)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
-    for step in range(STEPS):
-        ids, labels = moe_ep.global_batch(step, dp)
-        ref_loss = reference(input_ids=ids, labels=labels).loss
-        ref_loss.backward()
-        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)
-        ids, labels = moe_ep.rank_batch(step, dp_rank)
-        loss = model(input_ids=ids, labels=labels).loss
-        loss.backward()
-        norm = clip_grad_norm(model.parameters(), MAX_NORM)
-        loss = loss.detach()
-        torch.distributed.all_reduce(loss, group=parallel_state.get_data_parallel_group())
-        # every rank has as many labels: the mean of the ranks' means is the whole batch's
-        _check_step_and_step(f"ep2 {mode} step {step}", model, reference, (ref_optimizer, optimizer),
-                             loss=loss / dp, ref_loss=ref_loss.detach(), norm=norm, ref_norm=ref_norm)
-    _check_params(f"ep2 {mode}", model, reference)
-
-
-@pytest.mark.parametrize("model_type,mode", [("qwen3_moe", "zero3"), ("mixtral", "zero2")])
-def test_fsdp_matches_hf_ep2_dp4_experts_over_expert_data(ranks4, model_type, mode):
-    ranks4.run(check_expert_parallel_fsdp_matches_hf, model_type, mode)
-
-
-def test_hybrid_zero3_matches_hf_ep2_dp4_shard2(ranks4):
-    """HSDP with expert parallelism at world 4: the dense parts 2 x 2, the experts 2 copies of one
-    shard (the block of 2 DP ranks holds one rank of each expert-data group)."""
-    ranks4.run(check_expert_parallel_fsdp_matches_hf, "qwen3_moe", "zero3", shard_size=2)
-
-
-def test_fsdp_matches_hf_ep2_dp4_rank_without_tokens(ranks4):
-    ranks4.run(check_expert_parallel_fsdp_matches_hf, "qwen3_moe", "zero3", starve=True)
 
 
 def test_zero3_matches_hf_tp2_dp2_sequence_parallel(ranks4):
@@ -543,50 +431,3 @@ def test_nxd_trainer_fsdp_pipeline_or_experts_matches_trainer(ranks4, tmp_path, 
     ranks4.run(moe_pp.trainer_matches_hf, "mixtral", str(tmp_path), pp=pp, ep=ep, fsdp="full_shard", steps=3)
 
 
-def check_pipeline_expert_fsdp_matches_hf(mode: str) -> None:
-    """pp=2 x ep=2 on a Qwen3-MoE with HF's aux loss (world 4: dp=2 per stage, the expert-data group
-    one rank; world 8: dp=4, expert-data 2): each stage its own FSDP root, the dense parts sharded
-    over DP, the experts over the expert-data group; AdamW steps with clipping against the
-    one-process model (loss, norm, every gathered gradient, the parameters)."""
-    from support.moe_pp import build_pair as moe_pp_pair, replica_rows
-    from support.moe_pp_ep import expert_params, padded_batch, parallelize_pp_ep
-
-    parallel_state.destroy_model_parallel()
-    reference, model = moe_pp_pair("qwen3_moe")
-    pp_model = parallelize_pp_ep(model, num_microbatches=2, data_parallel_sharding=mode)
-    assert all(is_dp_sharded(p) for p in pp_model.parameters())
-    experts, dp = expert_params(pp_model), parallel_state.get_data_parallel_size()
-    edp_ranks = tuple(torch.distributed.get_process_group_ranks(parallel_state.get_expert_data_parallel_group()))
-    dp_ranks = tuple(torch.distributed.get_process_group_ranks(parallel_state.get_data_parallel_group()))
-    assert experts and dp == torch.distributed.get_world_size() // 2
-    for name, param in pp_model.named_parameters():
-        ranks = tuple(torch.distributed.get_process_group_ranks(param.device_mesh.get_group(0)))
-        assert ranks == (edp_ranks if name in experts else dp_ranks), name
-    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.1)
-    optimizer = torch.optim.AdamW(pp_model.parameters(), lr=LR, weight_decay=0.1)
-    for step in range(STEPS):
-        ids, mask, labels = padded_batch(seed=100 + step)
-        total = (labels[..., 1:] != -100).sum()
-        out = reference(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=total)
-        out.loss.backward()
-        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)
-        ids_r, mask_r, labels_r = replica_rows(ids, mask, labels)
-        loss = pp_model.run_train(input_ids=ids_r, attention_mask=mask_r, labels=labels_r, num_items_in_batch=total)
-        norm = clip_grad_norm(pp_model.parameters(), MAX_NORM)
-        _check_step_and_step(f"pp2 ep2 {mode} step {step}", pp_model, reference, (ref_optimizer, optimizer),
-                             loss=loss, ref_loss=out.loss.detach(), norm=norm, ref_norm=ref_norm)
-    _check_params(f"pp2 ep2 {mode}", pp_model, reference)
-
-
-def test_fsdp_matches_hf_pp2_ep2_dp2(ranks4):
-    ranks4.run(check_pipeline_expert_fsdp_matches_hf, "zero3")
-
-
-# world 8: the experts' own shards are more than one rank (expert-data group of 2)
-def test_hybrid_zero3_matches_hf_ep2_dp8_shard4(ranks8):
-    """The dense parts 2 copies of 4 shards, the experts 2 copies of 2 shards."""
-    ranks8.run(check_expert_parallel_fsdp_matches_hf, "qwen3_moe", "zero3", shard_size=4)
-
-
-def test_fsdp_matches_hf_pp2_ep2_dp4(ranks8):
-    ranks8.run(check_pipeline_expert_fsdp_matches_hf, "zero3")

@@ -5,9 +5,9 @@ materialized whole); the bytes read are exactly this rank's rows. Llama (TP alon
 odd vocab padded) and GPT-2 (HF Conv1D weights, stored transposed; tied head).
 GPT-2 under ZeRO-3 checkpoints: trained, saved (``save_checkpoint`` and ``save_pretrained`` in
 several output shards), loaded at ZeRO-1 and at tp=2 ZeRO-3 and opened by plain transformers,
-bit for bit. A pp=2 x dp=2 ZeRO-3 checkpoint (tied embedding across the stages) and an ep=2 x dp=4
-ZeRO-3 MoE one, loaded without FSDP at ZeRO-1 and at another layout under ZeRO-3: the gathered
-parameters and AdamW state bit for bit. The ranks2 cases come first, then the ranks4 ones."""
+bit for bit. A pp=2 x dp=2 ZeRO-3 checkpoint (tied embedding across the stages), loaded without FSDP
+at ZeRO-1 and at dp=4 under ZeRO-3: the gathered parameters and AdamW state bit for bit (MoE
+checkpoints under FSDP: tests/distributed/moe/test_moe_fsdp.py). The ranks2 cases come first, then the ranks4 ones."""
 
 import json
 
@@ -16,6 +16,7 @@ import transformers
 from safetensors.torch import load_file
 
 from support import hf_parity
+from support.fsdp import assert_same_states, full_states
 import nxd_hf
 from nxd_hf import parallel_state
 from nxd_hf.checkpoint.dp_shard import local_of
@@ -165,12 +166,6 @@ def test_from_pretrained_zero3_gpt2_conv1d_tp2_dp2(ranks4, tmp_path):
     ranks4.run(check_loads_into_dp_shards, str(tmp_path), "gpt2", 2, "zero3")
 
 
-def _full_states(model, optimizer) -> tuple[dict, dict]:
-    from nxd_hf.checkpoint import full_optimizer_state
-
-    return nxd_hf.full_state_dict(model), full_optimizer_state(model, optimizer)
-
-
 def _build_pipeline(zero3: bool, pp: int):
     """Llama (embedding tied to the head, across the stages at pp=2) at ``pp`` x dp=4/pp: ZeRO-3 +
     AdamW, or no FSDP + ZeRO-1."""
@@ -198,72 +193,16 @@ def check_pipeline_zero3_checkpoint(tmp_dir: str) -> None:
         optimizer.step()
         optimizer.zero_grad()
     nxd_hf.save_checkpoint(tmp_dir, "pp2", model=model, optimizer=optimizer)
-    saved = _full_states(model, optimizer)
+    saved = full_states(model, optimizer)
     assert any(k.endswith("::exp_avg") for k in saved[1]), sorted(saved[1])[:4]
     for zero3, pp in ((False, 2), (True, 1)):
         model, optimizer = _build_pipeline(zero3, pp)
         nxd_hf.load_checkpoint(tmp_dir, "pp2", model=model, optimizer=optimizer)
-        _assert_same(saved, _full_states(model, optimizer), f"pp={pp} {'zero3' if zero3 else 'zero1'}")
-
-
-def _build_moe(ep: int, zero3: bool, shard_size: int | None = None):
-    from support import moe_ep
-    from nxd_hf.optim import NeuronZero1Optimizer
-
-    parallel_state.destroy_model_parallel()
-    _, model = moe_ep.build_pair("qwen3_moe")
-    nxd_hf.parallelize(model, expert_parallel_size=ep, data_parallel_sharding="zero3" if zero3 else None,
-                       data_parallel_shard_size=shard_size)
-    if zero3:
-        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
-    return model, NeuronZero1Optimizer(model.parameters(), torch.optim.AdamW, grad_clipping=False, lr=1e-2)
-
-
-def check_expert_parallel_zero3_checkpoint(tmp_dir: str, shard_size: int | None = None) -> None:
-    """Two AdamW steps of a MoE at ep=2 x dp=4 ZeRO-3 (experts over the expert-data group),
-    ``save_checkpoint``; loaded at ep=2 ZeRO-1 (no FSDP) and at ep=1 x dp=4 ZeRO-3: the gathered
-    parameters and AdamW state exactly. ``shard_size``: saved under HSDP (the experts replicated
-    across the shard blocks: only their first copy writes)."""
-    from support import moe_ep
-
-    model, optimizer = _build_moe(2, zero3=True, shard_size=shard_size)
-    dp_rank = parallel_state.get_data_parallel_rank()
-    for step in range(2):
-        ids, labels = moe_ep.rank_batch(step, dp_rank)
-        model(input_ids=ids, labels=labels).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    nxd_hf.save_checkpoint(tmp_dir, "ep2", model=model, optimizer=optimizer)
-    saved = _full_states(model, optimizer)
-    for ep, zero3 in ((2, False), (1, True)):
-        model, optimizer = _build_moe(ep, zero3)
-        nxd_hf.load_checkpoint(tmp_dir, "ep2", model=model, optimizer=optimizer)
-        _assert_same(saved, _full_states(model, optimizer), f"ep={ep} {'zero3' if zero3 else 'zero1'}")
-
-
-def _assert_same(saved: tuple[dict, dict], loaded: tuple[dict, dict], what: str) -> None:
-    from support.moe_ep import assert_same_states
-
-    for a, b in zip(saved, loaded):
-        assert set(a) == set(b), (what, set(a) - set(b), set(b) - set(a))
-    assert_same_states(saved, loaded, what)
+        assert_same_states(saved, full_states(model, optimizer), f"pp={pp} {'zero3' if zero3 else 'zero1'}")
 
 
 def test_pp2_dp2_zero3_checkpoint_loads_at_zero1_and_dp4_zero3(ranks4, tmp_path):
     ranks4.run(check_pipeline_zero3_checkpoint, str(tmp_path))
-
-
-def test_ep2_dp4_zero3_checkpoint_loads_at_ep2_zero1_and_ep1_zero3(ranks4, tmp_path):
-    ranks4.run(check_expert_parallel_zero3_checkpoint, str(tmp_path))
-
-
-def test_ep2_dp4_hybrid_zero3_checkpoint_loads_at_ep2_zero1_and_ep1_zero3(ranks4, tmp_path):
-    ranks4.run(check_expert_parallel_zero3_checkpoint, str(tmp_path), shard_size=2)
-
-
-def test_ep2_dp8_hybrid_zero3_checkpoint_loads_at_ep2_zero1_and_ep1_zero3(ranks8, tmp_path):
-    """The experts 2 copies of 2 shards: the scalar state written by the expert-data group's first rank only."""
-    ranks8.run(check_expert_parallel_zero3_checkpoint, str(tmp_path), shard_size=4)
 
 
 def check_pipeline_loads_into_dp_shards(directory: str) -> None:

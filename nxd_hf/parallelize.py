@@ -52,6 +52,7 @@ from nxd_hf.guards.input_check import install_input_check, resolve_mode
 from nxd_hf.guards.fail_together import fail_together
 from nxd_hf.guards.same_everywhere import check_same_on_every_rank, model_summary
 from nxd_hf.lora import register_with_peft
+from nxd_hf.lora.meta_base import meta_base_refusal
 from nxd_hf.moe.replica_aux import install_global_aux_loss
 from nxd_hf.parallel_sizes import ParallelSizes
 from nxd_hf.setup_steps import (
@@ -166,9 +167,11 @@ def parallelize(
                                      expert_parallel_size=expert_parallel_size, lora_config=lora_config,
                                      pipeline_kwargs=pipeline_kwargs, shard_size=data_parallel_shard_size,
                                      offload=data_parallel_offload)
-        if load_dp_shards is not None and (data_parallel_sharding is None or lora_config is not None):
+        if load_dp_shards is not None and (data_parallel_sharding is None or meta_base_refusal(lora_config) is not None):
             raise ValueError("load_dp_shards loads the weights into FSDP2's data-parallel shards: it needs "
-                             "data_parallel_sharding and no lora_config (load the weights with load_weights instead)")
+                             "data_parallel_sharding, and a lora_config without modules_to_save, "
+                             "trainable_token_indices, target_parameters or load_lora_from_ckpt (load the weights "
+                             "with load_weights instead)")
         if pipeline_kwargs and sizes.pp == 1:
             raise ValueError(f"{sorted(pipeline_kwargs)} are pipeline options: they need pipeline_parallel_size > 1")
         if fused_loss and sizes.pp > 1:
@@ -187,7 +190,7 @@ def parallelize(
     fill_after = load_dp_shards is not None or init_after_sharding(model, data_parallel_sharding, param_init_fn,
                                                                     load_weights=load_weights, lora_config=lora_config)
     setup = LocalSetup(load_weights=load_weights, param_init_fn=param_init_fn, buffer_init=getattr(model, "_init_weights", None),
-                       add_adapters=_adapters(model, lora_config, autocast_adapter_dtype),
+                       add_adapters=_adapters(model, lora_config, autocast_adapter_dtype, device),
                        activation_checkpoint_config=activation_checkpoint_config,
                        fp32_grad_accumulation=fp32_grad_accumulation, bucket_size_mb=bucket_size_mb, device=device,
                        parameters_after_sharding=fill_after,
@@ -238,14 +241,15 @@ def _save_pretrained(model, lora_config):
     return save_lora_adapter
 
 
-def _adapters(model, lora_config, autocast_adapter_dtype: bool):
+def _adapters(model, lora_config, autocast_adapter_dtype: bool, device):
     """Step 7's function for ``LocalSetup.add_adapters`` (None without ``lora_config``)."""
     if lora_config is None:
         return None
     from nxd_hf.lora.setup import setup_lora
 
     return functools.partial(setup_lora, lora_config=lora_config, model=model,
-                             autocast_adapter_dtype=autocast_adapter_dtype)
+                             autocast_adapter_dtype=autocast_adapter_dtype, device=device)
+
 
 
 def _check_pipeline_option_names(pipeline_kwargs: dict) -> None:

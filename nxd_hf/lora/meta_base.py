@@ -1,0 +1,80 @@
+"""LoRA adapters added while the base model is still on the meta device (ZeRO-2/3: the base is
+read or initialized into FSDP2's data-parallel shards after ``fully_shard``, ``nxd_hf.fsdp.load``).
+
+peft creates each adapter on the CPU from the default generator (``nn.Linear`` construction of A
+and B, then A's init), then moves it to the device of its base layer's weight: a meta base would
+leave meta adapters, their values lost. While peft injects, every meta parameter is replaced by a
+stand-in of the same shape, dtype and sharding metadata on the device the model goes to, holding
+one element (``expand``: no memory): peft's draws and moves are then the ones it makes on a real
+base, so the adapters equal plain peft's with the same seed, and the meta parameters are put back
+(with the ``requires_grad`` peft gave the stand-ins). The base is never materialized.
+
+peft options that copy or read the base at injection are left to the materialized path
+(``meta_base_refusal``): ``modules_to_save`` (a copy of the module), ``trainable_token_indices``
+(rows of the embedding), ``target_parameters`` (the parameter wrapped), and NxD's
+``load_lora_from_ckpt`` (which may load unmerged base tensors at setup)."""
+
+import contextlib
+
+import torch
+from torch import nn
+
+from nxd_hf.modules.lora import LoraConfig as NxDLoraConfig
+
+
+def meta_base_refusal(lora_config) -> str | None:
+    """Why adapters of ``lora_config`` cannot be added on a meta base (None: they can, or there are none)."""
+    if lora_config is None:
+        return None
+    if isinstance(lora_config, NxDLoraConfig):
+        if not lora_config.enable_lora:
+            return None
+        if lora_config.load_lora_from_ckpt:
+            return "load_lora_from_ckpt"
+        from nxd_hf.lora.inject import to_peft_config
+
+        lora_config = to_peft_config(lora_config)
+    reasons = [name for name in ("modules_to_save", "trainable_token_indices", "target_parameters")
+               if getattr(lora_config, name, None)]
+    return ", ".join(reasons) or None
+
+
+def has_meta_parameters(modules: list[nn.Module]) -> bool:
+    return any(p.is_meta for m in modules for p in m.parameters())
+
+
+@contextlib.contextmanager
+def real_stand_ins(modules: list[nn.Module], device: torch.device):
+    """Inside: every meta parameter of ``modules`` replaced by a one-element stand-in on ``device``
+    (module docstring); on exit the meta parameters are back."""
+    swapped = []  # (module, name, meta parameter, stand-in)
+    for module in {id(m): m for root in modules for m in root.modules()}.values():
+        for name, param in module._parameters.items():
+            if param is not None and param.is_meta:
+                stand_in = nn.Parameter(torch.empty((), dtype=param.dtype, device=device).expand(param.shape),
+                                        requires_grad=param.requires_grad)
+                stand_in.__dict__.update(vars(param))  # nxd_hf's sharding metadata (shard_index, ...)
+                swapped.append((module, name, param, stand_in))
+    shared = {}  # a parameter held by several modules (tied) gets one stand-in
+    for module, name, param, stand_in in swapped:
+        module._parameters[name] = shared.setdefault(id(param), stand_in)
+    try:
+        yield
+    finally:
+        for module, name, param, _ in swapped:
+            param.requires_grad_(shared[id(param)].requires_grad)
+            module._parameters[name] = param
+    left = [name for root in modules for name, p in root.named_parameters() if _is_stand_in(p)]
+    assert not left, f"peft copied base parameters while injecting: {left[:3]}"
+
+
+def _is_stand_in(tensor: torch.Tensor) -> bool:
+    return not tensor.is_meta and tensor.numel() > 1 and tensor.dim() > 0 and all(s == 0 for s in tensor.stride())
+
+
+def hf_base_name(name: str) -> str | None:
+    """The HF name of a base parameter of a model peft injected into (``q_proj.base_layer.weight``
+    -> ``q_proj.weight``), None for an adapter's: what the DP-shard reader reads from the files."""
+    from nxd_hf.lora.checkpoint import _base_name
+
+    return _base_name(name, merged=False)

@@ -167,11 +167,13 @@ def parallelize(
                                      expert_parallel_size=expert_parallel_size, lora_config=lora_config,
                                      pipeline_kwargs=pipeline_kwargs, shard_size=data_parallel_shard_size,
                                      offload=data_parallel_offload)
-        if load_dp_shards is not None and (data_parallel_sharding is None or meta_base_refusal(lora_config) is not None):
+        # LoRA: adapters made on the meta base at step 7 (nxd_hf.lora.meta_base), at pp=1
+        adapters_on_meta = lora_config is None or (sizes.pp == 1 and meta_base_refusal(lora_config) is None)
+        if load_dp_shards is not None and (data_parallel_sharding is None or not adapters_on_meta):
             raise ValueError("load_dp_shards loads the weights into FSDP2's data-parallel shards: it needs "
-                             "data_parallel_sharding, and a lora_config without modules_to_save, "
-                             "trainable_token_indices, target_parameters or load_lora_from_ckpt (load the weights "
-                             "with load_weights instead)")
+                             "data_parallel_sharding, and with lora_config pipeline_parallel_size=1 and no "
+                             "modules_to_save, trainable_token_indices, target_parameters or load_lora_from_ckpt "
+                             "(load the weights with load_weights instead)")
         if pipeline_kwargs and sizes.pp == 1:
             raise ValueError(f"{sorted(pipeline_kwargs)} are pipeline options: they need pipeline_parallel_size > 1")
         if fused_loss and sizes.pp > 1:
@@ -188,9 +190,12 @@ def parallelize(
         install_global_aux_loss(model, token_mask=router_token_mask if sizes.cp > 1 else None)
     # ZeRO-2/3: weights loaded or initialized into FSDP2's DP shards, the TP shard never whole (nxd_hf.fsdp.load)
     fill_after = load_dp_shards is not None or init_after_sharding(model, data_parallel_sharding, param_init_fn,
-                                                                    load_weights=load_weights, lora_config=lora_config)
+                                                                    load_weights=load_weights,
+                                                                    adapters_on_meta=adapters_on_meta)
+    redraw = fill_after and load_dp_shards is None and lora_config is not None  # adapters drawn after the init
+    init_modules = {id(m) for m in model.modules()} if redraw else None  # not the adapters: made at step 7
     setup = LocalSetup(load_weights=load_weights, param_init_fn=param_init_fn, buffer_init=getattr(model, "_init_weights", None),
-                       add_adapters=_adapters(model, lora_config, autocast_adapter_dtype, device),
+                       add_adapters=_adapters(model, lora_config, autocast_adapter_dtype, device, redraw),
                        activation_checkpoint_config=activation_checkpoint_config,
                        fp32_grad_accumulation=fp32_grad_accumulation, bucket_size_mb=bucket_size_mb, device=device,
                        parameters_after_sharding=fill_after,
@@ -219,7 +224,11 @@ def parallelize(
                             shard_size=data_parallel_shard_size, offload=data_parallel_offload)
     if fill_after:
         fill_dp_shards(model, [model], target_device(device, [model]), load_dp_shards=load_dp_shards,
-                       param_init_fn=param_init_fn)
+                       param_init_fn=param_init_fn, init_modules=init_modules)
+    if redraw and state.adapters is not None:
+        from nxd_hf.lora.meta_base import redraw_adapters
+
+        redraw_adapters([model])
     model.save_pretrained = _save_pretrained(model, lora_config)
     return model
 
@@ -241,14 +250,15 @@ def _save_pretrained(model, lora_config):
     return save_lora_adapter
 
 
-def _adapters(model, lora_config, autocast_adapter_dtype: bool, device):
+def _adapters(model, lora_config, autocast_adapter_dtype: bool, device, drawn_after_init: bool):
     """Step 7's function for ``LocalSetup.add_adapters`` (None without ``lora_config``)."""
     if lora_config is None:
         return None
     from nxd_hf.lora.setup import setup_lora
 
     return functools.partial(setup_lora, lora_config=lora_config, model=model,
-                             autocast_adapter_dtype=autocast_adapter_dtype, device=device)
+                             autocast_adapter_dtype=autocast_adapter_dtype, device=device,
+                             drawn_after_init=drawn_after_init)
 
 
 

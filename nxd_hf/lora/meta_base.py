@@ -9,6 +9,11 @@ one element (``expand``: no memory): peft's draws and moves are then the ones it
 base, so the adapters equal plain peft's with the same seed, and the meta parameters are put back
 (with the ``requires_grad`` peft gave the stand-ins). The base is never materialized.
 
+With ``param_init_fn`` (the base initialized into the DP shards after ``fully_shard``), plain
+peft on a model initialized without FSDP draws the adapters after the base's init: setup puts the
+generator back where it was before injecting, and ``redraw_adapters`` draws every adapter again
+once the base is initialized, in peft's order (the model's module order), as peft draws it.
+
 peft options that copy or read the base at injection are left to the materialized path
 (``meta_base_refusal``): ``modules_to_save`` (a copy of the module), ``trainable_token_indices``
 (rows of the embedding), ``target_parameters`` (the parameter wrapped), and NxD's
@@ -19,7 +24,10 @@ import contextlib
 import torch
 from torch import nn
 
+from nxd_hf import backend, parallel_state
+from nxd_hf.checkpoint.dp_shard import dp_rows, local_of
 from nxd_hf.modules.lora import LoraConfig as NxDLoraConfig
+from nxd_hf.parallel_layers.sharding import is_sharded, shard_from_full
 
 
 def meta_base_refusal(lora_config) -> str | None:
@@ -78,3 +86,31 @@ def hf_base_name(name: str) -> str | None:
     from nxd_hf.lora.checkpoint import _base_name
 
     return _base_name(name, merged=False)
+
+
+@torch.no_grad()
+def redraw_adapters(roots: list[nn.Module], adapter_name: str = "default") -> None:
+    """Every LoRA adapter of ``roots`` (FSDP2's DTensors, allocated) drawn again from the generator
+    as plain peft draws it on the whole model (module docstring): this rank's TP slice of the
+    logical A and B, data-parallel rank 0's (as setup's broadcast), its DP rows kept."""
+    from peft.tuners.lora import LoraLayer
+
+    from nxd_hf.lora.init_rng import drawn_adapter
+
+    group = parallel_state.get_data_parallel_group()
+    for root in roots:
+        config = root.peft_config[adapter_name]
+        for module in root.modules():
+            if not isinstance(module, LoraLayer) or adapter_name not in module.lora_A:
+                continue
+            base = module.get_base_layer()
+            drawn = drawn_adapter(config, base, adapter_name=adapter_name, r=module.r[adapter_name],
+                                  alpha=module.lora_alpha[adapter_name], dtype=base.weight.dtype)
+            for linear, value in zip((module.lora_A[adapter_name], module.lora_B[adapter_name]), drawn):
+                param = linear.weight
+                value = shard_from_full(value, param.partition_dim, param.shard_index) if is_sharded(param) else value
+                local = local_of(param)
+                value = value.to(device=local.device, dtype=local.dtype).contiguous()
+                backend.broadcast(value, backend.global_rank(group, 0), group)
+                start, count, _ = dp_rows(param)
+                local.copy_(value[start:start + count])

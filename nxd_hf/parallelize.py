@@ -17,9 +17,10 @@ a directly constructed ``NxDPPModel`` all run these steps, in this order:
     fails every rank with the same ValueError instead of leaving them in the next collective;
  4. partition into pipeline stages, keeping this rank's (``NxDPPModel``, when pp > 1);
  5. weights: load only the local ones (``load_weights``; ``from_pretrained`` reads its slices),
-    or materialize meta weights with ``param_init_fn``; under ZeRO-2/3 without LoRA the meta
-    parameters wait, and are read or initialized into FSDP2's DP shards once sharded
-    (``nxd_hf.fsdp.load.fill_dp_shards``);
+    or materialize meta weights with ``param_init_fn``; under ZeRO-2/3 the meta parameters wait,
+    and are read or initialized into FSDP2's DP shards once sharded
+    (``nxd_hf.fsdp.load.fill_dp_shards``; LoRA's adapters made on the meta base at step 7,
+    ``nxd_hf.lora.meta_base``, at pp=1);
  6. tie weights shared by stages on different pipeline ranks;
  7. adapters: LoRA through peft (``lora_config``; ``nxd_hf.lora.setup.setup_lora``: inject, and
     NxD's ``load_lora_from_ckpt``);
@@ -111,8 +112,10 @@ def parallelize(
         and each rank's local shards are allocated (``nxd_hf.fsdp.load``); ``load_weights`` then
         fills the buffers only. No rank ever holds a TP shard whole. ``nxd_hf.from_pretrained``
         passes its reader. Without it, ``param_init_fn`` on a model wholly on the meta device under
-        data_parallel_sharding (no lora_config) initializes the DP shards the same way, one TP-local
-        parameter at a time (``nxd_hf.fsdp.init``; ``model.nxd.init_report``).
+        data_parallel_sharding initializes the DP shards the same way, one TP-local parameter at a
+        time (``nxd_hf.fsdp.init``; ``model.nxd.init_report``). With lora_config: at pp=1, and not
+        with modules_to_save, trainable_token_indices, target_parameters or load_lora_from_ckpt
+        (``nxd_hf.lora.meta_base.meta_base_refusal``; else the TP shard is materialized first).
     data_parallel_shard_size: with data_parallel_sharding, shard over groups of this many DP ranks and
         replicate across the groups (HSDP); None: shard over every DP rank.
     data_parallel_offload: with data_parallel_sharding, keep the shards (parameters, gradients and so the

@@ -94,23 +94,28 @@ def redraw_adapters(roots: list[nn.Module], adapter_name: str = "default") -> No
     as plain peft draws it on the whole model (module docstring): this rank's TP slice of the
     logical A and B, data-parallel rank 0's (as setup's broadcast), its DP rows kept."""
     from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import layer as peft_lora
 
     from nxd_hf.lora.init_rng import drawn_adapter
 
     group = parallel_state.get_data_parallel_group()
-    for root in roots:
+    layers = [(root, m) for root in roots for m in root.modules()
+              if isinstance(m, LoraLayer) and adapter_name in m.lora_A]
+    other = {type(m.get_base_layer()).__name__ for _, m in layers if not isinstance(m, peft_lora.Linear)}
+    if other:  # before any collective: every rank raises alike
+        raise ValueError(f"param_init_fn with lora_config under data_parallel_sharding draws the adapters again after "
+                         f"the base's init, which nxd_hf does for linear layers only, not {sorted(other)}: target "
+                         "linear layers, or initialize without data_parallel_sharding")
+    for root, module in layers:
         config = root.peft_config[adapter_name]
-        for module in root.modules():
-            if not isinstance(module, LoraLayer) or adapter_name not in module.lora_A:
-                continue
-            base = module.get_base_layer()
-            drawn = drawn_adapter(config, base, adapter_name=adapter_name, r=module.r[adapter_name],
-                                  alpha=module.lora_alpha[adapter_name], dtype=base.weight.dtype)
-            for linear, value in zip((module.lora_A[adapter_name], module.lora_B[adapter_name]), drawn):
-                param = linear.weight
-                value = shard_from_full(value, param.partition_dim, param.shard_index) if is_sharded(param) else value
-                local = local_of(param)
-                value = value.to(device=local.device, dtype=local.dtype).contiguous()
-                backend.broadcast(value, backend.global_rank(group, 0), group)
-                start, count, _ = dp_rows(param)
-                local.copy_(value[start:start + count])
+        base = module.get_base_layer()
+        drawn = drawn_adapter(config, base, adapter_name=adapter_name, r=module.r[adapter_name],
+                              alpha=module.lora_alpha[adapter_name], dtype=base.weight.dtype)
+        for linear, value in zip((module.lora_A[adapter_name], module.lora_B[adapter_name]), drawn):
+            param = linear.weight
+            value = shard_from_full(value, param.partition_dim, param.shard_index) if is_sharded(param) else value
+            local = local_of(param)
+            value = value.to(device=local.device, dtype=local.dtype).contiguous()
+            backend.broadcast(value, backend.global_rank(group, 0), group)
+            start, count, _ = dp_rows(param)
+            local.copy_(value[start:start + count])

@@ -83,14 +83,18 @@ def check_lora_loads_into_dp_shards(directory: str, tp: int, mode: str) -> None:
 
 
 def check_load_dp_shards_needs_data_parallel_sharding() -> None:
-    parallel_state.destroy_model_parallel()
-    _, model = hf_parity.build_pair("llama")
-    try:
-        nxd_hf.parallelize(model, load_dp_shards=lambda m: None)
-    except ValueError as error:
-        assert "load_dp_shards" in str(error) and "data_parallel_sharding" in str(error), error
-    else:
-        raise AssertionError("load_dp_shards without data_parallel_sharding was accepted")
+    """Without data_parallel_sharding, and with LoRA options that copy the base while peft injects."""
+    modules_to_save = peft.LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    for kwargs, expected in (({}, "data_parallel_sharding"),
+                             (dict(data_parallel_sharding="zero3", lora_config=modules_to_save), "modules_to_save")):
+        parallel_state.destroy_model_parallel()
+        _, model = hf_parity.build_pair("llama")
+        try:
+            nxd_hf.parallelize(model, load_dp_shards=lambda m: None, **kwargs)
+        except ValueError as error:
+            assert "load_dp_shards" in str(error) and expected in str(error), error
+        else:
+            raise AssertionError(f"load_dp_shards with {kwargs} was accepted")
 
 
 def _stored_numel(param) -> int:

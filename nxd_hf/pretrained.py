@@ -8,6 +8,7 @@ from nxd_hf import backend
 from nxd_hf.checkpoint.hf_dp_shards import load_hf_into_dp_shards
 from nxd_hf.checkpoint.hf_safetensors import LoadReport, check_checkpoint_dir, load_hf_safetensors
 from nxd_hf.guards.fail_together import fail_together
+from nxd_hf.lora.meta_base import hf_base_name, meta_base_refusal
 from nxd_hf.parallelize import parallelize
 
 
@@ -21,9 +22,12 @@ def from_pretrained(path: str, *, auto_class=transformers.AutoModelForCausalLM, 
     With ``pipeline_parallel_size`` > 1 it returns an ``NxDPPModel`` and each rank reads only
     the weights of its own stages. Slices go from the file straight to ``device`` (default: the
     backend's compute device, as ``parallelize``). Returns the model in eval mode, as transformers does;
-    ``model.nxd.load_report`` holds the bytes this rank read. With ``data_parallel_sharding``
-    (and no ``lora_config``) the parameters are read straight into FSDP2's data-parallel shards:
-    no rank holds more than its shard plus one parameter's DP rows (docs/fsdp.md).
+    ``model.nxd.load_report`` holds the bytes this rank read. With ``data_parallel_sharding`` the
+    parameters are read straight into FSDP2's data-parallel shards: no rank holds more than its
+    shard plus one parameter's DP rows (docs/fsdp.md); with ``lora_config`` too, the adapters made
+    on the meta base as plain peft makes them (at pp=1, and not with ``modules_to_save``,
+    ``trainable_token_indices``, ``target_parameters`` or NxD's ``load_lora_from_ckpt``: then the TP
+    shard is read first).
     expert_parallel_size: split each mixture-of-experts layer's experts over this many
     data-parallel ranks (``parallelize``); each rank reads only its experts' per-expert tensors.
     """
@@ -40,9 +44,12 @@ def from_pretrained(path: str, *, auto_class=transformers.AutoModelForCausalLM, 
         # transformers' own from_pretrained does, so the head's gradient reaches the embedding
         hf_model.tie_weights()
     reports = []
-    # ZeRO-2/3: the parameters are read into FSDP2's DP shards, never whole (nxd_hf.fsdp.load)
+    # ZeRO-2/3: the parameters are read into FSDP2's DP shards, never whole (nxd_hf.fsdp.load); LoRA's
+    # adapters are made at setup on the meta base (nxd_hf.lora.meta_base), and the base's names are peft's
+    lora_config = parallelize_kwargs.get("lora_config")
     into_dp_shards = (parallelize_kwargs.get("data_parallel_sharding") is not None
-                      and parallelize_kwargs.get("lora_config") is None)
+                      and (lora_config is None or (pipeline_parallel_size == 1 and meta_base_refusal(lora_config) is None)))
+    hf_name = hf_base_name if lora_config is not None else None
 
     def load_weights(modules):  # setup step 5, on this rank's modules (its stages with PP)
         device = parallelize_kwargs.get("device") or backend.default_device()  # as parallelize's default
@@ -51,7 +58,7 @@ def from_pretrained(path: str, *, auto_class=transformers.AutoModelForCausalLM, 
                                            parameters=not into_dp_shards))
 
     def load_dp_shards(modules):  # the model, or this rank's pipeline stages
-        reports.append(load_hf_into_dp_shards(modules, path, hf_model=hf_model))
+        reports.append(load_hf_into_dp_shards(modules, path, hf_model=hf_model, hf_name=hf_name))
 
     model = parallelize(hf_model, tensor_parallel_size=tensor_parallel_size,
                         pipeline_parallel_size=pipeline_parallel_size, load_weights=load_weights,

@@ -47,13 +47,15 @@ def read_dp_shard(checkpoint: SafetensorsCheckpoint, key: str, param: torch.Tens
 
 
 @torch.no_grad()
-def load_hf_into_dp_shards(modules: list[nn.Module], path: str, *, hf_model: nn.Module | None = None) -> LoadReport:
+def load_hf_into_dp_shards(modules: list[nn.Module], path: str, *, hf_model: nn.Module | None = None,
+                           hf_name=None) -> LoadReport:
     """Copy into the local shard of every DP-sharded parameter of ``modules`` its rows of the
     checkpoint at ``path`` (the shards are allocated, on their device; buffers were loaded before
-    sharding by ``load_hf_safetensors(..., parameters=False)``)."""
+    sharding by ``load_hf_safetensors(..., parameters=False)``). ``hf_name``: as ``parameter_keys``'s
+    (LoRA: ``q_proj.base_layer.weight`` is ``q_proj.weight``; the adapters, made at setup, are skipped)."""
     checkpoint = SafetensorsCheckpoint(path)
     key_of = HFKeys(hf_model if hf_model is not None else modules[0], checkpoint.files)
-    named, keys, fused = parameter_keys(modules, checkpoint, key_of, hf_model, path)
+    named, keys, fused = parameter_keys(modules, checkpoint, key_of, hf_model, path, hf_name=hf_name)
     for name, param in named:
         local = local_of(param)
         assert local is not param and not local.is_meta, f"{name}: expected an allocated DP shard (FSDP2's DTensor)"

@@ -232,10 +232,13 @@ class HFRenames:
 
 
 def parameter_keys(modules: list[nn.Module], checkpoint: SafetensorsCheckpoint, key_of: HFKeys,
-                   hf_model: nn.Module | None, path: str):
+                   hf_model: nn.Module | None, path: str, *, hf_name=None):
     """(named parameters, checkpoint key of each, per-expert sources of fused ones), after checking
-    that every parameter is in the checkpoint with its logical shape (before any slice is read)."""
-    named = list(_named_parameters(modules))
+    that every parameter is in the checkpoint with its logical shape (before any slice is read).
+    ``hf_name(name)``: the HF model's name of a parameter of ``modules``, None for one the files
+    do not hold (peft's adapters on a model whose base layers peft wrapped); default: the same."""
+    named = [(name if hf_name is None else hf_name(name), param) for name, param in _named_parameters(modules)]
+    named = [(name, param) for name, param in named if name is not None]
     keys = {name: key_of(name) for name, _ in named}
     fused = fused_parameters(hf_model if hf_model is not None else modules[0], named, keys, checkpoint)
     missing = [name for name, key in keys.items() if key is None and name not in fused]

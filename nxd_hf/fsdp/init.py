@@ -41,17 +41,18 @@ class InitReport:
 
 
 @torch.no_grad()
-def init_dp_shards(roots: list[nn.Module], param_init_fn) -> InitReport:
+def init_dp_shards(roots: list[nn.Module], param_init_fn, *, modules: set[int] | None = None) -> InitReport:
     """Run ``param_init_fn(module)`` on every module of ``roots`` (each once, ``root.modules()``
     order) with its own DP-sharded parameters as plain TP-local tensors, and copy this rank's
     rows of each into its allocated local shard (module docstring). A failure in ``param_init_fn``
     is raised after the loop: every rank still joins the gathers of tied parameters, so a rank
-    failing alone raises instead of leaving the others waiting in a gather."""
+    failing alone raises instead of leaving the others waiting in a gather. ``modules``: the ids of
+    the modules to initialize (default: all; LoRA: not the adapters and their wrappers, made at setup)."""
     report, seen_modules, seen_params = InitReport(), set(), set()
     error = None
     for root in roots:
         for module_name, module in root.named_modules():
-            if id(module) in seen_modules:
+            if id(module) in seen_modules or (modules is not None and id(module) not in modules):
                 continue
             seen_modules.add(id(module))
             sharded = {name: p for name, p in module._parameters.items() if isinstance(p, DTensor)}

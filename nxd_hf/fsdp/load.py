@@ -18,21 +18,23 @@ from nxd_hf.model_setup.replicas import check_fingerprints_equal
 
 
 def init_after_sharding(model: nn.Module, data_parallel_sharding, param_init_fn, *, load_weights,
-                        lora_config) -> bool:
+                        adapters_on_meta: bool) -> bool:
     """Whether ``param_init_fn`` initializes FSDP2's DP shards (``nxd_hf.fsdp.init``) instead of the
-    TP shard: a model wholly on the meta device under ZeRO-2/3. LoRA's adapters are added before
-    sharding: with them, and for real or partly real weights, the TP shard is materialized as
-    without FSDP."""
+    TP shard: a model wholly on the meta device under ZeRO-2/3. ``adapters_on_meta``: LoRA's
+    adapters (added before sharding) can be made on the meta base and drawn again after the init
+    (``nxd_hf.lora.meta_base``), or there are none. Otherwise, and for real or partly real weights,
+    the TP shard is materialized as without FSDP."""
     return (data_parallel_sharding is not None and param_init_fn is not None and load_weights is None
-            and lora_config is None and all(p.is_meta for p in model.parameters()))
+            and adapters_on_meta and all(p.is_meta for p in model.parameters()))
 
 
 def fill_dp_shards(model: nn.Module, roots: list[nn.Module], device, *, load_dp_shards=None, param_init_fn=None,
-                   sync_ties=None) -> None:
+                   sync_ties=None, init_modules: set[int] | None = None) -> None:
     """Allocate the DP shards of every FSDP root in ``roots`` (the model, or a pipeline's local
     stages) on ``device`` and fill them: ``load_dp_shards(roots)`` reads them, or else
     ``param_init_fn`` initializes them (its ``InitReport`` becomes ``model.nxd.init_report``;
-    the replicas are checked to have initialized alike, as step 7 checks materialized weights).
+    the replicas are checked to have initialized alike, as step 7 checks materialized weights;
+    ``init_modules``: as ``init_dp_shards``' ``modules``).
     ``sync_ties()`` then makes the weights tied across pipeline stages equal (the first holder's
     values, as without FSDP)."""
     report = None
@@ -42,7 +44,7 @@ def fill_dp_shards(model: nn.Module, roots: list[nn.Module], device, *, load_dp_
         if load_dp_shards is not None:
             load_dp_shards(roots)
         else:
-            report = init_dp_shards(roots, param_init_fn)
+            report = init_dp_shards(roots, param_init_fn, modules=init_modules)
     if report is not None:
         check_fingerprints_equal(report.fingerprints)
         model.nxd.record_init_report(report)

@@ -133,11 +133,18 @@ def _no_sync(model):
 def _install_partial_sums(model: nn.Module) -> None:
     """Sum over TP each backward's gradient of the parameters marked partial over TP. During
     forward, a module's attribute is FSDP2's unsharded parameter (created once, reused every step):
-    a forward pre-hook on the owning module hooks it the first time it appears."""
-    for module in model.modules():
+    a forward pre-hook hooks it the first time it appears. The hook is on the FSDP module managing
+    it, after FSDP2's own unshard: the owning module's forward may never run (peft's LoRA on a
+    row-parallel layer calls its base layer's pieces, so a trained base bias stayed partial)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    managing = {}  # module name -> the nearest FSDP module at or above it (pre-order: parents first)
+    for name, module in model.named_modules():
+        managing[name] = module if isinstance(module, FSDPModule) else managing[name.rpartition(".")[0]]
         names = [n for n, p in module.named_parameters(recurse=False) if has_partial_grad_over_tp(p)]
         if names:
-            module.register_forward_pre_hook(lambda m, _args, names=tuple(names): _hook_unsharded(m, names))
+            managing[name].register_forward_pre_hook(
+                lambda _m, _args, owner=module, names=tuple(names): _hook_unsharded(owner, names))
 
 
 def _hook_unsharded(module: nn.Module, names: tuple[str, ...]) -> None:

@@ -44,6 +44,17 @@ def _replay(config, name: str, module: nn.Module) -> None:
     peft_lora.Linear(stand_in, "nxd_hf_rng_replay", config=config, r=r, lora_alpha=alpha)
 
 
+def drawn_adapter(config, module: nn.Module, *, adapter_name: str, r: int, alpha, dtype: torch.dtype):
+    """(A [r, in], B [out, r]) as peft draws them from the generator creating the adapter of
+    ``module``, a linear layer of ``dtype``: on a one-element stand-in of its logical weight
+    (``nxd_hf.lora.meta_base``), cast to ``dtype`` as peft casts them to the base's."""
+    in_features, out_features = _logical_features(module)
+    stand_in = nn.Linear(in_features, out_features, bias=False, device="meta")
+    stand_in.weight = nn.Parameter(torch.empty((), dtype=dtype).expand(out_features, in_features), requires_grad=False)
+    layer = peft_lora.Linear(stand_in, adapter_name, config=config, r=r, lora_alpha=alpha)
+    return layer.lora_A[adapter_name].weight.detach(), layer.lora_B[adapter_name].weight.detach()
+
+
 def stage_rng_states(config, hf_model: nn.Module, whole_model_targets: list[str], stage_modules: list) -> torch.Tensor:
     """Records, for each target of ``stage_modules``, the generator state at which plain peft
     creates its adapter on ``hf_model`` (targets in ``whole_model_targets``' order); returns the

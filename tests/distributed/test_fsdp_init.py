@@ -15,12 +15,17 @@ from nxd_hf import parallel_state
 from nxd_hf.checkpoint.dp_shard import local_of
 
 
-def _init_recording(seen: list[int]):
+def _init_recording(seen: list[int], after: list | None = None):
     """A ``param_init_fn`` drawing from torch's generator; the LM head's (tied) weight is scaled and
     perturbed from its current value, so it must see what the embedding's init left. ``seen`` gets
-    the bytes of every tensor it is handed."""
+    the bytes of every tensor it is handed; ``after`` the generator state after each call."""
 
     def init(module) -> None:
+        _init(module)
+        if after is not None:
+            after.append(torch.get_rng_state())
+
+    def _init(module) -> None:
         with torch.no_grad():
             for param in module.parameters(recurse=False):
                 assert not isinstance(param, DTensor) and not param.is_meta, type(param)
@@ -33,17 +38,20 @@ def _init_recording(seen: list[int]):
     return init
 
 
-def _build(fsdp: bool, tp: int, pp: int, seen: list[int]):
+def _config():
+    config_cls, _, kwargs = hf_parity.TINY["llama"]
+    return config_cls(**{**kwargs, "tie_word_embeddings": True, "attention_bias": False})
+
+
+def _build(fsdp: bool, tp: int, pp: int, seen: list[int], after: list | None = None, **lora):
     parallel_state.destroy_model_parallel()
-    config_cls, model_cls, kwargs = hf_parity.TINY["llama"]
-    config = config_cls(**{**kwargs, "tie_word_embeddings": True, "attention_bias": False})
     with torch.device("meta"):
-        model = model_cls(config)
+        model = hf_parity.TINY["llama"][1](_config())
     torch.manual_seed(0)
     kwargs = dict(num_microbatches=2) if pp > 1 else {}
     return nxd_hf.parallelize(model, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-                              param_init_fn=_init_recording(seen),
-                              data_parallel_sharding="zero3" if fsdp else None, **kwargs)
+                              param_init_fn=_init_recording(seen, after),
+                              data_parallel_sharding="zero3" if fsdp else None, **kwargs, **lora)
 
 
 def check_meta_init_into_dp_shards(tp: int, pp: int) -> None:
@@ -63,6 +71,39 @@ def check_meta_init_into_dp_shards(tp: int, pp: int) -> None:
     largest_tp_local = max(p.numel() * p.element_size() for p in params)  # a DTensor's shape is TP-local
     assert model.nxd.init_report.largest_bytes == max(seen_fsdp) == largest_tp_local, model.nxd.init_report
     assert max(local_of(p).numel() * 4 for p in params) < largest_tp_local  # at rest: 1/dp of it
+
+
+def check_lora_meta_init_into_dp_shards(tp: int) -> None:
+    """param_init_fn with lora_config under ZeRO-3: the base initialized into the DP shards, the
+    adapters made on the meta base and drawn after the init, as without FSDP: every parameter
+    bit-equal to the init without FSDP, the adapters to plain peft's drawn from the generator state
+    that init leaves, one step equal to plain peft's; the largest tensor built one TP-local parameter
+    (before, the whole TP shard was materialized first)."""
+    import copy
+
+    import peft
+
+    from support import lora
+
+    config = lora.lora_config(target_modules=["q_proj", "v_proj", "down_proj"])
+    seen_plain, seen_fsdp, after = [], [], []
+    plain = _build(False, tp, 1, seen_plain, after, lora_config=copy.deepcopy(config))
+    want = nxd_hf.full_state_dict(plain)
+    model = _build(True, tp, 1, seen_fsdp, lora_config=copy.deepcopy(config))
+    got = nxd_hf.full_state_dict(model)
+    assert set(got) == set(want), set(got) ^ set(want)
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+    assert seen_fsdp == seen_plain, (seen_fsdp, seen_plain)  # fn never handed an adapter
+    largest_tp_local = max(p.numel() * p.element_size() for p in model.parameters())
+    assert model.nxd.init_report.largest_bytes == max(seen_fsdp) == largest_tp_local, model.nxd.init_report
+    # plain peft on one process, on the same base, drawing from where the init left the generator
+    reference = hf_parity.TINY["llama"][1](_config())
+    base = {n.replace(".base_layer", ""): v for n, v in want.items() if ".lora_" not in n}
+    reference.load_state_dict(base, strict=False)
+    torch.set_rng_state(after[-1])
+    ref_peft = peft.get_peft_model(reference.to(hf_parity.backend.default_device()), copy.deepcopy(config))
+    lora.check_dp_sharded_against_peft(model, ref_peft, f"lora init tp={tp}")
 
 
 def check_meta_init_failures_raise_on_every_rank() -> None:
@@ -97,8 +138,16 @@ def test_meta_init_failures_raise_on_every_rank_dp2(ranks2):
     ranks2.run(check_meta_init_failures_raise_on_every_rank)
 
 
+def test_lora_meta_init_into_dp_shards_dp2(ranks2):
+    ranks2.run(check_lora_meta_init_into_dp_shards, 1)
+
+
 def test_meta_init_into_dp_shards_tp2_dp2(ranks4):
     ranks4.run(check_meta_init_into_dp_shards, 2, 1)
+
+
+def test_lora_meta_init_into_dp_shards_tp2_dp2(ranks4):
+    ranks4.run(check_lora_meta_init_into_dp_shards, 2)
 
 
 def test_meta_init_into_dp_shards_pp2_dp2_tied_across_stages(ranks4):

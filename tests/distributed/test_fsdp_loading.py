@@ -11,6 +11,7 @@ checkpoints under FSDP: tests/distributed/moe/test_moe_fsdp.py). The ranks2 case
 
 import json
 
+import peft
 import torch
 import transformers
 from safetensors.torch import load_file
@@ -59,15 +60,42 @@ def check_loads_into_dp_shards(directory: str, model_type: str, tp: int, mode: s
         torch.testing.assert_close(grad, want.grad, **hf_parity.TOL, msg=lambda m: f"grad {name}: {m}")
 
 
-def check_load_dp_shards_needs_data_parallel_sharding() -> None:
+def check_lora_loads_into_dp_shards(directory: str, tp: int, mode: str) -> None:
+    """from_pretrained with lora_config under ZeRO-2/3: the base read straight into the DP shards
+    under peft's names (``q_proj.base_layer.weight``), the adapters made on the meta base as plain
+    peft makes them (same seed), one step equal to plain peft's; the reader never held more than one
+    DP shard (before, the TP shard was read whole first: ``largest_bytes`` was the largest TP-local tensor)."""
+    import copy
+
+    from support import lora
+
     parallel_state.destroy_model_parallel()
-    _, model = hf_parity.build_pair("llama")
-    try:
-        nxd_hf.parallelize(model, load_dp_shards=lambda m: None)
-    except ValueError as error:
-        assert "load_dp_shards" in str(error) and "data_parallel_sharding" in str(error), error
-    else:
-        raise AssertionError("load_dp_shards without data_parallel_sharding was accepted")
+    reference = _save_reference("llama", directory)
+    config = lora.lora_config(target_modules=["q_proj", "v_proj", "down_proj"], bias="lora_only")
+    torch.manual_seed(lora.SEED)
+    ref_peft = peft.get_peft_model(reference, copy.deepcopy(config))
+    torch.manual_seed(lora.SEED)
+    model = nxd_hf.from_pretrained(directory, tensor_parallel_size=tp, data_parallel_sharding=mode,
+                                   sequence_parallel=tp > 1, lora_config=copy.deepcopy(config))
+    report = model.nxd.load_report
+    base = [local_of(p) for n, p in model.named_parameters() if ".lora_" not in n]  # the adapters are not read
+    assert report.largest_bytes == max(s.numel() * s.element_size() for s in base), report
+    lora.check_dp_sharded_against_peft(model, ref_peft, f"lora tp={tp} {mode}")
+
+
+def check_load_dp_shards_needs_data_parallel_sharding() -> None:
+    """Without data_parallel_sharding, and with LoRA options that copy the base while peft injects."""
+    modules_to_save = peft.LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    for kwargs, expected in (({}, "data_parallel_sharding"),
+                             (dict(data_parallel_sharding="zero3", lora_config=modules_to_save), "modules_to_save")):
+        parallel_state.destroy_model_parallel()
+        _, model = hf_parity.build_pair("llama")
+        try:
+            nxd_hf.parallelize(model, load_dp_shards=lambda m: None, **kwargs)
+        except ValueError as error:
+            assert "load_dp_shards" in str(error) and expected in str(error), error
+        else:
+            raise AssertionError(f"load_dp_shards with {kwargs} was accepted")
 
 
 def _stored_numel(param) -> int:
@@ -150,6 +178,10 @@ def test_from_pretrained_zero3_llama_dp2(ranks2, tmp_path):
     ranks2.run(check_loads_into_dp_shards, str(tmp_path), "llama", 1, "zero3")
 
 
+def test_from_pretrained_lora_zero3_dp2(ranks2, tmp_path):
+    ranks2.run(check_lora_loads_into_dp_shards, str(tmp_path), 1, "zero3")
+
+
 def test_load_dp_shards_needs_data_parallel_sharding(ranks2):
     ranks2.run(check_load_dp_shards_needs_data_parallel_sharding)
 
@@ -160,6 +192,10 @@ def test_from_pretrained_zero3_gpt2_conv1d_dp2(ranks2, tmp_path):
 
 def test_from_pretrained_zero2_llama_tp2_dp2(ranks4, tmp_path):
     ranks4.run(check_loads_into_dp_shards, str(tmp_path), "llama", 2, "zero2")
+
+
+def test_from_pretrained_lora_zero2_tp2_dp2(ranks4, tmp_path):
+    ranks4.run(check_lora_loads_into_dp_shards, str(tmp_path), 2, "zero2")
 
 
 def test_from_pretrained_zero3_gpt2_conv1d_tp2_dp2(ranks4, tmp_path):

@@ -113,3 +113,35 @@ def check_training(model_type: str, tp: int, *, sp=False, dp=1, task_model_cls=N
     merged.eval()
     with torch.no_grad():
         torch.testing.assert_close(merged(input_ids=ids).logits, ref_logits, **TOL, msg=lambda m: f"{what} merged: {m}")
+
+
+def check_dp_sharded_against_peft(model, ref_peft, what: str) -> None:
+    """A LoRA model under ZeRO-2/3 against plain peft on one process (same base, same seed for the
+    adapters): every parameter bit-equal at start, base and adapters (HF layout), then one step on
+    the same batch on every rank (FSDP2's mean is then the one gradient): the loss and every
+    adapter's gradient equal, and the base without gradient."""
+    from nxd_hf.fsdp import is_dp_sharded, logical_tensor
+
+    def hf_layout(param, tensor):
+        return tensor.t() if getattr(param, "hf_transposed", False) else tensor
+
+    ref = {n.removeprefix("base_model.model."): p for n, p in ref_peft.named_parameters()}
+    params = dict(model.named_parameters())
+    assert params.keys() == ref.keys(), sorted(params.keys() ^ ref.keys())[:4]
+    assert all(is_dp_sharded(p) for p in params.values())  # the frozen base and the adapters
+    for name, param in params.items():
+        assert param.requires_grad == ref[name].requires_grad, name
+        torch.testing.assert_close(hf_layout(param, logical_tensor(param)), ref[name].detach(), rtol=0, atol=0,
+                                   msg=lambda m: f"{what} {name}: {m}")
+    ids, labels = hf_parity.batch()
+    loss = model.train()(input_ids=ids, labels=labels).loss
+    ref_loss = ref_peft.train()(input_ids=ids, labels=labels).loss
+    torch.testing.assert_close(loss, ref_loss, **TOL)
+    loss.backward()
+    ref_loss.backward()
+    for name, param in params.items():
+        if not param.requires_grad:
+            assert param.grad is None, f"{what} base {name} got a gradient"
+            continue
+        grad = hf_layout(param, logical_tensor(param, param.grad))
+        torch.testing.assert_close(grad, ref[name].grad, **TOL, msg=lambda m: f"{what} grad {name}: {m}")

@@ -264,7 +264,6 @@ def _adapters(model, lora_config, autocast_adapter_dtype: bool, device, drawn_af
                              drawn_after_init=drawn_after_init)
 
 
-
 def _check_pipeline_option_names(pipeline_kwargs: dict) -> None:
     """A keyword ``parallelize`` does not take and ``NxDPPModel`` does not either is a typo: name
     it, and the closest argument, instead of calling it a pipeline option."""

@@ -6,7 +6,6 @@ embedding's gave it), and the largest tensor ever built is exactly the largest T
 At dp=2, tp=2 x dp=2 and pp=2 x dp=2 (the tie across the stages). The ranks2 case comes first."""
 
 import torch
-import transformers
 from torch.distributed.tensor import DTensor
 
 from support import hf_parity

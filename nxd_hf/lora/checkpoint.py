@@ -72,7 +72,7 @@ class LoraCheckpoint:
         for name, tensor in named_local_tensors(roots):
             if id(tensor) in adapter_ids:
                 adapters.append((name, tensor))
-            base_name = _base_name(name, merged=base == "merged")
+            base_name = peft_base_name(name, merged=base == "merged")
             if read_base and base_name is not None:
                 bases.append((base_name, tensor))
         merged = _merged_weights(roots, self.adapter_name) if base == "merged" and not loading else {}
@@ -100,7 +100,7 @@ class LoraCheckpoint:
                      config_directory=os.path.join(directory, plan["config_dir"]))
 
 
-def _base_name(name: str, *, merged: bool) -> str | None:
+def peft_base_name(name: str, *, merged: bool) -> str | None:
     """The HF name of a base-model tensor (peft's wrapping undone), None for an adapter tensor.
     ``modules_to_save``: the trained copy in a merged base (as ``merge_and_unload``), else the original."""
     parts = name.split(".")

@@ -83,9 +83,9 @@ def _is_stand_in(tensor: torch.Tensor) -> bool:
 def hf_base_name(name: str) -> str | None:
     """The HF name of a base parameter of a model peft injected into (``q_proj.base_layer.weight``
     -> ``q_proj.weight``), None for an adapter's: what the DP-shard reader reads from the files."""
-    from nxd_hf.lora.checkpoint import _base_name
+    from nxd_hf.lora.checkpoint import peft_base_name
 
-    return _base_name(name, merged=False)
+    return peft_base_name(name, merged=False)
 
 
 @torch.no_grad()

@@ -31,7 +31,7 @@ from nxd_hf.moe.aux_loss import aux_loss_spec
 from nxd_hf.pipeline.router_aux import RouterAuxLoss
 from nxd_hf.pipeline.runtime import SCHEDULES, build_schedule, check_same_schedule, check_schedule
 from nxd_hf.pipeline.recompute import allow_unmasked_attention, metadata_substitutes, recomputable_nodes
-from nxd_hf.pipeline.stages import (NoneAtBoundary, boundaries, fake_propagate, flat_boundary_values, none_positions,
+from nxd_hf.pipeline.stages import (MetadataByShape, NoneAtBoundary, boundaries, fake_propagate, flat_boundary_values, none_positions,
                                     split_stages, value_kinds)
 from nxd_hf.pipeline.trace import make_tracer, trace_hf
 from nxd_hf.pipeline.step import StepRunner
@@ -143,6 +143,7 @@ class NxDPPModel(nn.Module):
             self.keyword_inputs = list(traced_inputs) if self._recomputed else []
             all_stages = split_stages(graph_module, self.stage_of_layer, self._kinds, self._recomputed, substitutes)
             self._graph = [graph_module]  # the whole traced model, for per-shape stage metadata
+            self._metadata_by_shape = MetadataByShape(self._propagated_metadata, graph_module)
             self._boundaries = boundaries(graph_module, self.stage_of_layer, self._recomputed)
             placement = SCHEDULES[self.schedule_name][1]
             self.stage_to_rank = partition.stage_ranks(self.num_stages, self.pp_size, placement)
@@ -267,7 +268,11 @@ class NxDPPModel(nn.Module):
         local stage for one microbatch shape, from a fake run of the whole traced model: torch's
         stages then never infer shapes by running a forward on unreceived buffers (which breaks
         on values such as GPT-2's output shape). The None positions: boundary values that are
-        None for these inputs (``NoneAtBoundary``), left out of the examples."""
+        None for these inputs (``NoneAtBoundary``), left out of the examples. One fake run per
+        shape (``MetadataByShape``: evaluation reuses training's)."""
+        return self._metadata_by_shape(microbatch_inputs)
+
+    def _propagated_metadata(self, microbatch_inputs: list[torch.Tensor]) -> dict[int, tuple[list, list, list, list]]:
         graph_module = self._graph[0]
         fake_propagate(graph_module, microbatch_inputs)
         output_node = next(n for n in graph_module.graph.nodes if n.op == "output")

@@ -73,6 +73,24 @@ def _fsdp_hooks_off(gm: fx.GraphModule):
             hooks.update(before)
 
 
+class MetadataByShape:
+    """The stages' metadata (``NxDPPModel.stage_metadata``) per signature of the microbatch (each
+    input's shape, dtype and device) and of ``gm``'s parameters (dtype, requires_grad), from
+    ``compute``: a fake run of the whole model, the costly part of building a schedule. Training and
+    evaluation at one shape share it: ``fake_propagate`` runs with gradients enabled whatever the
+    caller's mode, and a module's training flag changes values (dropout), not shapes."""
+
+    def __init__(self, compute, gm: fx.GraphModule):
+        self._compute, self._gm, self._cache = compute, gm, {}
+
+    def __call__(self, microbatch_inputs: list) -> dict:
+        key = (tuple(None if t is None else (tuple(t.shape), t.dtype, t.device.type) for t in microbatch_inputs),
+               tuple((p.dtype, p.requires_grad) for p in self._gm.parameters()))
+        if key not in self._cache:
+            self._cache[key] = self._compute(microbatch_inputs)
+        return self._cache[key]
+
+
 class _RecordingInterpreter(fx.Interpreter):
     def run_node(self, node: fx.Node):
         value = super().run_node(node)

@@ -211,6 +211,26 @@ def check_deallocation() -> None:
         assert freed == 0
 
 
+def check_one_fake_run_per_shape() -> None:
+    """Building a schedule runs the whole model on fake tensors for the stages' shapes: once per
+    microbatch shape. run_eval at the shape run_train used reuses training's run, which equals a
+    fresh fake run made without gradients (as run_eval's would be)."""
+    pp_model = check_pipeline("llama")  # run_train, then run_eval twice, at one batch shape
+    cache = pp_model._metadata_by_shape._cache
+    assert len(cache) == 1 and len(pp_model._runner.schedules) == 2, (list(cache), list(pp_model._runner.schedules))
+    ((train, *signature),) = {key for key in pp_model._runner.schedules if key[0]}
+    microbatch = [torch.zeros(shape, dtype=dtype).chunk(pp_model.num_microbatches)[0] for shape, dtype in signature]
+
+    def described(meta):
+        return {s: ([(t.shape, t.dtype, t.requires_grad) for t in ins], [(t.shape, t.dtype, t.requires_grad) for t in outs],
+                    *nones) for s, (ins, outs, *nones) in meta.items()}
+
+    with torch.no_grad():
+        reused, fresh = pp_model.stage_metadata(microbatch), pp_model._propagated_metadata(microbatch)
+    assert len(cache) == 1
+    assert described(reused) == described(fresh), (described(reused), described(fresh))
+
+
 def check_first_stage_split_backward() -> None:
     """Zero-bubble schedules: the first stage's I step computes the gradient down to the
     hidden state entering its first layer and leaves the weights alone; its W step then fills
@@ -280,6 +300,10 @@ def test_pp2_zero_bubble_with_activation_checkpointing_two_steps(ranks2):
 
 def test_zero_bubble_first_stage_splits_input_and_weight_backward(ranks2):
     ranks2.run(check_first_stage_split_backward)
+
+
+def test_pp2_one_fake_run_per_batch_shape(ranks2):
+    ranks2.run(check_one_fake_run_per_shape)
 
 
 def test_sent_activations_are_deallocated(ranks2):

@@ -245,18 +245,18 @@ def check_pipeline_loads_into_dp_shards(directory: str, with_lora: bool) -> None
     """``from_pretrained`` at pp=2 x dp=2 ZeRO-3: each stage's parameters read straight into its
     DP shards, equal to HF's bit for bit (the embedding tied to the head across the stages); one
     step's loss and gradients equal HF's; the reader never held more than one DP shard. With LoRA
-    (``with_lora``; untied): the base read under peft's names, each stage's adapters made on the
-    meta base as plain peft makes them on the whole model (same seed), every parameter bit-equal to
-    plain peft's, the step's loss and adapter (and trained bias) gradients equal to plain peft's (before,
-    each stage's TP shard was read whole first: ``largest_bytes`` was the largest TP-local tensor)."""
+    (``with_lora``): the base read under peft's names, each stage's adapters made on the meta base
+    as plain peft makes them on the whole model (same seed), every parameter bit-equal to plain
+    peft's, the step's loss and adapter (and trained bias) gradients equal to plain peft's, the base
+    (the frozen tied embedding too) without gradient (before, each stage's TP shard was read whole
+    first: ``largest_bytes`` was the largest TP-local tensor)."""
     import copy
 
     from support import lora
 
     parallel_state.destroy_model_parallel()
     config = lora.lora_config(target_modules=["q_proj", "v_proj", "down_proj"], bias="lora_only")
-    reference = _save_reference("llama", directory, **({} if with_lora else dict(attention_bias=False,
-                                                                                  tie_word_embeddings=True)))
+    reference = _save_reference("llama", directory, tie_word_embeddings=True, attention_bias=with_lora)
     if with_lora:
         torch.manual_seed(lora.SEED)
         reference = peft.get_peft_model(reference, copy.deepcopy(config))

@@ -20,7 +20,7 @@ a directly constructed ``NxDPPModel`` all run these steps, in this order:
     or materialize meta weights with ``param_init_fn``; under ZeRO-2/3 the meta parameters wait,
     and are read or initialized into FSDP2's DP shards once sharded
     (``nxd_hf.fsdp.load.fill_dp_shards``; LoRA's adapters made on the meta base at step 7,
-    ``nxd_hf.lora.meta_base``, at pp=1);
+    ``nxd_hf.lora.meta_base``, and drawn again after ``param_init_fn``'s init);
  6. tie weights shared by stages on different pipeline ranks;
  7. adapters: LoRA through peft (``lora_config``; ``nxd_hf.lora.setup.setup_lora``: inject, and
     NxD's ``load_lora_from_ckpt``);
@@ -53,7 +53,7 @@ from nxd_hf.guards.input_check import install_input_check, resolve_mode
 from nxd_hf.guards.fail_together import fail_together
 from nxd_hf.guards.same_everywhere import check_same_on_every_rank, model_summary
 from nxd_hf.lora import register_with_peft
-from nxd_hf.lora.meta_base import meta_base_refusal
+from nxd_hf.lora.meta_base import AdapterRedraw, meta_base_refusal, redraw_adapters
 from nxd_hf.moe.replica_aux import install_global_aux_loss
 from nxd_hf.parallel_sizes import ParallelSizes
 from nxd_hf.setup_steps import (
@@ -113,8 +113,8 @@ def parallelize(
         fills the buffers only. No rank ever holds a TP shard whole. ``nxd_hf.from_pretrained``
         passes its reader. Without it, ``param_init_fn`` on a model wholly on the meta device under
         data_parallel_sharding initializes the DP shards the same way, one TP-local parameter at a
-        time (``nxd_hf.fsdp.init``; ``model.nxd.init_report``). With lora_config: at pp=1, and not
-        with modules_to_save, trainable_token_indices, target_parameters or load_lora_from_ckpt
+        time (``nxd_hf.fsdp.init``; ``model.nxd.init_report``). With lora_config: not with
+        modules_to_save, trainable_token_indices, target_parameters or load_lora_from_ckpt
         (``nxd_hf.lora.meta_base.meta_base_refusal``; else the TP shard is materialized first).
     data_parallel_shard_size: with data_parallel_sharding, shard over groups of this many DP ranks and
         replicate across the groups (HSDP); None: shard over every DP rank.
@@ -170,12 +170,12 @@ def parallelize(
                                      expert_parallel_size=expert_parallel_size, lora_config=lora_config,
                                      pipeline_kwargs=pipeline_kwargs, shard_size=data_parallel_shard_size,
                                      offload=data_parallel_offload)
-        # LoRA: adapters made on the meta base at step 7 (nxd_hf.lora.meta_base), at pp=1
-        adapters_on_meta = lora_config is None or (sizes.pp == 1 and meta_base_refusal(lora_config) is None)
+        # LoRA: adapters made on the meta base at step 7 (nxd_hf.lora.meta_base), every stage's at pp > 1
+        adapters_on_meta = lora_config is None or meta_base_refusal(lora_config) is None
         if load_dp_shards is not None and (data_parallel_sharding is None or not adapters_on_meta):
             raise ValueError("load_dp_shards loads the weights into FSDP2's data-parallel shards: it needs "
-                             "data_parallel_sharding, and with lora_config pipeline_parallel_size=1 and no "
-                             "modules_to_save, trainable_token_indices, target_parameters or load_lora_from_ckpt "
+                             "data_parallel_sharding, and with lora_config no modules_to_save, "
+                             "trainable_token_indices, target_parameters or load_lora_from_ckpt "
                              "(load the weights with load_weights instead)")
         if pipeline_kwargs and sizes.pp == 1:
             raise ValueError(f"{sorted(pipeline_kwargs)} are pipeline options: they need pipeline_parallel_size > 1")
@@ -195,8 +195,8 @@ def parallelize(
     fill_after = load_dp_shards is not None or init_after_sharding(model, data_parallel_sharding, param_init_fn,
                                                                     load_weights=load_weights,
                                                                     adapters_on_meta=adapters_on_meta)
-    redraw = fill_after and load_dp_shards is None and lora_config is not None  # adapters drawn after the init
-    init_modules = {id(m) for m in model.modules()} if redraw else None  # not the adapters: made at step 7
+    # LoRA with param_init_fn: the adapters drawn again after the init (step 7 records how: AdapterRedraw)
+    redraw = AdapterRedraw() if fill_after and load_dp_shards is None and lora_config is not None else None
     setup = LocalSetup(load_weights=load_weights, param_init_fn=param_init_fn, buffer_init=getattr(model, "_init_weights", None),
                        add_adapters=_adapters(model, lora_config, autocast_adapter_dtype, device, redraw),
                        activation_checkpoint_config=activation_checkpoint_config,
@@ -214,7 +214,10 @@ def parallelize(
         if fill_after:
             fill_dp_shards(pp_model, pp_model.local_modules(), target_device(device, pp_model.local_modules()),
                            load_dp_shards=load_dp_shards, param_init_fn=param_init_fn,
-                           sync_ties=pp_model.tied.sync_initial_values)
+                           sync_ties=pp_model.tied.sync_initial_values,
+                           init_modules=redraw.base_modules if redraw else None)
+        if redraw is not None and pp_model.nxd.adapters is not None:
+            redraw_adapters(pp_model.local_modules(), whole_model=redraw.whole_model)
         pp_model.save_pretrained = _save_pretrained(pp_model, lora_config)
         model.save_pretrained = _save_pretrained(pp_model, lora_config)  # the user's object: its stages' weights
         return pp_model
@@ -227,10 +230,8 @@ def parallelize(
                             shard_size=data_parallel_shard_size, offload=data_parallel_offload)
     if fill_after:
         fill_dp_shards(model, [model], target_device(device, [model]), load_dp_shards=load_dp_shards,
-                       param_init_fn=param_init_fn, init_modules=init_modules)
-    if redraw and state.adapters is not None:
-        from nxd_hf.lora.meta_base import redraw_adapters
-
+                       param_init_fn=param_init_fn, init_modules=redraw.base_modules if redraw else None)
+    if redraw is not None and state.adapters is not None:
         redraw_adapters([model])
     model.save_pretrained = _save_pretrained(model, lora_config)
     return model
@@ -253,7 +254,7 @@ def _save_pretrained(model, lora_config):
     return save_lora_adapter
 
 
-def _adapters(model, lora_config, autocast_adapter_dtype: bool, device, drawn_after_init: bool):
+def _adapters(model, lora_config, autocast_adapter_dtype: bool, device, redraw: AdapterRedraw | None):
     """Step 7's function for ``LocalSetup.add_adapters`` (None without ``lora_config``)."""
     if lora_config is None:
         return None
@@ -261,7 +262,7 @@ def _adapters(model, lora_config, autocast_adapter_dtype: bool, device, drawn_af
 
     return functools.partial(setup_lora, lora_config=lora_config, model=model,
                              autocast_adapter_dtype=autocast_adapter_dtype, device=device,
-                             drawn_after_init=drawn_after_init)
+                             redraw=redraw)
 
 
 def _check_pipeline_option_names(pipeline_kwargs: dict) -> None:

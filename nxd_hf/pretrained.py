@@ -25,9 +25,9 @@ def from_pretrained(path: str, *, auto_class=transformers.AutoModelForCausalLM, 
     ``model.nxd.load_report`` holds the bytes this rank read. With ``data_parallel_sharding`` the
     parameters are read straight into FSDP2's data-parallel shards: no rank holds more than its
     shard plus one parameter's DP rows (docs/fsdp.md); with ``lora_config`` too, the adapters made
-    on the meta base as plain peft makes them (at pp=1, and not with ``modules_to_save``,
-    ``trainable_token_indices``, ``target_parameters`` or NxD's ``load_lora_from_ckpt``: then the TP
-    shard is read first).
+    on the meta base as plain peft makes them (each pipeline stage's as on the whole model; not with
+    ``modules_to_save``, ``trainable_token_indices``, ``target_parameters`` or NxD's
+    ``load_lora_from_ckpt``: then the TP shard is read first).
     expert_parallel_size: split each mixture-of-experts layer's experts over this many
     data-parallel ranks (``parallelize``); each rank reads only its experts' per-expert tensors.
     """
@@ -48,7 +48,7 @@ def from_pretrained(path: str, *, auto_class=transformers.AutoModelForCausalLM, 
     # adapters are made at setup on the meta base (nxd_hf.lora.meta_base), and the base's names are peft's
     lora_config = parallelize_kwargs.get("lora_config")
     into_dp_shards = (parallelize_kwargs.get("data_parallel_sharding") is not None
-                      and (lora_config is None or (pipeline_parallel_size == 1 and meta_base_refusal(lora_config) is None)))
+                      and meta_base_refusal(lora_config) is None)
     hf_name = hf_base_name if lora_config is not None else None
 
     def load_weights(modules):  # setup step 5, on this rank's modules (its stages with PP)

@@ -35,7 +35,7 @@ def _logical_features(module: nn.Module) -> tuple[int, int]:
         "init_lora_weights=False with adapters loaded from a saved adapter, or pipeline_parallel_size=1")
 
 
-def _replay(config, name: str, module: nn.Module) -> None:
+def replay(config, name: str, module: nn.Module) -> None:
     """Draw what peft draws creating the adapter of ``module`` (named ``name`` in the whole model)."""
     in_features, out_features = _logical_features(module)
     r = config.rank_pattern.get(get_pattern_key(config.rank_pattern.keys(), name), config.r)
@@ -67,7 +67,7 @@ def stage_rng_states(config, hf_model: nn.Module, whole_model_targets: list[str]
     for name in whole_model_targets:
         if name in local:
             _STATES[id(local[name])] = torch.get_rng_state()
-        _replay(config, name, hf_model.get_submodule(name))
+        replay(config, name, hf_model.get_submodule(name))
     end = torch.get_rng_state()
     torch.set_rng_state(start)
     return end

@@ -83,7 +83,8 @@ def _converted_for_transformers(config: peft.LoraConfig, hf_model: nn.Module) ->
 
 
 def inject_lora(model, lora_config, *, adapter_name: str = "default", model_type: str | None = None,
-                output_layer: str = "lm_head", autocast_adapter_dtype: bool = True, hf_model: nn.Module | None = None):
+                output_layer: str = "lm_head", autocast_adapter_dtype: bool = True, hf_model: nn.Module | None = None,
+                redraw=None):
     """Add LoRA adapters in place to ``model``: a parallelized HF model, or a list of pipeline
     stage modules (each gets the adapters of the layers it holds). ``lora_config`` is a
     ``peft.LoraConfig`` or NxD's ``LoraConfig``; ``target_modules`` follow peft's matching rules
@@ -93,7 +94,8 @@ def inject_lora(model, lora_config, *, adapter_name: str = "default", model_type
     ``peft.get_peft_model``, adapters on a bf16/fp16 base are kept in fp32 unless
     ``autocast_adapter_dtype=False`` (then they take the base layer's dtype). ``hf_model``: the
     HF model the stage modules come from, whose config peft adapts to it (MoE names,
-    ``_converted_for_transformers``) as ``get_peft_model`` does on the whole model. Returns ``model``."""
+    ``_converted_for_transformers``) as ``get_peft_model`` does on the whole model. ``redraw``: an
+    ``nxd_hf.lora.meta_base.AdapterRedraw`` given the whole model's targets (pipeline stages). Returns ``model``."""
     if isinstance(lora_config, NxDLoraConfig):
         if not lora_config.enable_lora:
             warnings.warn("LoraConfig.enable_lora is False: no LoRA adapters are added")
@@ -124,7 +126,7 @@ def inject_lora(model, lora_config, *, adapter_name: str = "default", model_type
             f"LoRA target_modules {lora_config.target_modules!r} match no module of the model (peft's rules: a name "
             "matches a module named so or ending in '.name'; a string is a full-match regex)"
         )
-    with _stage_draws(lora_config, modules, hf_model, output_layer):
+    with _stage_draws(lora_config, modules, hf_model, output_layer, redraw):
         for module, config, matched in zip(modules, configs, matches):
             if matched:
                 peft.inject_adapter_in_model(config, module, adapter_name=adapter_name)
@@ -136,7 +138,7 @@ def inject_lora(model, lora_config, *, adapter_name: str = "default", model_type
     return model
 
 
-def _stage_draws(config: peft.LoraConfig, modules: list, hf_model: nn.Module | None, output_layer: str):
+def _stage_draws(config: peft.LoraConfig, modules: list, hf_model: nn.Module | None, output_layer: str, redraw):
     """Pipeline stages of ``hf_model``: their adapters drawn as plain peft draws them on the whole
     model (``nxd_hf.lora.init_rng``); the whole model, or stages without ``hf_model``: as they come."""
     if hf_model is None or any(m is hf_model for m in modules):
@@ -149,6 +151,8 @@ def _stage_draws(config: peft.LoraConfig, modules: list, hf_model: nn.Module | N
     whole = _module_config(hf_model, config, output_layer)
     names = dict(hf_model.named_modules())
     targets = [name for name in _matching(hf_model, whole) if name in names]
+    if redraw is not None:
+        redraw.whole_model = (whole, hf_model, targets)
     return drawn_as_whole_model(whole, hf_model, targets, modules)
 
 

@@ -12,7 +12,9 @@ base, so the adapters equal plain peft's with the same seed, and the meta parame
 With ``param_init_fn`` (the base initialized into the DP shards after ``fully_shard``), plain
 peft on a model initialized without FSDP draws the adapters after the base's init: setup puts the
 generator back where it was before injecting, and ``redraw_adapters`` draws every adapter again
-once the base is initialized, in peft's order (the model's module order), as peft draws it.
+once the base is initialized, in peft's order (the model's module order), as peft draws it. At
+pipeline parallelism, as peft draws them on the whole model (``nxd_hf.lora.init_rng``): every target
+of the whole model in its order, the other stages' drawn and dropped.
 
 peft options that copy or read the base at injection are left to the materialized path
 (``meta_base_refusal``): ``modules_to_save`` (a copy of the module), ``trainable_token_indices``
@@ -20,6 +22,7 @@ peft options that copy or read the base at injection are left to the materialize
 ``load_lora_from_ckpt`` (which may load unmerged base tensors at setup)."""
 
 import contextlib
+import dataclasses
 
 import torch
 from torch import nn
@@ -45,6 +48,17 @@ def meta_base_refusal(lora_config) -> str | None:
     reasons = [name for name in ("modules_to_save", "trainable_token_indices", "target_parameters")
                if getattr(lora_config, name, None)]
     return ", ".join(reasons) or None
+
+
+@dataclasses.dataclass(kw_only=True)
+class AdapterRedraw:
+    """What step 7 records for ``redraw_adapters`` (``param_init_fn`` into the DP shards)."""
+
+    base_modules: set[int] | None = None
+    """The ids of the modules before peft injected (``param_init_fn`` is handed those only, not
+    peft's wrappers and adapters: it never sees them without FSDP either); None: every module."""
+    whole_model: tuple | None = None
+    """Pipeline stages: (peft config, HF model, the whole model's target names in peft's order)."""
 
 
 def has_meta_parameters(modules: list[nn.Module]) -> bool:
@@ -89,14 +103,15 @@ def hf_base_name(name: str) -> str | None:
 
 
 @torch.no_grad()
-def redraw_adapters(roots: list[nn.Module], adapter_name: str = "default") -> None:
+def redraw_adapters(roots: list[nn.Module], adapter_name: str = "default", whole_model: tuple | None = None) -> None:
     """Every LoRA adapter of ``roots`` (FSDP2's DTensors, allocated) drawn again from the generator
     as plain peft draws it on the whole model (module docstring): this rank's TP slice of the
-    logical A and B, data-parallel rank 0's (as setup's broadcast), its DP rows kept."""
+    logical A and B, data-parallel rank 0's (as setup's broadcast), its DP rows kept.
+    ``whole_model``: ``roots`` are pipeline stages (``AdapterRedraw.whole_model``)."""
     from peft.tuners.lora import LoraLayer
     from peft.tuners.lora import layer as peft_lora
 
-    from nxd_hf.lora.init_rng import drawn_adapter
+    from nxd_hf.lora.init_rng import drawn_adapter, replay
 
     group = parallel_state.get_data_parallel_group()
     layers = [(root, m) for root in roots for m in root.modules()
@@ -106,8 +121,18 @@ def redraw_adapters(roots: list[nn.Module], adapter_name: str = "default") -> No
         raise ValueError(f"param_init_fn with lora_config under data_parallel_sharding draws the adapters again after "
                          f"the base's init, which nxd_hf does for linear layers only, not {sorted(other)}: target "
                          "linear layers, or initialize without data_parallel_sharding")
-    for root, module in layers:
-        config = root.peft_config[adapter_name]
+    config_of = {id(m): root.peft_config[adapter_name] for root, m in layers}
+    sequence = [m for _, m in layers]
+    if whole_model is not None:  # every target of the whole model, in its order
+        whole_config, hf_model, targets = whole_model
+        by_name = {name: m for root in roots for name, m in root.named_modules() if id(m) in config_of}
+        assert set(by_name) <= set(targets), sorted(set(by_name) - set(targets))[:3]
+        sequence = [by_name.get(name, name) for name in targets]
+    for module in sequence:
+        if isinstance(module, str):  # another stage's layer: drawn as peft draws it, dropped
+            replay(whole_config, module, hf_model.get_submodule(module))
+            continue
+        config = config_of[id(module)]
         base = module.get_base_layer()
         drawn = drawn_adapter(config, base, adapter_name=adapter_name, r=module.r[adapter_name],
                               alpha=module.lora_alpha[adapter_name], dtype=base.weight.dtype)

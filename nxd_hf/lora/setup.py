@@ -17,21 +17,22 @@ from nxd_hf.checkpoint.load import load_model_tensors, read_index
 from nxd_hf.guards.fail_together import fail_together
 from nxd_hf.lora.checkpoint import LoraCheckpoint
 from nxd_hf.lora.inject import print_trainable, inject_lora
-from nxd_hf.lora.meta_base import has_meta_parameters, real_stand_ins
+from nxd_hf.lora.meta_base import AdapterRedraw, has_meta_parameters, real_stand_ins
 from nxd_hf.model_setup.local import target_device
 from nxd_hf.modules.lora import LoraConfig as NxDLoraConfig
 
 
 def setup_lora(modules: list, *, lora_config, model, autocast_adapter_dtype: bool = True,
-               device=None, drawn_after_init: bool = False) -> LoraCheckpoint | None:
+               device=None, redraw: AdapterRedraw | None = None) -> LoraCheckpoint | None:
     """Step 7 of ``nxd_hf.parallelize``: LoRA adapters on ``modules`` (``inject_lora``); with
     NxD's ``load_lora_from_ckpt``, the LoRA settings saved with the checkpoint's adapter, then its
     adapter (and unmerged base) tensors. Returns the ``LoraCheckpoint`` (``model.nxd.adapters``
     once the model is finished), None when NxD's config disables LoRA. A base still on the meta
     device (ZeRO-2/3, filled once sharded) stays there: the adapters are made on ``device`` (the
-    setup's, ``target_device``) as on a real base (``nxd_hf.lora.meta_base``). ``drawn_after_init``:
-    the base is initialized later (``param_init_fn`` into the DP shards): the generator is put
-    back as it was, the adapters are drawn again after that init (``meta_base.redraw_adapters``)."""
+    setup's, ``target_device``) as on a real base (``nxd_hf.lora.meta_base``). ``redraw``: the base
+    is initialized later (``param_init_fn`` into the DP shards): the generator is put back as it
+    was, the adapters are drawn again after that init (``meta_base.redraw_adapters``) as ``redraw``
+    records (filled here)."""
     nxd_config = lora_config if isinstance(lora_config, NxDLoraConfig) else None
     if nxd_config is not None and not nxd_config.enable_lora:
         inject_lora(modules, nxd_config)  # warns that nothing is added
@@ -49,10 +50,12 @@ def setup_lora(modules: list, *, lora_config, model, autocast_adapter_dtype: boo
             lora_config = _saved_config(os.path.join(directory, plan["config_dir"]), nxd_config)
         model_type = model.config.model_type if isinstance(model, transformers.PreTrainedModel) else None
         on_meta, rng_state = has_meta_parameters(modules), torch.get_rng_state()
+        if redraw is not None:
+            redraw.base_modules = {id(m) for root in modules for m in root.modules()}
         with real_stand_ins(modules, target_device(device, modules)) if on_meta else contextlib.nullcontext():
             inject_lora(modules, lora_config, adapter_name="default", model_type=model_type,
-                        autocast_adapter_dtype=autocast_adapter_dtype, hf_model=model)
-        if drawn_after_init:
+                        autocast_adapter_dtype=autocast_adapter_dtype, hf_model=model, redraw=redraw)
+        if redraw is not None:
             torch.set_rng_state(rng_state)
     _same_adapters_on_every_replica(modules)
     checkpoint = LoraCheckpoint(nxd_config)

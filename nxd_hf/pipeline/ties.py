@@ -35,6 +35,8 @@ class TiedParameters:
         calls was already summed for the earlier ones)."""
         self._before = {}
         for name, _, _, stages in self.local:
+            if not self._param(stages, name).requires_grad:
+                continue
             grad = accumulated_grad(self._param(stages, name))
             self._before[name] = None if grad is None else _local(grad).clone()
 
@@ -43,6 +45,10 @@ class TiedParameters:
         before, self._before = self._before or {}, None
         for name, _, group, stages in self.local:
             param = self._param(stages, name)
+            # frozen (LoRA's base: peft freezes it on every stage alike): no gradient, as in plain peft;
+            # a zero one would let an optimizer over all parameters decay the frozen weight
+            if not param.requires_grad:
+                continue
             if accumulated_grad(param) is None:
                 param.grad = torch.zeros_like(param)
             grad = _local(accumulated_grad(param))

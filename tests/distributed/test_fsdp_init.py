@@ -72,12 +72,14 @@ def check_meta_init_into_dp_shards(tp: int, pp: int) -> None:
     assert max(local_of(p).numel() * 4 for p in params) < largest_tp_local  # at rest: 1/dp of it
 
 
-def check_lora_meta_init_into_dp_shards(tp: int) -> None:
+def check_lora_meta_init_into_dp_shards(tp: int, pp: int = 1) -> None:
     """param_init_fn with lora_config under ZeRO-3: the base initialized into the DP shards, the
     adapters made on the meta base and drawn after the init, as without FSDP: every parameter
     bit-equal to the init without FSDP, the adapters to plain peft's drawn from the generator state
     that init leaves, one step equal to plain peft's; the largest tensor built one TP-local parameter
-    (before, the whole TP shard was materialized first)."""
+    (before, the whole TP shard was materialized first). At pp=2 (each stage's adapters drawn as on
+    the whole model from where that stage's init left the generator, ``nxd_hf.lora.init_rng``):
+    bit-equal to the init without FSDP at pp=2, the generator left where that init leaves it."""
     import copy
 
     import peft
@@ -86,9 +88,10 @@ def check_lora_meta_init_into_dp_shards(tp: int) -> None:
 
     config = lora.lora_config(target_modules=["q_proj", "v_proj", "down_proj"])
     seen_plain, seen_fsdp, after = [], [], []
-    plain = _build(False, tp, 1, seen_plain, after, lora_config=copy.deepcopy(config))
-    want = nxd_hf.full_state_dict(plain)
-    model = _build(True, tp, 1, seen_fsdp, lora_config=copy.deepcopy(config))
+    plain = _build(False, tp, pp, seen_plain, after, lora_config=copy.deepcopy(config))
+    want, rng_plain = nxd_hf.full_state_dict(plain), torch.get_rng_state()
+    model = _build(True, tp, pp, seen_fsdp, lora_config=copy.deepcopy(config))
+    assert torch.equal(torch.get_rng_state(), rng_plain), "the generator is not where the init without FSDP leaves it"
     got = nxd_hf.full_state_dict(model)
     assert set(got) == set(want), set(got) ^ set(want)
     for name, value in want.items():
@@ -96,6 +99,8 @@ def check_lora_meta_init_into_dp_shards(tp: int) -> None:
     assert seen_fsdp == seen_plain, (seen_fsdp, seen_plain)  # fn never handed an adapter
     largest_tp_local = max(p.numel() * p.element_size() for p in model.parameters())
     assert model.nxd.init_report.largest_bytes == max(seen_fsdp) == largest_tp_local, model.nxd.init_report
+    if pp > 1:  # one step at pp=2 against plain peft: tests/distributed/test_fsdp_loading.py
+        return
     # plain peft on one process, on the same base, drawing from where the init left the generator
     reference = hf_parity.TINY["llama"][1](_config())
     base = {n.replace(".base_layer", ""): v for n, v in want.items() if ".lora_" not in n}
@@ -151,3 +156,7 @@ def test_lora_meta_init_into_dp_shards_tp2_dp2(ranks4):
 
 def test_meta_init_into_dp_shards_pp2_dp2_tied_across_stages(ranks4):
     ranks4.run(check_meta_init_into_dp_shards, 1, 2)
+
+
+def test_lora_meta_init_into_dp_shards_pp2_dp2(ranks4):
+    ranks4.run(check_lora_meta_init_into_dp_shards, 1, 2)

@@ -24,9 +24,9 @@ from nxd_hf.checkpoint.dp_shard import local_of
 from nxd_hf.fsdp import is_dp_sharded, logical_tensor
 
 
-def _save_reference(model_type: str, directory: str):
+def _save_reference(model_type: str, directory: str, **overrides):
     """The tiny HF model (the same on every rank), saved by rank 0."""
-    reference, _ = hf_parity.build_pair(model_type)
+    reference, _ = hf_parity.build_pair(model_type, **overrides)
     if torch.distributed.get_rank() == 0:
         reference.save_pretrained(directory)
     torch.distributed.barrier()
@@ -241,36 +241,60 @@ def test_pp2_dp2_zero3_checkpoint_loads_at_zero1_and_dp4_zero3(ranks4, tmp_path)
     ranks4.run(check_pipeline_zero3_checkpoint, str(tmp_path))
 
 
-def check_pipeline_loads_into_dp_shards(directory: str) -> None:
-    """``from_pretrained`` at pp=2 x dp=2 ZeRO-3 (embedding tied to the head across the stages):
-    each stage's parameters read straight into its DP shards, equal to HF's bit for bit; one
-    step's loss and gradients equal HF's."""
+def check_pipeline_loads_into_dp_shards(directory: str, with_lora: bool) -> None:
+    """``from_pretrained`` at pp=2 x dp=2 ZeRO-3: each stage's parameters read straight into its
+    DP shards, equal to HF's bit for bit (the embedding tied to the head across the stages); one
+    step's loss and gradients equal HF's; the reader never held more than one DP shard. With LoRA
+    (``with_lora``): the base read under peft's names, each stage's adapters made on the meta base
+    as plain peft makes them on the whole model (same seed), every parameter bit-equal to plain
+    peft's, the step's loss and adapter (and trained bias) gradients equal to plain peft's, the base
+    (the frozen tied embedding too) without gradient (before, each stage's TP shard was read whole
+    first: ``largest_bytes`` was the largest TP-local tensor)."""
+    import copy
+
+    from support import lora
+
     parallel_state.destroy_model_parallel()
-    reference, _ = hf_parity.build_pair("llama", attention_bias=False, tie_word_embeddings=True)
-    if torch.distributed.get_rank() == 0:
-        reference.save_pretrained(directory)
-    torch.distributed.barrier()
+    config = lora.lora_config(target_modules=["q_proj", "v_proj", "down_proj"], bias="lora_only")
+    reference = _save_reference("llama", directory, tie_word_embeddings=True, attention_bias=with_lora)
+    if with_lora:
+        torch.manual_seed(lora.SEED)
+        reference = peft.get_peft_model(reference, copy.deepcopy(config))
+    torch.manual_seed(lora.SEED)
     model = nxd_hf.from_pretrained(directory, pipeline_parallel_size=2, data_parallel_sharding="zero3",
-                                   num_microbatches=2, broadcast_and_average_loss=True)
+                                   num_microbatches=2, broadcast_and_average_loss=True,
+                                   lora_config=copy.deepcopy(config) if with_lora else None)
+    ref = {n.removeprefix("base_model.model."): p for n, p in reference.named_parameters(remove_duplicate=False)}
     params = dict(model.named_parameters())
-    assert params and all(is_dp_sharded(p) and not local_of(p).is_meta for p in params.values())
-    ref_params = dict(reference.named_parameters(remove_duplicate=False))
+    held = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(held, sorted(params))
+    assert set().union(*held) == ref.keys(), sorted(set().union(*held) ^ ref.keys())[:4]  # the stages hold them all
+    assert all(is_dp_sharded(p) and not local_of(p).is_meta for p in params.values())
     for name, param in params.items():
-        torch.testing.assert_close(logical_tensor(param), ref_params[name].detach(), rtol=0, atol=0,
+        assert param.requires_grad == ref[name].requires_grad, name
+        torch.testing.assert_close(logical_tensor(param), ref[name].detach(), rtol=0, atol=0,
                                    msg=lambda m: f"{name}: {m}")
     report = model.nxd.load_report
-    assert report.largest_bytes == max(local_of(p).numel() * 4 for p in params.values()), report
+    base = [local_of(p) for n, p in params.items() if ".lora_" not in n]  # the adapters are not read
+    assert report.largest_bytes == max(s.numel() * s.element_size() for s in base), report
     ids, labels = hf_parity.batch(b=4)
     dp, dp_rank = parallel_state.get_data_parallel_size(), parallel_state.get_data_parallel_rank()
     model.train()
     loss = model.run_train(input_ids=ids.chunk(dp)[dp_rank], labels=labels.chunk(dp)[dp_rank])
-    ref_loss = reference(input_ids=ids, labels=labels).loss
+    ref_loss = reference.train()(input_ids=ids, labels=labels).loss
     ref_loss.backward()
     torch.testing.assert_close(loss, ref_loss.detach(), **hf_parity.TOL)
     for name, param in params.items():
-        torch.testing.assert_close(logical_tensor(param, param.grad), ref_params[name].grad, **hf_parity.TOL,
+        if not param.requires_grad:
+            assert param.grad is None, f"base {name} got a gradient"
+            continue
+        torch.testing.assert_close(logical_tensor(param, param.grad), ref[name].grad, **hf_parity.TOL,
                                    msg=lambda m: f"grad {name}: {m}")
 
 
 def test_from_pretrained_zero3_pp2_dp2_tied_embedding(ranks4, tmp_path):
-    ranks4.run(check_pipeline_loads_into_dp_shards, str(tmp_path))
+    ranks4.run(check_pipeline_loads_into_dp_shards, str(tmp_path), False)
+
+
+def test_from_pretrained_lora_zero3_pp2_dp2(ranks4, tmp_path):
+    ranks4.run(check_pipeline_loads_into_dp_shards, str(tmp_path), True)

@@ -263,14 +263,15 @@ class NxDPPModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return next(self.local_parameters()).dtype
 
-    def stage_metadata(self, microbatch_inputs: list[torch.Tensor]) -> dict[int, tuple[list, list, list, list]]:
+    def stage_metadata(self, microbatch_inputs: list[torch.Tensor], *,
+                       train: bool = True) -> dict[int, tuple[list, list, list, list]]:
         """(example inputs, example outputs, None input positions, None output positions) of each
         local stage for one microbatch shape, from a fake run of the whole traced model: torch's
         stages then never infer shapes by running a forward on unreceived buffers (which breaks
         on values such as GPT-2's output shape). The None positions: boundary values that are
         None for these inputs (``NoneAtBoundary``), left out of the examples. One fake run per
-        shape (``MetadataByShape``: evaluation reuses training's)."""
-        return self._metadata_by_shape(microbatch_inputs)
+        shape (``MetadataByShape``: evaluation reuses training's, ``train=False``)."""
+        return self._metadata_by_shape(microbatch_inputs, train=train)
 
     def _propagated_metadata(self, microbatch_inputs: list[torch.Tensor]) -> dict[int, tuple[list, list, list, list]]:
         graph_module = self._graph[0]
@@ -289,11 +290,11 @@ class NxDPPModel(nn.Module):
                        none_positions(inputs) if s else [], none_positions(outputs) if s < self.num_stages - 1 else [])
         return meta
 
-    def build_schedule(self, loss_fn, microbatch_inputs: list[torch.Tensor]):
+    def build_schedule(self, loss_fn, microbatch_inputs: list[torch.Tensor], *, train: bool = True):
         group = parallel_state.get_pipeline_model_parallel_group()
         compute = next((p.device for p in self.local_parameters()), backend.default_device())
         send = backend.p2p_device(group, compute)
-        meta = self.stage_metadata(microbatch_inputs)
+        meta = self.stage_metadata(microbatch_inputs, train=train)
         modules = {s: NoneAtBoundary(self.stages[str(s)], meta[s][2], meta[s][3]) if meta[s][2] or meta[s][3]
                    else self.stages[str(s)] for s in self.local_stage_ids}
         return build_schedule(

@@ -76,19 +76,23 @@ def _fsdp_hooks_off(gm: fx.GraphModule):
 class MetadataByShape:
     """The stages' metadata (``NxDPPModel.stage_metadata``) per signature of the microbatch (each
     input's shape, dtype and device) and of ``gm``'s parameters (dtype, requires_grad), from
-    ``compute``: a fake run of the whole model, the costly part of building a schedule. Training and
-    evaluation at one shape share it: ``fake_propagate`` runs with gradients enabled whatever the
-    caller's mode, and a module's training flag changes values (dropout), not shapes."""
+    ``compute``: a fake run of the whole model, the costly part of building a schedule. A training
+    schedule's run serves an evaluation schedule at the same shape (evaluation only runs forward:
+    which boundary values require grad does not matter there, and a module's training flag changes
+    values, not shapes), not the other way: a forward that skips the trained path (DPO's reference
+    pass, LoRA's adapters disabled) leaves the boundaries not requiring grad, and training's
+    backward would then stop at the stage's input."""
 
     def __init__(self, compute, gm: fx.GraphModule):
         self._compute, self._gm, self._cache = compute, gm, {}
 
-    def __call__(self, microbatch_inputs: list) -> dict:
+    def __call__(self, microbatch_inputs: list, *, train: bool) -> dict:
         key = (tuple(None if t is None else (tuple(t.shape), t.dtype, t.device.type) for t in microbatch_inputs),
                tuple((p.dtype, p.requires_grad) for p in self._gm.parameters()))
-        if key not in self._cache:
-            self._cache[key] = self._compute(microbatch_inputs)
-        return self._cache[key]
+        cached = self._cache.get(key)
+        if cached is None or (train and not cached[0]):
+            cached = self._cache[key] = (train, self._compute(microbatch_inputs))
+        return cached[1]
 
 
 class _RecordingInterpreter(fx.Interpreter):

@@ -142,7 +142,7 @@ class StepRunner:
         signature = (train, *((tuple(a.shape), a.dtype) for a in args))
         if signature not in self.schedules:
             microbatch = [a.chunk(self.model.num_microbatches)[0] for a in args]
-            self.schedules[signature] = self.model.build_schedule(self._loss_fn, microbatch)
+            self.schedules[signature] = self.model.build_schedule(self._loss_fn, microbatch, train=train)
         return self.schedules[signature]
 
     def _check(self, inputs: dict) -> None:

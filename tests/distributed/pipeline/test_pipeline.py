@@ -214,7 +214,8 @@ def check_deallocation() -> None:
 def check_one_fake_run_per_shape() -> None:
     """Building a schedule runs the whole model on fake tensors for the stages' shapes: once per
     microbatch shape. run_eval at the shape run_train used reuses training's run, which equals a
-    fresh fake run made without gradients (as run_eval's would be)."""
+    fresh fake run made without gradients (as run_eval's would be). (The other way round is not
+    reused: tests/distributed/trainer/test_dpo.py's reference pass with LoRA's adapters disabled.)"""
     pp_model = check_pipeline("llama")  # run_train, then run_eval twice, at one batch shape
     cache = pp_model._metadata_by_shape._cache
     assert len(cache) == 1 and len(pp_model._runner.schedules) == 2, (list(cache), list(pp_model._runner.schedules))
@@ -226,7 +227,7 @@ def check_one_fake_run_per_shape() -> None:
                     *nones) for s, (ins, outs, *nones) in meta.items()}
 
     with torch.no_grad():
-        reused, fresh = pp_model.stage_metadata(microbatch), pp_model._propagated_metadata(microbatch)
+        reused, fresh = pp_model.stage_metadata(microbatch, train=False), pp_model._propagated_metadata(microbatch)
     assert len(cache) == 1
     assert described(reused) == described(fresh), (described(reused), described(fresh))
 

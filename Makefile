@@ -15,26 +15,25 @@ PYTHON := $(VENV)/bin/python
 install: $(VENV)/.installed
 
 # --no-compile: byte-compiling every module of torch and transformers at install was more than half
-# of the install's CPU time. The bytecode of what a run imports is written by the run instead, once:
-# PYTHONDONTWRITEBYTECODE is cleared for the jobs below, because where the environment sets it (this
-# one does) each new interpreter (xdist's workers, the ranks' forkserver, torchrun's ranks, the CLI)
-# compiled torch and transformers again, ~10 s each. (A warm-up import at install did the same in
-# 30 s of the install's critical path, before the first test could start.)
+# of the install's CPU time. Instead the bytecode of what every run imports is written once, by
+# importing it (also where the environment sets PYTHONDONTWRITEBYTECODE: each new interpreter of the
+# tests, torchrun's ranks among them, would compile torch and transformers again, ~10 s each).
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PYTHON) -m pip install -q --no-compile torch==2.13.0
 	$(PYTHON) -m pip install -q --no-compile -e ".[test,trl,lightning]"
+	PYTHONDONTWRITEBYTECODE= $(PYTHON) -c "import torch.distributed.run, transformers.trainer, peft, trl, pytorch_lightning, pytest, xdist.plugin, execnet, nxd_hf"
 	touch $@
 
 train: install
-	PYTHONDONTWRITEBYTECODE= $(PYTHON) -m torch.distributed.run --nproc_per_node 2 examples/finetune_causal_lm.py
+	$(PYTHON) -m torch.distributed.run --nproc_per_node 2 examples/finetune_causal_lm.py
 
 # Two pytest workers, each file on one (pytest-xdist, --dist loadfile: a file's tests share its
 # rank pool): on 2 cores one worker left 16-20% of the CPU idle (spawns, imports, a rank waiting
 # on its peer, the pytest process computing a reference alone) and the other worker fills it.
 TEST_WORKERS ?= 2
 test: install
-	PYTHONDONTWRITEBYTECODE= $(PYTHON) -m pytest tests -q -n $(TEST_WORKERS) --dist loadfile
+	$(PYTHON) -m pytest tests -q -n $(TEST_WORKERS) --dist loadfile
 
 # not through `install`: that pins the CPU build of torch; use the environment's CUDA torch
 GPU_PYTHON ?= python3

@@ -166,8 +166,7 @@ def parallelize(
                                 context_parallel_size=context_parallel_size)
     init_parallel_state(sizes, timeout)
     with fail_together("nxd_hf.parallelize"):  # no collective inside: a rank failing alone fails every rank
-        check_data_parallel_sharding(data_parallel_sharding, pipeline_parallel_size=sizes.pp,
-                                     expert_parallel_size=expert_parallel_size, lora_config=lora_config,
+        check_data_parallel_sharding(data_parallel_sharding, expert_parallel_size=expert_parallel_size,
                                      pipeline_kwargs=pipeline_kwargs, shard_size=data_parallel_shard_size,
                                      offload=data_parallel_offload)
         # LoRA: adapters made on the meta base at step 7 (nxd_hf.lora.meta_base), every stage's at pp > 1

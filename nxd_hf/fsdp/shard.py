@@ -38,8 +38,7 @@ DATA_PARALLEL_SHARDING = ("zero3", "zero2")
 _HOOKED = "_nxd_tp_partial_hook"  # marks an unsharded parameter whose gradient hook is installed
 
 
-def check_data_parallel_sharding(mode, *, pipeline_parallel_size: int, expert_parallel_size: int,
-                                 lora_config=None, pipeline_kwargs=None, shard_size: int | None = None,
+def check_data_parallel_sharding(mode, *, expert_parallel_size: int, pipeline_kwargs=None, shard_size: int | None = None,
                                  offload: bool = False) -> None:
     """A clear ValueError for what ``data_parallel_sharding`` does not compose with (yet)."""
     if mode is None:

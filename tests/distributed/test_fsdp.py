@@ -154,7 +154,7 @@ def test_hybrid_shard_size_cutting_expert_data_groups_refused():
     from nxd_hf.fsdp import check_data_parallel_sharding
 
     with pytest.raises(ValueError, match="data_parallel_shard_size=4 with expert_parallel_size=3: one must divide"):
-        check_data_parallel_sharding("zero3", pipeline_parallel_size=1, expert_parallel_size=3, shard_size=4)
+        check_data_parallel_sharding("zero3", expert_parallel_size=3, shard_size=4)
 
 
 def check_trainer_matches_trainer(fsdp: str, accumulate: int, fsdp_config: dict | None = None) -> None:

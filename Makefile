@@ -42,15 +42,18 @@ GPU_TESTS = $(shell grep -rl --include='test_*.py' 'mark\.cuda' tests)
 test-gpu:
 	PYTHONPATH=$(CURDIR):$$PYTHONPATH $(GPU_PYTHON) -m pytest -m cuda $(GPU_TESTS) -q
 
-# torch 2.9.0 from PyPI is the CUDA build (its nvidia-* wheels come along; it runs on the CPU).
+# torch 2.9.0 from PyPI is the CUDA build (its nvidia-* wheels come along; it runs on the CPU). uv installs
+# them: pip took ~140 s of CPU unpacking those wheels, uv ~50 s. nxd_hf itself is not installed there
+# (its dependencies and the test extra are, read from pyproject.toml): the lane imports it from this tree,
+# so it never writes the tree and can run while `make install` does (.ci/run).
 XLA_VENV ?= .venv-xla
 XLA_PINS := torch==2.9.0 torch-xla==2.9.0 transformers==5.23.0 peft==0.21.2
 
 $(XLA_VENV)/.installed: pyproject.toml
 	python3 -m venv $(XLA_VENV)
-	$(XLA_VENV)/bin/python -m pip install -q --no-compile $(XLA_PINS)
-	$(XLA_VENV)/bin/python -m pip install -q --no-compile -e ".[test]" $(XLA_PINS)
+	$(XLA_VENV)/bin/python -m pip install -q --no-compile uv
+	$(XLA_VENV)/bin/uv pip install -q --python $(XLA_VENV)/bin/python -r pyproject.toml --extra test $(XLA_PINS)
 	touch $@
 
 test-xla: $(XLA_VENV)/.installed
-	PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -m xla tests/distributed/test_xla.py -q
+	PJRT_DEVICE=CPU PYTHONPATH=$(CURDIR) $(XLA_VENV)/bin/python -m pytest -p no:cacheprovider -m xla tests/distributed/test_xla.py -q

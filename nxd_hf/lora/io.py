@@ -74,7 +74,7 @@ def localize_hook(module: nn.Module, state_dict: dict, prefix: str, *args) -> No
 def check_all_loaded(load_result, adapter_name: str) -> None:
     """ValueError when an adapter's keys did not all load (peft only warns)."""
     missing = [k for k in load_result.missing_keys
-               if (f"lora_" in k and f".{adapter_name}." in k) or f"modules_to_save.{adapter_name}." in k]
+               if ("lora_" in k and f".{adapter_name}." in k) or f"modules_to_save.{adapter_name}." in k]
     if missing or load_result.unexpected_keys:
         raise ValueError(
             f"adapter {adapter_name!r} does not match this model: missing {missing[:8]}, unexpected "

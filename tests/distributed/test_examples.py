@@ -70,15 +70,6 @@ def check_lightning_matches_one_process(args: list[str], one_process_args: list[
     torch.testing.assert_close(ours, reference, rtol=0, atol=2e-4, msg=lambda m: f"{args}: {m}\n{outs}")
 
 
-def test_finetune_causal_lm_tp2_output_loads_in_transformers(no_rank_pool, tmp_path):
-    """The README's main job (capped): the loss falls and the saved model opens in transformers."""
-    out = run_example("examples/finetune_causal_lm.py", 2, "--max_steps", "30", "--output_dir", str(tmp_path))
-    first, last = loss_fell(out)
-    assert last < first - 0.5, out
-    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "final")
-    assert model(input_ids=torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, 301)
-
-
 def test_finetune_causal_lm_pp2_zero1_lora(rank_pools, tmp_path):
     """pp=2; then LoRA with ZeRO-1 over dp=2 (adapters' state sharded); the adapter is saved."""
     loss_fell(run_on_ranks(rank_pools, "examples/finetune_causal_lm.py", 2, "--pp", "2", "--max_steps", "12",
@@ -104,15 +95,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_nodes_then_one_node_resumes(rank_pools, tmp_path):
+def test_two_nodes_then_the_readme_job_resumes_and_loads_in_transformers(no_rank_pool, tmp_path):
     """Two torchrun agents (--nnodes 2, c10d rendezvous on localhost, one process each) train with
-    tp=2 spanning them and save checkpoint-10; one node with two processes resumes it (on the pool's
-    ranks: the one-node launch is the README job's test above)."""
-    rank_pools.close()  # the agents' processes only
-    job = ["examples/finetune_causal_lm.py", "--tp", "2", "--output_dir", str(tmp_path), "--save_strategy", "steps",
+    tp=2 spanning them and save checkpoint-10; then the README's main job (one node, two processes)
+    resumes it to step 30: the loss falls and the saved model opens in transformers."""
+    job = ["examples/finetune_causal_lm.py", "--output_dir", str(tmp_path), "--save_strategy", "steps",
            "--save_steps", "10"]
     agent = [*TORCHRUN, "--nnodes", "2", "--nproc_per_node", "1", "--rdzv-backend", "c10d", "--rdzv-id", "nxd_hf_test",
-             "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", *job, "--max_steps", "10"]
+             "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", *job, "--tp", "2", "--max_steps", "10"]
     agents = [subprocess.Popen(agent, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
               for _ in range(2)]
     outs = [agent.communicate(timeout=600) for agent in agents]
@@ -121,9 +111,13 @@ def test_two_nodes_then_one_node_resumes(rank_pools, tmp_path):
     two_nodes = "".join(stdout for stdout, _ in outs)
     assert "steps 10..10 on 2 tp x 1 pp x 1 dp" in two_nodes, two_nodes
     assert os.path.isdir(tmp_path / "checkpoint-10")
-    resumed = run_on_ranks(rank_pools, *job[:1], 2, *job[1:], "--max_steps", "16", "--resume_from_checkpoint", "true")
+    resumed = run_example(*job[:1], 2, *job[1:], "--max_steps", "30", "--resume_from_checkpoint", "true")
     assert f"resuming from {tmp_path / 'checkpoint-10'}" in resumed, resumed
-    assert "steps 10..16 on 2 tp x 1 pp x 1 dp" in resumed, resumed  # step 10's log comes with the state
+    assert "steps 10..30 on 2 tp x 1 pp x 1 dp" in resumed, resumed  # step 10's log comes with the state
+    first, last = loss_fell(resumed)
+    assert last < first - 0.5, resumed
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "final")
+    assert model(input_ids=torch.tensor([[1, 2, 3]])).logits.shape == (1, 3, 301)
 
 
 def test_readme_first_screen_is_what_ci_runs():
@@ -160,14 +154,14 @@ def test_train_with_config_api_pp2_zero1_loss_falls(rank_pools, tmp_path):
 
 # -- every command of the examples' docstrings runs to the end (capped to a few steps)
 COVERED = {  # docstring command (as written, comment dropped) -> the test that runs it already
-    "torchrun --nproc_per_node 2 examples/finetune_causal_lm.py": "test_finetune_causal_lm_tp2_output_loads_in_transformers",
+    "torchrun --nproc_per_node 2 examples/finetune_causal_lm.py": "test_two_nodes_then_the_readme_job_resumes_and_loads_in_transformers",
     "torchrun --nproc_per_node 2 examples/finetune_causal_lm.py --pp 2": "test_finetune_causal_lm_pp2_zero1_lora",
     "torchrun --nproc_per_node 2 examples/finetune_causal_lm.py --resume_from_checkpoint true":
-        "test_two_nodes_then_one_node_resumes",
+        "test_two_nodes_then_the_readme_job_resumes_and_loads_in_transformers",
     "torchrun --nproc_per_node 2 examples/parallelize_causal_lm.py": "test_parallelize_causal_lm_loss_falls",
     # DIR and FILE filled with the bundled model and text are the scripts' defaults: the runs above
     "torchrun --nproc_per_node 2 examples/finetune_causal_lm.py --model DIR --data FILE":
-        "test_finetune_causal_lm_tp2_output_loads_in_transformers",
+        "test_two_nodes_then_the_readme_job_resumes_and_loads_in_transformers",
     "torchrun --nproc_per_node 2 examples/parallelize_causal_lm.py --model DIR": "test_parallelize_causal_lm_loss_falls",
     "torchrun --nproc_per_node 4 examples/train_with_config_api.py --pp 2 --zero1":
         "test_train_with_config_api_pp2_zero1_loss_falls",

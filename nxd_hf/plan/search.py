@@ -73,8 +73,8 @@ def candidates(shape: ModelShape, world_size: int, work: Workload, *, schedules=
 
 def _dp_options(dp: int, pp: int, ep: int, cp: int, asked: str | None) -> list[tuple[bool, str | None]]:
     """(ZeRO-1, data_parallel_sharding) pairs of a dp: ZeRO-1 and FSDP2's ZeRO-3/ZeRO-2 are
-    alternatives, and the plan prices FSDP2 at pp = 1, ep = 1 and cp = 1 only (context parallelism
-    under FSDP is refused: ``fsdp.check_data_parallel_sharding``).
+    alternatives. FSDP2 also runs with pp, ep and cp > 1, but the plan offers it at pp = ep = cp = 1
+    only, the case its memory model of ZeRO-2/3 (``memory.fsdp_memory``) was written for.
     At dp = 1 sharding changes nothing: offered only when ``asked`` (the run is set to use it)."""
     fsdp = [(False, "zero3"), (False, "zero2")] if pp == 1 and ep == 1 and cp == 1 else []
     if dp == 1:
@@ -83,8 +83,8 @@ def _dp_options(dp: int, pp: int, ep: int, cp: int, asked: str | None) -> list[t
 
 
 def _context_choices(eps: list[int], dp: int, pp: int):
-    """(ep, cp, attention): context parallelism (carved from dp) runs without pipeline or expert
-    parallelism (nxd_hf.context refuses them), with ring or all-to-all attention."""
+    """(ep, cp, attention): context parallelism (carved from dp) with ring or all-to-all attention.
+    It also composes with pipeline and expert parallelism; the plan does not offer those combinations."""
     yield from ((ep, 1, None) for ep in eps)
     if pp == 1 and 1 in eps:
         for cp in _divisors(dp)[1:]:

@@ -1,5 +1,5 @@
-"""The examples end to end: the README's main job under torchrun, a job spanning two torchrun
-agents (two "nodes" on localhost) resumed by a one-node job, and the README's first screen matching
+"""The examples end to end: a job spanning two torchrun agents (two "nodes" on localhost) resumed
+by the README's main job under torchrun, and the README's first screen matching
 what CI runs; the other examples and every command of their docstrings (capped steps) run as
 their scripts on the ranks of a pool (``run_on_ranks``: what torchrun starts, less the launch,
 which the torchrun tests here and in test_lightning.py cover)."""
@@ -154,7 +154,8 @@ def test_train_with_config_api_pp2_zero1_loss_falls(rank_pools, tmp_path):
 
 # -- every command of the examples' docstrings runs to the end (capped to a few steps)
 COVERED = {  # docstring command (as written, comment dropped) -> the test that runs it already
-    "torchrun --nproc_per_node 2 examples/finetune_causal_lm.py": "test_two_nodes_then_the_readme_job_resumes_and_loads_in_transformers",
+    "torchrun --nproc_per_node 2 examples/finetune_causal_lm.py":
+        "test_two_nodes_then_the_readme_job_resumes_and_loads_in_transformers",
     "torchrun --nproc_per_node 2 examples/finetune_causal_lm.py --pp 2": "test_finetune_causal_lm_pp2_zero1_lora",
     "torchrun --nproc_per_node 2 examples/finetune_causal_lm.py --resume_from_checkpoint true":
         "test_two_nodes_then_the_readme_job_resumes_and_loads_in_transformers",

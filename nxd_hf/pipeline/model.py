@@ -137,7 +137,8 @@ class NxDPPModel(nn.Module):
             cuts = pipeline_cuts or partition.auto_cuts(layers, self.num_stages)
             self.stage_of_layer = partition.stage_of_layers(layers, cuts, self.num_stages)
             self.pipeline_cuts = cuts
-            self._kinds = value_kinds(graph_module, examples) if self.is_hf else _all_tensors(graph_module)
+            self._kinds = (value_kinds(graph_module, examples, self.layer_types) if self.is_hf
+                           else _all_tensors(graph_module))
             self._recomputed, substitutes = self._recomputation(graph_module, traced_inputs, set(layers))
             # the inputs reach every stage as keywords when stages recompute values from them
             self.keyword_inputs = list(traced_inputs) if self._recomputed else []
@@ -275,7 +276,7 @@ class NxDPPModel(nn.Module):
 
     def _propagated_metadata(self, microbatch_inputs: list[torch.Tensor]) -> dict[int, tuple[list, list, list, list]]:
         graph_module = self._graph[0]
-        fake_propagate(graph_module, microbatch_inputs)
+        fake_propagate(graph_module, microbatch_inputs, self.layer_types)
         output_node = next(n for n in graph_module.graph.nodes if n.op == "output")
         flat = [flat_boundary_values(nodes, self._kinds) for nodes in self._boundaries]
         meta = {}

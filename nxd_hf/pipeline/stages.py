@@ -21,14 +21,16 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from nxd_hf import backend
 from nxd_hf.pipeline.fake_experts import fake_safe_experts
+from nxd_hf.pipeline.fake_memo import LayerFakeRuns
 from nxd_hf.pipeline.trace import FAKE_FAILED
 from nxd_hf.parallel_layers.sharding import copy_tensor_model_parallel_attributes
 
 
-def fake_propagate(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> None:
+def fake_propagate(gm: fx.GraphModule, example_inputs: list[torch.Tensor], layer_types: tuple[type, ...] = ()) -> None:
     """Record every node's fake value in ``node.meta["val"]``: no real compute, no
     communication. Parameters and buffers are replaced by fake tensors on the inputs' device,
-    so a model whose non-local stages are still on the meta device propagates too."""
+    so a model whose non-local stages are still on the meta device propagates too. Alike
+    ``layer_types`` calls run once (``LayerFakeRuns``)."""
     from torch.nn.utils.stateless import _reparametrize_module
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -43,7 +45,7 @@ def fake_propagate(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> No
         for name, fake in state.items():  # layers read their shard_index (replicated K/V) in forward
             copy_tensor_model_parallel_attributes(fake, originals[name])
         with _reparametrize_module(gm, state, strict=False), _fsdp_hooks_off(gm):
-            _RecordingInterpreter(gm).run(*fake_inputs)
+            _RecordingInterpreter(gm, LayerFakeRuns(layer_types)).run(*fake_inputs)
 
 
 @contextlib.contextmanager
@@ -96,13 +98,22 @@ class MetadataByShape:
 
 
 class _RecordingInterpreter(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule, layer_runs: LayerFakeRuns):
+        super().__init__(gm)
+        self.layer_runs = layer_runs
+
+    def call_module(self, target, args, kwargs):
+        return self.layer_runs.call(self.fetch_attr(target), args, kwargs,
+                                    lambda: super(_RecordingInterpreter, self).call_module(target, args, kwargs))
+
     def run_node(self, node: fx.Node):
         value = super().run_node(node)
         node.meta["val"] = value
         return value
 
 
-def value_kinds(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> dict[str, object]:
+def value_kinds(gm: fx.GraphModule, example_inputs: list[torch.Tensor],
+                layer_types: tuple[type, ...] = ()) -> dict[str, object]:
     """Node name -> "tensor", a tuple length, None, "int" or "ints", from a fake-tensor run: the
     one ``HFSpineTracer`` made while tracing on these ``example_inputs`` when it valued every node
     (a second run costs as much as the trace again), else a new one."""
@@ -110,7 +121,7 @@ def value_kinds(gm: fx.GraphModule, example_inputs: list[torch.Tensor]) -> dict[
         output = next(n for n in gm.graph.nodes if n.op == "output")
         output.meta["val"] = fx.node.map_arg(output.args[0], lambda n: n.meta["val"])
     else:
-        fake_propagate(gm, example_inputs)
+        fake_propagate(gm, example_inputs, layer_types)
     kinds = {}
     for node in gm.graph.nodes:
         value = node.meta.get("val")

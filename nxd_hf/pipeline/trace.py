@@ -30,6 +30,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from nxd_hf.pipeline.fake_experts import fake_safe_experts
+from nxd_hf.pipeline.fake_memo import LayerFakeRuns
 
 MASK_BUILDERS = (
     "create_causal_mask", "create_sliding_window_causal_mask", "create_bidirectional_mask",
@@ -94,25 +95,6 @@ FAKE_FAILED = "fake_failed"
 """``node.meta`` key set on a traced node whose fake value could not be computed (its "val" is then None)."""
 
 
-def _fake_value(kind: str, target, args, kwargs, root: nn.Module, mode: FakeTensorMode):
-    """The fake result of one traced operation, or ``_FAILED`` when it cannot be computed."""
-    def unwrap(a):
-        return a.node.meta.get("val") if isinstance(a, fx.Proxy) else a
-
-    args, kwargs = fx.node.map_aggregate(args, unwrap), fx.node.map_aggregate(kwargs, unwrap)
-    try:
-        with mode, untraced_module_calls(), fake_safe_experts():
-            if kind == "call_function":
-                return target(*args, **kwargs)
-            if kind == "call_method":
-                return getattr(args[0], target)(*args[1:], **kwargs)
-            if kind == "call_module":
-                return root.get_submodule(target)(*args, **kwargs)
-    except Exception:
-        return _FAILED
-    return _FAILED
-
-
 _FAILED = object()
 
 
@@ -140,6 +122,11 @@ class HFSpineTracer(fx.Tracer):
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         self.example_inputs: dict[str, torch.Tensor] = {}
         self.extra_modules: dict[str, nn.Module] = {}
+        self.layer_runs = LayerFakeRuns(layer_types)
+        # > 0 while an operation runs on fake values: fx's patched Module.__call__/__getattr__ then
+        # pass through (swapping them back on nn.Module costs ~1 ms a node: it resets the type
+        # caches of every module class)
+        self._fake_depth = 0
 
     def proxy(self, node: fx.Node) -> MetaProxy:
         return MetaProxy(node, self)
@@ -149,12 +136,36 @@ class HFSpineTracer(fx.Tracer):
         if kind == "placeholder":
             proxy.node.meta["val"] = self.fake_mode.from_tensor(self.example_inputs[target])
         elif kind in ("call_function", "call_method", "call_module"):
-            root = _ExtraModules(self.root, self.extra_modules)
-            value = _fake_value(kind, target, args, kwargs, root, self.fake_mode)
+            value = self._fake_value(kind, target, args, kwargs)
             if value is _FAILED:
                 proxy.node.meta[FAKE_FAILED] = True
             proxy.node.meta["val"] = None if value is _FAILED else value
         return proxy
+
+    def _fake_value(self, kind: str, target, args, kwargs):
+        """The fake result of one traced operation, or ``_FAILED`` when it cannot be computed."""
+        def unwrap(a):
+            return a.node.meta.get("val") if isinstance(a, fx.Proxy) else a
+
+        args, kwargs = fx.node.map_aggregate(args, unwrap), fx.node.map_aggregate(kwargs, unwrap)
+        self._fake_depth += 1
+        try:
+            with self.fake_mode, fake_safe_experts():
+                if kind == "call_function":
+                    return target(*args, **kwargs)
+                if kind == "call_method":
+                    return getattr(args[0], target)(*args[1:], **kwargs)
+                module = _ExtraModules(self.root, self.extra_modules).get_submodule(target)
+                return self.layer_runs.call(module, args, kwargs, lambda: module(*args, **kwargs))
+        except Exception:
+            return _FAILED
+        finally:
+            self._fake_depth -= 1
+
+    def getattr(self, attr: str, attr_val, parameter_proxy_cache: dict):
+        if self._fake_depth:  # a module running on fake values reads its own tensors
+            return attr_val
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
 
     def mark_spine(self, root: nn.Module) -> None:
         """Remember every module that has a transformer layer below it."""
@@ -174,6 +185,8 @@ class HFSpineTracer(fx.Tracer):
         return id(module) not in self._spine
 
     def call_module(self, module, forward, args, kwargs):
+        if self._fake_depth:
+            return forward(*args, **kwargs)
         if not self.is_leaf_module(module, self.path_of_module(module)):
             forward = inspect.unwrap(type(module).forward).__get__(module)  # skip HF's decorators
         return super().call_module(module, forward, args, kwargs)

@@ -20,7 +20,8 @@ recomputes it:
 import torch.fx as fx
 from torch import nn
 
-from nxd_hf.pipeline.trace import MaskBuilder, get_attr
+from nxd_hf.pipeline.mask_builders import MaskBuilder
+from nxd_hf.pipeline.trace import get_attr
 
 METADATA_ATTRS = ("shape", "device", "dtype")
 METADATA_METHODS = ("size", "dim")

@@ -22,42 +22,15 @@ layers — and treats everything else as a leaf:
 
 import contextlib
 import inspect
-import sys
 
 import torch
 import torch.fx as fx
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from nxd_hf.pipeline.fake_experts import fake_safe_experts
 from nxd_hf.pipeline.fake_memo import LayerFakeRuns
-
-MASK_BUILDERS = (
-    "create_causal_mask", "create_sliding_window_causal_mask", "create_bidirectional_mask",
-    "create_chunked_causal_mask", "create_bidirectional_sliding_window_mask",
-)
-
-
-class MaskBuilder(nn.Module):
-    """A leaf module calling an HF mask builder with the model's config. Holding the config here
-    keeps it out of the graph. The sdpa shortcut (None for an all-ones mask) is off unless
-    ``allow_skip`` is set, which ``nxd_hf.pipeline.recompute`` does when the mask never
-    crosses a stage boundary; it is always off on fake tensors (shape propagation), and when
-    the model itself passes ``allow_is_causal_skip=False`` (DSA indexers such as AXK2's and
-    DeepSeek-V3.2's slice the mask, so it must be a tensor)."""
-
-    def __init__(self, builder, config):
-        super().__init__()
-        self.builder, self.config = builder, config
-        self.accepts_skip = "allow_is_causal_skip" in inspect.signature(builder).parameters
-        self.allow_skip = False
-
-    def forward(self, *args, **kwargs):
-        kwargs["config"] = self.config
-        if self.accepts_skip:
-            fake = any(isinstance(v, FakeTensor) for v in [*args, *kwargs.values()])
-            kwargs["allow_is_causal_skip"] = kwargs.get("allow_is_causal_skip", True) and self.allow_skip and not fake
-        return self.builder(*args, **kwargs)
+from nxd_hf.pipeline.mask_builders import no_patch, patched_mask_builders
 
 
 class MetaProxy(fx.Proxy):
@@ -192,33 +165,6 @@ class HFSpineTracer(fx.Tracer):
         return super().call_module(module, forward, args, kwargs)
 
 
-@contextlib.contextmanager
-def _patched_mask_builders(tracer: fx.Tracer, root: nn.Module, leaves: dict[str, nn.Module]):
-    """Replace HF mask builders in the modeling modules' globals by leaf-module calls while
-    tracing; the leaf modules are collected in ``leaves`` under their graph targets."""
-    patched = []
-    modules = {sys.modules[type(m).__module__] for m in root.modules()}
-    for module in modules:
-        for name in MASK_BUILDERS:
-            builder = getattr(module, name, None)
-            if builder is None:
-                continue
-
-            def record(*args, _builder=builder, **kwargs):
-                target = f"nxd_{_builder.__name__}_{len(leaves)}"
-                leaves[target] = MaskBuilder(_builder, kwargs.pop("config"))
-                tracer.extra_modules[target] = leaves[target]
-                return tracer.create_proxy("call_module", target, args, kwargs)
-
-            patched.append((module, name, builder))
-            setattr(module, name, record)
-    try:
-        yield
-    finally:
-        for module, name, builder in patched:
-            setattr(module, name, builder)
-
-
 class LayerLeafTracer(fx.Tracer):
     """Plain ``torch.fx`` tracing with the transformer layers (and ``leaf_types``) as leaves:
     NxD's ``tracer_cls="torch"``, for plain torch modules."""
@@ -269,11 +215,6 @@ class _TraceRoot(nn.Module):
         return logits if logits is not None else out[0]
 
 
-@contextlib.contextmanager
-def _no_patch(*_):
-    yield
-
-
 class _ExtraModules:
     """``get_submodule`` over the traced root plus the tracer's own leaf modules."""
 
@@ -305,7 +246,7 @@ def trace_hf(model: nn.Module, input_names: list[str], layer_types: tuple[type, 
     root_cls = type("TracedModel", (_TraceRoot,), {"forward": namespace["forward"]})
     root.__class__ = root_cls
     leaves: dict[str, nn.Module] = {}
-    patch = _patched_mask_builders if isinstance(tracer, HFSpineTracer) else _no_patch
+    patch = patched_mask_builders if isinstance(tracer, HFSpineTracer) else no_patch
     with patch(tracer, model, leaves):
         try:
             graph = tracer.trace(root)

@@ -7,6 +7,7 @@ rank writes), and loading reads the file whole on every rank and keeps its slice
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from nxd_hf import backend
 from nxd_hf.parallel_layers import ColumnParallelLinear, ParallelEmbedding, RowParallelLinear
@@ -33,8 +34,9 @@ def copy_parallel_metadata(dst: nn.Module, src: nn.Module) -> None:
 
 
 def logical_tensor(param: torch.Tensor) -> torch.Tensor:
-    """The unsharded, unpadded tensor in HF's layout (a collective over TP when sharded)."""
-    full = full_tensor(param)
+    """The unsharded, unpadded tensor in HF's layout: gathered over the DP ranks when FSDP2
+    shards it (ZeRO-2/3), then over TP when TP shards it (collectives every rank joins)."""
+    full = full_tensor(param, param.detach().full_tensor() if isinstance(param, DTensor) else None)
     return full.t().contiguous() if getattr(param, "hf_transposed", False) else full
 
 

@@ -63,7 +63,8 @@ def check_loads_into_dp_shards(directory: str, model_type: str, tp: int, mode: s
 def check_lora_loads_into_dp_shards(directory: str, tp: int, mode: str) -> None:
     """from_pretrained with lora_config under ZeRO-2/3: the base read straight into the DP shards
     under peft's names (``q_proj.base_layer.weight``), the adapters made on the meta base as plain
-    peft makes them (same seed), one step equal to plain peft's; the reader never held more than one
+    peft makes them (same seed), one step equal to plain peft's, the adapter saved then opens in plain
+    peft with the same logits; the reader never held more than one
     DP shard (before, the TP shard was read whole first: ``largest_bytes`` was the largest TP-local tensor)."""
     import copy
 
@@ -81,6 +82,22 @@ def check_lora_loads_into_dp_shards(directory: str, tp: int, mode: str) -> None:
     base = [local_of(p) for n, p in model.named_parameters() if ".lora_" not in n]  # the adapters are not read
     assert report.largest_bytes == max(s.numel() * s.element_size() for s in base), report
     lora.check_dp_sharded_against_peft(model, ref_peft, f"lora tp={tp} {mode}")
+    _step_then_adapter_opens_in_plain_peft(model, ref_peft, directory)
+
+
+def _step_then_adapter_opens_in_plain_peft(model, ref_peft, directory: str) -> None:
+    """A step on the gradients just compared (B is no longer zero); then the adapter saved from the
+    DP shards opens in plain peft on the plain base in ``directory`` with ``ref_peft``'s logits."""
+    for trained in (model, ref_peft):
+        torch.optim.SGD([p for p in trained.parameters() if p.requires_grad], lr=0.5).step()
+    nxd_hf.lora.save_adapter(model, f"{directory}/adapter")
+    if torch.distributed.get_rank() == 0:  # the writer: the files are complete
+        loaded = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(directory),
+                                                f"{directory}/adapter").eval()
+        ids, _ = hf_parity.batch(seed=99)
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(input_ids=ids).logits, ref_peft.eval()(input_ids=ids).logits,
+                                       **hf_parity.TOL)
 
 
 def check_load_dp_shards_needs_data_parallel_sharding() -> None:
@@ -248,8 +265,9 @@ def check_pipeline_loads_into_dp_shards(directory: str, with_lora: bool) -> None
     (``with_lora``): the base read under peft's names, each stage's adapters made on the meta base
     as plain peft makes them on the whole model (same seed), every parameter bit-equal to plain
     peft's, the step's loss and adapter (and trained bias) gradients equal to plain peft's, the base
-    (the frozen tied embedding too) without gradient (before, each stage's TP shard was read whole
-    first: ``largest_bytes`` was the largest TP-local tensor)."""
+    (the frozen tied embedding too) without gradient, and the adapter saved after a step opens in
+    plain peft (before, each stage's TP shard was read whole first: ``largest_bytes`` was the
+    largest TP-local tensor)."""
     import copy
 
     from support import lora
@@ -290,6 +308,8 @@ def check_pipeline_loads_into_dp_shards(directory: str, with_lora: bool) -> None
             continue
         torch.testing.assert_close(logical_tensor(param, param.grad), ref[name].grad, **hf_parity.TOL,
                                    msg=lambda m: f"grad {name}: {m}")
+    if with_lora:
+        _step_then_adapter_opens_in_plain_peft(model, reference, directory)
 
 
 def test_from_pretrained_zero3_pp2_dp2_tied_embedding(ranks4, tmp_path):

@@ -7,6 +7,7 @@ come first, then the ranks8 ones: one pool of each size."""
 
 import pytest
 import torch
+import transformers
 
 from support import moe
 from support.fsdp import LR, MAX_NORM, STEPS, assert_same_states, check_params, check_step_and_step, full_states
@@ -113,7 +114,8 @@ def _build_moe(ep: int, zero3: bool, shard_size: int | None = None):
 def check_expert_parallel_zero3_checkpoint(tmp_dir: str, shard_size: int | None = None) -> None:
     """Two AdamW steps of a MoE at ep=2 x dp=4 ZeRO-3 (experts over the expert-data group),
     ``save_checkpoint``; loaded at ep=2 ZeRO-1 (no FSDP) and at ep=1 x dp=4 ZeRO-3: the gathered
-    parameters and AdamW state exactly. ``shard_size``: saved under HSDP (the experts replicated
+    parameters and AdamW state exactly; ``save_pretrained``'s directory opens in plain transformers
+    with the trained parameters. ``shard_size``: saved under HSDP (the experts replicated
     across the shard blocks: only their first copy writes)."""
     from support import moe_ep
 
@@ -126,6 +128,12 @@ def check_expert_parallel_zero3_checkpoint(tmp_dir: str, shard_size: int | None 
         optimizer.zero_grad()
     nxd_hf.save_checkpoint(tmp_dir, "ep2", model=model, optimizer=optimizer)
     saved = full_states(model, optimizer)
+    model.save_pretrained(f"{tmp_dir}/hf")
+    if torch.distributed.get_rank() == 0:  # the writer: plain transformers opens the trained model
+        plain = transformers.AutoModelForCausalLM.from_pretrained(f"{tmp_dir}/hf").state_dict()
+        assert plain.keys() == saved[0].keys(), sorted(plain.keys() ^ saved[0].keys())[:4]
+        for name, tensor in plain.items():
+            torch.testing.assert_close(tensor, saved[0][name], rtol=0, atol=0, msg=lambda m: f"transformers {name}: {m}")
     for ep, zero3 in ((2, False), (1, True)):
         model, optimizer = _build_moe(ep, zero3)
         nxd_hf.load_checkpoint(tmp_dir, "ep2", model=model, optimizer=optimizer)

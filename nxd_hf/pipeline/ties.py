@@ -35,9 +35,10 @@ class TiedParameters:
         calls was already summed for the earlier ones)."""
         self._before = {}
         for name, _, _, stages in self.local:
-            if not self._param(stages, name).requires_grad:
+            param = self._param(stages, name)
+            if not param.requires_grad:
                 continue
-            grad = accumulated_grad(self._param(stages, name))
+            grad = accumulated_grad(param)
             self._before[name] = None if grad is None else _local(grad).clone()
 
     @torch.no_grad()

@@ -102,12 +102,17 @@ class _ParallelLoraLinear(peft_lora.Linear):
             self._mixed_batch_forward()
         if self.disable_adapters and self.merged:
             self.unmerge()
-        if self.disable_adapters or self.merged or not self._active_lora_adapters():
+        active = () if self.disable_adapters or self.merged else self._active_lora_adapters()
+        if not active:
             return self.base_layer(x, *args, **kwargs)
-        return self.forward_with_adapters(x)
+        return self.forward_with_adapters(x, active)
 
     def _active_lora_adapters(self) -> list[str]:
         return [name for name in self.active_adapters if name in self.lora_A]
+
+    # Below, ``self.base_layer`` is the parallel layer itself (the dispatch wraps only those), not
+    # peft's ``get_base_layer()``, whose search costs two failed attribute lookups per call: these
+    # run for every adapted layer on every step.
 
 
 class _AdapterLinear(nn.Linear):
@@ -150,25 +155,24 @@ class LoraColumnParallelLinear(_ParallelLoraLinear):
         # kept on the module too: pipeline shape propagation swaps parameters for fake tensors
         self.b_shard_index, self.b_keep_rows = rows, local_rows_mask(rows)
 
-    def _b_weight(self, adapter_name: str) -> torch.Tensor:
+    def _b_weight(self, base: ColumnParallelLinear, adapter_name: str) -> torch.Tensor:
         """B_i, its replicated rows' gradients summed and its padding rows' gradients zeroed."""
         weight = self.lora_B[adapter_name].weight
-        base = self.get_base_layer()
         if base._has_replicas:
             return mappings.SumReplicaGrads.apply(weight, self.b_shard_index, base.output_size)
         keep = self.b_keep_rows
         return weight if keep is None else weight * keep.to(weight.device, weight.dtype).unsqueeze(1)
 
-    def forward_with_adapters(self, x: torch.Tensor) -> torch.Tensor:
-        base = self.get_base_layer()
+    def forward_with_adapters(self, x: torch.Tensor, active: list[str]) -> torch.Tensor:
+        base = self.base_layer
         x = base.input_to_region(x)  # [b, s, in]: replicated, so dropout draws one mask everywhere
         result = base.forward_local(x)  # [b, s, out/tp]
         # dropout draws in memory order: a sequence all-gather's output is not contiguous
         x_lora = x.contiguous()
-        for name in self._active_lora_adapters():
+        for name in active:
             lora_a = self.lora_A[name]
             h = lora_a(self.lora_dropout[name](self._cast_input_dtype(x_lora, lora_a.weight.dtype)))  # [b, s, r]
-            result = result + F.linear(h, self._b_weight(name)).to(result.dtype) * self.scaling[name]
+            result = result + F.linear(h, self._b_weight(base, name)).to(result.dtype) * self.scaling[name]
         return base.output_from_region(result)
 
 
@@ -189,15 +193,15 @@ class LoraRowParallelLinear(_ParallelLoraLinear):
         dropout = self.lora_dropout[name]
         if not isinstance(dropout, nn.Dropout) or not dropout.training or dropout.p == 0:
             return dropout(x)
-        base = self.get_base_layer()
+        base = self.base_layer
         full_mask = dropout(x.new_ones((*x.shape[:-1], base.input_size)))  # [b, s, in]: 0 or 1/(1-p)
         return x * shard_from_full(full_mask, x.dim() - 1, self.a_shard_index)
 
-    def forward_with_adapters(self, x: torch.Tensor) -> torch.Tensor:
-        base = self.get_base_layer()
+    def forward_with_adapters(self, x: torch.Tensor, active: list[str]) -> torch.Tensor:
+        base = self.base_layer
         x = base.local_input(x)  # [b, s, in/tp]
         result = F.linear(x, base.weight)  # [b, s, out], partial sum over TP
-        for name in self._active_lora_adapters():
+        for name in active:
             lora_a, lora_b = self.lora_A[name], self.lora_B[name]
             h = lora_a(self._local_dropout(name, self._cast_input_dtype(x, lora_a.weight.dtype)))  # partial [b, s, r]
             result = result + lora_b(h).to(result.dtype) * self.scaling[name]

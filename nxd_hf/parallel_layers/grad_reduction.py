@@ -108,8 +108,18 @@ class GradReduction:
         if self.release_host_memory and torch.is_grad_enabled():  # the forward's freed temporaries, before backward
             release_free_host_memory()
 
+    def _backward_has_work(self) -> bool:
+        """Whether the end of a backward has anything to do: at tp = dp = 1 (one GPU) without extra
+        reductions or heap trims nothing is partial or averaged, so no gradient hook runs and the
+        parameters are not walked each step (as plain HF). Asked every forward: an extra reduction
+        added later turns the hooks on."""
+        return bool(self._extra) or self.release_host_memory or self.buckets is not None or (
+            parallel_state.get_tensor_model_parallel_size() > 1 or parallel_state.get_data_parallel_size() > 1)
+
     def _refresh_hooks(self, *_) -> None:
         """(Re-)attach gradient hooks when the parameters changed (e.g. replaced by loading)."""
+        if not self._backward_has_work():
+            return
         if torch.is_grad_enabled() and self.buckets is not None:
             self.buckets.release_unused()
         if self.release_host_memory and torch.is_grad_enabled():  # freed gradients' pages, before activations

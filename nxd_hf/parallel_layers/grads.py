@@ -123,22 +123,21 @@ def allreduce_sequence_parallel_gradients(parameters: Iterable[torch.Tensor], *,
     all_reduce_bucketed(grads, parallel_state.get_tensor_model_parallel_group(), bucket_size_mb=bucket_size_mb)
 
 
+@torch.no_grad()
 def get_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
     """The gradient norm of the whole (unsharded) model; see the module docstring."""
     norm_type = float(norm_type)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
-    counted = [
-        p for p in _as_list(parameters)
-        if p.grad is not None and getattr(p, "count_in_grad_norm", True) and (is_sharded(p) or tp_rank == 0)
-    ]
-    device = _local(counted[0].grad).device if counted else backend.collective_device(
+    dense, experts = [], []  # one pass: this runs every step, over every parameter
+    for p in _as_list(parameters):
+        if p.grad is not None and getattr(p, "count_in_grad_norm", True) and (tp_rank == 0 or is_sharded(p)):
+            (experts if is_expert_parallel(p) else dense).append(p)
+    device = _local((dense or experts)[0].grad).device if dense or experts else backend.collective_device(
         parallel_state.get_model_parallel_group())
-    dense = [p for p in counted if not is_expert_parallel(p)]
-    experts = [p for p in counted if is_expert_parallel(p)]
     if norm_type == float("inf"):
         total = torch.zeros((), dtype=torch.float32, device=device)
-        for p in counted:
-            grad = _local(p.grad).detach()
+        for p in dense + experts:
+            grad = _local(p.grad)
             if grad.numel():
                 total = torch.maximum(total, grad.abs().max().float())
         for group in _shard_groups(dense) + _shard_groups(experts):
@@ -150,7 +149,7 @@ def get_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) ->
     if parallel_state.get_expert_parallel_size() > 1:  # every rank joins, with or without experts
         experts_total = _sharded_power_sum(experts, norm_type, device)
         total = total + backend.all_reduce(experts_total, parallel_state.get_expert_parallel_group())
-    else:
+    elif experts:
         total = total + _power_sum(experts, norm_type, device)
     backend.all_reduce(total, parallel_state.get_model_parallel_group())
     return total ** (1.0 / norm_type)
@@ -159,8 +158,10 @@ def get_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) ->
 def _sharded_power_sum(params: list[torch.Tensor], norm_type: float, device) -> torch.Tensor:
     """``_power_sum`` of ``params``, the parts of DP-sharded (FSDP2) gradients summed over their
     shard group (the DP group, HSDP's shard group, or for experts the expert-data group)."""
-    total = _power_sum([p for p in params if not isinstance(p.grad, DTensor)], norm_type, device)
-    sharded = [p for p in params if isinstance(p.grad, DTensor)]
+    whole, sharded = [], []
+    for p in params:
+        (sharded if isinstance(p.grad, DTensor) else whole).append(p)
+    total = _power_sum(whole, norm_type, device)
     for group in _shard_groups(sharded):
         parts = _power_sum([p for p in sharded if _shard_group(p.grad).group_name == group.group_name], norm_type,
                            device)
@@ -175,22 +176,25 @@ def _power_sum(params: list[torch.Tensor], norm_type: float, device) -> torch.Te
     """sum over ``params`` of sum |g|^p, each row divided by its number of copies across the TP
     group: one ``_foreach_norm`` per (device, dtype, copies) group, as torch's ``clip_grad_norm_``
     (fp32 accumulation), not a kernel and an fp32 copy of the gradient per parameter."""
-    total = torch.zeros((), dtype=torch.float32, device=device)
+    parts = []
     groups: dict[tuple, list[torch.Tensor]] = {}
     for p in params:
         replicas = getattr(p, "num_replicas", 1)
         if isinstance(replicas, torch.Tensor):  # per-row copies: its own reduction
-            total = total + _replica_weighted_power(p, norm_type).to(device)
+            parts.append(_replica_weighted_power(p, norm_type).to(device))
         else:
             grad = _local(p.grad)
-            groups.setdefault((grad.device, grad.dtype, replicas), []).append(grad.detach())
+            groups.setdefault((grad.device, grad.dtype, replicas), []).append(grad)
     for (grad_device, _, replicas), grads in groups.items():
         if grad_device.type in _FOREACH_DEVICES:
             norms = torch._foreach_norm(grads, norm_type, dtype=torch.float32)
         else:  # torch's clip_grad_norm_ loops there too (XLA)
             norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]
-        total = total + (torch.stack(norms).to(device) ** norm_type).sum() / replicas
-    return total
+        power = (torch.stack(norms) ** norm_type).sum()
+        parts.append((power if replicas == 1 else power / replicas).to(device))
+    if not parts:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
 
 
 def _replica_weighted_power(p: torch.Tensor, norm_type: float) -> torch.Tensor:
@@ -233,6 +237,7 @@ def _local(grad: torch.Tensor) -> torch.Tensor:
     return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
+@torch.no_grad()
 def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     """Scale gradients so the whole model's norm is at most ``max_norm``; returns the norm before
     clipping (as ``torch.nn.utils.clip_grad_norm_`` does, including its 1e-6 guard)."""
@@ -243,7 +248,7 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float, norm_typ
     for p in params:
         if p.grad is not None:
             grad = _local(p.grad)
-            groups.setdefault((grad.device, grad.dtype), []).append(grad.detach())
+            groups.setdefault((grad.device, grad.dtype), []).append(grad)
     for (device, dtype), grads in groups.items():  # one kernel per group, as torch's clip_grad_norm_
         if device.type in _FOREACH_DEVICES:
             torch._foreach_mul_(grads, clip_coef.to(device, dtype))

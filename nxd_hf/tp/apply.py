@@ -245,7 +245,7 @@ def apply_tensor_parallel(model: nn.Module, patch: plan.ModelPatch, layout: Head
             _keep_replicated_attention(name, sequence_parallel)  # none of its projections is planned
             continue
         if isinstance(style, plan.ParallelRegion):
-            if name not in moe_blocks:
+            if name not in moe_blocks and parallel_state.get_tensor_model_parallel_size() > 1:  # else no collective
                 module.register_forward_pre_hook(_enter_region_hook(sp), with_kwargs=True)
             if isinstance(style, plan.Attention):
                 _set_local_attrs(module, style, layouts[name])

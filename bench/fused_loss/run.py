@@ -10,7 +10,9 @@ states, the LM head included, at a large vocabulary (default vocab 128,256 as Ll
 Peak: the rise of the process's peak RSS (``ru_maxrss``) over the reading taken once the
 inputs exist (no warm-up step: the first step's peak is the one measured); time: median of
 ``--steps`` steps (the first included: on a shared CPU a step takes seconds, a warm-up adds little). The logits alone
-are seq x vocab x 4 B (525 MB at the defaults). JSON in ``bench/results/fused_loss.json``.
+are seq x vocab x 4 B (525 MB at the defaults). JSON in ``bench/results/fused_loss.json``
+(``--dtype bfloat16``: ``fused_loss_bfloat16.json``; the unfused way upcasts the bf16 logits as HF does;
+the fp32 logits are counted).
 
 Time is also measured with both ways in turn in one process (``--rounds`` steps each, wall and
 CPU seconds): the ratio of that run is the one to read on a shared machine.
@@ -31,7 +33,7 @@ from bench.common import RESULTS
 from bench.common.stamp import stamp
 
 
-def _case(mode: str, vocab: int, hidden: int, seq: int, steps: int) -> dict:
+def _case(mode: str, vocab: int, hidden: int, seq: int, steps: int, dtype: str) -> dict:
     import torch
     import torch.nn.functional as F
 
@@ -42,8 +44,8 @@ def _case(mode: str, vocab: int, hidden: int, seq: int, steps: int) -> dict:
                       RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     parallel_state.initialize_model_parallel(1, 1)
     g = torch.Generator().manual_seed(0)
-    hidden_states = torch.randn(1, seq, hidden, generator=g).requires_grad_()
-    weight = (torch.randn(vocab, hidden, generator=g) / hidden**0.5).requires_grad_()
+    hidden_states = torch.randn(1, seq, hidden, generator=g).to(getattr(torch, dtype)).requires_grad_()
+    weight = (torch.randn(vocab, hidden, generator=g) / hidden**0.5).to(getattr(torch, dtype)).requires_grad_()
     labels = torch.randint(0, vocab, (1, seq), generator=g)
 
     def step(mode=mode):
@@ -85,28 +87,30 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="of the hidden states and the head (bfloat16: as a bf16 model trains)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (one step each way)")
     parser.add_argument("--case", choices=["fused", "unfused", "interleaved"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.case:
-        print(json.dumps(_case(args.case, args.vocab, args.hidden, args.seq, args.steps)))
+        print(json.dumps(_case(args.case, args.vocab, args.hidden, args.seq, args.steps, args.dtype)))
         return
     cases = {}
     for mode in ("unfused", "fused", "interleaved"):
         steps = args.rounds if mode == "interleaved" else args.steps
         out = subprocess.run([sys.executable, "-m", "bench.fused_loss", "--case", mode, "--vocab", str(args.vocab),
-                              "--hidden", str(args.hidden), "--seq", str(args.seq), "--steps", str(steps)],
+                              "--hidden", str(args.hidden), "--seq", str(args.seq), "--steps", str(steps), "--dtype", args.dtype],
                              check=True, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
         cases[mode] = json.loads(out.stdout.strip().splitlines()[-1])
         print(mode, cases[mode], flush=True)
-    result = {**stamp(), "vocab": args.vocab, "hidden": args.hidden, "seq": args.seq, "batch": 1, "dtype": "float32",
+    result = {**stamp(), "vocab": args.vocab, "hidden": args.hidden, "seq": args.seq, "batch": 1, "dtype": args.dtype,
               "logits_mib": args.seq * args.vocab * 4 / 2**20, "cases": cases,
               "peak_ratio_fused_over_unfused": cases["fused"]["peak_rise_mib"] / cases["unfused"]["peak_rise_mib"],
               "time_ratio_fused_over_unfused": cases["fused"]["step_s_median"] / cases["unfused"]["step_s_median"],
               "interleaved_wall_ratio": cases["interleaved"]["wall_ratio_fused_over_unfused"],
               "interleaved_cpu_ratio": cases["interleaved"]["cpu_ratio_fused_over_unfused"]}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "fused_loss.json").write_text(json.dumps(result, indent=2) + "\n")
+    (RESULTS / ("fused_loss.json" if args.dtype == "float32" else f"fused_loss_{args.dtype}.json")).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 
 

@@ -3,11 +3,14 @@ chunks of tokens, so the full ``[tokens, V/tp]`` logits never exist at once (as 
 linear cross-entropy, but vocab-parallel).
 
 In training the gradients are computed during the forward, chunk by chunk: each chunk's logits
-are made, turned into the loss and ``d loss / d logits`` (``vocab_parallel_softmax``, its
-collectives included), and that is multiplied straight into the hidden states' and the head's
-gradients; the logits are then dropped. Backward only scales the stored gradients by the
-incoming one, so no matmul is done twice (recomputing the logits in backward cost a third
-matmul). Without gradients the chunks give the loss alone.
+are made in the head's dtype, turned into the loss and ``d loss / d logits`` in fp32
+(``vocab_parallel_softmax``, its collectives included: the upcast, the shift and the exponential
+are one buffer written twice, the gradient one pass more), and that is multiplied straight into
+the hidden states' gradient and added in place into the head's (one ``addmm_`` per chunk, in the
+head's dtype as its own matmul would give it, as Liger does: no temporary and no fp32 copy of the
+``[V/tp, h]`` weight per chunk); the logits are then dropped. Backward only scales the stored
+gradients by the incoming one, in fp32 (a bf16 scale of 1/tokens would be off by up to 0.4%),
+so no matmul is done twice. Without gradients the chunks give the loss alone.
 """
 
 import torch
@@ -17,68 +20,59 @@ from nxd_hf import parallel_state
 from nxd_hf.guards import device_checks
 from nxd_hf.parallel_layers.loss_functions import grad_of_logits, parallel_cross_entropy, vocab_parallel_softmax
 
-CHUNK_ELEMENTS = 2**25  # logits per chunk: 128 MiB in fp32, whatever the vocabulary
+CHUNK_ELEMENTS = 2**26
+"""Logits per chunk: 128 MiB in bf16 plus their 256 MiB fp32 softmax, whatever the vocabulary
+(a 128k vocabulary: 512 tokens). Each chunk adds its share into the head's gradient, a pass over
+``[V/tp, h]``: fewer, larger chunks pass over it less often."""
 
 
-def _chunk_logits(hidden, weight, bias) -> torch.Tensor:
-    return F.linear(hidden, weight, bias).float()  # [chunk, V/tp], a fresh fp32 buffer the loss may overwrite
+def _scaled_(grad: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``grad *= scale`` in place, computed in fp32 whatever ``grad``'s dtype (``scale`` as a
+    one-element tensor takes part in type promotion; a 0-dim one would be rounded to bf16)."""
+    return torch.mul(grad, scale.reshape(1), out=grad)
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     """Forward: the summed loss, with ``d loss / d (hidden, weight, bias)`` accumulated chunk by
-    chunk (fp32 for the head's, as one matmul would accumulate). Backward: those times the
-    incoming scalar; no communication (the hidden states' TP all-reduce is the caller's region)."""
+    chunk (the bias's in fp32). Backward: those times the incoming scalar; no communication (the
+    hidden states' TP all-reduce is the caller's region)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, label_smoothing, ignore_index, vocab_size, chunk):
-        tp_size = parallel_state.get_tensor_model_parallel_size()
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         want_bias = bias is not None and ctx.needs_input_grad[2]
-        grad_hidden = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if want_hidden else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
+        grad_hidden = torch.empty_like(hidden) if want_hidden else None
+        grad_weight = torch.zeros_like(weight) if want_weight else None
         grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if want_bias else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        one = torch.ones((), dtype=torch.float32, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
             h, y = hidden[rows], labels[rows]
-            z = _chunk_logits(h, weight, bias)
-            if tp_size == 1:  # softmax - onehot by torch's kernels, as F.cross_entropy's backward
-                z = z[:, :vocab_size].detach().requires_grad_()
-                with torch.enable_grad():
-                    loss = F.cross_entropy(z, y, ignore_index=ignore_index, reduction="sum",
-                                           label_smoothing=label_smoothing)
-                    (d_logits,) = torch.autograd.grad(loss, z)
-                if vocab_size < weight.shape[0]:  # padded head rows: no gradient
-                    d_logits = F.pad(d_logits, (0, weight.shape[0] - vocab_size))
-            else:
-                token_loss, saved = vocab_parallel_softmax(z, y, label_smoothing, ignore_index, vocab_size)
-                loss = token_loss.sum()
-                d_logits = grad_of_logits(saved, label_smoothing, vocab_size, torch.ones((), device=z.device))
-            total += loss.detach()
-            d_logits = d_logits.to(weight.dtype)
+            token_loss, saved = vocab_parallel_softmax(F.linear(h, weight, bias), y, label_smoothing, ignore_index,
+                                                       vocab_size)  # the chunk's logits are freed here
+            total += token_loss.sum()
+            d_logits = grad_of_logits(saved, label_smoothing, vocab_size, one, weight.dtype)  # [chunk, V/tp]
             if want_hidden:
                 torch.mm(d_logits, weight, out=grad_hidden[rows])
-            if want_weight and weight.dtype == torch.float32:
-                grad_weight.addmm_(d_logits.t(), h)  # in place: no [V/tp, h] temporary per chunk
-            elif want_weight:
-                grad_weight.add_(d_logits.t() @ h)  # the chunk's matmul in the head's dtype, summed in fp32
+            if want_weight:
+                grad_weight.addmm_(d_logits.t(), h)
             if want_bias:
-                grad_bias.add_(d_logits.float().sum(0))
+                grad_bias.add_(d_logits.sum(0, dtype=torch.float32))
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
-        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        ctx.bias_dtype = None if bias is None else bias.dtype
         return total
 
     @staticmethod
     def backward(ctx, grad_total):
         grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
-        weight_dtype, bias_dtype = ctx.dtypes
         scale = grad_total.to(torch.float32)
         if grad_hidden is not None:
-            grad_hidden = grad_hidden * scale.to(grad_hidden.dtype)
+            grad_hidden = _scaled_(grad_hidden, scale)
         if grad_weight is not None:
-            grad_weight = (grad_weight * scale).to(weight_dtype)
+            grad_weight = _scaled_(grad_weight, scale)
         if grad_bias is not None:
-            grad_bias = (grad_bias * scale).to(bias_dtype)
+            grad_bias = (grad_bias * scale).to(ctx.bias_dtype)
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
 
 
@@ -97,10 +91,11 @@ def fused_linear_cross_entropy(
     hidden, labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1).to(hidden.device)
     tp_size = parallel_state.get_tensor_model_parallel_size()
     vocab_size = weight.shape[0] * tp_size if vocab_size is None else vocab_size
-    if check_labels and tp_size > 1:  # torch's kernel raises at tp=1
-        device_checks.check_labels(labels, vocab_size, ignore_index)
     chunk = chunk_tokens or max(1, CHUNK_ELEMENTS // weight.shape[0])
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
+    training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+    if check_labels and (training or tp_size > 1):  # else torch's kernel raises (tp=1 without gradients)
+        device_checks.check_labels(labels, vocab_size, ignore_index)
+    if training:
         if torch.is_autocast_enabled(hidden.device.type):  # the chunks' matmuls in autocast's dtype, as F.linear's
             dtype = torch.get_autocast_dtype(hidden.device.type)
             hidden, weight = hidden.to(dtype), weight.to(dtype)

@@ -127,9 +127,13 @@ def allreduce_sequence_parallel_gradients(parameters: Iterable[torch.Tensor], *,
 def get_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
     """The gradient norm of the whole (unsharded) model; see the module docstring."""
     norm_type = float(norm_type)
+    params = _as_list(parameters)
+    whole = _whole_grads(params, norm_type)
+    if whole is not None:
+        return _whole_norm(whole, norm_type)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     dense, experts = [], []  # one pass: this runs every step, over every parameter
-    for p in _as_list(parameters):
+    for p in params:
         if p.grad is not None and getattr(p, "count_in_grad_norm", True) and (tp_rank == 0 or is_sharded(p)):
             (experts if is_expert_parallel(p) else dense).append(p)
     device = _local((dense or experts)[0].grad).device if dense or experts else backend.collective_device(
@@ -174,8 +178,7 @@ _FOREACH_DEVICES = ("cpu", "cuda")  # where torch's foreach kernels serve clip_g
 
 def _power_sum(params: list[torch.Tensor], norm_type: float, device) -> torch.Tensor:
     """sum over ``params`` of sum |g|^p, each row divided by its number of copies across the TP
-    group: one ``_foreach_norm`` per (device, dtype, copies) group, as torch's ``clip_grad_norm_``
-    (fp32 accumulation), not a kernel and an fp32 copy of the gradient per parameter."""
+    group (``_grouped_power`` per (device, dtype, copies) group)."""
     parts = []
     groups: dict[tuple, list[torch.Tensor]] = {}
     for p in params:
@@ -185,16 +188,63 @@ def _power_sum(params: list[torch.Tensor], norm_type: float, device) -> torch.Te
         else:
             grad = _local(p.grad)
             groups.setdefault((grad.device, grad.dtype, replicas), []).append(grad)
-    for (grad_device, _, replicas), grads in groups.items():
+    if groups:
+        parts.append(_grouped_power(groups, norm_type, device))
+    if not parts:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
+
+
+def _grouped_power(groups: dict[tuple, list[torch.Tensor]], norm_type: float, device) -> torch.Tensor:
+    """sum |g|^p over ``groups`` {(device, dtype[, copies]): gradients}, each group's sum divided
+    by its copies: one ``_foreach_norm`` per group, as torch's ``clip_grad_norm_`` (fp32
+    accumulation), not a kernel and an fp32 copy of the gradient per parameter."""
+    parts = []
+    for (grad_device, _, *copies), grads in groups.items():
         if grad_device.type in _FOREACH_DEVICES:
             norms = torch._foreach_norm(grads, norm_type, dtype=torch.float32)
         else:  # torch's clip_grad_norm_ loops there too (XLA)
             norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]
         power = (torch.stack(norms) ** norm_type).sum()
-        parts.append((power if replicas == 1 else power / replicas).to(device))
-    if not parts:
-        return torch.zeros((), dtype=torch.float32, device=device)
+        parts.append((power if copies in ([], [1]) else power / copies[0]).to(device))
     return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
+
+
+def _whole_grads(params: list[torch.Tensor], norm_type: float) -> dict[tuple, list[torch.Tensor]] | None:
+    """The gradients of ``params`` by device and dtype when each counts once, as it is: at
+    tp = pp = ep = 1 nothing is split over ranks, tied across stages or split into experts, so
+    unless a layer replicates rows itself (``kv_size_multiplier`` K/V copies, at any tp) the p-norm
+    is torch's over them (the common one-GPU case, without the rest of the sharding metadata);
+    None under any model parallelism, with copied rows, FSDP2's DP-sharded gradients (DTensors),
+    or for the inf-norm."""
+    sizes = parallel_state.get_parallel_sizes()
+    if sizes.tp > 1 or sizes.pp > 1 or sizes.ep > 1 or float(norm_type) == float("inf"):
+        return None
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for p in params:
+        grad = p.grad
+        if grad is not None:
+            replicas = getattr(p, "num_replicas", 1)
+            if isinstance(grad, DTensor) or not (isinstance(replicas, int) and replicas == 1):
+                return None
+            groups.setdefault((grad.device, grad.dtype), []).append(grad)
+    return groups
+
+
+def _whole_norm(groups: dict[tuple, list[torch.Tensor]], norm_type: float) -> torch.Tensor:
+    """The p-norm of ``_whole_grads``' gradients."""
+    if not groups:
+        return torch.zeros((), dtype=torch.float32,
+                           device=backend.collective_device(parallel_state.get_model_parallel_group()))
+    device = next(iter(groups))[0]
+    return _grouped_power(groups, float(norm_type), device) ** (1.0 / float(norm_type))
+
+
+def _by_device_and_dtype(grads: list[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for grad in grads:
+        groups.setdefault((grad.device, grad.dtype), []).append(grad)
+    return groups
 
 
 def _replica_weighted_power(p: torch.Tensor, norm_type: float) -> torch.Tensor:
@@ -242,13 +292,13 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float, norm_typ
     """Scale gradients so the whole model's norm is at most ``max_norm``; returns the norm before
     clipping (as ``torch.nn.utils.clip_grad_norm_`` does, including its 1e-6 guard)."""
     params = _as_list(parameters)
-    total = get_grad_norm(params, norm_type)
+    groups = _whole_grads(params, norm_type)  # one grouping for the norm and the scaling
+    if groups is None:
+        total = get_grad_norm(params, norm_type)
+        groups = _by_device_and_dtype([_local(p.grad) for p in params if p.grad is not None])
+    else:
+        total = _whole_norm(groups, norm_type)
     clip_coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    groups: dict[tuple, list[torch.Tensor]] = {}
-    for p in params:
-        if p.grad is not None:
-            grad = _local(p.grad)
-            groups.setdefault((grad.device, grad.dtype), []).append(grad)
     for (device, dtype), grads in groups.items():  # one kernel per group, as torch's clip_grad_norm_
         if device.type in _FOREACH_DEVICES:
             torch._foreach_mul_(grads, clip_coef.to(device, dtype))

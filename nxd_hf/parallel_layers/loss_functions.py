@@ -1,7 +1,8 @@
 """Cross-entropy over vocab-parallel logits (NxD's ``parallel_cross_entropy``).
 
-Never gathers the logits: three small collectives per call over the TP group (a max, then
-one all-reduce of the stacked sum-of-exp, target-logit and sum-of-logits terms).
+Never gathers the logits: two small collectives per call over the TP group (a max, then one
+all-reduce of the stacked sum-of-exp and target-logit terms, and the sum of the logits under
+label smoothing).
 """
 
 from typing import Literal
@@ -13,73 +14,74 @@ from nxd_hf import backend, parallel_state
 from nxd_hf.guards import device_checks
 
 
-def vocab_parallel_softmax(z: torch.Tensor, labels: torch.Tensor, label_smoothing: float, ignore_index: int,
+def vocab_parallel_softmax(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float, ignore_index: int,
                            vocab_size: int):
-    """The forward of the vocab-parallel cross-entropy on this rank's fp32 logits ``z [..., V/tp]``
-    (overwritten): per-token ``lse(z) - (1 - eps) z_y - eps mean_c(z_c)`` over the real vocab,
-    all-reducing a max and three sums on the TP group. Returns the loss and what
-    ``grad_of_logits`` needs (the softmax lives in ``z``'s storage)."""
+    """The forward of the vocab-parallel cross-entropy on this rank's logits ``[..., V/tp]`` (any
+    float dtype, not modified): per-token ``lse(z) - (1 - eps) z_y - eps mean_c(z_c)`` over the
+    real vocab in fp32, all-reducing a max and two sums (three with label smoothing) on the TP
+    group. Returns the loss and what ``grad_of_logits`` needs: ``exp(z - max)`` in one fresh fp32
+    buffer (the upcast and the shift are one pass; everything after works in place)."""
     group = parallel_state.get_tensor_model_parallel_group()
-    local_vocab = z.shape[-1]
+    local_vocab = logits.shape[-1]
     start = parallel_state.get_tensor_model_parallel_rank() * local_vocab
-    columns = torch.arange(start, start + local_vocab, device=z.device)
-    real = columns < vocab_size  # padded vocab columns do not exist for the loss
-    num_real = max(0, min(local_vocab, vocab_size - start))  # the real columns are a prefix
+    num_real = max(0, min(local_vocab, vocab_size - start))  # the real columns are a prefix; the rest is padding
 
-    if num_real:
-        z_max = z[..., :num_real].max(dim=-1).values
+    if num_real:  # the max in the logits' own dtype: upcasting is exact
+        z_max = logits[..., :num_real].amax(dim=-1).float()
     else:
-        z_max = torch.full(z.shape[:-1], float("-inf"), dtype=z.dtype, device=z.device)
+        z_max = torch.full(logits.shape[:-1], float("-inf"), dtype=torch.float32, device=logits.device)
     backend.all_reduce(z_max, group, op="max")
-    shifted = z.sub_(z_max.unsqueeze(-1))  # [..., V/tp]
-    shifted[..., num_real:] = float("-inf")
+    shifted = logits - z_max.unsqueeze(-1)  # [..., V/tp], a new fp32 buffer
+    if num_real < local_vocab:
+        shifted[..., num_real:] = float("-inf")  # padded columns do not exist for the loss
 
     ignored = labels == ignore_index
     local_label = labels - start
     owned = (local_label >= 0) & (local_label < local_vocab) & ~ignored
     safe_label = local_label.masked_fill(~owned, 0)
     target = shifted.gather(-1, safe_label.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0)
-    sum_shifted = shifted[..., :num_real].sum(-1)
+    terms = [target, shifted[..., :num_real].sum(-1)] if label_smoothing else [target]
     exp = shifted.exp_()  # in place: shifted is not needed again
-    sums = torch.stack([exp.sum(-1), target, sum_shifted])
+    sums = torch.stack([exp.sum(-1), *terms])
     backend.all_reduce(sums, group)
-    sum_exp, target, sum_shifted = sums
 
-    loss = sum_exp.log() - (1.0 - label_smoothing) * target - label_smoothing * sum_shifted / vocab_size
+    loss = sums[0].log() - (1.0 - label_smoothing) * sums[1]
+    if label_smoothing:
+        loss = loss - label_smoothing * sums[2] / vocab_size
     loss = loss.masked_fill(ignored, 0.0)
-    softmax = exp.div_(sum_exp.unsqueeze(-1))
-    return loss, (softmax, safe_label, owned, ignored, real)
+    return loss, (exp, sums[0], safe_label, owned, ignored, num_real)
 
 
-def grad_of_logits(saved, label_smoothing: float, vocab_size: int, grad_loss) -> torch.Tensor:
+def grad_of_logits(saved, label_smoothing: float, vocab_size: int, grad_loss, dtype: torch.dtype = torch.float32):
     """``d loss / d z`` from ``vocab_parallel_softmax``'s saved values, times ``grad_loss`` per
     token: ``softmax - (1 - eps) onehot - eps / C`` per local column, zero at padded columns and
-    ignored tokens; no communication. Written into the softmax's storage."""
-    softmax, safe_label, owned, ignored, real = saved
-    grad = softmax
-    grad.scatter_add_(-1, safe_label.unsqueeze(-1), -(1.0 - label_smoothing) * owned.unsqueeze(-1).to(grad.dtype))
+    ignored tokens; no communication. Computed in fp32 in the saved buffer, in one pass after the
+    (tiny) one-hot update: ``(exp - (1 - eps) S onehot - eps/C S) * grad / S`` with ``S`` the sum of
+    ``exp``; returned in ``dtype`` (fp32: the saved buffer itself)."""
+    exp, sum_exp, safe_label, owned, ignored, num_real = saved
+    exp.scatter_add_(-1, safe_label.unsqueeze(-1), (-(1.0 - label_smoothing) * sum_exp * owned).unsqueeze(-1))
     if label_smoothing:
-        grad.sub_(label_smoothing / vocab_size * real.to(grad.dtype))
-    grad.mul_((grad_loss * (~ignored).to(grad.dtype)).unsqueeze(-1))
-    return grad
+        exp[..., :num_real].sub_((label_smoothing / vocab_size) * sum_exp.unsqueeze(-1))
+    scale = (grad_loss * ~ignored / sum_exp).unsqueeze(-1)
+    return torch.mul(exp, scale, out=exp if dtype == torch.float32 else torch.empty_like(exp, dtype=dtype))
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Forward: ``vocab_parallel_softmax`` (a max and three sums all-reduced on the TP group).
-    Backward: ``grad_of_logits``; no communication."""
+    """Forward: ``vocab_parallel_softmax`` (a max and the stacked sums all-reduced on the TP
+    group). Backward: ``grad_of_logits``; no communication."""
 
     @staticmethod
     def forward(ctx, logits, labels, label_smoothing, ignore_index, vocab_size):
-        z = logits.float().clone() if logits.dtype == torch.float32 else logits.float()  # the caller's logits stay
-        loss, saved = vocab_parallel_softmax(z, labels, label_smoothing, ignore_index, vocab_size)
-        ctx.save_for_backward(*saved)
+        loss, saved = vocab_parallel_softmax(logits, labels, label_smoothing, ignore_index, vocab_size)
+        ctx.save_for_backward(*saved[:-1])
+        ctx.num_real = saved[-1]
         ctx.label_smoothing, ctx.vocab_size, ctx.dtype = label_smoothing, vocab_size, logits.dtype
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad = grad_of_logits(ctx.saved_tensors, ctx.label_smoothing, ctx.vocab_size, grad_loss.float())
-        return grad.to(ctx.dtype), None, None, None, None
+        saved = (*ctx.saved_tensors, ctx.num_real)
+        return grad_of_logits(saved, ctx.label_smoothing, ctx.vocab_size, grad_loss.float(), ctx.dtype), None, None, None, None
 
 
 def parallel_cross_entropy(

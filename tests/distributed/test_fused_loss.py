@@ -6,6 +6,8 @@ import itertools
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import nxd_hf
 from nxd_hf import parallel_state
@@ -51,6 +53,85 @@ def check_function(smoothing: float, reduction: str, chunk_tokens: int) -> None:
     with torch.no_grad():
         torch.testing.assert_close(fused_linear_cross_entropy(hidden, local_w, labels, vocab_size=VOCAB,
                                                               label_smoothing=smoothing, reduction=reduction), ref)
+
+
+def check_bf16_unbiased() -> None:
+    """A bf16 head: the loss as plain HF's; the gradients against F.cross_entropy of the same bf16
+    values upcast to fp32, to bf16 precision, and without a systematic scale (the mean's 1/12 is not a bf16 number:
+    scaled in bf16 every gradient would be 0.2% off; the fitted scale must be 1 within 1e-3)."""
+    tp, rank = parallel_state.get_tensor_model_parallel_size(), parallel_state.get_tensor_model_parallel_rank()
+    g = torch.Generator().manual_seed(5)
+    vocab, hidden_size = 50, 32
+    hidden = torch.randn(2, 7, hidden_size, generator=g).bfloat16()
+    weight = (torch.randn(vocab, hidden_size, generator=g) / 4).bfloat16()
+    labels = torch.randint(0, vocab, (2, 7), generator=g)
+    labels[0, 1] = labels[1, 6] = -100  # 12 tokens count
+    ref_h, ref_w = hidden.float().requires_grad_(), weight.float().requires_grad_()
+    ref = F.cross_entropy(F.linear(ref_h, ref_w).flatten(0, 1), labels.flatten())
+    ref.backward()
+    rows = torch.arange(rank * vocab // tp, (rank + 1) * vocab // tp)
+    local_w = weight[rows].clone().requires_grad_()
+    h = hidden.clone().requires_grad_()
+    loss = fused_linear_cross_entropy(h, local_w, labels, vocab_size=vocab, chunk_tokens=5)
+    loss.backward()
+    assert local_w.grad.dtype == h.grad.dtype == torch.bfloat16
+    # the loss: of the bf16 logits, as plain HF's (F.linear in bf16, the cross-entropy in fp32)
+    torch.testing.assert_close(loss, F.cross_entropy(F.linear(hidden, weight).float().flatten(0, 1), labels.flatten()),
+                               **TOL)
+    grad_h = h.grad.float()
+    torch.distributed.all_reduce(grad_h, group=parallel_state.get_tensor_model_parallel_group())
+    for name, got, want in (("hidden", grad_h, ref_h.grad), ("weight", local_w.grad.float(), ref_w.grad[rows])):
+        # bf16 products (and the head's gradient summed over chunks in bf16): within bf16's resolution of the largest
+        error, largest = float((got - want).abs().max()), float(want.abs().max())
+        assert error <= 2**-7 * largest, f"{name} gradient: max error {error} of {largest}"
+        scale = float((got * want).sum() / (want * want).sum())
+        assert abs(scale - 1) < 1e-3, f"{name} gradient scaled by {scale}"
+
+
+class _NewStorages(TorchDispatchMode):
+    """The sizes (numel) of the new storages ops create, apart from in-place results."""
+
+    def __init__(self):
+        super().__init__()
+        self.numels: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}
+        self.numels += [t.numel() for t in pytree.tree_leaves(out)
+                        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs]
+        return out
+
+
+def check_no_weight_sized_temporaries(dtype: str) -> None:
+    """Over four chunks, forward and backward allocate one buffer of the head's size (its
+    gradient, accumulated in place) and no other: no per-chunk [V/tp, h] product, no fp32 copy,
+    none in backward (the incoming scale is applied in place); at most two [chunk, V/tp] buffers
+    per chunk (the logits, the fp32 softmax) plus, for a bf16 head, the gradient in its dtype."""
+    tp = parallel_state.get_tensor_model_parallel_size()
+    vocab, hidden_size, tokens, chunk = 64, 48, 20, 5  # 64 x 48: no other tensor of the head's size
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(tokens, hidden_size, generator=g).to(getattr(torch, dtype)).requires_grad_()
+    weight = torch.randn(vocab // tp, hidden_size, generator=g).to(getattr(torch, dtype)).requires_grad_()
+    labels = torch.randint(0, vocab, (tokens,), generator=g)
+    with _NewStorages() as forward:
+        loss = fused_linear_cross_entropy(hidden, weight, labels, vocab_size=vocab, chunk_tokens=chunk)
+    with _NewStorages() as backward:
+        (loss * 3).backward()
+    assert forward.numels.count(weight.numel()) == 1, forward.numels
+    assert weight.numel() not in backward.numels and hidden.numel() not in backward.numels, backward.numels
+    per_chunk = 2 + (dtype != "float32")
+    assert forward.numels.count(chunk * vocab // tp) == per_chunk * tokens // chunk, forward.numels
+
+
+def check_bad_label_raises_in_training() -> None:
+    """At tp=1 the training path no longer runs torch's kernel (which raises on a label outside
+    the vocabulary): the range check runs there too."""
+    weight = torch.randn(VOCAB, HIDDEN, requires_grad=True)
+    labels = torch.tensor([[1, VOCAB, 2]])
+    with pytest.raises(ValueError, match="labels hold a value"):
+        fused_linear_cross_entropy(torch.randn(1, 3, HIDDEN), weight, labels, vocab_size=VOCAB)
 
 
 def check_model(tp: int, sp: bool, num_items: bool, gather_logits: bool) -> None:
@@ -136,6 +217,20 @@ FUNCTION = list(itertools.product([1, 2], [0.0, 0.1], ["mean", "sum"], [3, 64]))
                          ids=[f"tp{t}-smooth{s}-{r}-chunk{c}" for t, s, r, c in FUNCTION])
 def test_fused_linear_cross_entropy_equals_torch(ranks2, tp, smoothing, reduction, chunk):
     ranks2.run(check_function, smoothing, reduction, chunk, model_parallel=(tp, 1))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_bf16_head_gradients_unbiased(ranks2, tp):
+    ranks2.run(check_bf16_unbiased, model_parallel=(tp, 1))
+
+
+@pytest.mark.parametrize("tp, dtype", [(1, "float32"), (1, "bfloat16"), (2, "bfloat16")])
+def test_no_weight_sized_temporaries(ranks2, tp, dtype):
+    ranks2.run(check_no_weight_sized_temporaries, dtype, model_parallel=(tp, 1))
+
+
+def test_bad_label_raises_in_training_at_tp1(ranks2):
+    ranks2.run(check_bad_label_raises_in_training, model_parallel=(1, 1))
 
 
 MODEL = [(1, False, False, False), (2, False, True, False), (2, True, False, True), (1, False, True, True)]

@@ -263,7 +263,30 @@ def test_dp_sync_averages_bucketed_grads_tp2_dp2(ranks4):
 
 @pytest.mark.parametrize("norm_type", [2.0, math.inf], ids=["l2", "inf"])
 @pytest.mark.parametrize("fuse_qkv", [True, False], ids=["fused_qkv", "separate_qkv"])
-@pytest.mark.parametrize("tp", [2, 4], ids=lambda tp: f"tp{tp}")
+@pytest.mark.parametrize("tp", [1, 2, 4], ids=lambda tp: f"tp{tp}")
 def test_clip_grad_norm_matches_whole_model_norm(ranks4, tp, fuse_qkv, norm_type):
     ranks4.run(_check_clip, fuse_qkv, norm_type, f"tp{tp} fuse_qkv={fuse_qkv} norm={norm_type}",
                model_parallel=(tp, 1))
+
+
+def _check_clip_mixed_dtypes_tp1() -> None:
+    """tp = 1: bf16 and fp32 gradients (one kernel group each) and a parameter without one; the
+    norm in fp32 (as the fp64 norm of the same values), every gradient scaled by one coefficient."""
+    g = torch.Generator().manual_seed(2)
+    params = [torch.nn.Parameter(torch.randn(5, 3, generator=g).to(dtype)) for dtype in
+              (torch.float32, torch.bfloat16, torch.float32, torch.bfloat16)] + [torch.nn.Parameter(torch.zeros(2))]
+    for p in params[:4]:
+        p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+    before = [p.grad.double() for p in params[:4]]
+    want = torch.cat([b.flatten() for b in before]).norm()
+    total = clip_grad_norm(params, 0.5)
+    assert total.dtype == torch.float32 and params[4].grad is None
+    torch.testing.assert_close(total.double(), want, rtol=1e-6, atol=0)
+    coef = 0.5 / (want + 1e-6)
+    for p, b in zip(params[:4], before):
+        torch.testing.assert_close(p.grad, (b * coef).to(p.dtype), rtol=1e-2 if p.dtype == torch.bfloat16 else 1e-6,
+                                   atol=0)
+
+
+def test_clip_grad_norm_mixed_dtypes_tp1(ranks2):
+    ranks2.run(_check_clip_mixed_dtypes_tp1, model_parallel=(1, 1))

@@ -2,7 +2,8 @@
 tables of ``docs/benchmarks.md``, each between ``<!-- bench:NAME:begin -->`` and
 ``<!-- bench:NAME:end -->`` and headed by the date and machine it was measured on (the JSON's
 ``date`` and ``machine``, from ``bench/common/stamp.py``), and the architecture table of
-``docs/architectures.md`` (``bench/architectures/table.py``, its own markers). Each table comes
+``docs/architectures.md`` (``bench/architectures/table.py``, its own markers) and the GPU step
+tables of ``docs/gpu_speed.md`` (``bench/gpu_step/report.py``). Each table comes
 from its benchmark's own formatter, so the page shows what the benchmark printed.
 
     python -m bench.docs_tables           # rewrite the pages in place
@@ -20,6 +21,7 @@ from bench.checkpoint.run import GB
 from bench.comm_volume.run import format_case
 from bench.context_parallel.run import format_table as context_parallel_table
 from bench.fsdp.run import format_table as fsdp_table
+from bench.gpu_step import report as gpu_step_report
 from bench.lora.run import format_table as lora_table
 from bench.memory.report import format_table as memory_table
 from bench.optimizer.report import format_table as optimizer_table
@@ -28,6 +30,7 @@ from bench.train_step.report import format_table as train_step_table
 
 BENCHMARKS = REPO / "docs" / "benchmarks.md"
 ARCHITECTURES = REPO / "docs" / "architectures.md"
+GPU_SPEED = REPO / "docs" / "gpu_speed.md"
 
 
 def _markdown(text: str) -> str:
@@ -145,7 +148,21 @@ def render_architectures(page: str, results: pathlib.Path = RESULTS) -> str:
     return _splice(page, architectures_table.BEGIN, architectures_table.END, architectures_table.table(architectures))
 
 
-PAGES = {BENCHMARKS: render, ARCHITECTURES: render_architectures}
+def render_gpu_speed(page: str, results: pathlib.Path = RESULTS) -> str:
+    """``docs/gpu_speed.md`` (``page``) with each shape's ``bench/gpu_step`` table, or a line saying
+    it has not been measured."""
+    for shape in ("1b", "8b"):
+        path = results / f"gpu_step_{shape}.json"
+        if path.exists():
+            report = json.loads(path.read_text())
+            body = f"{gpu_step_report.heading(report)}\n\n{gpu_step_report.format_table(report)}"
+        else:
+            body = f"*Not measured yet: `python -m bench.gpu_step --shape {shape}` on a GPU writes this table.*"
+        page = _splice(page, f"<!-- bench:gpu_step_{shape}:begin -->", f"<!-- bench:gpu_step_{shape}:end -->", body)
+    return page
+
+
+PAGES = {BENCHMARKS: render, ARCHITECTURES: render_architectures, GPU_SPEED: render_gpu_speed}
 
 
 def main(argv: list[str] | None = None) -> int:

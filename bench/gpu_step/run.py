@@ -10,7 +10,10 @@ seq 2048). Each case in its own process; ``--warmup`` steps dropped, then the me
 ``--steps`` synchronized step times: tokens/s, the spread ((max - min) / median), MFU of
 (6N + 12 L h s) FLOPs per token against 989 TFLOP/s (H100 dense bf16; not for LoRA) and the
 peak of ``torch.cuda.max_memory_allocated``. Liger cases need ``pip install liger-kernel``
-(imported only by them; reported as skipped without it). JSON: ``bench/results/gpu_step_<shape>.json``.
+(imported only by them; reported as skipped without it). JSON: ``bench/results/gpu_step_<shape>.json``;
+the table (``bench/gpu_step/report.py``: each nxd_hf case against its plain peer, and the targets)
+is printed and, for a whole shape (no ``--only``), written into ``docs/gpu_speed.md`` with the
+date, GPU and versions.
 
 Refuses to run without a GPU. Run from the repo root: ``python -m bench.gpu_step --shape 1b``.
 """
@@ -25,6 +28,7 @@ import tempfile
 from bench.common import RESULTS
 from bench.common.stamp import stamp
 from bench.gpu_step.cases import SHAPES, all_cases, cases_for
+from bench.gpu_step.report import format_table, heading
 
 NO_GPU = ("bench.gpu_step measures GPU training throughput and needs a CUDA GPU; torch.cuda.is_available() is "
           "False here. Run it on a machine with an NVIDIA GPU (docs/gpu_speed.md)")
@@ -36,8 +40,14 @@ def _versions() -> dict:
     import transformers
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (CPU smoke run)"
+    try:
+        from importlib.metadata import version
+
+        liger = version("liger-kernel")
+    except Exception:  # not installed: its cases report as skipped
+        liger = None
     return {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__,
-            "gpu": gpu}
+            "liger_kernel": liger, "gpu": gpu}
 
 
 def _run_one(name: str, args) -> dict:
@@ -85,6 +95,11 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     name = "gpu_step_smoke.json" if smoke else f"gpu_step_{args.shape}.json"
     (RESULTS / name).write_text(json.dumps(report, indent=2) + "\n")
+    print(heading(report), format_table(report), sep="\n\n")
+    if not smoke and not args.only:  # the whole shape: its table in docs/gpu_speed.md
+        from bench.docs_tables import GPU_SPEED, render_gpu_speed
+
+        GPU_SPEED.write_text(render_gpu_speed(GPU_SPEED.read_text()))
 
 
 if __name__ == "__main__":

@@ -9,20 +9,31 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import nxd_hf
 from nxd_hf import parallel_state
+from nxd_hf.parallel_layers import fused_loss as fused_loss_module
 from support import hf_parity
 
 
 TOL = hf_parity.TOL
 
 
-def check_compiled_model(tp: int) -> dict:
+def check_compiled_model(tp: int, fused_loss: bool = False) -> int:
     """Loss and every gathered gradient of ``torch.compile(parallelize(model))`` equal the HF
     model's, two steps; the second reuses the compiled graphs (the backend is not called again).
-    Returns the frames dynamo compiled (counted by the backend: no second tracing pass)."""
+    Returns the frames dynamo compiled (counted by the backend: no second tracing pass).
+    ``fused_loss``: the chunked loss traced too (three chunks of 6 tokens)."""
     parallel_state.destroy_model_parallel()
     torch._dynamo.reset()
     reference, model = hf_parity.build_pair("llama", num_hidden_layers=1)
-    nxd_hf.parallelize(model, tensor_parallel_size=tp, check_inputs=False)
+    nxd_hf.parallelize(model, tensor_parallel_size=tp, check_inputs=False, fused_loss=fused_loss)
+    chunk_elements = fused_loss_module.CHUNK_ELEMENTS
+    fused_loss_module.CHUNK_ELEMENTS = 6 * model.lm_head.weight.shape[0]  # 16 tokens: three chunks
+    try:
+        return _two_compiled_steps(reference, model, tp)
+    finally:
+        fused_loss_module.CHUNK_ELEMENTS = chunk_elements
+
+
+def _two_compiled_steps(reference, model, tp: int) -> int:
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(model, backend=counter)
     frames = []
@@ -66,10 +77,12 @@ def check_trainer(out_dir: str) -> None:
     torch.testing.assert_close(torch.tensor(losses[True]), torch.tensor(losses[False]), **TOL)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_compiled_parallel_model_matches_hf(ranks2, tp):
-    graphs = ranks2.run(check_compiled_model, tp)
-    assert graphs == [4, 4], f"tp={tp}: dynamo compiled {graphs} frames per rank (docs/gpu_speed.md: 4)"
+@pytest.mark.parametrize("tp, fused_loss", [(1, False), (2, False), (2, True)],
+                         ids=["tp1", "tp2", "tp2-fused_loss"])
+def test_compiled_parallel_model_matches_hf(ranks2, tp, fused_loss):
+    graphs = ranks2.run(check_compiled_model, tp, fused_loss)
+    frames = 3 if fused_loss else 4  # the fused loss is traced with the head: one frame fewer
+    assert graphs == [frames] * 2, f"tp={tp}: dynamo compiled {graphs} frames per rank (docs/gpu_speed.md: {frames})"
 
 
 def test_nxd_trainer_torch_compile_tp2(ranks2, tmp_path):

@@ -54,6 +54,12 @@ class InputCheck:
         self.calls = 0  # forwards of real (not traced) inputs so far: the same count on every rank
         self.pending = PendingFingerprints()
 
+    def has_work(self) -> bool:
+        """False once nothing is left to check: after the first forward's host check, where no
+        other rank must see the same batch (a model-parallel group of one: one GPU)."""
+        return self.mode == "always" or self.calls == 0 or (
+            self.mode == "first" and backend.group_size(parallel_state.get_model_parallel_group()) > 1)
+
     def __call__(self, inputs: dict) -> None:
         tensors = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
         check_not_empty(tensors.get("input_ids"))
@@ -76,7 +82,7 @@ def install_input_check(model, check_inputs) -> InputCheck:
 
     def hook(module, args, kwargs):
         check_not_empty(kwargs.get("input_ids", args[0] if args else None))  # every step: shapes only
-        if check.mode == "off":
+        if check.mode == "off" or not check.has_work():  # before binding the arguments: every step
             return
         try:
             named = signature.bind_partial(*args, **kwargs).arguments

@@ -75,7 +75,10 @@ def check_supported_config(config, where: str) -> None:
 
 
 class _ParallelLoraLinear(peft_lora.Linear):
-    """Shared by both layers: peft's bookkeeping (adapters, scaling, merge, disable), our math."""
+    """Shared by both layers: peft's bookkeeping (adapters, scaling, merge, disable), our math.
+    The forwards read ``self.base_layer``, the parallel layer itself (the dispatch wraps only
+    those), not peft's ``get_base_layer()``, whose search costs two failed attribute lookups: they
+    run for every adapted layer on every step."""
 
     def __init__(self, base_layer: nn.Module, adapter_name: str, config, **kwargs):
         check_supported_config(config, type(base_layer).__name__)
@@ -109,10 +112,6 @@ class _ParallelLoraLinear(peft_lora.Linear):
 
     def _active_lora_adapters(self) -> list[str]:
         return [name for name in self.active_adapters if name in self.lora_A]
-
-    # Below, ``self.base_layer`` is the parallel layer itself (the dispatch wraps only those), not
-    # peft's ``get_base_layer()``, whose search costs two failed attribute lookups per call: these
-    # run for every adapted layer on every step.
 
 
 class _AdapterLinear(nn.Linear):

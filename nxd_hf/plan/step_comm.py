@@ -67,8 +67,8 @@ def _tp_activation_terms(shape: ModelShape, work: Workload, layout: Layout, laye
     if last:
         _add(terms, phase="lm_head", op="all_reduce", kind="activation", count=m, payload_bytes=m * act,
              formula="m x b*s*h*4 (backward into the LM head's region)")
-        _add(terms, phase="loss", op="all_reduce", kind="activation", count=2 * m, payload_bytes=m * 4 * tokens_bytes,
-             formula="m x (max + [sum exp, target, sum]) x b*s*4")
+        _add(terms, phase="loss", op="all_reduce", kind="activation", count=2 * m, payload_bytes=m * 3 * tokens_bytes,
+             formula="m x (max + [sum exp, target]) x b*s*4 (label smoothing adds the sum of the logits)")
     return terms
 
 

@@ -201,13 +201,16 @@ def _grouped_power(groups: dict[tuple, list[torch.Tensor]], norm_type: float, de
     accumulation), not a kernel and an fp32 copy of the gradient per parameter."""
     parts = []
     for (grad_device, _, *copies), grads in groups.items():
-        if grad_device.type in _FOREACH_DEVICES:
-            norms = torch._foreach_norm(grads, norm_type, dtype=torch.float32)
-        else:  # torch's clip_grad_norm_ loops there too (XLA)
-            norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]
-        power = (torch.stack(norms) ** norm_type).sum()
+        power = (torch.stack(_norms(grads, norm_type)) ** norm_type).sum()
         parts.append((power if copies in ([], [1]) else power / copies[0]).to(device))
     return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
+
+
+def _norms(grads: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
+    """Each gradient's p-norm in fp32, with one ``_foreach_norm`` where it serves."""
+    if grads[0].device.type in _FOREACH_DEVICES:
+        return list(torch._foreach_norm(grads, norm_type, dtype=torch.float32))
+    return [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]  # torch loops there too (XLA)
 
 
 def _whole_grads(params: list[torch.Tensor], norm_type: float) -> dict[tuple, list[torch.Tensor]] | None:
@@ -237,7 +240,11 @@ def _whole_norm(groups: dict[tuple, list[torch.Tensor]], norm_type: float) -> to
         return torch.zeros((), dtype=torch.float32,
                            device=backend.collective_device(parallel_state.get_model_parallel_group()))
     device = next(iter(groups))[0]
-    return _grouped_power(groups, float(norm_type), device) ** (1.0 / float(norm_type))
+    norms = []
+    for (grad_device, _), grads in groups.items():
+        group_norms = _norms(grads, float(norm_type))
+        norms += group_norms if grad_device == device else [n.to(device) for n in group_norms]
+    return torch.linalg.vector_norm(torch.stack(norms), float(norm_type))  # as torch's get_total_norm, in fp32
 
 
 def _by_device_and_dtype(grads: list[torch.Tensor]) -> dict[tuple, list[torch.Tensor]]:

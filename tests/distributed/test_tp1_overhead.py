@@ -1,7 +1,7 @@
 """Nothing for nothing at tp=1: one forward + backward of a parallelized tiny
-llama on one rank dispatches no cast, copy or other aten op beyond the plain HF model's, and a
-whole training step (clipping and AdamW included) adds no gradient hook, no per-module hook and
-next to no Python work."""
+llama on one rank dispatches no cast, copy or other aten op beyond the plain HF model's, a whole
+training step (clipping and AdamW included) one cast more, and it adds no gradient hook, no
+per-module hook and next to no Python work."""
 
 import collections
 import cProfile
@@ -120,8 +120,32 @@ def check_no_host_work_per_parameter() -> None:
     assert reduced == [1] and all(p._backward_hooks for p in model.parameters())
 
 
+def check_whole_step_ops() -> None:
+    """A whole bf16 step (forward, backward, clipping at 1.0, AdamW) of nxd_hf at tp=1 against
+    plain HF with torch's clip_grad_norm_: per op no more calls, but one cast (the clipping
+    coefficient, computed from an fp32 norm, to the bf16 gradients' dtype)."""
+    parallel_state.destroy_model_parallel()
+    reference, model = hf_parity.build_pair("llama", attention_bias=False, mlp_bias=False)
+    reference, model = reference.to(torch.bfloat16), model.to(torch.bfloat16)
+    nxd_hf.parallelize(model, tensor_parallel_size=1, check_inputs=False)
+    model.nxd.grad_reduction.release_host_memory = False
+    counts = []
+    for step in (_train_step(reference, torch.nn.utils.clip_grad_norm_),
+                 _train_step(model, nxd_hf.parallel_layers.clip_grad_norm)):
+        step()
+        with OpCounter() as counter:
+            step()
+        counts.append(counter.counts)
+    plain, par = counts
+    allowed = {"aten._to_copy": 1}
+    extra = {op: (plain.get(op, 0), n) for op, n in par.items()
+             if op not in VIEWS and n > plain.get(op, 0) + allowed.get(op, 0)}
+    assert not extra, f"a whole step: ops beyond plain HF (plain, nxd_hf): {extra}"
+
+
 def check_tp1() -> None:
     check_no_extra_work()
+    check_whole_step_ops()
     check_no_host_work_per_parameter()
 
 

@@ -1,6 +1,6 @@
 """Peak CPU memory and time of one forward + backward of the causal-LM loss from the hidden
 states, the LM head included, at a large vocabulary (default vocab 128,256 as Llama 3, hidden
-512, batch 1 x seq 1024, fp32), two ways, each in its own process:
+128, batch 1 x seq 4096: four chunks, fp32), two ways, each in its own process:
 
 - ``unfused``: ``F.linear`` to the full logits, then ``F.cross_entropy`` (what plain HF and
   nxd_hf at tp=1 do without ``fused_loss``);
@@ -10,7 +10,7 @@ states, the LM head included, at a large vocabulary (default vocab 128,256 as Ll
 Peak: the rise of the process's peak RSS (``ru_maxrss``) over the reading taken once the
 inputs exist (no warm-up step: the first step's peak is the one measured); time: median of
 ``--steps`` steps (the first included: on a shared CPU a step takes seconds, a warm-up adds little). The logits alone
-are seq x vocab x 4 B (525 MB at the defaults). JSON in ``bench/results/fused_loss.json``
+are seq x vocab x 4 B (2.1 GB at the defaults). JSON in ``bench/results/fused_loss.json``
 (``--dtype bfloat16``: ``fused_loss_bfloat16.json``; the unfused way upcasts the bf16 logits as HF does;
 the fp32 logits are counted).
 
@@ -84,8 +84,8 @@ def _case(mode: str, vocab: int, hidden: int, seq: int, steps: int, dtype: str) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vocab", type=int, default=128256)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--seq", type=int, default=1024)
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                         help="of the hidden states and the head (bfloat16: as a bf16 model trains)")

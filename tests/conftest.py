@@ -35,6 +35,16 @@ for _folder in _test_folders():
         sys.path.insert(0, _folder)
 
 
+# Without a GPU, nxd_hf's Triton kernels (the fused loss's softmax) run in Triton's interpreter on
+# CPU tensors. Triton reads the switch when its language module is imported, which the forkserver's
+# preloads (torch, transformers) may do: it is set before any rank starts, and never on a GPU,
+# whose lane tests the compiled kernels.
+import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 def _support_modules() -> list[str]:
     folder = os.path.join(TESTS, "support")
     return sorted(f"support.{f[:-3]}" for f in os.listdir(folder) if f.endswith(".py") and f != "__init__.py")

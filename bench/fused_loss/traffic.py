@@ -1,7 +1,9 @@
 """Memory traffic and matmul FLOPs of one forward + backward of the causal-LM loss from the hidden
 states at a GPU shape, counted op by op on fake tensors (nothing is computed, so the Llama-3.2-1B
 head fits on a CPU): unfused (``F.linear`` then ``F.cross_entropy`` of the upcast logits, as plain
-HF) against nxd_hf's ``fused_linear_cross_entropy`` at tp=1.
+HF) against nxd_hf's ``fused_linear_cross_entropy`` at tp=1, with torch's eager ops ("fused") and
+with its Triton kernels ("fused_triton", each launch one custom op: the logits it reads and
+overwrites; counted, not run: Triton must be installed, as for the tests, yet no kernel is launched).
 
 Per op: the bytes of its inputs read and of its new outputs written (an in-place op's target read
 and written); views, ``empty`` and shape queries move nothing; gather/scatter ops only their
@@ -59,6 +61,9 @@ class Traffic(TorchDispatchMode):
             moved = sum(map(_bytes, inputs)) + sum(_bytes(t) for t in outputs if not any(t is i for i in inputs))
             if name.endswith("_") and outputs:  # in place: the target written back
                 moved += _bytes(outputs[0])
+            elif name.startswith("nxd_hf."):  # a custom op (a Triton kernel): what it overwrites, written back
+                moved += sum(_bytes(a) for a, arg in zip(args, func._schema.arguments)
+                             if arg.alias_info is not None and arg.alias_info.is_write)
         if name in MATMULS:
             a, b = args[-2], args[-1]
             self.flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
@@ -75,15 +80,16 @@ def _count(way: str, tokens: int, vocab: int, hidden: int) -> Traffic:
         weight = torch.randn(vocab, hidden, dtype=torch.bfloat16, requires_grad=True)
         labels = torch.randint(0, vocab, (tokens,))
         with Traffic() as traffic:
-            if way == "fused":
-                loss = fused_linear_cross_entropy(hidden_states, weight, labels, vocab_size=vocab, check_labels=False)
+            if way.startswith("fused"):
+                loss = fused_linear_cross_entropy(hidden_states, weight, labels, vocab_size=vocab, check_labels=False,
+                                                  kernel="triton" if way == "fused_triton" else "torch")
             else:
                 loss = F.cross_entropy(F.linear(hidden_states, weight).float(), labels)
             loss.backward()
     return traffic
 
 
-COLUMNS = [Column(title="way", width=8, left=True), Column(title="matmul TFLOP", width=12, spec=".2f"),
+COLUMNS = [Column(title="way", width=12, left=True), Column(title="matmul TFLOP", width=12, spec=".2f"),
            Column(title="matmul GB", width=9, spec=".1f"), Column(title="elementwise GB", width=14, spec=".1f"),
            Column(title="total GB", width=8, spec=".1f")]
 
@@ -100,24 +106,29 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=2048)
     args = parser.parse_args()
     from nxd_hf import parallel_state
-    from nxd_hf.parallel_layers.fused_loss import CHUNK_ELEMENTS
+    from nxd_hf.parallel_layers.fused_loss import CHUNK_ELEMENTS, KERNEL_CHUNK_BYTES
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29572"),
                       RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     parallel_state.initialize_model_parallel(1, 1)
     ways = {}
-    for way in ("unfused", "fused"):
+    os.environ["TRITON_INTERPRET"] = "1"  # the kernels' custom ops accept CPU (fake) tensors; nothing runs
+    for way in ("unfused", "fused", "fused_triton"):
         traffic = _count(way, args.tokens, args.vocab, args.hidden)
         ways[way] = {"matmul_tflop": traffic.flops / 1e12, "matmul_gb": traffic.bytes["matmul"] / 1e9,
                      "elementwise_gb": traffic.bytes["elementwise"] / 1e9,
                      "total_gb": sum(traffic.bytes.values()) / 1e9,
                      "by_op_gb": {op: b / 1e9 for op, b in traffic.by_op.most_common() if b >= 1e8}}
     result = {**stamp(), "tokens": args.tokens, "vocab": args.vocab, "hidden": args.hidden, "dtype": "bfloat16",
-              "chunk_tokens": max(1, CHUNK_ELEMENTS // args.vocab), "ways": ways,
-              "total_ratio_fused_over_unfused": ways["fused"]["total_gb"] / ways["unfused"]["total_gb"]}
+              "chunk_tokens": max(1, CHUNK_ELEMENTS // args.vocab),
+              "kernel_chunk_tokens": max(1, KERNEL_CHUNK_BYTES // 2 // args.vocab), "ways": ways,
+              "total_ratio_fused_over_unfused": ways["fused"]["total_gb"] / ways["unfused"]["total_gb"],
+              "total_ratio_fused_triton_over_unfused": ways["fused_triton"]["total_gb"] / ways["unfused"]["total_gb"]}
     print(format_table(result))
-    print(f"fused / unfused traffic: {result['total_ratio_fused_over_unfused']:.3f} "
-          f"({-(-args.tokens // result['chunk_tokens'])} chunks of {result['chunk_tokens']} tokens)")
+    print(f"fused / unfused traffic: {result['total_ratio_fused_over_unfused']:.3f}, with the Triton kernels "
+          f"{result['total_ratio_fused_triton_over_unfused']:.3f} "
+          f"({-(-args.tokens // result['chunk_tokens'])} chunks of {result['chunk_tokens']} tokens; with the kernels "
+          f"{-(-args.tokens // result['kernel_chunk_tokens'])} of {result['kernel_chunk_tokens']})")
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "fused_loss_traffic.json").write_text(json.dumps(result, indent=2) + "\n")
 

@@ -3,9 +3,11 @@ chunks of tokens, so the full ``[tokens, V/tp]`` logits never exist at once (as 
 linear cross-entropy, but vocab-parallel).
 
 In training the gradients are computed during the forward, chunk by chunk: each chunk's logits
-are made in the head's dtype, turned into the loss and ``d loss / d logits`` in fp32
-(``vocab_parallel_softmax``, its collectives included: the upcast, the shift and the exponential
-are one buffer written twice, the gradient one pass more), and that is multiplied straight into
+are made in the head's dtype, turned into the loss and ``d loss / d logits`` in fp32 — on CUDA by
+two Triton kernels that write the gradient over the logits (``softmax_kernels``: each logit read
+twice and written once), elsewhere by torch's ops (``vocab_parallel_softmax``, its collectives
+included: the upcast, the shift and the exponential are one fp32 buffer written twice, the
+gradient one pass more) — and that is multiplied straight into
 the hidden states' gradient and added in place into the head's (one ``addmm_`` per chunk, in the
 head's dtype as its own matmul would give it, as Liger does: no temporary and no fp32 copy of the
 ``[V/tp, h]`` weight per chunk); the logits are then dropped. Backward only scales the stored
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 
 from nxd_hf import parallel_state
 from nxd_hf.guards import device_checks
+from nxd_hf.parallel_layers import softmax_kernels
 from nxd_hf.parallel_layers.loss_functions import grad_of_logits, parallel_cross_entropy, vocab_parallel_softmax
 
 CHUNK_ELEMENTS = 2**27
@@ -25,6 +28,12 @@ CHUNK_ELEMENTS = 2**27
 (a 128k vocabulary: 1,046 tokens). Each chunk reads the head's weight twice and its gradient once
 and writes that back (``[V/tp, h]`` each): fewer, larger chunks pass over them less often
 (``bench/fused_loss/traffic.py``: at the 1B head, 16 chunks moved 69.5 GB, 8 chunks 52.7 GB)."""
+
+KERNEL_CHUNK_BYTES = 2**30
+"""Logits per chunk in training with the Triton kernels: 1 GiB of them in their dtype (2^29 in
+bf16: 4,186 tokens at a 128k vocabulary), about what ``CHUNK_ELEMENTS`` logits hold with their
+fp32 softmax and gradient; the kernels need no other buffer, so half as many passes over the
+head's weight and gradient (``bench/fused_loss/traffic.py``)."""
 
 
 def _scaled_(grad: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -39,7 +48,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     hidden states' TP all-reduce is the caller's region)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, label_smoothing, ignore_index, vocab_size, chunk):
+    def forward(ctx, hidden, weight, bias, labels, label_smoothing, ignore_index, vocab_size, chunk, use_kernels):
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         want_bias = bias is not None and ctx.needs_input_grad[2]
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
@@ -50,10 +59,15 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk):
             rows = slice(start, start + chunk)
             h, y = hidden[rows], labels[rows]
-            token_loss, saved = vocab_parallel_softmax(F.linear(h, weight, bias), y, label_smoothing, ignore_index,
-                                                       vocab_size)  # the chunk's logits are freed here
-            total += token_loss.sum()
-            d_logits = grad_of_logits(saved, label_smoothing, vocab_size, one, weight.dtype)  # [chunk, V/tp]
+            if use_kernels:  # the gradient written over the chunk's logits
+                d_logits = F.linear(h, weight, bias)
+                total += softmax_kernels.loss_and_grad_in_place(d_logits, y, label_smoothing, ignore_index,
+                                                                vocab_size).sum()
+            else:
+                token_loss, saved = vocab_parallel_softmax(F.linear(h, weight, bias), y, label_smoothing, ignore_index,
+                                                           vocab_size)  # the chunk's logits are freed here
+                total += token_loss.sum()
+                d_logits = grad_of_logits(saved, label_smoothing, vocab_size, one, weight.dtype)  # [chunk, V/tp]
             if want_hidden:
                 torch.mm(d_logits, weight, out=grad_hidden[rows])
             if want_weight:
@@ -74,21 +88,26 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             grad_weight = _scaled_(grad_weight, scale)
         if grad_bias is not None:
             grad_bias = (grad_bias * scale).to(ctx.bias_dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
 
 
 def fused_linear_cross_entropy(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, bias: torch.Tensor | None = None,
     vocab_size: int | None = None, label_smoothing: float = 0.0, ignore_index: int = -100, reduction: str = "mean",
-    chunk_tokens: int | None = None, check_labels: bool = True,
+    chunk_tokens: int | None = None, check_labels: bool = True, kernel: str = "auto",
 ) -> torch.Tensor:
     """``parallel_cross_entropy(F.linear(hidden, weight, bias), labels, ...)`` without holding the
     logits: ``hidden [..., h]`` as every TP rank's head sees it (replicated, full sequence),
     ``weight [V/tp, h]`` this rank's vocabulary rows, ``labels [...]`` unsharded. ``reduction``
-    "sum" or "mean" (over non-ignored tokens); ``chunk_tokens`` default: ``CHUNK_ELEMENTS`` logits;
-    ``check_labels`` as ``parallel_cross_entropy``'s."""
+    "sum" or "mean" (over non-ignored tokens); ``chunk_tokens`` default: ``CHUNK_ELEMENTS`` logits
+    (``KERNEL_CHUNK_BYTES`` of them in training with the Triton kernels);
+    ``check_labels`` as ``parallel_cross_entropy``'s. ``kernel``: how training computes each
+    chunk's softmax and gradient: "triton" (``softmax_kernels``: CUDA, or CPU under
+    ``TRITON_INTERPRET=1``), "torch" (eager ops, any device) or "auto" (Triton on CUDA where it
+    is installed, else torch's ops)."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"fused_linear_cross_entropy: reduction must be 'mean' or 'sum', not {reduction!r}")
+    use_kernels = softmax_kernels.usable(hidden.device, kernel)
     hidden, labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1).to(hidden.device)
     tp_size = parallel_state.get_tensor_model_parallel_size()
     vocab_size = weight.shape[0] * tp_size if vocab_size is None else vocab_size
@@ -101,9 +120,11 @@ def fused_linear_cross_entropy(
             dtype = torch.get_autocast_dtype(hidden.device.type)
             hidden, weight = hidden.to(dtype), weight.to(dtype)
             bias = None if bias is None else bias.to(dtype)
+        if use_kernels and not chunk_tokens:
+            chunk = max(1, KERNEL_CHUNK_BYTES // weight.element_size() // weight.shape[0])
         with torch.autocast(hidden.device.type, enabled=False):
             total = _FusedLinearCrossEntropy.apply(hidden, weight, bias, labels, label_smoothing, ignore_index,
-                                                   vocab_size, chunk)
+                                                   vocab_size, chunk, use_kernels)
     else:
         total = sum(parallel_cross_entropy(F.linear(hidden[s:s + chunk], weight, bias), labels[s:s + chunk],
                                            label_smoothing, ignore_index, "sum", vocab_size=vocab_size,

@@ -14,6 +14,19 @@ from nxd_hf import backend, parallel_state
 from nxd_hf.guards import device_checks
 
 
+def local_columns(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, ignore_index: int):
+    """This rank's view of the vocabulary: the number of real columns of ``logits [..., V/tp]``
+    (a prefix; the rest is padding), and per token whether its label is ignored, whether this
+    rank owns its column, and that column (0 where not owned)."""
+    local_vocab = logits.shape[-1]
+    start = parallel_state.get_tensor_model_parallel_rank() * local_vocab
+    num_real = max(0, min(local_vocab, vocab_size - start))
+    ignored = labels == ignore_index
+    local_label = labels - start
+    owned = (local_label >= 0) & (local_label < local_vocab) & ~ignored
+    return num_real, ignored, owned, local_label.masked_fill(~owned, 0)
+
+
 def vocab_parallel_softmax(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float, ignore_index: int,
                            vocab_size: int):
     """The forward of the vocab-parallel cross-entropy on this rank's logits ``[..., V/tp]`` (any
@@ -22,23 +35,15 @@ def vocab_parallel_softmax(logits: torch.Tensor, labels: torch.Tensor, label_smo
     group. Returns the loss and what ``grad_of_logits`` needs: ``exp(z - max)`` in one fresh fp32
     buffer (the upcast and the shift are one pass; everything after works in place)."""
     group = parallel_state.get_tensor_model_parallel_group()
-    local_vocab = logits.shape[-1]
-    start = parallel_state.get_tensor_model_parallel_rank() * local_vocab
-    num_real = max(0, min(local_vocab, vocab_size - start))  # the real columns are a prefix; the rest is padding
-
+    num_real, ignored, owned, safe_label = local_columns(logits, labels, vocab_size, ignore_index)
     if num_real:  # the max in the logits' own dtype: upcasting is exact
         z_max = logits[..., :num_real].amax(dim=-1).float()
     else:
         z_max = torch.full(logits.shape[:-1], float("-inf"), dtype=torch.float32, device=logits.device)
     backend.all_reduce(z_max, group, op="max")
     shifted = logits - z_max.unsqueeze(-1)  # [..., V/tp], a new fp32 buffer
-    if num_real < local_vocab:
+    if num_real < logits.shape[-1]:
         shifted[..., num_real:] = float("-inf")  # padded columns do not exist for the loss
-
-    ignored = labels == ignore_index
-    local_label = labels - start
-    owned = (local_label >= 0) & (local_label < local_vocab) & ~ignored
-    safe_label = local_label.masked_fill(~owned, 0)
     target = shifted.gather(-1, safe_label.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0)
     terms = [target, shifted[..., :num_real].sum(-1)] if label_smoothing else [target]
     exp = shifted.exp_()  # in place: shifted is not needed again

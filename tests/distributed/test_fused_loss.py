@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import nxd_hf
 from nxd_hf import parallel_state
+from nxd_hf.parallel_layers import softmax_kernels
 from nxd_hf.parallel_layers.fused_loss import fused_linear_cross_entropy
 from nxd_hf.parallel_layers.sharding import shard_from_full
 from support import hf_parity
@@ -26,7 +27,7 @@ def _rows(tp: int, rank: int) -> torch.Tensor:
     return rows.masked_fill(rows >= VOCAB, -1)  # padding rows
 
 
-def check_function(smoothing: float, reduction: str, chunk_tokens: int) -> None:
+def check_function(smoothing: float, reduction: str, chunk_tokens: int, kernel: str = "torch") -> None:
     """Loss, hidden-state and weight gradients against F.cross_entropy on the full logits, with
     ignored labels and chunks that do not divide the tokens."""
     tp, rank = parallel_state.get_tensor_model_parallel_size(), parallel_state.get_tensor_model_parallel_rank()
@@ -43,7 +44,7 @@ def check_function(smoothing: float, reduction: str, chunk_tokens: int) -> None:
     local_w = shard_from_full(weight, 0, rows).clone().requires_grad_()  # padding rows zero
     h = hidden.clone().requires_grad_()
     loss = fused_linear_cross_entropy(h, local_w, labels, vocab_size=VOCAB, label_smoothing=smoothing,
-                                      reduction=reduction, chunk_tokens=chunk_tokens)
+                                      reduction=reduction, chunk_tokens=chunk_tokens, kernel=kernel)
     (loss * 1.7).backward()
     torch.testing.assert_close(loss, ref, **TOL)
     grad_h = h.grad.clone()
@@ -55,7 +56,7 @@ def check_function(smoothing: float, reduction: str, chunk_tokens: int) -> None:
                                                               label_smoothing=smoothing, reduction=reduction), ref)
 
 
-def check_bf16_unbiased() -> None:
+def check_bf16_unbiased(kernel: str = "torch") -> None:
     """A bf16 head: the loss as plain HF's; the gradients against F.cross_entropy of the same bf16
     values upcast to fp32, to bf16 precision, and without a systematic scale (the mean's 1/12 is not a bf16 number:
     scaled in bf16 every gradient would be 0.2% off; the fitted scale must be 1 within 1e-3)."""
@@ -72,7 +73,7 @@ def check_bf16_unbiased() -> None:
     rows = torch.arange(rank * vocab // tp, (rank + 1) * vocab // tp)
     local_w = weight[rows].clone().requires_grad_()
     h = hidden.clone().requires_grad_()
-    loss = fused_linear_cross_entropy(h, local_w, labels, vocab_size=vocab, chunk_tokens=5)
+    loss = fused_linear_cross_entropy(h, local_w, labels, vocab_size=vocab, chunk_tokens=5, kernel=kernel)
     loss.backward()
     assert local_w.grad.dtype == h.grad.dtype == torch.bfloat16
     # the loss: of the bf16 logits, as plain HF's (F.linear in bf16, the cross-entropy in fp32)
@@ -84,6 +85,8 @@ def check_bf16_unbiased() -> None:
         # bf16 products (and the head's gradient summed over chunks in bf16): within bf16's resolution of the largest
         error, largest = float((got - want).abs().max()), float(want.abs().max())
         assert error <= 2**-7 * largest, f"{name} gradient: max error {error} of {largest}"
+        if kernel == "triton":  # Triton's interpreter truncates to bf16 (a GPU rounds to nearest): checked on the GPU lane
+            continue
         scale = float((got * want).sum() / (want * want).sum())
         assert abs(scale - 1) < 1e-3, f"{name} gradient scaled by {scale}"
 
@@ -104,11 +107,12 @@ class _NewStorages(TorchDispatchMode):
         return out
 
 
-def check_no_weight_sized_temporaries(dtype: str) -> None:
+def check_no_weight_sized_temporaries(dtype: str, kernel: str = "torch") -> None:
     """Over four chunks, forward and backward allocate one buffer of the head's size (its
     gradient, accumulated in place) and no other: no per-chunk [V/tp, h] product, no fp32 copy,
     none in backward (the incoming scale is applied in place); at most two [chunk, V/tp] buffers
-    per chunk (the logits, the fp32 softmax) plus, for a bf16 head, the gradient in its dtype."""
+    per chunk (the logits, the fp32 softmax) plus, for a bf16 head, the gradient in its dtype;
+    the Triton kernels one (the logits, the gradient written over them)."""
     tp = parallel_state.get_tensor_model_parallel_size()
     vocab, hidden_size, tokens, chunk = 64, 48, 20, 5  # 64 x 48: no other tensor of the head's size
     g = torch.Generator().manual_seed(0)
@@ -116,12 +120,12 @@ def check_no_weight_sized_temporaries(dtype: str) -> None:
     weight = torch.randn(vocab // tp, hidden_size, generator=g).to(getattr(torch, dtype)).requires_grad_()
     labels = torch.randint(0, vocab, (tokens,), generator=g)
     with _NewStorages() as forward:
-        loss = fused_linear_cross_entropy(hidden, weight, labels, vocab_size=vocab, chunk_tokens=chunk)
+        loss = fused_linear_cross_entropy(hidden, weight, labels, vocab_size=vocab, chunk_tokens=chunk, kernel=kernel)
     with _NewStorages() as backward:
         (loss * 3).backward()
     assert forward.numels.count(weight.numel()) == 1, forward.numels
     assert weight.numel() not in backward.numels and hidden.numel() not in backward.numels, backward.numels
-    per_chunk = 2 + (dtype != "float32")
+    per_chunk = 1 if kernel == "triton" else 2 + (dtype != "float32")
     assert forward.numels.count(chunk * vocab // tp) == per_chunk * tokens // chunk, forward.numels
 
 
@@ -132,6 +136,58 @@ def check_bad_label_raises_in_training() -> None:
     labels = torch.tensor([[1, VOCAB, 2]])
     with pytest.raises(ValueError, match="labels hold a value"):
         fused_linear_cross_entropy(torch.randn(1, 3, HIDDEN), weight, labels, vocab_size=VOCAB)
+
+
+def check_compiled_kernels() -> None:
+    """Under torch.compile (fullgraph: no break) the Triton kernels are opaque custom ops: the loss
+    and gradients as eager."""
+    g = torch.Generator().manual_seed(1)
+    hidden, weight = torch.randn(9, HIDDEN, generator=g), torch.randn(VOCAB, HIDDEN, generator=g)
+    labels = torch.randint(0, VOCAB, (9,), generator=g)
+    tp, rank = parallel_state.get_tensor_model_parallel_size(), parallel_state.get_tensor_model_parallel_rank()
+    local_w = shard_from_full(weight, 0, _rows(tp, rank))
+
+    def loss_of(h, w):
+        return fused_linear_cross_entropy(h, w, labels, vocab_size=VOCAB, chunk_tokens=4, kernel="triton")
+
+    results = []
+    for fn in (loss_of, torch.compile(loss_of, backend="aot_eager", fullgraph=True)):
+        h, w = hidden.clone().requires_grad_(), local_w.clone().requires_grad_()
+        loss = fn(h, w)
+        loss.backward()
+        results.append((loss, h.grad, w.grad))
+    for eager, compiled in zip(*results):
+        torch.testing.assert_close(compiled, eager, **TOL)
+
+
+def check_kernels_on_gpu() -> None:
+    """The GPU lane: the Triton kernels ("auto" on CUDA) against F.cross_entropy at a vocabulary
+    of two column blocks and an odd width, fp32 exact, bf16 within its resolution of the fp32
+    reference."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    assert softmax_kernels.usable(device, "auto")
+    g = torch.Generator().manual_seed(2)
+    vocab, hidden_size, tokens = 50_001, 64, 300
+    hidden = torch.randn(tokens, hidden_size, generator=g).to(device)
+    weight = (torch.randn(vocab, hidden_size, generator=g) / 8).to(device)
+    labels = torch.randint(0, vocab, (tokens,), generator=g).to(device)
+    labels[::7] = -100
+    for dtype, smoothing in ((torch.float32, 0.0), (torch.float32, 0.1), (torch.bfloat16, 0.0)):
+        ref_h, ref_w = hidden.to(dtype).float().requires_grad_(), weight.to(dtype).float().requires_grad_()
+        ref = F.cross_entropy(F.linear(ref_h, ref_w), labels, label_smoothing=smoothing)
+        ref.backward()
+        h, w = hidden.to(dtype).requires_grad_(), weight.to(dtype).requires_grad_()
+        loss = fused_linear_cross_entropy(h, w, labels, label_smoothing=smoothing, chunk_tokens=128)
+        loss.backward()
+        if dtype == torch.float32:
+            torch.testing.assert_close(loss, ref, **TOL)
+            torch.testing.assert_close(h.grad, ref_h.grad, **TOL)
+            torch.testing.assert_close(w.grad, ref_w.grad, **TOL)
+            continue
+        torch.testing.assert_close(loss, F.cross_entropy(F.linear(h.detach(), w.detach()).float(), labels), **TOL)
+        for got, want in ((h.grad.float(), ref_h.grad), (w.grad.float(), ref_w.grad)):
+            assert float((got - want).abs().max()) <= 2**-7 * float(want.abs().max())
+            assert abs(float((got * want).sum() / (want * want).sum()) - 1) < 1e-3  # rounded to nearest: unbiased
 
 
 def check_model(tp: int, sp: bool, num_items: bool, gather_logits: bool) -> None:
@@ -219,14 +275,49 @@ def test_fused_linear_cross_entropy_equals_torch(ranks2, tp, smoothing, reductio
     ranks2.run(check_function, smoothing, reduction, chunk, model_parallel=(tp, 1))
 
 
+needs_triton = pytest.mark.skipif(not softmax_kernels.TRITON_INSTALLED,
+                                  reason="Triton is not installed (`pip install -e '.[kernel-tests]'`)")
+KERNELS = list(itertools.product([1, 2], [0.0, 0.1]))
+
+
+@needs_triton
+@pytest.mark.parametrize("tp, smoothing", KERNELS, ids=[f"tp{t}-smooth{s}" for t, s in KERNELS])
+def test_triton_kernels_equal_torch(ranks2, tp, smoothing):
+    """The Triton kernels in Triton's interpreter: chunks that do not divide the tokens, ignored
+    labels, a padded vocabulary at tp=2."""
+    ranks2.run(check_function, smoothing, "mean", 3, "triton", model_parallel=(tp, 1))
+
+
+@needs_triton
 @pytest.mark.parametrize("tp", [1, 2])
-def test_bf16_head_gradients_unbiased(ranks2, tp):
-    ranks2.run(check_bf16_unbiased, model_parallel=(tp, 1))
+def test_triton_kernels_compile_as_custom_ops(ranks2, tp):
+    ranks2.run(check_compiled_kernels, model_parallel=(tp, 1))
 
 
-@pytest.mark.parametrize("tp, dtype", [(1, "float32"), (1, "bfloat16"), (2, "bfloat16")])
-def test_no_weight_sized_temporaries(ranks2, tp, dtype):
-    ranks2.run(check_no_weight_sized_temporaries, dtype, model_parallel=(tp, 1))
+def test_triton_kernel_refused_off_cuda(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="kernel='triton' needs .* a CUDA tensor"):
+        softmax_kernels.usable(torch.device("cpu"), "triton")
+    with pytest.raises(ValueError, match="kernel must be"):
+        softmax_kernels.usable(torch.device("cpu"), "liger")
+    assert not softmax_kernels.usable(torch.device("cpu"), "auto")
+
+
+BF16 = [(1, "torch"), (2, "torch")] + [(tp, "triton") for tp in (1, 2) if softmax_kernels.TRITON_INSTALLED]
+
+
+@pytest.mark.parametrize("tp, kernel", BF16, ids=[f"tp{t}-{k}" for t, k in BF16])
+def test_bf16_head_gradients_unbiased(ranks2, tp, kernel):
+    ranks2.run(check_bf16_unbiased, kernel, model_parallel=(tp, 1))
+
+
+TEMPORARIES = [(1, "float32", "torch"), (1, "bfloat16", "torch"), (2, "bfloat16", "torch")] + [
+    (tp, "bfloat16", "triton") for tp in (1, 2) if softmax_kernels.TRITON_INSTALLED]
+
+
+@pytest.mark.parametrize("tp, dtype, kernel", TEMPORARIES, ids=[f"tp{t}-{d}-{k}" for t, d, k in TEMPORARIES])
+def test_no_weight_sized_temporaries(ranks2, tp, dtype, kernel):
+    ranks2.run(check_no_weight_sized_temporaries, dtype, kernel, model_parallel=(tp, 1))
 
 
 def test_bad_label_raises_in_training_at_tp1(ranks2):

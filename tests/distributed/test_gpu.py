@@ -22,12 +22,14 @@ from support.scripts import loss_fell
 import test_architectures
 import test_checkpoint
 import test_examples
+import test_fused_loss
 import test_layers
 import test_lora
 import test_nxd_trainer
 import test_pipeline
 import test_trainer_api
 import test_zero1
+from nxd_hf import parallel_state
 from nxd_hf.testing import run_distributed
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(
@@ -172,6 +174,10 @@ def _one_rank_cases():
     model, optimizer, scheduler, _ = ckpt.build(zero1=True)
     assert next(model.parameters()).device.type == "cuda"
     ckpt.train(model, optimizer, scheduler, 2)
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(1)
+    test_fused_loss.check_kernels_on_gpu()  # the compiled Triton kernels
+    test_fused_loss.check_model(1, False, True, False)  # fused_loss=True picks them on CUDA
     return True
 
 

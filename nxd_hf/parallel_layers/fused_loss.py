@@ -31,7 +31,7 @@ and writes that back (``[V/tp, h]`` each): fewer, larger chunks pass over them l
 
 KERNEL_CHUNK_BYTES = 2**30
 """Logits per chunk in training with the Triton kernels: 1 GiB of them in their dtype (2^29 in
-bf16: 4,186 tokens at a 128k vocabulary), about what ``CHUNK_ELEMENTS`` logits hold with their
+bf16: 4,185 tokens at a 128k vocabulary), about what ``CHUNK_ELEMENTS`` logits hold with their
 fp32 softmax and gradient; the kernels need no other buffer, so half as many passes over the
 head's weight and gradient (``bench/fused_loss/traffic.py``)."""
 

@@ -30,12 +30,13 @@ from bench.common import RESULTS
 from bench.common.stamp import stamp
 from nxd_hf.testing import DistributedTestError, run_distributed
 
-# name -> (world size, tp, pp, sequence parallel[, expert parallel]); the ep layouts run only
-# for mixture-of-experts types (``is_moe``), their ep ranks all on the same batch (``run_case``)
+# name -> (world size, tp, pp, sequence parallel[, expert parallel[, fused loss]]); the ep layouts
+# run only for mixture-of-experts types (``is_moe``), their ep ranks all on the same batch
+# (``run_case``); "tp2_fused": tp=2 with ``fused_loss=True``
 LAYOUTS = {
     "tp2": (2, 2, 1, False), "tp2_sp": (2, 2, 1, True), "pp2": (2, 1, 2, False),
     "tp4": (4, 4, 1, False), "tp4_sp": (4, 4, 1, True), "tp2_pp2": (4, 2, 2, False),
-    "ep2": (2, 1, 1, False, 2), "tp2_ep2": (4, 2, 1, False, 2),
+    "ep2": (2, 1, 1, False, 2), "tp2_ep2": (4, 2, 1, False, 2), "tp2_fused": (2, 2, 1, False, 1, True),
 }
 
 
@@ -118,8 +119,7 @@ def parity_case(model_type: str, layout: str) -> dict | None:
     the layout does not apply (an ep layout for a type without routed experts)."""
     from nxd_hf.parity.cases import run_case
 
-    _, tp, pp, sp, *ep = LAYOUTS[layout]
-    ep = ep[0] if ep else 1
+    _, tp, pp, sp, ep, fused = (LAYOUTS[layout] + (1, False))[:6]
     try:
         config = tiny_config(model_type)
         _plain_forward(config)
@@ -128,7 +128,7 @@ def parity_case(model_type: str, layout: str) -> dict | None:
     if ep > 1 and not is_moe(config):
         return None
     case = run_case(config, tensor_parallel_size=tp, pipeline_parallel_size=pp, sequence_parallel=sp,
-                    expert_parallel_size=ep)
+                    expert_parallel_size=ep, fused_loss=fused)
     return dict(vars(case))
 
 

@@ -4,7 +4,7 @@ marker comments; the only source of that table. ``python -m bench.docs_tables`` 
 
 BEGIN, END = "<!-- architectures-table:begin -->", "<!-- architectures-table:end -->"
 COLUMNS = {"tp2": "tp=2", "tp2_sp": "tp=2 SP", "tp4": "tp=4", "tp4_sp": "tp=4 SP", "pp2": "pp=2",
-           "tp2_pp2": "tp=2 pp=2", "ep2": "ep=2", "tp2_ep2": "tp=2 ep=2"}
+           "tp2_pp2": "tp=2 pp=2", "ep2": "ep=2", "tp2_ep2": "tp=2 ep=2", "tp2_fused": "tp=2 fused loss"}
 MARK = {"pass": "yes", "refused": "refused", "wrong": "**WRONG**", "crash": "**CRASH**", "hang": "**HANG**"}
 
 

@@ -12,7 +12,9 @@ the hidden states' gradient and added in place into the head's (one ``addmm_`` p
 head's dtype as its own matmul would give it, as Liger does: no temporary and no fp32 copy of the
 ``[V/tp, h]`` weight per chunk); the logits are then dropped. Backward only scales the stored
 gradients by the incoming one, in fp32 (a bf16 scale of 1/tokens would be off by up to 0.4%),
-so no matmul is done twice. Without gradients the chunks give the loss alone.
+so no matmul is done twice. Without gradients the chunks give the loss alone. Soft-capped logits
+(Gemma's ``final_logit_softcapping``: ``c * tanh(z / c)``) are capped chunk by chunk, in fp32,
+and their gradient taken through the cap.
 """
 
 import torch
@@ -48,7 +50,8 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     hidden states' TP all-reduce is the caller's region)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, label_smoothing, ignore_index, vocab_size, chunk, use_kernels):
+    def forward(ctx, hidden, weight, bias, labels, label_smoothing, ignore_index, vocab_size, chunk, use_kernels,
+                softcap):
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         want_bias = bias is not None and ctx.needs_input_grad[2]
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
@@ -62,7 +65,14 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             if use_kernels:  # the gradient written over the chunk's logits
                 d_logits = F.linear(h, weight, bias)
                 total += softmax_kernels.loss_and_grad_in_place(d_logits, y, label_smoothing, ignore_index,
-                                                                vocab_size).sum()
+                                                                vocab_size, softcap).sum()
+            elif softcap:  # z = c tanh(x / c); d z / d x = 1 - tanh^2 (kept in fp32 for it)
+                capped = F.linear(h, weight, bias).float().div_(softcap).tanh_()
+                token_loss, saved = vocab_parallel_softmax(capped * softcap, y, label_smoothing, ignore_index,
+                                                           vocab_size)
+                total += token_loss.sum()
+                d_capped = grad_of_logits(saved, label_smoothing, vocab_size, one)
+                d_logits = d_capped.mul_(capped.square_().neg_().add_(1.0)).to(weight.dtype)
             else:
                 token_loss, saved = vocab_parallel_softmax(F.linear(h, weight, bias), y, label_smoothing, ignore_index,
                                                            vocab_size)  # the chunk's logits are freed here
@@ -88,13 +98,17 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             grad_weight = _scaled_(grad_weight, scale)
         if grad_bias is not None:
             grad_bias = (grad_bias * scale).to(ctx.bias_dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
+
+
+def _capped(logits: torch.Tensor, softcap: float) -> torch.Tensor:
+    return softcap * torch.tanh(logits.float() / softcap) if softcap else logits
 
 
 def fused_linear_cross_entropy(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, bias: torch.Tensor | None = None,
     vocab_size: int | None = None, label_smoothing: float = 0.0, ignore_index: int = -100, reduction: str = "mean",
-    chunk_tokens: int | None = None, check_labels: bool = True, kernel: str = "auto",
+    chunk_tokens: int | None = None, check_labels: bool = True, kernel: str = "auto", softcap: float | None = None,
 ) -> torch.Tensor:
     """``parallel_cross_entropy(F.linear(hidden, weight, bias), labels, ...)`` without holding the
     logits: ``hidden [..., h]`` as every TP rank's head sees it (replicated, full sequence),
@@ -104,9 +118,13 @@ def fused_linear_cross_entropy(
     ``check_labels`` as ``parallel_cross_entropy``'s. ``kernel``: how training computes each
     chunk's softmax and gradient: "triton" (``softmax_kernels``: CUDA, or CPU under
     ``TRITON_INTERPRET=1``), "torch" (eager ops, any device) or "auto" (Triton on CUDA where it
-    is installed, else torch's ops)."""
+    is installed, else torch's ops). ``softcap``: the loss of ``softcap * tanh(logits / softcap)``
+    (Gemma's ``final_logit_softcapping``), None for the logits as they are."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"fused_linear_cross_entropy: reduction must be 'mean' or 'sum', not {reduction!r}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"fused_linear_cross_entropy: softcap must be a positive number or None, not {softcap!r}")
+    softcap = float(softcap or 0.0)
     use_kernels = softmax_kernels.usable(hidden.device, kernel)
     hidden, labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1).to(hidden.device)
     tp_size = parallel_state.get_tensor_model_parallel_size()
@@ -124,11 +142,11 @@ def fused_linear_cross_entropy(
             chunk = max(1, KERNEL_CHUNK_BYTES // weight.element_size() // weight.shape[0])
         with torch.autocast(hidden.device.type, enabled=False):
             total = _FusedLinearCrossEntropy.apply(hidden, weight, bias, labels, label_smoothing, ignore_index,
-                                                   vocab_size, chunk, use_kernels)
+                                                   vocab_size, chunk, use_kernels, softcap)
     else:
-        total = sum(parallel_cross_entropy(F.linear(hidden[s:s + chunk], weight, bias), labels[s:s + chunk],
-                                           label_smoothing, ignore_index, "sum", vocab_size=vocab_size,
-                                           check_labels=False)  # checked once for all chunks
+        total = sum(parallel_cross_entropy(_capped(F.linear(hidden[s:s + chunk], weight, bias), softcap),
+                                           labels[s:s + chunk], label_smoothing, ignore_index, "sum",
+                                           vocab_size=vocab_size, check_labels=False)  # checked once for all chunks
                     for s in range(0, hidden.shape[0], chunk))
     if reduction == "sum":
         return total

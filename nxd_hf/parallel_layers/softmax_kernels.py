@@ -45,8 +45,8 @@ def _kernels():
     import triton.language as tl
 
     @triton.jit
-    def row_stats(logits, stride, num_real, row_max, row_sum_exp, row_sum, WITH_SUM: tl.constexpr,
-                  BLOCK: tl.constexpr):
+    def row_stats(logits, stride, num_real, softcap, row_max, row_sum_exp, row_sum, WITH_SUM: tl.constexpr,
+                  SOFTCAP: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         start_of_row = logits + row * stride
         m = float("-inf")
@@ -55,6 +55,8 @@ def _kernels():
         for start in range(0, num_real, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             x = tl.load(start_of_row + cols, mask=cols < num_real, other=float("-inf")).to(tl.float32)
+            if SOFTCAP:
+                x = tl.where(cols < num_real, softcap * (2.0 * tl.sigmoid(2.0 * x / softcap) - 1.0), float("-inf"))
             m_new = tl.maximum(m, tl.max(x, 0))
             s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
             m = m_new
@@ -67,7 +69,7 @@ def _kernels():
 
     @triton.jit
     def grad_in_place(logits, stride, num_cols, num_real, label, row_max, row_sum_exp, row_scale,
-                      target_weight, uniform_weight, BLOCK: tl.constexpr):
+                      target_weight, uniform_weight, softcap, SOFTCAP: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         start_of_row = logits + row * stride
         m = tl.load(row_max + row)
@@ -77,8 +79,14 @@ def _kernels():
         for start in range(0, num_cols, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             x = tl.load(start_of_row + cols, mask=cols < num_cols, other=0.0)
-            g = tl.exp(x.to(tl.float32) - m) * inv - scale * uniform_weight
+            z = x.to(tl.float32)
+            if SOFTCAP:  # z = c tanh(x / c), d z / d x = 1 - tanh^2 (inline: Triton finds no jit helper in a closure)
+                t = 2.0 * tl.sigmoid(2.0 * z / softcap) - 1.0
+                z = softcap * t
+            g = tl.exp(z - m) * inv - scale * uniform_weight
             g = tl.where(cols == y, g - scale * target_weight, g)
+            if SOFTCAP:
+                g = g * (1.0 - t * t)
             g = tl.where(cols < num_real, g, 0.0)
             tl.store(start_of_row + cols, g.to(x.dtype), mask=cols < num_cols)
 
@@ -93,54 +101,60 @@ def _launch_shape(num_cols: int) -> dict:
 
 
 @torch.library.custom_op("nxd_hf::logit_row_stats", mutates_args=())
-def logit_row_stats(logits: torch.Tensor, num_real: int, with_sum: bool) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                   torch.Tensor]:
-    """Per row of ``logits [rows, cols]`` over its first ``num_real`` columns (at least one): the
-    max, the sum of ``exp(x - max)`` and (``with_sum``) the sum of ``x``, in fp32."""
+def logit_row_stats(logits: torch.Tensor, num_real: int, with_sum: bool, softcap: float) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row of ``logits [rows, cols]`` over its first ``num_real`` columns (at least one), of
+    ``z = x`` or, with ``softcap`` (0: none), ``z = softcap * tanh(x / softcap)``: the max, the sum
+    of ``exp(z - max)`` and (``with_sum``) the sum of ``z``, in fp32."""
     rows = logits.shape[0]
     row_max, row_sum_exp, row_sum = (torch.empty(rows, dtype=torch.float32, device=logits.device) for _ in range(3))
     if rows:
         row_stats, _ = _kernels()
-        row_stats[(rows,)](logits, logits.stride(0), num_real, row_max, row_sum_exp, row_sum, WITH_SUM=with_sum,
-                           **_launch_shape(num_real))
+        row_stats[(rows,)](logits, logits.stride(0), num_real, softcap, row_max, row_sum_exp, row_sum,
+                           WITH_SUM=with_sum, SOFTCAP=bool(softcap), **_launch_shape(num_real))
     return row_max, row_sum_exp, row_sum if with_sum else row_sum.zero_()
 
 
 @logit_row_stats.register_fake
-def _(logits, num_real, with_sum):
+def _(logits, num_real, with_sum, softcap):
     return tuple(logits.new_empty(logits.shape[0], dtype=torch.float32) for _ in range(3))
 
 
 @torch.library.custom_op("nxd_hf::softmax_grad_", mutates_args=("logits",))
 def softmax_grad_(logits: torch.Tensor, label: torch.Tensor, row_max: torch.Tensor, row_sum_exp: torch.Tensor,
-                  row_scale: torch.Tensor, num_real: int, target_weight: float, uniform_weight: float) -> None:
-    """Overwrite ``logits [rows, cols]`` with ``scale * (exp(x - max) / sum_exp - target_weight *
-    onehot(label) - uniform_weight)`` per row over the first ``num_real`` columns, zero after them
-    (``label`` -1: no column of this rank)."""
+                  row_scale: torch.Tensor, num_real: int, target_weight: float, uniform_weight: float,
+                  softcap: float) -> None:
+    """Overwrite ``logits [rows, cols]`` with ``scale * (exp(z - max) / sum_exp - target_weight *
+    onehot(label) - uniform_weight) * dz/dx`` per row over the first ``num_real`` columns, zero
+    after them (``label`` -1: no column of this rank); ``z`` as ``logit_row_stats``'s."""
     if logits.shape[0]:
         _, grad_in_place = _kernels()
         grad_in_place[(logits.shape[0],)](logits, logits.stride(0), logits.shape[1], num_real, label, row_max,
-                                          row_sum_exp, row_scale, target_weight, uniform_weight,
-                                          **_launch_shape(logits.shape[1]))
+                                          row_sum_exp, row_scale, target_weight, uniform_weight, softcap,
+                                          SOFTCAP=bool(softcap), **_launch_shape(logits.shape[1]))
 
 
 @softmax_grad_.register_fake
-def _(logits, label, row_max, row_sum_exp, row_scale, num_real, target_weight, uniform_weight):
+def _(logits, label, row_max, row_sum_exp, row_scale, num_real, target_weight, uniform_weight, softcap):
     return None
 
 
 def loss_and_grad_in_place(logits: torch.Tensor, labels: torch.Tensor, label_smoothing: float, ignore_index: int,
-                           vocab_size: int) -> torch.Tensor:
+                           vocab_size: int, softcap: float = 0.0) -> torch.Tensor:
     """The per-token vocab-parallel cross-entropy of ``logits [rows, V/tp]`` (contiguous rows)
     against ``labels [rows]``, as ``loss_functions.vocab_parallel_softmax`` computes it (fp32, a
     max and the stacked sums all-reduced on the TP group), with ``logits`` overwritten by the
-    gradient of the summed loss (0 at ignored tokens and padded columns)."""
+    gradient of the summed loss (0 at ignored tokens and padded columns). ``softcap`` (0: none):
+    the loss of ``softcap * tanh(logits / softcap)``, its gradient with respect to ``logits``."""
     assert logits.dim() == 2 and logits.stride(1) == 1, "rows of contiguous logits"
     group = parallel_state.get_tensor_model_parallel_group()
     num_real, ignored, owned, safe_label = local_columns(logits, labels, vocab_size, ignore_index)
-    target = logits.gather(-1, safe_label.unsqueeze(-1)).squeeze(-1).float().masked_fill(~owned, 0.0)
+    target = logits.gather(-1, safe_label.unsqueeze(-1)).squeeze(-1).float()
+    if softcap:
+        target = softcap * torch.tanh(target / softcap)
+    target = target.masked_fill(~owned, 0.0)
     if num_real:
-        row_max, sum_exp, row_sum = logit_row_stats(logits, num_real, bool(label_smoothing))
+        row_max, sum_exp, row_sum = logit_row_stats(logits, num_real, bool(label_smoothing), softcap)
     else:
         row_max = torch.full_like(target, float("-inf"))
         sum_exp, row_sum = torch.zeros_like(target), torch.zeros_like(target)
@@ -155,5 +169,5 @@ def loss_and_grad_in_place(logits: torch.Tensor, labels: torch.Tensor, label_smo
         loss = loss - label_smoothing * (sums[2] / vocab_size - z_max)
     loss = loss.masked_fill(ignored, 0.0)
     softmax_grad_(logits, safe_label.masked_fill(~owned, -1), z_max, sums[0], (~ignored).float(), num_real,
-                  1.0 - label_smoothing, label_smoothing / vocab_size)
+                  1.0 - label_smoothing, label_smoothing / vocab_size, softcap)
     return loss

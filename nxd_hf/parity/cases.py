@@ -136,11 +136,12 @@ def _compare(model_params, reference, loss, ref_loss) -> CaseResult:
 
 
 def run_case(config, *, tensor_parallel_size: int, pipeline_parallel_size: int = 1, sequence_parallel: bool = False,
-             model_cls=None, expert_parallel_size: int = 1) -> CaseResult:
+             model_cls=None, expert_parallel_size: int = 1, fused_loss: bool = False) -> CaseResult:
     """Build ``config``'s model, parallelize a copy on this layout and compare (see module doc).
     Every rank of the world calls it with the same arguments. With ``expert_parallel_size`` > 1
     the world is tp x pp x ep: the ep data-parallel ranks all train on the same batch (their
-    tokens still reach the experts by all-to-all), so the mean gradient is the reference's."""
+    tokens still reach the experts by all-to-all), so the mean gradient is the reference's.
+    ``fused_loss``: parallelized with ``fused_loss=True`` (the loss from the hidden states)."""
     parallel_state.destroy_model_parallel()
     reference, model = build_pair(config, model_cls)
     pp = pipeline_parallel_size
@@ -152,6 +153,8 @@ def run_case(config, *, tensor_parallel_size: int, pipeline_parallel_size: int =
         kwargs = dict(num_microbatches=2, broadcast_and_average_loss=True) if pp > 1 else {}
         if expert_parallel_size > 1:
             kwargs["expert_parallel_size"] = expert_parallel_size
+        if fused_loss:
+            kwargs["fused_loss"] = True
         model = parallelize(model, tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pp,
                             sequence_parallel=sequence_parallel, **kwargs)
     except Exception as exc:  # noqa: BLE001  classified; the other ranks must hear of it

@@ -9,6 +9,11 @@
 - With ``fused_loss=True``, in training mode with labels the LM head hands its input through
   and the loss is ``fused_linear_cross_entropy`` of the hidden states: the logits are never
   held at all (returned, computed from those hidden states, only with ``gather_logits=True``).
+  What the model's forward does to its logits between the head and the loss is then done to the
+  hidden states, so it is checked on autograd's graph each step: a scale by a number (Cohere's
+  ``logit_scale``, Granite's ``logits_scaling``) commutes with a head without bias; Gemma's
+  soft-capping (``final_logit_softcapping``) is switched off in the config for that forward and
+  applied by the fused loss; anything else is refused with a ValueError.
 """
 
 import functools
@@ -41,14 +46,16 @@ def _shift(labels, shift_labels, ignore_index: int):
 
 
 def fused_causal_lm_loss(hidden, labels, head: nn.Module, vocab_size: int, num_items_in_batch=None,
-                         ignore_index: int = -100, shift_labels=None, *, check_labels: bool = True) -> torch.Tensor:
-    """``parallel_causal_lm_loss`` of ``head(hidden)`` (a vocab-parallel ``ColumnParallelLinear``)
-    computed by ``fused_linear_cross_entropy``."""
+                         ignore_index: int = -100, shift_labels=None, *, check_labels: bool = True,
+                         softcap: float | None = None) -> torch.Tensor:
+    """``parallel_causal_lm_loss`` of ``head(hidden)`` (a vocab-parallel ``ColumnParallelLinear``),
+    soft-capped at ``softcap`` when given, computed by ``fused_linear_cross_entropy``."""
     hidden = head.input_to_region(hidden)  # replicated, full sequence (gathered under SP)
     labels = _shift(labels, shift_labels, ignore_index)
     reduction = "mean" if num_items_in_batch is None else "sum"
     loss = fused_linear_cross_entropy(hidden, head.weight, labels, bias=head.bias, vocab_size=vocab_size,
-                                      ignore_index=ignore_index, reduction=reduction, check_labels=check_labels)
+                                      ignore_index=ignore_index, reduction=reduction, check_labels=check_labels,
+                                      softcap=softcap)
     if num_items_in_batch is None:
         return loss
     if torch.is_tensor(num_items_in_batch):
@@ -56,28 +63,74 @@ def fused_causal_lm_loss(hidden, labels, head: nn.Module, vocab_size: int, num_i
     return loss / num_items_in_batch
 
 
+_SCALES = ("MulBackward0", "DivBackward0")
+
+
+def transform_after_head(received: torch.Tensor, returned: torch.Tensor, head_has_bias: bool) -> str | None:
+    """What the model did to the head's output ``returned`` before handing ``received`` to its
+    loss, when the fused loss cannot take it: None for nothing, or a scale by one number
+    (``x * c``, ``x / c``) with a head without bias; else the autograd node that did it. Where
+    the graph cannot tell (no gradients reach the hidden states) the tensor is taken as it is."""
+    node, target = received.grad_fn, returned.grad_fn
+    while received is not returned and node is not None and target is not None and node is not target:
+        saved = [getattr(node, name) for name in ("_saved_self", "_saved_other") if type(node).__name__ in _SCALES]
+        constants = [t for t in saved if t is not None]
+        live = [fn for fn, _ in node.next_functions if fn is not None]
+        scalar = len(constants) == 1 and constants[0].numel() == 1 and len(live) == 1
+        if not scalar or (type(node).__name__ == "DivBackward0" and saved[1] is None):  # c / x
+            return type(node).__name__
+        if head_has_bias:
+            return f"{type(node).__name__} (a scale, which does not commute with the head's bias)"
+        node = live[0]
+    return None
+
+
+def _set_field(config, name: str, value) -> None:
+    """Past the validation of configs that are strict dataclasses (Gemma 3n's types its cap as a
+    float, where its forward tests it against None)."""
+    object.__setattr__(config, name, value)
+
+
 def _install_fused_loss(model: nn.Module, head: nn.Module, armed: dict, check_labels: bool) -> None:
     """In training with labels the head returns its input and the loss function takes it."""
-    if getattr(model.config, "final_logit_softcapping", None):
-        raise ValueError("fused_loss=True: this model soft-caps its logits (final_logit_softcapping), which a loss "
-                         "fused with the LM head cannot apply: parallelize with fused_loss=False")
+    text_config = model.config.get_text_config()
+    softcap = getattr(text_config, "final_logit_softcapping", None)
     head_forward = head.forward
 
     def forward(x):
-        return x if armed["on"] else head_forward(x)
+        if not armed["on"]:
+            return head_forward(x)
+        armed["returned"] = x
+        return x
 
     def loss_function(logits, labels, vocab_size: int, **kwargs):
-        if armed["on"]:
-            return fused_causal_lm_loss(logits, labels, head, vocab_size, check_labels=check_labels, **kwargs)
-        return parallel_causal_lm_loss(logits, labels, vocab_size, check_labels=check_labels, **kwargs)
+        if not armed["on"]:
+            return parallel_causal_lm_loss(logits, labels, vocab_size, check_labels=check_labels, **kwargs)
+        returned = armed.pop("returned", None)
+        found = None if torch.compiler.is_compiling() or returned is None else transform_after_head(
+            logits, returned, head.bias is not None)
+        if found:
+            raise ValueError(f"fused_loss=True: {type(model).__name__}'s forward transforms its logits between the LM "
+                             f"head and the loss ({found}), which the fused loss would apply to the hidden states: "
+                             "parallelize with fused_loss=False")
+        return fused_causal_lm_loss(logits, labels, head, vocab_size, check_labels=check_labels, softcap=softcap,
+                                    **kwargs)
 
     head.forward = forward
     model.loss_function = loss_function
 
     def arm(module, args, kwargs):
         armed["on"] = module.training and kwargs.get("labels") is not None
+        if armed["on"] and softcap:  # HF's forward would cap the hidden states; the fused loss caps the logits
+            _set_field(text_config, "final_logit_softcapping", None)
+
+    def disarm(module, args, kwargs, output):
+        armed.pop("returned", None)
+        _set_field(text_config, "final_logit_softcapping", softcap)
 
     model.register_forward_pre_hook(arm, with_kwargs=True)
+    model.register_forward_hook(disarm, with_kwargs=True, always_call=True)
+    armed["softcap"] = softcap
 
 
 def install_output_contract(model: nn.Module, *, vocab_size: int, gather_logits: bool, sequence_parallel: bool,
@@ -101,6 +154,8 @@ def install_output_contract(model: nn.Module, *, vocab_size: int, gather_logits:
             output.logits = None
         else:
             logits = head(output.logits) if fused else output.logits  # fused: the head's input
+            if fused and armed.get("softcap"):  # as HF's forward caps them
+                logits = torch.tanh(logits / armed["softcap"]) * armed["softcap"]
             output.logits = gather_logical(logits, None, vocab_size)
         return output
 

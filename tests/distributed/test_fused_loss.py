@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
+import transformers
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import nxd_hf
@@ -15,6 +16,12 @@ from nxd_hf.parallel_layers import softmax_kernels
 from nxd_hf.parallel_layers.fused_loss import fused_linear_cross_entropy
 from nxd_hf.parallel_layers.sharding import shard_from_full
 from support import hf_parity
+
+hf_parity.TINY["gemma2"] = (transformers.Gemma2Config, transformers.Gemma2ForCausalLM, dict(
+    hidden_size=48, intermediate_size=64, num_attention_heads=6, num_key_value_heads=2, num_hidden_layers=2,
+    head_dim=8, query_pre_attn_scalar=8, vocab_size=hf_parity.VOCAB, sliding_window=4,
+    layer_types=["sliding_attention", "full_attention"],
+    final_logit_softcapping=2.0))  # low enough to bend the tiny model's logits (30 would barely touch them)
 
 
 TOL = dict(rtol=1e-4, atol=1e-5)
@@ -27,9 +34,12 @@ def _rows(tp: int, rank: int) -> torch.Tensor:
     return rows.masked_fill(rows >= VOCAB, -1)  # padding rows
 
 
-def check_function(smoothing: float, reduction: str, chunk_tokens: int, kernel: str = "torch") -> None:
+def check_function(smoothing: float, reduction: str, chunk_tokens: int, kernel: str = "torch",
+                   softcap: float | None = None) -> None:
     """Loss, hidden-state and weight gradients against F.cross_entropy on the full logits, with
-    ignored labels and chunks that do not divide the tokens."""
+    ignored labels and chunks that do not divide the tokens; ``softcap``: of the logits capped as
+    Gemma's forward caps them (logits of about 2.5 standard deviation, capped at 3: well inside
+    the tanh's curve)."""
     tp, rank = parallel_state.get_tensor_model_parallel_size(), parallel_state.get_tensor_model_parallel_rank()
     g = torch.Generator().manual_seed(3)
     hidden = torch.randn(2, 7, HIDDEN, generator=g)
@@ -37,14 +47,16 @@ def check_function(smoothing: float, reduction: str, chunk_tokens: int, kernel: 
     labels = torch.randint(0, VOCAB, (2, 7), generator=g)
     labels[0, 1] = labels[1, 6] = -100
     ref_h, ref_w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    ref = F.cross_entropy(F.linear(ref_h, ref_w).flatten(0, 1), labels.flatten(), label_smoothing=smoothing,
-                          reduction=reduction)
+    ref_logits = F.linear(ref_h, ref_w)
+    if softcap:
+        ref_logits = torch.tanh(ref_logits / softcap) * softcap
+    ref = F.cross_entropy(ref_logits.flatten(0, 1), labels.flatten(), label_smoothing=smoothing, reduction=reduction)
     (ref * 1.7).backward()
     rows = _rows(tp, rank)
     local_w = shard_from_full(weight, 0, rows).clone().requires_grad_()  # padding rows zero
     h = hidden.clone().requires_grad_()
     loss = fused_linear_cross_entropy(h, local_w, labels, vocab_size=VOCAB, label_smoothing=smoothing,
-                                      reduction=reduction, chunk_tokens=chunk_tokens, kernel=kernel)
+                                      reduction=reduction, chunk_tokens=chunk_tokens, kernel=kernel, softcap=softcap)
     (loss * 1.7).backward()
     torch.testing.assert_close(loss, ref, **TOL)
     grad_h = h.grad.clone()
@@ -52,7 +64,7 @@ def check_function(smoothing: float, reduction: str, chunk_tokens: int, kernel: 
     torch.testing.assert_close(grad_h, ref_h.grad, **TOL)
     torch.testing.assert_close(local_w.grad, shard_from_full(ref_w.grad, 0, rows), **TOL)
     with torch.no_grad():
-        torch.testing.assert_close(fused_linear_cross_entropy(hidden, local_w, labels, vocab_size=VOCAB,
+        torch.testing.assert_close(fused_linear_cross_entropy(hidden, local_w, labels, vocab_size=VOCAB, softcap=softcap,
                                                               label_smoothing=smoothing, reduction=reduction), ref)
 
 
@@ -162,8 +174,8 @@ def check_compiled_kernels() -> None:
 
 def check_kernels_on_gpu() -> None:
     """The GPU lane: the Triton kernels ("auto" on CUDA) against F.cross_entropy at a vocabulary
-    of two column blocks and an odd width, fp32 exact, bf16 within its resolution of the fp32
-    reference."""
+    of two column blocks and an odd width, fp32 exact (also soft-capped), bf16 within its
+    resolution of the fp32 reference."""
     device = torch.device("cuda", torch.cuda.current_device())
     assert softmax_kernels.usable(device, "auto")
     g = torch.Generator().manual_seed(2)
@@ -172,12 +184,16 @@ def check_kernels_on_gpu() -> None:
     weight = (torch.randn(vocab, hidden_size, generator=g) / 8).to(device)
     labels = torch.randint(0, vocab, (tokens,), generator=g).to(device)
     labels[::7] = -100
-    for dtype, smoothing in ((torch.float32, 0.0), (torch.float32, 0.1), (torch.bfloat16, 0.0)):
+    for dtype, smoothing, softcap in ((torch.float32, 0.0, None), (torch.float32, 0.1, 1.5),
+                                      (torch.bfloat16, 0.0, None)):
         ref_h, ref_w = hidden.to(dtype).float().requires_grad_(), weight.to(dtype).float().requires_grad_()
-        ref = F.cross_entropy(F.linear(ref_h, ref_w), labels, label_smoothing=smoothing)
+        ref_logits = F.linear(ref_h, ref_w)  # about one standard deviation: a cap of 1.5 bends them
+        if softcap:
+            ref_logits = torch.tanh(ref_logits / softcap) * softcap
+        ref = F.cross_entropy(ref_logits, labels, label_smoothing=smoothing)
         ref.backward()
         h, w = hidden.to(dtype).requires_grad_(), weight.to(dtype).requires_grad_()
-        loss = fused_linear_cross_entropy(h, w, labels, label_smoothing=smoothing, chunk_tokens=128)
+        loss = fused_linear_cross_entropy(h, w, labels, label_smoothing=smoothing, chunk_tokens=128, softcap=softcap)
         loss.backward()
         if dtype == torch.float32:
             torch.testing.assert_close(loss, ref, **TOL)
@@ -190,11 +206,14 @@ def check_kernels_on_gpu() -> None:
             assert abs(float((got * want).sum() / (want * want).sum()) - 1) < 1e-3  # rounded to nearest: unbiased
 
 
-def check_model(tp: int, sp: bool, num_items: bool, gather_logits: bool) -> None:
-    """A tiny llama parallelized with ``fused_loss=True`` against the plain HF model: loss (HF's
-    normalization with ``num_items_in_batch``), every gathered gradient, logits when asked for."""
+def check_model(tp: int, sp: bool, num_items: bool, gather_logits: bool, model_type: str = "llama") -> None:
+    """A tiny model parallelized with ``fused_loss=True`` against the plain HF model: loss (HF's
+    normalization with ``num_items_in_batch``), every gathered gradient, logits when asked for.
+    Cohere scales its logits after the head (``logit_scale``), Gemma 2 soft-caps them: its
+    config's cap is switched off for the fused forward only."""
     parallel_state.destroy_model_parallel()
-    reference, model = hf_parity.build_pair("llama")
+    reference, model = hf_parity.build_pair(model_type)
+    softcap = getattr(model.config, "final_logit_softcapping", None)
     nxd_hf.parallelize(model, tensor_parallel_size=tp, sequence_parallel=sp, fused_loss=True,
                        gather_logits=gather_logits)
     ids, labels = hf_parity.batch()
@@ -207,6 +226,7 @@ def check_model(tp: int, sp: bool, num_items: bool, gather_logits: bool) -> None
     hook.remove()
     # the first call hands the hidden states to the loss; with gather_logits the logits are made after
     assert widths[0] == model.config.hidden_size and len(widths) == 1 + gather_logits, f"head outputs {widths}"
+    assert getattr(model.config, "final_logit_softcapping", None) == softcap
     ref_out.loss.backward()
     out.loss.backward()
     torch.testing.assert_close(out.loss, ref_out.loss, **TOL)
@@ -251,41 +271,49 @@ def check_trainer(out_dir: str) -> None:
 
 
 def check_refusals() -> None:
-    """A clear error for a model without a causal-LM head, and for soft-capped logits."""
-    import pytest
-    import transformers
-
+    """A clear error for a model without a causal-LM head, and for a forward that transforms its
+    logits after the head in a way the fused loss would get wrong (a hook stands for that code):
+    a tanh, a scale with a biased head (phi); the config's soft-cap is restored after the error."""
     parallel_state.destroy_model_parallel()
     _, model = hf_parity.build_pair("bert", task_model_cls=transformers.BertForSequenceClassification)
     with pytest.raises(ValueError, match="fused_loss=True needs a causal-LM head"):
         nxd_hf.parallelize(model, tensor_parallel_size=2, fused_loss=True)
-    parallel_state.destroy_model_parallel()
-    _, model = hf_parity.build_pair("llama")
-    model.config.final_logit_softcapping = 30.0
-    with pytest.raises(ValueError, match="soft-caps its logits"):
+    ids, labels = hf_parity.batch()
+    for model_type, transform, found in (("gemma2", torch.tanh, "TanhBackward0"),
+                                         ("llama", lambda out: out.float()[..., :-1], "SliceBackward0"),
+                                         ("phi", lambda out: out * 2.0, "does not commute with the head's bias")):
+        parallel_state.destroy_model_parallel()
+        _, model = hf_parity.build_pair(model_type)
         nxd_hf.parallelize(model, tensor_parallel_size=2, fused_loss=True)
+        model.lm_head.register_forward_hook(lambda module, args, out: transform(out))
+        with pytest.raises(ValueError, match=f"transforms its logits between the LM head and the loss .*{found}"):
+            model(input_ids=ids, labels=labels)
+        assert getattr(model.config, "final_logit_softcapping", None) == (2.0 if model_type == "gemma2" else None)
 
 
-FUNCTION = list(itertools.product([1, 2], [0.0, 0.1], ["mean", "sum"], [3, 64]))
+FUNCTION = [(*case, None) for case in itertools.product([1, 2], [0.0, 0.1], ["mean", "sum"], [3, 64])] + [
+    (tp, smoothing, "mean", 3, 3.0) for tp in (1, 2) for smoothing in (0.0, 0.1)]
 
 
-@pytest.mark.parametrize("tp, smoothing, reduction, chunk", FUNCTION,
-                         ids=[f"tp{t}-smooth{s}-{r}-chunk{c}" for t, s, r, c in FUNCTION])
-def test_fused_linear_cross_entropy_equals_torch(ranks2, tp, smoothing, reduction, chunk):
-    ranks2.run(check_function, smoothing, reduction, chunk, model_parallel=(tp, 1))
+@pytest.mark.parametrize("tp, smoothing, reduction, chunk, softcap", FUNCTION,
+                         ids=[f"tp{t}-smooth{s}-{r}-chunk{c}" + (f"-softcap{cap}" if cap else "")
+                              for t, s, r, c, cap in FUNCTION])
+def test_fused_linear_cross_entropy_equals_torch(ranks2, tp, smoothing, reduction, chunk, softcap):
+    ranks2.run(check_function, smoothing, reduction, chunk, "torch", softcap, model_parallel=(tp, 1))
 
 
 needs_triton = pytest.mark.skipif(not softmax_kernels.TRITON_INSTALLED,
                                   reason="Triton is not installed (`pip install -e '.[kernel-tests]'`)")
-KERNELS = list(itertools.product([1, 2], [0.0, 0.1]))
+KERNELS = list(itertools.product([1, 2], [0.0, 0.1], [None, 3.0]))
 
 
 @needs_triton
-@pytest.mark.parametrize("tp, smoothing", KERNELS, ids=[f"tp{t}-smooth{s}" for t, s in KERNELS])
-def test_triton_kernels_equal_torch(ranks2, tp, smoothing):
+@pytest.mark.parametrize("tp, smoothing, softcap", KERNELS,
+                         ids=[f"tp{t}-smooth{s}" + (f"-softcap{c}" if c else "") for t, s, c in KERNELS])
+def test_triton_kernels_equal_torch(ranks2, tp, smoothing, softcap):
     """The Triton kernels in Triton's interpreter: chunks that do not divide the tokens, ignored
-    labels, a padded vocabulary at tp=2."""
-    ranks2.run(check_function, smoothing, "mean", 3, "triton", model_parallel=(tp, 1))
+    labels, a padded vocabulary at tp=2, soft-capped logits."""
+    ranks2.run(check_function, smoothing, "mean", 3, "triton", softcap, model_parallel=(tp, 1))
 
 
 @needs_triton
@@ -324,13 +352,15 @@ def test_bad_label_raises_in_training_at_tp1(ranks2):
     ranks2.run(check_bad_label_raises_in_training, model_parallel=(1, 1))
 
 
-MODEL = [(1, False, False, False), (2, False, True, False), (2, True, False, True), (1, False, True, True)]
+MODEL = [(1, False, False, False, "llama"), (2, False, True, False, "llama"), (2, True, False, True, "llama"),
+         (1, False, True, True, "llama"), (2, False, False, True, "cohere"), (1, False, False, False, "gemma2"),
+         (2, False, True, True, "gemma2")]
 
 
-@pytest.mark.parametrize("tp, sp, num_items, gather_logits", MODEL,
-                         ids=[f"tp{t}-sp{s}-num_items{n}-gather{g}" for t, s, n, g in MODEL])
-def test_parallelize_fused_loss_matches_hf(ranks2, tp, sp, num_items, gather_logits):
-    ranks2.run(check_model, tp, sp, num_items, gather_logits)
+@pytest.mark.parametrize("tp, sp, num_items, gather_logits, model_type", MODEL,
+                         ids=[f"{m}-tp{t}-sp{s}-num_items{n}-gather{g}" for t, s, n, g, m in MODEL])
+def test_parallelize_fused_loss_matches_hf(ranks2, tp, sp, num_items, gather_logits, model_type):
+    ranks2.run(check_model, tp, sp, num_items, gather_logits, model_type)
 
 
 def test_nxd_trainer_fused_loss_tp2(ranks2, tmp_path):

@@ -178,6 +178,7 @@ def _one_rank_cases():
     parallel_state.initialize_model_parallel(1)
     test_fused_loss.check_kernels_on_gpu()  # the compiled Triton kernels
     test_fused_loss.check_model(1, False, True, False)  # fused_loss=True picks them on CUDA
+    test_fused_loss.check_model(1, False, False, True, "gemma2")  # soft-capped logits
     return True
 
 

@@ -232,6 +232,17 @@ def test_lightning_example_tp2_matches_one_process(tmp_path, cuda_gloo):
     test_examples.check_lightning_matches_one_process(["--tp", "2", "--max-steps", "8"], ["--max-steps", "8"], tmp_path)
 
 
+def test_liger_conformance_on_gpu():
+    """Liger's own test of its fused linear cross-entropy (tests/conformance/liger) on the GPU,
+    with every case the CPU suite skips for time: bf16 and fp16 at its large shape, and the
+    compiled Triton kernels there."""
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/conformance/liger"],
+                            cwd=test_examples.ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    # 192 cases: 112 ask for what nxd_hf's loss has not (class weights, z-loss, reduction="none"), 80 run
+    assert "80 passed, 112 skipped" in result.stdout, result.stdout[-2000:]
+
+
 def test_plain_python_uses_the_gpu():
     """`python script.py` (no torchrun): a world of one on nccl, on cuda:0."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "NXD_HF_BACKEND")}

@@ -14,9 +14,13 @@
   ``logit_scale``, Granite's ``logits_scaling``) commutes with a head without bias; Gemma's
   soft-capping (``final_logit_softcapping``) is switched off in the config for that forward and
   applied by the fused loss; anything else is refused with a ValueError.
+- Within ``label_smoothing(eps)`` the causal-LM loss smooths its labels by ``eps`` (both ways):
+  ``Trainer``'s ``label_smoothing_factor``, which ``NxDTrainer`` computes this way where
+  ``Trainer`` would run its ``LabelSmoother`` on the full logits.
 """
 
-import functools
+import contextlib
+import contextvars
 
 import torch
 import torch.nn.functional as F
@@ -27,13 +31,29 @@ from nxd_hf.parallel_layers.loss_functions import parallel_cross_entropy
 from nxd_hf.parallel_layers.sharding import gather_logical
 
 
+_LABEL_SMOOTHING = contextvars.ContextVar("nxd_hf_label_smoothing", default=0.0)
+
+
+@contextlib.contextmanager
+def label_smoothing(epsilon: float):
+    """The causal-LM losses of this contract computed within smooth their labels by ``epsilon``
+    as ``transformers.trainer_pt_utils.LabelSmoother`` does: per token ``(1 - eps) nll + eps
+    mean_c(-log p_c)`` over the real vocabulary (torch's ``label_smoothing``), summed and divided
+    by ``num_items_in_batch`` (or averaged over the non-ignored tokens)."""
+    token = _LABEL_SMOOTHING.set(float(epsilon))
+    try:
+        yield
+    finally:
+        _LABEL_SMOOTHING.reset(token)
+
+
 def parallel_causal_lm_loss(logits, labels, vocab_size: int, num_items_in_batch=None, ignore_index: int = -100,
                             shift_labels=None, *, check_labels: bool = True, **kwargs) -> torch.Tensor:
     """``transformers.loss.loss_utils.ForCausalLMLoss`` on vocab-parallel logits."""
     shift_labels = _shift(labels, shift_labels, ignore_index).to(logits.device)
     reduction = "mean" if num_items_in_batch is None else "sum"
-    loss = parallel_cross_entropy(logits, shift_labels, ignore_index=ignore_index, reduction=reduction,
-                                  vocab_size=vocab_size, check_labels=check_labels)
+    loss = parallel_cross_entropy(logits, shift_labels, _LABEL_SMOOTHING.get(), ignore_index=ignore_index,
+                                  reduction=reduction, vocab_size=vocab_size, check_labels=check_labels)
     if num_items_in_batch is None:
         return loss
     if torch.is_tensor(num_items_in_batch):
@@ -54,8 +74,8 @@ def fused_causal_lm_loss(hidden, labels, head: nn.Module, vocab_size: int, num_i
     labels = _shift(labels, shift_labels, ignore_index)
     reduction = "mean" if num_items_in_batch is None else "sum"
     loss = fused_linear_cross_entropy(hidden, head.weight, labels, bias=head.bias, vocab_size=vocab_size,
-                                      ignore_index=ignore_index, reduction=reduction, check_labels=check_labels,
-                                      softcap=softcap)
+                                      label_smoothing=_LABEL_SMOOTHING.get(), ignore_index=ignore_index,
+                                      reduction=reduction, check_labels=check_labels, softcap=softcap)
     if num_items_in_batch is None:
         return loss
     if torch.is_tensor(num_items_in_batch):
@@ -139,7 +159,10 @@ def install_output_contract(model: nn.Module, *, vocab_size: int, gather_logits:
     """Route the loss through ``parallel_cross_entropy`` (or, with ``fused_loss``, the hidden
     states through ``fused_linear_cross_entropy`` with ``head``) and gather logits as documented
     above; ``check_labels``: the loss checks the labels' range on the device every step."""
-    model.loss_function = functools.partial(parallel_causal_lm_loss, check_labels=check_labels)
+    def loss_function(logits, labels, vocab_size: int, **kwargs):
+        return parallel_causal_lm_loss(logits, labels, vocab_size, check_labels=check_labels, **kwargs)
+
+    model.loss_function = loss_function
     armed = {"on": False}
     if fused_loss:
         assert head is not None
@@ -169,3 +192,10 @@ def install_output_contract(model: nn.Module, *, vocab_size: int, gather_logits:
 
     model.register_forward_pre_hook(check_logits_to_keep, with_kwargs=True)
     model.register_forward_hook(gather_hook, with_kwargs=True)
+    model._nxd_causal_lm_loss = True
+
+
+def has_causal_lm_loss(model: nn.Module) -> bool:
+    """Whether ``model`` (or the base of a peft model) computes its loss through this contract."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return getattr(base, "_nxd_causal_lm_loss", False)

@@ -19,7 +19,7 @@ HF's fields keep HF's meaning; the table says what nxd_hf does with each one tha
 ``fsdp``, ``fsdp_config``         "full_shard" / "shard_grad_op": nxd_hf's ZeRO-3 / ZeRO-2 on FSDP2
                                   over its DP ranks (``nxd_hf.fsdp.hf_options``, docs/fsdp.md)
 ``torch_compile``                 honoured: the parallelized model is compiled (docs/gpu_speed.md)
-``label_smoothing_factor``        refused: HF's label smoother needs full logits
+``label_smoothing_factor``        honoured: smoothed in the vocab-parallel loss (no full logits)
 ``train_sampling_strategy``       "random" and "sequential"; others refused
 ``kv_size_multiplier`` (ours)     K/V head copies across TP ("auto": the fewest that fit)
 ``fused_loss`` (ours)             the loss from the hidden states, LM head fused in, in chunks
@@ -271,8 +271,6 @@ def _check_use_cpu(use_cpu: bool) -> bool:
 _REFUSED = {
     "fp16": "fp16 is not supported: use bf16=True (autocast) or bf16 parameters with bf16_master_weights=True",
     "deepspeed": "deepspeed is not used with NxDTrainer: nxd_hf does the parallelism (zero_1=True for ZeRO-1)",
-    "label_smoothing_factor": "label_smoothing_factor needs the full logits, which tensor parallelism never "
-                              "gathers in training: drop it",
 }
 
 

@@ -42,7 +42,9 @@ from nxd_hf.trainer.hf_checkpoints import CheckpointHooks
 from nxd_hf.trainer.model import NxDModel, loss_of, initialize_parallel_model
 from nxd_hf.trainer.optimizer import initialize_parallel_optimizer
 from nxd_hf.trainer.own_model import check_trainer_model
-from nxd_hf.trainer.options import check_liger, compile_model, without_trainers_liger_patch
+from nxd_hf.trainer.options import (
+    check_liger, compile_model, setup_label_smoothing, smoothed_loss, without_trainers_liger_patch,
+)
 
 
 class NxDTrainer(CheckpointHooks, transformers.Trainer):
@@ -84,6 +86,8 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
             super().__init__(model, args, *trainer_args, **trainer_kwargs)
         if args.use_liger_kernel:
             apply_liger_kernels(self.model, args.liger_kernel_config)
+        if self.nxd_model is not None:
+            setup_label_smoothing(self)
 
     def _parallel_init(self, model_init, args: NxDTrainingArguments):
         """``model_init`` (taking a trial or nothing, as Trainer allows) whose model is parallelized."""
@@ -207,7 +211,8 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
                     # a per-batch mean over rows, which Trainer divides by the accumulation steps
                     rows = rows_over_data_parallel(padded["labels"])
                     num_items_in_batch = rows * self.current_gradient_accumulation_steps
-                return model.run_train(**padded, num_items_in_batch=num_items_in_batch, padded_rows=padded_rows)
+                with smoothed_loss(self):
+                    return model.run_train(**padded, num_items_in_batch=num_items_in_batch, padded_rows=padded_rows)
             if num_items_in_batch is not None and self.model_accepts_loss_kwargs:
                 normalizer = loss_normalizer(inputs["labels"], num_items_in_batch)
                 loss = self._nxd_loss(model, inputs, num_items_in_batch=normalizer)
@@ -222,7 +227,8 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
         """This rank's training loss (not pipelined); ``nxd_hf.parallel_trainer`` routes a subclass's
         ``compute_loss`` through here. A model nxd_hf did not shard from a Hugging Face plan (the
         user's own, ``nxd_hf.trainer.own_model``) may return the loss itself or a dict holding it."""
-        output = model(**inputs, **loss_kwargs)
+        with smoothed_loss(self):
+            output = model(**inputs, **loss_kwargs)
         return output.loss if model.hf_loss else loss_of(output, type(model.hf_model).__name__, "NxDTrainer")
 
     def _clip_grad_norm(self, model):
@@ -245,7 +251,8 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
         rows = inputs["labels"].shape[0]
         padded, padded_rows = pad_rows(inputs, model.module.num_microbatches)
         with torch.no_grad(), self.compute_loss_context_manager():
-            result = model.run_eval(**padded, return_logits=not prediction_loss_only, padded_rows=padded_rows)
+            with smoothed_loss(self):
+                result = model.run_eval(**padded, return_logits=not prediction_loss_only, padded_rows=padded_rows)
         if prediction_loss_only:
             return result.detach(), None, None
         loss, logits = result

@@ -342,7 +342,8 @@ def _dataset(n=12, s=14, seed=3):
     return rows
 
 
-def check_trainer(kind, steps=4, **layout):
+def check_trainer(kind, steps=4, both=None, **layout):
+    """NxDTrainer at cp=2 against Trainer in one process; ``both``: arguments of both trainers."""
     import tempfile
 
     import transformers
@@ -351,7 +352,8 @@ def check_trainer(kind, steps=4, **layout):
     from nxd_hf.parallel_layers.sharding import full_tensor
 
     common = dict(max_steps=steps, learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[], seed=7,
-                  max_grad_norm=0.5, disable_tqdm=True, weight_decay=0.1, warmup_steps=1, adam_epsilon=1e-4)
+                  max_grad_norm=0.5, disable_tqdm=True, weight_decay=0.1, warmup_steps=1, adam_epsilon=1e-4,
+                  **(both or {}))
     reference, model = hf_parity.build_pair("llama", num_attention_heads=4)
     from nxd_hf import backend
 
@@ -387,8 +389,9 @@ def test_nxd_trainer_cp2_matches_trainer(ranks2, kind):
     ranks2.run(check_trainer, kind)
 
 
-def test_nxd_trainer_cp2_zero1_recompute_matches_trainer(ranks2):
-    ranks2.run(check_trainer, "ring", steps=3, zero_1=True, gradient_checkpointing=True)
+def test_nxd_trainer_cp2_zero1_recompute_label_smoothing_matches_trainer(ranks2):
+    ranks2.run(check_trainer, "ring", steps=3, both=dict(label_smoothing_factor=0.1), zero_1=True,
+               gradient_checkpointing=True)
 
 
 # -- LoRA

@@ -77,10 +77,12 @@ def _lora():
 
 
 def _run_case(out_dir, *, batch, accumulate=1, lora=False, trainer_cls=nxd_hf.NxDTrainer, samples=24,
-              mean_loss=False, **layout):
+              mean_loss=False, both=None, **layout):
     """(reference trainer, NxDTrainer) after STEPS steps on the same weights and data. ``samples``
     not a multiple of the global batch: each epoch ends on a short batch. ``mean_loss``: models
-    whose loss is a per-batch mean (``accepts_loss_kwargs=False``), on samples of equal token counts."""
+    whose loss is a per-batch mean (``accepts_loss_kwargs=False``), on samples of equal token counts.
+    ``both``: arguments of both trainers."""
+    common = {**COMMON, **(both or {})}
     parallel_state.destroy_model_parallel()
     reference, model = hf_parity.build_pair("llama")
     if mean_loss:
@@ -93,12 +95,12 @@ def _run_case(out_dir, *, batch, accumulate=1, lora=False, trainer_cls=nxd_hf.Nx
                                                 * layout.get("pipeline_parallel_size", 1))
     ref_args = one_process_reference_args(
         output_dir=f"{out_dir}/ref", per_device_train_batch_size=batch * dp, gradient_accumulation_steps=accumulate,
-        **COMMON)
+        **common)
     ref = transformers.Trainer(reference, ref_args, train_dataset=data, eval_dataset=data[:6],
                                compute_metrics=_metrics)
     ref.train()
     args = nxd_hf.NxDTrainingArguments(output_dir=f"{out_dir}/nxd", per_device_train_batch_size=batch,
-                                       gradient_accumulation_steps=accumulate, **COMMON, **layout)
+                                       gradient_accumulation_steps=accumulate, **common, **layout)
     torch.manual_seed(11)
     ours = trainer_cls(model, args, train_dataset=data, eval_dataset=data[:6], compute_metrics=_metrics,
                              peft_config=_lora() if lora else None)
@@ -230,6 +232,16 @@ def check_matches_trainer(layout: str) -> None:
             ref, ours = _run_case(out_dir, batch=4, samples=5, pipeline_parallel_size=2, num_microbatches=2)
             _check_training(ref, ours, "pp2 M=2 short last batch")
             _check_evaluation(ref, ours, "pp2 M=2 short last batch")
+        elif layout == "label_smoothing":  # Trainer's LabelSmoother on the full logits, ours in the parallel loss
+            smoothing = dict(label_smoothing_factor=0.1)
+            for name, case in (("tp2 fused loss", dict(batch=4, tensor_parallel_size=2, fused_loss=True)),
+                               ("pp2 M=4", dict(batch=4, pipeline_parallel_size=2, num_microbatches=4)),
+                               ("dp2 zero1 accumulate2", dict(batch=2, accumulate=2, zero_1=True))):
+                ref, ours = _run_case(out_dir, both=smoothing, **case)
+                _check_training(ref, ours, f"label smoothing {name}")
+                _check_evaluation(ref, ours, f"label smoothing {name}")  # eval: the smoother on both sides
+            ref, plain = _run_case(out_dir, batch=4, tensor_parallel_size=2)
+            assert _losses(plain)[0][1] != pytest.approx(_losses(ours)[0][1], rel=1e-3)  # it did smooth
         else:
             assert layout == "tp2_lora"
             ref, ours = _run_case(out_dir, batch=4, lora=True, tensor_parallel_size=2)
@@ -240,7 +252,7 @@ def check_matches_trainer(layout: str) -> None:
 
 
 @pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2_zero1_accumulate2", "tp2_lora", "dp2_short_last_batch",
-                                    "pp2_short_last_batch"])
+                                    "pp2_short_last_batch", "label_smoothing"])
 def test_nxd_trainer_matches_trainer(ranks2, layout):
     ranks2.run(check_matches_trainer, layout)
 
@@ -317,6 +329,35 @@ def test_sequence_classification_matches_trainer(ranks2, tmp_path, layout):
     ranks2.run(check_sequence_classification, layout, str(tmp_path))
 
 
+class _OwnLossTrainer(nxd_hf.NxDTrainer):
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+
+def check_label_smoothing_refusals(out_dir: str) -> None:
+    """label_smoothing_factor where NxDTrainer cannot give Trainer's numbers: a model whose loss is
+    not nxd_hf's causal-LM loss, a model that adds the router's auxiliary loss (which Trainer's
+    smoother drops), a subclass's loss on the last pipeline stage."""
+    args = dict(output_dir=out_dir, per_device_train_batch_size=2, label_smoothing_factor=0.1, **COMMON)
+    parallel_state.destroy_model_parallel()
+    _, model = hf_parity.build_pair("bert", task_model_cls=transformers.BertForSequenceClassification)
+    with pytest.raises(ValueError, match="BertForSequenceClassification computes another loss"):
+        nxd_hf.NxDTrainer(model, nxd_hf.NxDTrainingArguments(tensor_parallel_size=2, **args))
+    parallel_state.destroy_model_parallel()
+    _, model = hf_parity.build_pair("llama")
+    model.config.output_router_logits = True
+    with pytest.raises(ValueError, match="drops the router's auxiliary loss"):
+        nxd_hf.NxDTrainer(model, nxd_hf.NxDTrainingArguments(tensor_parallel_size=2, **args))
+    parallel_state.destroy_model_parallel()
+    _, model = hf_parity.build_pair("llama")
+    with pytest.raises(ValueError, match="_OwnLossTrainer's loss on the last stage does not smooth labels"):
+        _OwnLossTrainer(model, nxd_hf.NxDTrainingArguments(pipeline_parallel_size=2, **args))
+
+
+def test_label_smoothing_refused_where_it_cannot_apply(ranks2, tmp_path):
+    ranks2.run(check_label_smoothing_refusals, str(tmp_path))
+
+
 class _CountingTrainer(nxd_hf.NxDTrainer):
     """Records, per micro-step, whether it ends an accumulation and the bytes of gradients it sent over DP."""
 
@@ -354,8 +395,6 @@ def test_overlap_on_off_dp2_accumulate2(ranks2, zero1):
 def test_arguments_refuse_what_nxd_hf_cannot_honour():
     with pytest.raises(ValueError, match="use bf16"):
         nxd_hf.NxDTrainingArguments(output_dir="unused", fp16=True, report_to=[])
-    with pytest.raises(ValueError, match="label_smoothing_factor"):
-        nxd_hf.NxDTrainingArguments(output_dir="unused", label_smoothing_factor=0.1, report_to=[])
     with pytest.raises(ValueError, match="train_sampling_strategy"):
         nxd_hf.NxDTrainingArguments(output_dir="unused", train_sampling_strategy="group_by_length", report_to=[])
     with pytest.raises(ValueError, match="positive integer"):

@@ -23,7 +23,7 @@ COMMON = dict(learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to
 # Fields whose effect another test already shows:
 #   NxDTrainingArguments tensor_parallel_size, per_device_train_batch_size, gradient_accumulation_steps,
 #     max_grad_norm (clipping at 0.5), seed: test_nxd_trainer.py::test_nxd_trainer_matches_trainer_world2
-#   fp16, label_smoothing_factor, train_sampling_strategy (refused): test_nxd_trainer.py
+#   fp16, train_sampling_strategy (refused), label_smoothing_factor (against Trainer's): test_nxd_trainer.py
 #   config tensor_parallel_size, pipeline_parallel_size, pipeline_config, optimizer_config zero_one_enabled and
 #     max_grad_norm: test_trainer_api.py::test_config_api_world4 (against single-process training)
 #   config model_init_config sequential_move_factor: test_trainer_api.py (check_sequential_build)

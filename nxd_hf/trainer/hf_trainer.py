@@ -42,6 +42,7 @@ from nxd_hf.trainer.hf_checkpoints import CheckpointHooks
 from nxd_hf.trainer.model import NxDModel, loss_of, initialize_parallel_model
 from nxd_hf.trainer.optimizer import initialize_parallel_optimizer
 from nxd_hf.trainer.own_model import check_trainer_model
+from nxd_hf.trainer.user_hooks import check_user_overrides, runs_own_compute_loss
 from nxd_hf.trainer.options import (
     check_liger, compile_model, setup_label_smoothing, smoothed_loss, without_trainers_liger_patch,
 )
@@ -63,6 +64,7 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
         if not isinstance(args, NxDTrainingArguments):
             raise ValueError("NxDTrainer takes args=nxd_hf.NxDTrainingArguments(...) (a TrainingArguments subclass "
                              "carrying tensor_parallel_size, pipeline_parallel_size, ...)")
+        check_user_overrides(type(self), NxDTrainer, pipelined=args.pipeline_parallel_size > 1)
         if args.use_liger_kernel:
             check_liger(args)
         if backend.rank() != 0:  # torch's DataLoader gives it on every rank alike (while iterating): rank 0's is enough
@@ -226,7 +228,10 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
     def _nxd_loss(self, model, inputs: dict, **loss_kwargs) -> torch.Tensor:
         """This rank's training loss (not pipelined); ``nxd_hf.parallel_trainer`` routes a subclass's
         ``compute_loss`` through here. A model nxd_hf did not shard from a Hugging Face plan (the
-        user's own, ``nxd_hf.trainer.own_model``) may return the loss itself or a dict holding it."""
+        user's own, ``nxd_hf.trainer.own_model``) may return the loss itself or a dict holding it. A
+        subclass's own ``compute_loss`` computes it, as in ``Trainer``'s step (``user_hooks``)."""
+        if runs_own_compute_loss(self):
+            return self.compute_loss(model, inputs, **loss_kwargs)
         with smoothed_loss(self):
             output = model(**inputs, **loss_kwargs)
         return output.loss if model.hf_loss else loss_of(output, type(model.hf_model).__name__, "NxDTrainer")

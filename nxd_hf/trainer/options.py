@@ -4,14 +4,13 @@ instead of ``Trainer``: Liger's kernels (``use_liger_kernel``), ``torch_compile`
 
 import contextlib
 
-import transformers
-
 from nxd_hf import backend
 from nxd_hf.model_setup.liger import liger_options
 from nxd_hf.pipeline.model import NxDPPModel
 from nxd_hf.tp.outputs import has_causal_lm_loss, label_smoothing
 from nxd_hf.trainer.arguments import NxDTrainingArguments
 from nxd_hf.trainer.model import NxDModel
+from nxd_hf.trainer.user_hooks import runs_own_compute_loss
 
 
 def check_liger(args: NxDTrainingArguments) -> None:
@@ -75,8 +74,8 @@ def setup_label_smoothing(trainer) -> None:
     base = hf_model.get_base_model() if hasattr(hf_model, "get_base_model") else hf_model
     if base._get_name() in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():  # Trainer's rule, on the HF model
         trainer.label_smoother = _ShiftedLabelSmoother(trainer.label_smoother)
-    if type(trainer).compute_loss is not transformers.Trainer.compute_loss:
-        if trainer.nxd_model.pipelined:
+    if runs_own_compute_loss(trainer):
+        if trainer.nxd_model.pipelined:  # NxDSFTTrainer's own pipeline loss
             raise ValueError(f"label_smoothing_factor with pipeline_parallel_size > 1: {type(trainer).__name__}'s "
                              "loss on the last stage does not smooth labels. Drop one of them")
         return

@@ -77,11 +77,11 @@ def _lora():
 
 
 def _run_case(out_dir, *, batch, accumulate=1, lora=False, trainer_cls=nxd_hf.NxDTrainer, samples=24,
-              mean_loss=False, both=None, **layout):
+              mean_loss=False, both=None, ref_cls=transformers.Trainer, **layout):
     """(reference trainer, NxDTrainer) after STEPS steps on the same weights and data. ``samples``
     not a multiple of the global batch: each epoch ends on a short batch. ``mean_loss``: models
     whose loss is a per-batch mean (``accepts_loss_kwargs=False``), on samples of equal token counts.
-    ``both``: arguments of both trainers."""
+    ``both``: arguments of both trainers; ``ref_cls``: the reference's trainer class."""
     common = {**COMMON, **(both or {})}
     parallel_state.destroy_model_parallel()
     reference, model = hf_parity.build_pair("llama")
@@ -96,8 +96,7 @@ def _run_case(out_dir, *, batch, accumulate=1, lora=False, trainer_cls=nxd_hf.Nx
     ref_args = one_process_reference_args(
         output_dir=f"{out_dir}/ref", per_device_train_batch_size=batch * dp, gradient_accumulation_steps=accumulate,
         **common)
-    ref = transformers.Trainer(reference, ref_args, train_dataset=data, eval_dataset=data[:6],
-                               compute_metrics=_metrics)
+    ref = ref_cls(reference, ref_args, train_dataset=data, eval_dataset=data[:6], compute_metrics=_metrics)
     ref.train()
     args = nxd_hf.NxDTrainingArguments(output_dir=f"{out_dir}/nxd", per_device_train_batch_size=batch,
                                        gradient_accumulation_steps=accumulate, **common, **layout)
@@ -329,15 +328,50 @@ def test_sequence_classification_matches_trainer(ranks2, tmp_path, layout):
     ranks2.run(check_sequence_classification, layout, str(tmp_path))
 
 
-class _OwnLossTrainer(nxd_hf.NxDTrainer):
+class _WeightedLoss:
+    """A user's ``compute_loss`` as written for ``Trainer``: the loss weighted by 1.5 (linear in
+    it, so one process and any data-parallel split give the same step)."""
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
+        loss = loss * 1.5
+        return (loss, outputs) if return_outputs else loss
+
+
+class _OwnLossTrainer(_WeightedLoss, nxd_hf.NxDTrainer):
+    pass
+
+
+class _PlainOwnLossTrainer(_WeightedLoss, transformers.Trainer):
+    pass
+
+
+def check_subclass_compute_loss(out_dir: str) -> None:
+    """``class MyTrainer(NxDTrainer)`` with its own ``compute_loss``: trained and evaluated with it,
+    as ``Trainer`` would (at tp=2 and dp=2 with accumulation); refused under PP, where it could
+    not run."""
+    for name, case in (("tp2", dict(batch=4, tensor_parallel_size=2)),
+                       ("dp2 accumulate2", dict(batch=2, accumulate=2))):
+        ref, ours = _run_case(out_dir, trainer_cls=_OwnLossTrainer, ref_cls=_PlainOwnLossTrainer, **case)
+        _check_training(ref, ours, f"own compute_loss {name}")
+        _check_evaluation(ref, ours, f"own compute_loss {name}")
+    parallel_state.destroy_model_parallel()
+    _, model = hf_parity.build_pair("llama")
+    args = nxd_hf.NxDTrainingArguments(output_dir=out_dir, per_device_train_batch_size=2, pipeline_parallel_size=2,
+                                       **COMMON)
+    with pytest.raises(ValueError, match=r"_OwnLossTrainer overrides .*_WeightedLoss.compute_loss, which run the "
+                                         r"model; under pipeline parallelism"):
+        _OwnLossTrainer(model, args)
+
+
+def test_subclass_compute_loss_runs_as_under_trainer(ranks2, tmp_path):
+    ranks2.run(check_subclass_compute_loss, str(tmp_path))
 
 
 def check_label_smoothing_refusals(out_dir: str) -> None:
     """label_smoothing_factor where NxDTrainer cannot give Trainer's numbers: a model whose loss is
     not nxd_hf's causal-LM loss, a model that adds the router's auxiliary loss (which Trainer's
-    smoother drops), a subclass's loss on the last pipeline stage."""
+    smoother drops)."""
     args = dict(output_dir=out_dir, per_device_train_batch_size=2, label_smoothing_factor=0.1, **COMMON)
     parallel_state.destroy_model_parallel()
     _, model = hf_parity.build_pair("bert", task_model_cls=transformers.BertForSequenceClassification)
@@ -350,8 +384,6 @@ def check_label_smoothing_refusals(out_dir: str) -> None:
         nxd_hf.NxDTrainer(model, nxd_hf.NxDTrainingArguments(tensor_parallel_size=2, **args))
     parallel_state.destroy_model_parallel()
     _, model = hf_parity.build_pair("llama")
-    with pytest.raises(ValueError, match="_OwnLossTrainer's loss on the last stage does not smooth labels"):
-        _OwnLossTrainer(model, nxd_hf.NxDTrainingArguments(pipeline_parallel_size=2, **args))
 
 
 def test_label_smoothing_refused_where_it_cannot_apply(ranks2, tmp_path):

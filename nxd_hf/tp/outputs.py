@@ -20,7 +20,6 @@
 """
 
 import contextlib
-import contextvars
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +30,7 @@ from nxd_hf.parallel_layers.loss_functions import parallel_cross_entropy
 from nxd_hf.parallel_layers.sharding import gather_logical
 
 
-_LABEL_SMOOTHING = contextvars.ContextVar("nxd_hf_label_smoothing", default=0.0)
+_LABEL_SMOOTHING = {"epsilon": 0.0}  # a plain dict, not a ContextVar: torch.compile traces a read of it
 
 
 @contextlib.contextmanager
@@ -40,11 +39,11 @@ def label_smoothing(epsilon: float):
     as ``transformers.trainer_pt_utils.LabelSmoother`` does: per token ``(1 - eps) nll + eps
     mean_c(-log p_c)`` over the real vocabulary (torch's ``label_smoothing``), summed and divided
     by ``num_items_in_batch`` (or averaged over the non-ignored tokens)."""
-    token = _LABEL_SMOOTHING.set(float(epsilon))
+    before, _LABEL_SMOOTHING["epsilon"] = _LABEL_SMOOTHING["epsilon"], float(epsilon)
     try:
         yield
     finally:
-        _LABEL_SMOOTHING.reset(token)
+        _LABEL_SMOOTHING["epsilon"] = before
 
 
 def parallel_causal_lm_loss(logits, labels, vocab_size: int, num_items_in_batch=None, ignore_index: int = -100,
@@ -52,7 +51,7 @@ def parallel_causal_lm_loss(logits, labels, vocab_size: int, num_items_in_batch=
     """``transformers.loss.loss_utils.ForCausalLMLoss`` on vocab-parallel logits."""
     shift_labels = _shift(labels, shift_labels, ignore_index).to(logits.device)
     reduction = "mean" if num_items_in_batch is None else "sum"
-    loss = parallel_cross_entropy(logits, shift_labels, _LABEL_SMOOTHING.get(), ignore_index=ignore_index,
+    loss = parallel_cross_entropy(logits, shift_labels, _LABEL_SMOOTHING["epsilon"], ignore_index=ignore_index,
                                   reduction=reduction, vocab_size=vocab_size, check_labels=check_labels)
     if num_items_in_batch is None:
         return loss
@@ -74,7 +73,7 @@ def fused_causal_lm_loss(hidden, labels, head: nn.Module, vocab_size: int, num_i
     labels = _shift(labels, shift_labels, ignore_index)
     reduction = "mean" if num_items_in_batch is None else "sum"
     loss = fused_linear_cross_entropy(hidden, head.weight, labels, bias=head.bias, vocab_size=vocab_size,
-                                      label_smoothing=_LABEL_SMOOTHING.get(), ignore_index=ignore_index,
+                                      label_smoothing=_LABEL_SMOOTHING["epsilon"], ignore_index=ignore_index,
                                       reduction=reduction, check_labels=check_labels, softcap=softcap)
     if num_items_in_batch is None:
         return loss

@@ -273,7 +273,7 @@ def check_trainer(out_dir: str) -> None:
 def check_refusals() -> None:
     """A clear error for a model without a causal-LM head, and for a forward that transforms its
     logits after the head in a way the fused loss would get wrong (a hook stands for that code):
-    a tanh, a scale with a biased head (phi); the config's soft-cap is restored after the error."""
+    a tanh, a slice, a scale with a biased head (phi); the config's soft-cap is restored after the error."""
     parallel_state.destroy_model_parallel()
     _, model = hf_parity.build_pair("bert", task_model_cls=transformers.BertForSequenceClassification)
     with pytest.raises(ValueError, match="fused_loss=True needs a causal-LM head"):

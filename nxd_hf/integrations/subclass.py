@@ -28,6 +28,7 @@ import transformers
 from nxd_hf import backend, parallel_state
 from nxd_hf.integrations import fused_head
 from nxd_hf.trainer.arguments import NxDTrainingArguments
+from nxd_hf.trainer.user_hooks import runs_own_compute_loss
 from nxd_hf.trainer.hf_trainer import NxDTrainer
 
 MODEL_RUNNING = ("compute_loss", "prediction_step", "evaluate", "evaluation_loop", "predict")
@@ -96,11 +97,10 @@ class ParallelTrainerMixin(NxDTrainer):
         self.accelerator.gather = self._nxd_gather(self.accelerator.gather)
 
     def _nxd_loss(self, model, inputs: dict, **loss_kwargs):
-        if type(self).compute_loss is transformers.Trainer.compute_loss:
-            return super()._nxd_loss(model, inputs, **loss_kwargs)
-        self._nxd_in_training_step = True
+        # NxDTrainer._nxd_loss runs the subclass's compute_loss; its metrics gather over DP meanwhile
+        self._nxd_in_training_step = runs_own_compute_loss(self)
         try:
-            return self.compute_loss(model, inputs, **loss_kwargs)
+            return super()._nxd_loss(model, inputs, **loss_kwargs)
         finally:
             self._nxd_in_training_step = False
 

@@ -23,7 +23,9 @@ import torch.nn.functional as F
 from nxd_hf import parallel_state
 from nxd_hf.guards import device_checks
 from nxd_hf.parallel_layers import softmax_kernels
-from nxd_hf.parallel_layers.loss_functions import grad_of_logits, parallel_cross_entropy, vocab_parallel_softmax
+from nxd_hf.parallel_layers.loss_functions import (
+    grad_of_logits, parallel_cross_entropy, soft_capped, vocab_parallel_softmax,
+)
 
 CHUNK_ELEMENTS = 2**27
 """Logits per chunk: 256 MiB in bf16 plus their 512 MiB fp32 softmax, whatever the vocabulary
@@ -101,10 +103,6 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
 
 
-def _capped(logits: torch.Tensor, softcap: float) -> torch.Tensor:
-    return softcap * torch.tanh(logits.float() / softcap) if softcap else logits
-
-
 def fused_linear_cross_entropy(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, bias: torch.Tensor | None = None,
     vocab_size: int | None = None, label_smoothing: float = 0.0, ignore_index: int = -100, reduction: str = "mean",
@@ -122,6 +120,8 @@ def fused_linear_cross_entropy(
     (Gemma's ``final_logit_softcapping``), None for the logits as they are."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"fused_linear_cross_entropy: reduction must be 'mean' or 'sum', not {reduction!r}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"fused_linear_cross_entropy: label_smoothing must be in [0, 1], got {label_smoothing}")
     if softcap is not None and not softcap > 0:
         raise ValueError(f"fused_linear_cross_entropy: softcap must be a positive number or None, not {softcap!r}")
     softcap = float(softcap or 0.0)
@@ -144,7 +144,7 @@ def fused_linear_cross_entropy(
             total = _FusedLinearCrossEntropy.apply(hidden, weight, bias, labels, label_smoothing, ignore_index,
                                                    vocab_size, chunk, use_kernels, softcap)
     else:
-        total = sum(parallel_cross_entropy(_capped(F.linear(hidden[s:s + chunk], weight, bias), softcap),
+        total = sum(parallel_cross_entropy(soft_capped(F.linear(hidden[s:s + chunk], weight, bias), softcap),
                                            labels[s:s + chunk], label_smoothing, ignore_index, "sum",
                                            vocab_size=vocab_size, check_labels=False)  # checked once for all chunks
                     for s in range(0, hidden.shape[0], chunk))

@@ -14,6 +14,12 @@ from nxd_hf import backend, parallel_state
 from nxd_hf.guards import device_checks
 
 
+def soft_capped(logits: torch.Tensor, softcap: float) -> torch.Tensor:
+    """``softcap * tanh(logits / softcap)`` in fp32 (Gemma's ``final_logit_softcapping``); the
+    logits as they are for ``softcap`` 0."""
+    return softcap * torch.tanh(logits.float() / softcap) if softcap else logits
+
+
 def local_columns(logits: torch.Tensor, labels: torch.Tensor, vocab_size: int, ignore_index: int):
     """This rank's view of the vocabulary: the number of real columns of ``logits [..., V/tp]``
     (a prefix; the rest is padding), and per token whether its label is ignored, whether this

@@ -18,7 +18,7 @@ import os
 import torch
 
 from nxd_hf import backend, parallel_state
-from nxd_hf.parallel_layers.loss_functions import local_columns
+from nxd_hf.parallel_layers.loss_functions import local_columns, soft_capped
 
 TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 _MAX_BLOCK = 32768  # columns per step of a row, as Liger's cross-entropy (32 warps hold it in registers)
@@ -149,9 +149,7 @@ def loss_and_grad_in_place(logits: torch.Tensor, labels: torch.Tensor, label_smo
     assert logits.dim() == 2 and logits.stride(1) == 1, "rows of contiguous logits"
     group = parallel_state.get_tensor_model_parallel_group()
     num_real, ignored, owned, safe_label = local_columns(logits, labels, vocab_size, ignore_index)
-    target = logits.gather(-1, safe_label.unsqueeze(-1)).squeeze(-1).float()
-    if softcap:
-        target = softcap * torch.tanh(target / softcap)
+    target = soft_capped(logits.gather(-1, safe_label.unsqueeze(-1)).squeeze(-1), softcap).float()
     target = target.masked_fill(~owned, 0.0)
     if num_real:
         row_max, sum_exp, row_sum = logit_row_stats(logits, num_real, bool(label_smoothing), softcap)

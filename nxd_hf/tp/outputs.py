@@ -95,8 +95,7 @@ def transform_after_head(received: torch.Tensor, returned: torch.Tensor, head_ha
         saved = [getattr(node, name) for name in ("_saved_self", "_saved_other") if type(node).__name__ in _SCALES]
         constants = [t for t in saved if t is not None]
         live = [fn for fn, _ in node.next_functions if fn is not None]
-        scalar = len(constants) == 1 and constants[0].numel() == 1 and len(live) == 1
-        if not scalar or (type(node).__name__ == "DivBackward0" and saved[1] is None):  # c / x
+        if not (len(constants) == 1 and constants[0].numel() == 1 and len(live) == 1):  # c / x saves both
             return type(node).__name__
         if head_has_bias:
             return f"{type(node).__name__} (a scale, which does not commute with the head's bias)"

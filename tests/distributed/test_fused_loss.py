@@ -322,6 +322,16 @@ def test_triton_kernels_compile_as_custom_ops(ranks2, tp):
     ranks2.run(check_compiled_kernels, model_parallel=(tp, 1))
 
 
+def test_bad_options_are_refused():
+    hidden, weight, labels = torch.randn(3, HIDDEN), torch.randn(VOCAB, HIDDEN), torch.randint(0, VOCAB, (3,))
+    for kwargs, message in ((dict(softcap=0.0), "softcap must be a positive number"),
+                            (dict(softcap=-30.0), "softcap must be a positive number"),
+                            (dict(label_smoothing=1.5), r"label_smoothing must be in \[0, 1\]"),
+                            (dict(reduction="none"), "reduction must be 'mean' or 'sum'")):
+        with pytest.raises(ValueError, match=message):
+            fused_linear_cross_entropy(hidden, weight, labels, **kwargs)
+
+
 def test_triton_kernel_refused_off_cuda(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="kernel='triton' needs .* a CUDA tensor"):

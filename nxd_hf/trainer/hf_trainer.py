@@ -164,9 +164,16 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
         return args.train_batch_size * args.gradient_accumulation_steps * parallel_state.get_data_parallel_replicas()
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device):
-        """Global batches and their token count, then this replica's rows of each."""
+        """Global batches and their token count, then this replica's rows of each. The input tokens
+        seen (``include_num_input_tokens_seen``) are counted here, on the global batches: ``Trainer``
+        counts the batch it trains on, which is one replica's rows here."""
         batches, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
+        for batch in batches:
+            super()._track_num_input_tokens(batch)
         return [self._nxd_replica_rows(batch) for batch in batches], num_items_in_batch
+
+    def _track_num_input_tokens(self, inputs):
+        pass  # counted on the global batches in get_batch_samples
 
     def _nxd_replica_rows(self, batch: dict) -> dict:  # DPO's trainer keeps chosen/rejected pairs together
         return replica_rows(batch)

@@ -31,6 +31,8 @@ HOOKS = {
     "_save_optimizer_and_scheduler": (["self", "output_dir"], "train", "self._save_optimizer_and_scheduler(output_dir)"),
     "_save_rng_state": (["self", "output_dir"], "train", "self._save_rng_state(output_dir)"),
     "_load_best_model": (["self"], "train", "self._load_best_model()"),  # load_best_model_at_end
+    # include_num_input_tokens_seen: NxDTrainer counts the global batches in get_batch_samples instead
+    "_track_num_input_tokens": (["self", "inputs"], "train", "self._track_num_input_tokens(inputs)"),
 }
 
 # what else of Trainer's private side NxDTrainer reads or calls: (entry point, Trainer's code)

@@ -21,6 +21,7 @@ from support.paths import REPO
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TINY = os.path.join(REPO, "examples", "data", "tiny-llama")
+CORPUS = os.path.join(REPO, "examples", "data", "tiny_corpus.txt")
 STEPS = 4
 # total_flos: Trainer's 6 x tokens x the parameters of the model it holds, which under nxd_hf is this
 # rank's shards; not yet the unparallelized model's count (docs/trainer.md)
@@ -47,11 +48,7 @@ def script_case(layout: tuple, batch: int) -> None:
     cwd = os.getcwd()
     with tempfile.TemporaryDirectory() as tmp:
         out = backend.all_gather_object(tmp)[0]  # rank 0's folder
-        if backend.rank() == 0:
-            with open(os.path.join(REPO, "examples", "data", "tiny_corpus.txt")) as f, open(f"{out}/train.txt", "w") as g:
-                g.write(f.read())
-        backend.barrier()
-        flags = ["--model_name_or_path", TINY, "--train_file", f"{out}/train.txt", "--validation_split_percentage", "20",
+        flags = ["--model_name_or_path", TINY, "--train_file", CORPUS, "--validation_split_percentage", "20",
                  "--block_size", "32", "--do_train", "--do_eval", "--max_steps", str(STEPS), "--logging_steps", "1",
                  "--report_to", "none", "--cache_dir", f"{out}/cache", "--seed", "7", "--learning_rate", "1e-3",
                  "--include_num_input_tokens_seen", "true", "--max_grad_norm", "0.5", "--disable_tqdm", "true"]

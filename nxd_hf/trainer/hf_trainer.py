@@ -13,6 +13,7 @@ It overrides the fewest hooks it can; everything else (callbacks, schedulers, lo
   computes it on one process (``num_items_in_batch``); the logged loss is the DP mean;
 - optimizer: ``initialize_parallel_optimizer`` (ZeRO-1 with ``zero_1``) does the DP reduction
   and the clipping on the global norm; the logged ``grad_norm`` is that norm;
+- ``total_flos``: of the unparallelized model and the global batch (``nxd_hf.trainer.flops``);
 - saving and resuming: ``nxd_hf.trainer.hf_checkpoints``;
 - evaluation: every rank evaluates the whole evaluation set; ``compute_metrics`` and ``predict``
   see the full logits (gathered over TP, unpadded; under PP sent from the last stage).
@@ -34,6 +35,7 @@ from nxd_hf.pipeline.model import NxDPPModel
 from nxd_hf.pipeline.pooled_loss import rows_over_data_parallel, takes_pooled_logits
 from nxd_hf.trainer.arguments import NxDTrainingArguments, one_process_view
 from nxd_hf.trainer.composition import check_composition
+from nxd_hf.trainer.flops import global_flos, logical_non_embedding_parameters
 from nxd_hf.trainer.batches import (
     FILLER_ROWS, ROW_WEIGHT, check_dataset_size, data_parallel_mean, pad_rows, pipeline_inputs, replica_rows,
 )
@@ -174,6 +176,22 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
 
     def _track_num_input_tokens(self, inputs):
         pass  # counted on the global batches in get_batch_samples
+
+    def floating_point_ops(self, inputs: dict) -> int:
+        """``Trainer``'s 6 x tokens x non-embedding parameters, of the unparallelized model
+        (``nxd_hf.trainer.flops``) and this replica's rows; ``store_flos`` sums the replicas."""
+        main_input = getattr(self.model, "main_input_name", "input_ids")
+        if main_input not in inputs or not hasattr(self.model, "num_parameters") or inputs.get(FILLER_ROWS):
+            return 0
+        counted = getattr(self, "_nxd_counted_parameters", None)
+        if counted is None or counted[0] is not self.nxd_model:  # model_init builds a new model per trial
+            counted = self._nxd_counted_parameters = (self.nxd_model,
+                                                      logical_non_embedding_parameters(self.nxd_model))
+        return 6 * inputs[main_input].numel() * counted[1]
+
+    def store_flos(self) -> None:
+        self.state.total_flos += global_flos(self.current_flos)
+        self.current_flos = 0
 
     def _nxd_replica_rows(self, batch: dict) -> dict:  # DPO's trainer keeps chosen/rejected pairs together
         return replica_rows(batch)

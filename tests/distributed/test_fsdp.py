@@ -180,6 +180,7 @@ def check_trainer_matches_trainer(fsdp: str, accumulate: int, fsdp_config: dict 
         got, want = _losses(ours, key), _losses(ref, key)
         assert [s for s, _ in got] == [s for s, _ in want] == list(range(1, TRAINER_STEPS + 1)), (key, got)
         torch.testing.assert_close(torch.tensor([v for _, v in got]), torch.tensor([v for _, v in want]), **TOL)
+    assert ours.state.total_flos == ref.state.total_flos > 0, (ours.state.total_flos, ref.state.total_flos)  # of the whole model
     ref_params = dict(ref.model.named_parameters())
     for name, param in ours.nxd_model.named_parameters():
         torch.testing.assert_close(logical_tensor(param), ref_params[name].detach(), **TOL, msg=lambda m: f"{name}: {m}")

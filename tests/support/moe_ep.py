@@ -187,6 +187,7 @@ def check_trainer_matches(model_type: str, out_dir: str, ep: int, accumulate: in
         want = [h[key] for h in ref.state.log_history if key in h]
         assert len(got) == len(want) == 4, (key, got, want)
         torch.testing.assert_close(torch.tensor(got), torch.tensor(want), **TOL, msg=lambda m: f"{key}: {m}")
+    assert ours.state.total_flos == ref.state.total_flos > 0  # every expert counted once, as on one process
     ref_params = dict(ref.model.named_parameters())
     for name, param in ours.nxd_model.named_parameters():
         torch.testing.assert_close(full_tensor(param), ref_params[name].detach(), **TOL, msg=lambda m: f"{name}: {m}")

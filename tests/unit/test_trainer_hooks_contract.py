@@ -33,6 +33,9 @@ HOOKS = {
     "_load_best_model": (["self"], "train", "self._load_best_model()"),  # load_best_model_at_end
     # include_num_input_tokens_seen: NxDTrainer counts the global batches in get_batch_samples instead
     "_track_num_input_tokens": (["self", "inputs"], "train", "self._track_num_input_tokens(inputs)"),
+    # total_flos: of the unparallelized model and the global batch (nxd_hf/trainer/flops.py)
+    "floating_point_ops": (["self", "inputs"], "train", "self.current_flos += float(self.floating_point_ops(inputs))"),
+    "store_flos": (["self"], "train", "self.store_flos()"),
 }
 
 # what else of Trainer's private side NxDTrainer reads or calls: (entry point, Trainer's code)

@@ -77,14 +77,14 @@ def _lora():
 
 
 def _run_case(out_dir, *, batch, accumulate=1, lora=False, trainer_cls=nxd_hf.NxDTrainer, samples=24,
-              mean_loss=False, both=None, ref_cls=transformers.Trainer, **layout):
+              mean_loss=False, both=None, ref_cls=transformers.Trainer, model_type="llama", **layout):
     """(reference trainer, NxDTrainer) after STEPS steps on the same weights and data. ``samples``
     not a multiple of the global batch: each epoch ends on a short batch. ``mean_loss``: models
     whose loss is a per-batch mean (``accepts_loss_kwargs=False``), on samples of equal token counts.
     ``both``: arguments of both trainers; ``ref_cls``: the reference's trainer class."""
     common = {**COMMON, **(both or {})}
     parallel_state.destroy_model_parallel()
-    reference, model = hf_parity.build_pair("llama")
+    reference, model = hf_parity.build_pair(model_type, **({"num_hidden_layers": 4} if model_type != "llama" else {}))
     if mean_loss:
         reference.accepts_loss_kwargs = model.accepts_loss_kwargs = False
     if lora:
@@ -113,10 +113,12 @@ def _check_training(ref, ours, case):
         assert [s for s, _ in got] == [s for s, _ in want] == list(range(1, STEPS + 1)), (case, key, got)
         torch.testing.assert_close(torch.tensor([v for _, v in got]), torch.tensor([v for _, v in want]), **TOL,
                                    msg=lambda m: f"{case} {key}: {m}")
-    ref_params = {n.removeprefix("base_model.model."): p for n, p in ref.model.named_parameters()}
+    # Trainer's 6 x tokens x non-embedding parameters: of the unparallelized model and the global batch
+    assert ours.state.total_flos == ref.state.total_flos > 0, (case, ours.state.total_flos, ref.state.total_flos)
+    ref_params = {n.removeprefix("base_model.model."): p for n, p in ref.model.named_parameters(remove_duplicate=False)}
     checked = 0
     for name, param in ours.nxd_model.named_parameters():
-        full = full_tensor(param)
+        full = full_tensor(param).t() if getattr(param, "hf_transposed", False) else full_tensor(param)  # Conv1D
         torch.testing.assert_close(full, ref_params[name].detach(), **TOL, msg=lambda m: f"{case} {name}: {m}")
         assert param.requires_grad == ref_params[name].requires_grad, (case, name)
         checked += 1
@@ -254,6 +256,24 @@ def check_matches_trainer(layout: str) -> None:
                                     "pp2_short_last_batch", "label_smoothing"])
 def test_nxd_trainer_matches_trainer(ranks2, layout):
     ranks2.run(check_matches_trainer, layout)
+
+
+def check_tied_embeddings_world4() -> None:
+    """Tied heads (a pipeline's last stage holds the embedding's copy), GPT-2's Conv1D and position
+    embedding, at layouts of 4 ranks: the training and ``total_flos`` of Trainer on one process."""
+    with tempfile.TemporaryDirectory() as out_dir:
+        for model_type, layout in (("qwen2", dict(tensor_parallel_size=2, pipeline_parallel_size=2,
+                                                  num_microbatches=2)),
+                                   ("gpt2", dict(tensor_parallel_size=4)),
+                                   ("qwen2", dict(tensor_parallel_size=2, zero_1=True))):
+            ref, ours = _run_case(out_dir, batch=4 // (4 // layout["tensor_parallel_size"]
+                                                       // layout.get("pipeline_parallel_size", 1)),
+                                  model_type=model_type, **layout)
+            _check_training(ref, ours, f"{model_type} {layout}")
+
+
+def test_tied_embeddings_world4(ranks4):
+    ranks4.run(check_tied_embeddings_world4)
 
 
 def check_matches_trainer_where_accelerate_infers_gpus(layout: str) -> None:

@@ -102,6 +102,7 @@ def check_logs(ref, ours, case) -> None:
         torch.testing.assert_close(torch.tensor([v for _, v in got], dtype=torch.float64),
                                    torch.tensor([v for _, v in want], dtype=torch.float64), **TOL,
                                    msg=lambda m: f"{case} {key}: {m}")
+    assert ours.state.total_flos == ref.state.total_flos > 0, (case, ours.state.total_flos, ref.state.total_flos)
 
 
 def check_saved(ours, directory: str, *, kind: str, lora: bool, case, sft=None) -> None:

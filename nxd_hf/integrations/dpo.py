@@ -12,13 +12,12 @@ extra, ``pip install nxd_hf[trl]``); ``nxd_hf.parallel_trainer(DPOTrainer)`` ret
   is the policy with its adapters disabled, as DPOTrainer does;
 - a batch is ``[chosen rows; rejected rows]``: each data-parallel replica takes its pairs, its
   slice of the chosen rows and the same slice of the rejected rows (``pair_rows``);
-- ``per_device_eval_batch_size`` counts pairs per replica, as the train batch: an evaluation batch
-  is the global one, evaluated whole by every replica (``_nxd_global_eval_batch``);
+- ``per_device_eval_batch_size`` counts pairs per replica, as the train batch (as in
+  ``NxDTrainer``): an evaluation batch is the global one, evaluated whole by every replica;
 - under pipeline parallelism the reference's and the policy's passes of the schedule, the DPO loss
   and metrics on the last stage: ``nxd_hf.integrations.dpo_pipeline``.
 """
 
-import contextlib
 import copy
 import dataclasses
 
@@ -29,6 +28,7 @@ from trl import DPOConfig, DPOTrainer
 from nxd_hf import parallel_state
 from nxd_hf.integrations import fused_head
 from nxd_hf.integrations.dpo_pipeline import PipelineDPOMixin, PipelinedReference, adapters_disabled
+from nxd_hf.integrations.model_path import load_named_model
 from nxd_hf.integrations.subclass import ParallelTrainerMixin, combined_arguments
 from nxd_hf.trainer.batches import FILLER_ROWS, ROW_WEIGHT, _check_rows
 
@@ -139,10 +139,7 @@ class NxDDPOTrainer(PipelineDPOMixin, ParallelTrainerMixin, _DPOInit):
 
         set_seed(args.seed)  # DPOTrainer seeds before it creates the model and its adapter: the same weights
         if isinstance(model, str):
-            from trl.trainer.utils import create_model_from_path
-
-            model = create_model_from_path(model, **dict(args.model_init_kwargs or {}))
-            args.model_init_kwargs = None  # used: DPOTrainer would warn that they are ignored
+            model = load_named_model(model, args, trainer_kwargs, trainer="NxDDPOTrainer")
         if ref_model is not None and ref_model is model:
             raise ValueError("`model` and `ref_model` cannot be the same object: omit ref_model (a frozen copy of the "
                              "model is the reference)")
@@ -165,36 +162,6 @@ class NxDDPOTrainer(PipelineDPOMixin, ParallelTrainerMixin, _DPOInit):
                              f"the {dp_size} data-parallel replicas cannot split evenly: set dataloader_drop_last=True, "
                              f"or use a multiple of {dp_size} pairs in the last batch")
         return super().get_train_dataloader()
-
-    # per_device_eval_batch_size pairs per replica, as in training: an evaluation batch is the
-    # global one (that many pairs x data-parallel replicas), which every replica evaluates whole.
-    # DPOTrainer's metrics are means over an evaluation batch (the logits' over its tokens) that
-    # ``log`` averages over the batches, and evaluation_loop weighs each batch's loss by
-    # eval_batch_size (the last by the rows left): the same script on one process batches so.
-    def get_eval_dataloader(self, eval_dataset=None):
-        with self._nxd_global_eval_batch():
-            return super().get_eval_dataloader(eval_dataset)
-
-    def get_test_dataloader(self, test_dataset):
-        with self._nxd_global_eval_batch():
-            return super().get_test_dataloader(test_dataset)
-
-    def evaluation_loop(self, *args, **kwargs):
-        with self._nxd_global_eval_batch():
-            return super().evaluation_loop(*args, **kwargs)
-
-    @contextlib.contextmanager
-    def _nxd_global_eval_batch(self):
-        per_replica = self.args.per_device_eval_batch_size
-        if getattr(self, "_nxd_eval_batch_scaled", False):
-            yield
-            return
-        self.args.per_device_eval_batch_size = per_replica * parallel_state.get_data_parallel_replicas()
-        self._nxd_eval_batch_scaled = True
-        try:
-            yield
-        finally:
-            self.args.per_device_eval_batch_size, self._nxd_eval_batch_scaled = per_replica, False
 
     def _save_checkpoint(self, model, trial):
         self.create_model_card(model_name=self.args.output_dir.rstrip("/").split("/")[-1])

@@ -34,6 +34,9 @@ from nxd_hf.trainer.hf_trainer import NxDTrainer
 MODEL_RUNNING = ("compute_loss", "prediction_step", "evaluate", "evaluation_loop", "predict")
 REPLACED = tuple(sorted({name for cls in NxDTrainer.__mro__[:2] for name, value in vars(cls).items()
                          if callable(value) and not name.startswith("__")} | {"_save"}))
+# hooks NxDTrainer defines that run the subclass's own through super() (prediction_step: outside
+# pipeline parallelism, where the MODEL_RUNNING rule applies)
+PASSED_ON = ("prediction_step", "evaluation_loop")
 # overrides that NxDTrainer's replacement keeps the behaviour of: "module.Class.method" -> why
 KEPT = {
     "trl.trainer.sft_trainer.SFTTrainer.training_step": "enters activation offloading only (refused by "
@@ -67,7 +70,7 @@ def refused_overrides(trainer_cls: type, *, pipelined: bool) -> list[str]:
     for name, where in sorted(_overrides(trainer_cls).items()):
         if where in KEPT or (name in handled and pipelined):
             continue
-        if name in REPLACED and not (name == "prediction_step" and not pipelined):
+        if name in REPLACED and name not in PASSED_ON:
             refused.append(f"{where} (nxd_hf replaces {name}: the override would never run)")
         elif name in MODEL_RUNNING and pipelined and name not in handled:
             refused.append(f"{where} (under pipeline parallelism only the schedule runs the model)")

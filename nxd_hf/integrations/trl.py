@@ -13,10 +13,12 @@ import dataclasses
 
 import torch
 import torch.nn.functional as F
+import transformers
 from trl import SFTConfig, SFTTrainer
 
 from nxd_hf import backend, parallel_state
 from nxd_hf.integrations import fused_head
+from nxd_hf.integrations.model_path import load_named_model
 from nxd_hf.integrations.subclass import parallel_arguments, parallel_trainer
 from nxd_hf.integrations.token_stats import token_stats
 
@@ -45,7 +47,8 @@ class NxDSFTConfig(parallel_arguments(SFTConfig)):
 
 
 class NxDSFTTrainer(parallel_trainer(SFTTrainer)):
-    """``trl.SFTTrainer`` with tensor, pipeline and data parallelism; ``args``: ``NxDSFTConfig``."""
+    """``trl.SFTTrainer`` with tensor, pipeline and data parallelism; ``args``: ``NxDSFTConfig``.
+    ``model`` may be a name or a directory, as SFTTrainer's (``nxd_hf.integrations.model_path``)."""
 
     nxd_pipeline_hooks = ("compute_loss", "prediction_step", "evaluate")
 
@@ -53,9 +56,10 @@ class NxDSFTTrainer(parallel_trainer(SFTTrainer)):
         if not isinstance(args, NxDSFTConfig):
             raise ValueError("NxDSFTTrainer takes args=nxd_hf.NxDSFTConfig(...): SFTConfig's fields and the parallel "
                              "layout in one dataclass")
-        if isinstance(model, str):
-            raise ValueError("NxDSFTTrainer takes a model object: load it with "
-                             "transformers.AutoModelForCausalLM.from_pretrained(name) first")
+        if isinstance(model, str):  # TRL's scripts pass the name; SFTTrainer seeds before it loads
+            transformers.set_seed(args.seed)
+            model = load_named_model(model, args, trainer_kwargs, trainer="NxDSFTTrainer",
+                                     quantization_config=trainer_kwargs.pop("quantization_config", None))
         padding_free = args.padding_free or (args.packing and args.packing_strategy in {"bfd", "bfd_split"})
         # the CP ranks of a replica share its rows (the model splits the sequence)
         model_parallel = args.tensor_parallel_size * args.pipeline_parallel_size * args.context_parallel_size

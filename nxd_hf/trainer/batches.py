@@ -2,6 +2,8 @@
 (with their weight in it), the pipeline's named inputs, and an evaluation batch padded to a
 multiple of the microbatches."""
 
+import contextlib
+
 import torch
 
 from nxd_hf import backend, parallel_state
@@ -35,6 +37,27 @@ def replica_rows(batch: dict) -> dict:
     local[ROW_WEIGHT] = local_rows * dp_size / rows
     local[FILLER_ROWS] = 0 if local_rows else 1
     return type(batch)(local) if isinstance(batch, dict) else local
+
+
+@contextlib.contextmanager
+def global_eval_batch(trainer):
+    """``trainer.args.per_device_eval_batch_size`` rows per replica, as the train batch: while
+    inside, an evaluation batch is the global one (that many rows x data-parallel replicas),
+    which every rank evaluates whole. The same script on one process batches so, which matters
+    where a metric is a per-batch mean (a token-mean loss that ``evaluation_loop`` weighs by
+    ``eval_batch_size``, TRL's entropy and token accuracy, DPO's rewards). Re-entrant: the
+    dataloader is built inside ``evaluation_loop``."""
+    args = trainer.args
+    if getattr(trainer, "_nxd_eval_batch_scaled", False):
+        yield
+        return
+    per_replica = args.per_device_eval_batch_size
+    args.per_device_eval_batch_size = per_replica * parallel_state.get_data_parallel_replicas()
+    trainer._nxd_eval_batch_scaled = True
+    try:
+        yield
+    finally:
+        args.per_device_eval_batch_size, trainer._nxd_eval_batch_scaled = per_replica, False
 
 
 def check_dataset_size(dataset, name: str) -> None:

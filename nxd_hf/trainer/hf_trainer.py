@@ -15,8 +15,10 @@ It overrides the fewest hooks it can; everything else (callbacks, schedulers, lo
   and the clipping on the global norm; the logged ``grad_norm`` is that norm;
 - ``total_flos``: of the unparallelized model and the global batch (``nxd_hf.trainer.flops``);
 - saving and resuming: ``nxd_hf.trainer.hf_checkpoints``;
-- evaluation: every rank evaluates the whole evaluation set; ``compute_metrics`` and ``predict``
-  see the full logits (gathered over TP, unpadded; under PP sent from the last stage).
+- evaluation: every rank evaluates the whole evaluation set, in global batches
+  (``per_device_eval_batch_size`` rows per replica, as in training: ``batches.global_eval_batch``);
+  ``compute_metrics`` and ``predict`` see the full logits (gathered over TP, unpadded; under PP
+  sent from the last stage).
 """
 
 import contextlib
@@ -37,7 +39,8 @@ from nxd_hf.trainer.arguments import NxDTrainingArguments, one_process_view
 from nxd_hf.trainer.composition import check_composition
 from nxd_hf.trainer.flops import global_flos, logical_non_embedding_parameters
 from nxd_hf.trainer.batches import (
-    FILLER_ROWS, ROW_WEIGHT, check_dataset_size, data_parallel_mean, pad_rows, pipeline_inputs, replica_rows,
+    FILLER_ROWS, ROW_WEIGHT, check_dataset_size, data_parallel_mean, global_eval_batch, pad_rows, pipeline_inputs,
+    replica_rows,
 )
 from nxd_hf.trainer.given_model import check_layout, is_parallel, place_model, resolve_auto_sizes
 from nxd_hf.trainer.hf_checkpoints import CheckpointHooks
@@ -156,11 +159,17 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
 
     def get_eval_dataloader(self, eval_dataset=None):
         self._one_process()
-        return super().get_eval_dataloader(eval_dataset)
+        with global_eval_batch(self):
+            return super().get_eval_dataloader(eval_dataset)
 
     def get_test_dataloader(self, test_dataset):
         self._one_process()
-        return super().get_test_dataloader(test_dataset)
+        with global_eval_batch(self):
+            return super().get_test_dataloader(test_dataset)
+
+    def evaluation_loop(self, *args, **kwargs):
+        with global_eval_batch(self):  # it weighs each batch's loss by eval_batch_size
+            return super().evaluation_loop(*args, **kwargs)
 
     def get_total_train_batch_size(self, args) -> int:
         return args.train_batch_size * args.gradient_accumulation_steps * parallel_state.get_data_parallel_replicas()

@@ -16,3 +16,9 @@ def common(**overrides) -> dict:
                    save_strategy="no", report_to=[], seed=7, max_grad_norm=0.5, disable_tqdm=True, warmup_steps=1,
                    bf16=False, gradient_checkpointing=False, max_length=24, per_device_eval_batch_size=4,
                    dataset_num_proc=None), **overrides}
+
+
+def global_eval_batch(overrides: dict, dp: int) -> dict:
+    """``overrides`` for the plain run on one process: per_device_eval_batch_size counts rows per
+    data-parallel replica (as the train batch), so one process evaluates all ``dp`` replicas' at once."""
+    return {**overrides, "per_device_eval_batch_size": common(**overrides)["per_device_eval_batch_size"] * dp}

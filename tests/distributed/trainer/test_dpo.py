@@ -72,7 +72,7 @@ def run_pair(out: str, *, batch: int, lora: bool = False, given_ref: bool = Fals
     train, evaluation = preferences()
     dp = 2 // (layout.get("tensor_parallel_size", 1) * layout.get("pipeline_parallel_size", 1))
     ref = trl.DPOTrainer(model(), model() if given_ref else None, args=trl.DPOConfig(
-        output_dir=f"{out}/ref", per_device_train_batch_size=batch * dp, **common(**global_eval_batch(dpo, dp))),
+        output_dir=f"{out}/ref", per_device_train_batch_size=batch * dp, **common(**trl_args.global_eval_batch(dpo, dp))),
                          train_dataset=train, eval_dataset=evaluation, processing_class=tokenizer(),
                          peft_config=trl_args.lora_config() if lora else None)
     ref.train()
@@ -82,12 +82,6 @@ def run_pair(out: str, *, batch: int, lora: bool = False, given_ref: bool = Fals
                        processing_class=tokenizer(), peft_config=trl_args.lora_config() if lora else None)
     ours.train()
     return ref, ours
-
-
-def global_eval_batch(dpo: dict, dp: int) -> dict:
-    """``dpo`` for the plain run on one process: per_device_eval_batch_size is per data-parallel
-    replica (as the train batch), so one process evaluates the pairs of all ``dp`` replicas at once."""
-    return {**dpo, "per_device_eval_batch_size": common(**dpo)["per_device_eval_batch_size"] * dp}
 
 
 def logged(history: list, key):
@@ -156,7 +150,7 @@ def check_saved(ours, directory: str, *, lora: bool, case, dpo: dict) -> None:
     from nxd_hf import parallel_state
 
     dp = parallel_state.get_data_parallel_replicas()
-    args = trl.DPOConfig(output_dir=f"{directory}-eval", **common(**global_eval_batch(dpo, dp)))
+    args = trl.DPOConfig(output_dir=f"{directory}-eval", **common(**trl_args.global_eval_batch(dpo, dp)))
     # the reference of the plain evaluation: the untrained model (as in training)
     got = trl.DPOTrainer(plain, ref_model=model(), args=args, train_dataset=evaluation,
                          eval_dataset=evaluation, processing_class=tokenizer()).evaluate()

@@ -225,6 +225,12 @@ def check_matches_trainer(layout: str) -> None:
         elif layout == "dp2_zero1_accumulate2":
             ref, ours = _run_case(out_dir, batch=2, accumulate=2, zero_1=True)
             _check_training(ref, ours, "dp2 zero1 accumulate2")
+            # per_device_eval_batch_size rows per replica, as the train batch: batches of 4 and 2 of
+            # the 6 samples, whose token-mean losses evaluation_loop weighs by the batch size
+            ref.args.per_device_eval_batch_size, ours.args.per_device_eval_batch_size = 4, 2
+            _check_evaluation(ref, ours, "dp2 zero1 accumulate2, evaluation batches of 2 per replica")
+            ref.args.per_device_eval_batch_size = 2
+            assert ref.evaluate()["eval_loss"] != pytest.approx(ours.evaluate()["eval_loss"], rel=1e-4)  # it matters
         elif layout == "dp2_short_last_batch":  # 5 samples, global batch 4: a batch of 1 leaves a replica no row
             for case in (dict(), dict(zero_1=True), dict(mean_loss=True, accumulate=2)):
                 ref, ours = _run_case(out_dir, batch=2, samples=5, **case)

@@ -78,7 +78,7 @@ def run_pair(out_dir: str, *, kind: str, batch: int, lora: bool = False, sft=Non
     tp, pp = layout.get("tensor_parallel_size", 1), layout.get("pipeline_parallel_size", 1)
     dp = 2 // (tp * pp * layout.get("context_parallel_size", 1))
     ref = trl.SFTTrainer(model(), trl.SFTConfig(output_dir=f"{out_dir}/ref", per_device_train_batch_size=batch * dp,
-                                                **trl_args.common(**sft)),
+                                                **trl_args.common(**trl_args.global_eval_batch(sft, dp))),
                          train_dataset=train, eval_dataset=evaluation, processing_class=tokenizer(),
                          peft_config=trl_args.lora_config() if lora else None)
     ref.train()
@@ -110,7 +110,7 @@ def check_saved(ours, directory: str, *, kind: str, lora: bool, case, sft=None) 
     to the run's eval loss."""
     import trl
 
-    from nxd_hf import backend
+    from nxd_hf import backend, parallel_state
 
     want = ours.evaluate()
     ours.save_model(directory)
@@ -120,7 +120,8 @@ def check_saved(ours, directory: str, *, kind: str, lora: bool, case, sft=None) 
     else:
         plain = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
     _, evaluation = datasets(kind)
-    args = trl.SFTConfig(output_dir=f"{directory}-eval", **trl_args.common(**(sft or {})))
+    dp = parallel_state.get_data_parallel_replicas()
+    args = trl.SFTConfig(output_dir=f"{directory}-eval", **trl_args.common(**trl_args.global_eval_batch(sft or {}, dp)))
     got = trl.SFTTrainer(plain, args, train_dataset=evaluation, eval_dataset=evaluation,
                          processing_class=tokenizer()).evaluate()
     for key in EVAL_KEYS:
@@ -251,6 +252,16 @@ class OwnPrediction(transformers.Trainer):
         return loss * 3.0, logits, labels
 
 
+class OwnLoop(transformers.Trainer):
+    """evaluation_loop scaling the loss it reports: nxd_hf's evaluation must run it."""
+
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix="eval"):
+        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+        output.metrics[f"{metric_key_prefix}_loss"] *= 3.0
+        return output
+
+
 class OwnSave(transformers.Trainer):
     def _save(self, output_dir=None, state_dict=None):
         super()._save(output_dir, state_dict)
@@ -260,6 +271,8 @@ def test_refused_overrides_name_the_hook():
     assert refused_overrides(ScaledLoss, pipelined=False) == []
     assert refused_overrides(ExtraEval, pipelined=False) == []
     assert refused_overrides(OwnPrediction, pipelined=False) == []
+    assert refused_overrides(OwnLoop, pipelined=False) == []  # NxDTrainer's evaluation_loop runs it through super()
+    assert "OwnLoop.evaluation_loop" in refused_overrides(OwnLoop, pipelined=True)[0]
     assert "ScaledLoss.compute_loss" in refused_overrides(ScaledLoss, pipelined=True)[0]
     assert "ExtraEval.evaluate" in refused_overrides(ExtraEval, pipelined=True)[0]
     assert "OwnPrediction.prediction_step" in refused_overrides(OwnPrediction, pipelined=True)[0]
@@ -317,7 +330,7 @@ def _subclass_rule() -> None:
     import nxd_hf
 
     _composition_orders()
-    for cls in (ScaledLoss, ExtraEval, OwnPrediction):  # parity at tp=2
+    for cls in (ScaledLoss, ExtraEval, OwnPrediction, OwnLoop):  # parity at tp=2
         ref, ours = run_trainer_pair(cls, tensor_parallel_size=2)
         for key in ("loss", "grad_norm", "eval_loss", "eval_logsumexp"):
             got, want = logged(ours, key), logged(ref, key)
@@ -327,6 +340,7 @@ def _subclass_rule() -> None:
     for cls, layout in ((ScaledLoss, {"pipeline_parallel_size": 2, "num_microbatches": 2}),
                         (ExtraEval, {"pipeline_parallel_size": 2, "num_microbatches": 2}),
                         (OwnPrediction, {"pipeline_parallel_size": 2, "num_microbatches": 2}),
+                        (OwnLoop, {"pipeline_parallel_size": 2, "num_microbatches": 2}),
                         (OwnSave, {"tensor_parallel_size": 2})):
         with pytest.raises(ValueError, match=f"{cls.__name__}.* cannot run with nxd_hf"):
             run_trainer_pair(cls, reference=False, **layout)

@@ -44,6 +44,7 @@ from nxd_hf.trainer.batches import (
 )
 from nxd_hf.trainer.given_model import check_layout, is_parallel, place_model, resolve_auto_sizes
 from nxd_hf.trainer.hf_checkpoints import CheckpointHooks
+from nxd_hf.trainer.mean_loss import label_weight
 from nxd_hf.trainer.model import NxDModel, loss_of, initialize_parallel_model
 from nxd_hf.trainer.optimizer import initialize_parallel_optimizer
 from nxd_hf.trainer.own_model import check_trainer_model
@@ -187,8 +188,7 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
         pass  # counted on the global batches in get_batch_samples
 
     def floating_point_ops(self, inputs: dict) -> int:
-        """``Trainer``'s 6 x tokens x non-embedding parameters, of the unparallelized model
-        (``nxd_hf.trainer.flops``) and this replica's rows; ``store_flos`` sums the replicas."""
+        """Of the unparallelized model and this replica's rows (``flops``); ``store_flos`` sums the replicas."""
         main_input = getattr(self.model, "main_input_name", "input_ids")
         if main_input not in inputs or not hasattr(self.model, "num_parameters") or inputs.get(FILLER_ROWS):
             return 0
@@ -249,11 +249,15 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
                     num_items_in_batch = rows * self.current_gradient_accumulation_steps
                 with smoothed_loss(self):
                     return model.run_train(**padded, num_items_in_batch=num_items_in_batch, padded_rows=padded_rows)
-            if num_items_in_batch is not None and self.model_accepts_loss_kwargs:
-                normalizer = loss_normalizer(inputs["labels"], num_items_in_batch)
-                loss = self._nxd_loss(model, inputs, num_items_in_batch=normalizer)
+            # a model's own mean over its labels (mean_loss) weighs by this replica's share of them
+            weight = label_weight(inputs["labels"], filler=bool(filler_rows)) if model.own_mean_loss else None
+            if num_items_in_batch is not None and self.model_accepts_loss_kwargs:  # as Trainer: no 1/accumulation
+                loss = self._nxd_loss(model, inputs, num_items_in_batch=loss_normalizer(inputs["labels"],
+                                                                                        num_items_in_batch))
+                loss = loss if weight is None else loss * weight
             else:  # a per-batch mean: weight this replica's rows, average over accumulation steps
-                loss = self._nxd_loss(model, inputs) * row_weight / self.current_gradient_accumulation_steps
+                weight = row_weight if weight is None else weight
+                loss = self._nxd_loss(model, inputs) * weight / self.current_gradient_accumulation_steps
             if filler_rows:  # a replica without rows: zero gradients, but its collectives still run
                 loss = loss * 0.0
         loss.backward()

@@ -18,6 +18,7 @@ from nxd_hf.guards.fail_together import fail_together
 from nxd_hf.parallelize import parallelize
 from nxd_hf.pipeline.model import NxDPPModel
 from nxd_hf.trainer.config import NxDConfig
+from nxd_hf.trainer.mean_loss import computes_own_mean_loss, label_weight
 from nxd_hf.trainer.own_model import is_own_model, parallelize_own_model
 from nxd_hf.utils import init_on_device
 
@@ -40,6 +41,10 @@ class NxDModel(nn.Module):
         # a model nxd_hf sharded from a Hugging Face plan computes HF's loss over the step's tokens;
         # any other (nxd_hf.trainer.own_model) returns its own loss, as NxD's run_train takes it
         self.hf_loss = self.nxd is not None and self.nxd.patch is not None
+        # a forward computing its own mean loss (nxd_hf.trainer.mean_loss; under PP the schedule
+        # computes the model's loss_function)
+        base = self.hf_model.get_base_model() if hasattr(self.hf_model, "get_base_model") else self.hf_model
+        self.own_mean_loss = self.hf_loss and not self.pipelined and computes_own_mean_loss(base)
         if self.nxd is not None:
             self.nxd.attach_config(nxd_config)  # what save_checkpoint reads of the config (master weights, LoRA)
 
@@ -91,8 +96,12 @@ class NxDModel(nn.Module):
             if "labels" not in inputs:
                 raise ValueError(f"run_train needs labels to compute the loss; got only {sorted(inputs)}: pass "
                                  "labels=... (the input_ids, shifted inside the model, for a causal LM)")
-            normalizer = loss_normalizer(inputs["labels"], inputs.pop("num_items_in_batch", None))
-            loss = self.module(**inputs, num_items_in_batch=normalizer).loss
+            num_items_in_batch = inputs.pop("num_items_in_batch", None)
+            if self.own_mean_loss:  # its mean over this replica's labels, weighted by their share
+                loss = self.module(**inputs).loss * label_weight(inputs["labels"], total=num_items_in_batch)
+            else:
+                normalizer = loss_normalizer(inputs["labels"], num_items_in_batch)
+                loss = self.module(**inputs, num_items_in_batch=normalizer).loss
         else:
             loss = loss_of(self.module(**inputs), type(self.nxd.hf_model).__name__)
         loss.backward()

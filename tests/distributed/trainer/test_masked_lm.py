@@ -1,0 +1,86 @@
+"""BertForMaskedLM as transformers' run_mlm.py trains it, with DataCollatorForLanguageModeling
+masking a random 30% of the tokens (a different number in every row), against
+transformers.Trainer on one process: losses and grad norms every step, final weights. BERT's
+forward computes its loss inline (``CrossEntropyLoss()``, the mean over its own masked tokens),
+so at dp>1 each replica's loss is weighted by its share of the masked tokens
+(``nxd_hf.trainer.mean_loss``); before, the replicas' means were averaged (step 1's loss off by
+3e-5 relative, growing after)."""
+
+import tempfile
+
+import pytest
+import torch
+import transformers
+
+import nxd_hf
+from nxd_hf import parallel_state
+from support import hf_parity
+from test_nxd_trainer import COMMON, _check_training, one_process_reference_args
+
+
+def _tokenizer(directory: str):
+    """A WordPiece tokenizer over the tiny vocabulary, with BERT's special tokens ([MASK]: 4)."""
+    words = [f"w{i}" for i in range(hf_parity.VOCAB - 5)]
+    with open(f"{directory}/vocab.txt", "w") as f:
+        f.write("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n")
+    return transformers.BertTokenizerFast(f"{directory}/vocab.txt")
+
+
+def _rows(n: int, seed: int = 3) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": [2, *torch.randint(5, hf_parity.VOCAB, (10,), generator=g).tolist(), 3]} for _ in range(n)]
+
+
+def _run(out_dir: str, *, batch: int, samples: int = 24, accumulate: int = 1, **layout):
+    parallel_state.destroy_model_parallel()
+    reference, model = hf_parity.build_pair("bert")
+    collator = transformers.DataCollatorForLanguageModeling(_tokenizer(out_dir), mlm_probability=0.3)
+    data = _rows(samples)
+    dp = torch.distributed.get_world_size() // layout.get("tensor_parallel_size", 1)
+    common = {**COMMON, "gradient_accumulation_steps": accumulate}
+    ref = transformers.Trainer(reference, one_process_reference_args(
+        output_dir=f"{out_dir}/ref", per_device_train_batch_size=batch * dp, **common),
+        train_dataset=data, data_collator=collator)
+    ref.train()
+    ours = nxd_hf.NxDTrainer(model, nxd_hf.NxDTrainingArguments(
+        output_dir=f"{out_dir}/nxd", per_device_train_batch_size=batch, **common, **layout),
+        train_dataset=data, data_collator=collator)
+    ours.train()
+    return ref, ours
+
+
+def check_run_train_weights_the_replicas() -> None:
+    """NxD's run_train on each replica's rows: the loss of the whole batch on one process."""
+    parallel_state.destroy_model_parallel()
+    reference, model = hf_parity.build_pair("bert")
+    ids = torch.randint(5, hf_parity.VOCAB, (4, 12), generator=torch.Generator().manual_seed(5))
+    labels = torch.full_like(ids, -100)
+    labels[0, :9], labels[1, 2], labels[2:, 5:7] = ids[0, :9], ids[1, 2], ids[2:, 5:7]  # 9 and 1 | 2 and 2 tokens
+    want = reference(input_ids=ids, labels=labels).loss
+    nxd_model = nxd_hf.initialize_parallel_model(nxd_hf.neuronx_distributed_config(), lambda: model)
+    rows = slice(2 * torch.distributed.get_rank(), 2 * torch.distributed.get_rank() + 2)
+    got = nxd_model.run_train(input_ids=ids[rows], labels=labels[rows])
+    torch.testing.assert_close(got, want.detach(), **hf_parity.TOL)
+
+
+def masked_lm_cases() -> None:
+    with tempfile.TemporaryDirectory() as out_dir:
+        for name, case in (("dp2 zero1 accumulate2", dict(batch=2, accumulate=2, zero_1=True)),
+                           ("tp2", dict(batch=4, tensor_parallel_size=2)),
+                           # 5 samples, global batch 4: the batch of 1 leaves a replica a stand-in row
+                           ("dp2 short last batch", dict(batch=2, samples=5))):
+            ref, ours = _run(out_dir, **case)
+            _check_training(ref, ours, f"masked LM {name}")
+            assert ours.nxd_model.own_mean_loss
+    check_run_train_weights_the_replicas()
+
+
+def test_masked_lm_with_random_masking_matches_trainer(ranks2):
+    ranks2.run(masked_lm_cases)
+
+
+def test_which_forwards_compute_their_own_mean_loss():
+    from nxd_hf.trainer.mean_loss import computes_own_mean_loss
+
+    assert computes_own_mean_loss(transformers.BertForMaskedLM(transformers.BertConfig(**hf_parity.ENCODER_TINY["bert"][2])))
+    assert not computes_own_mean_loss(hf_parity.build_pair("llama")[1])  # through loss_function: num_items_in_batch

@@ -1,10 +1,11 @@
-"""BertForMaskedLM as transformers' run_mlm.py trains it, with DataCollatorForLanguageModeling
-masking a random 30% of the tokens (a different number in every row), against
-transformers.Trainer on one process: losses and grad norms every step, final weights. BERT's
-forward computes its loss inline (``CrossEntropyLoss()``, the mean over its own masked tokens),
-so at dp>1 each replica's loss is weighted by its share of the masked tokens
-(``nxd_hf.trainer.mean_loss``); before, the replicas' means were averaged (step 1's loss off by
-3e-5 relative, growing after)."""
+"""BERT's heads as transformers' examples train them, against transformers.Trainer on one
+process (losses and grad norms every step, final weights): BertForMaskedLM as run_mlm.py trains
+it, DataCollatorForLanguageModeling masking a random 30% of the tokens (a different number in
+every row), and BertForTokenClassification as run_ner.py does, on rows of different lengths
+padded by DataCollatorForTokenClassification. BERT's forward computes its loss inline
+(``CrossEntropyLoss()``, the mean over its own labels), so at dp>1 each replica's loss is
+weighted by its share of the labels (``nxd_hf.trainer.mean_loss``); before, the replicas' means
+were averaged (the masked LM's step-1 loss off by 3e-5 relative, growing after)."""
 
 import tempfile
 
@@ -31,11 +32,24 @@ def _rows(n: int, seed: int = 3) -> list[dict]:
     return [{"input_ids": [2, *torch.randint(5, hf_parity.VOCAB, (10,), generator=g).tolist(), 3]} for _ in range(n)]
 
 
-def _run(out_dir: str, *, batch: int, samples: int = 24, accumulate: int = 1, **layout):
+def _tagged_rows(n: int, seed: int = 4) -> list[dict]:
+    """Rows of 4 to 10 tokens, each tagged with one of 3 labels."""
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(5, hf_parity.VOCAB, (4 + i % 7,), generator=g).tolist(),
+             "labels": torch.randint(0, 3, (4 + i % 7,), generator=g).tolist()} for i in range(n)]
+
+
+def _run(out_dir: str, *, batch: int, samples: int = 24, accumulate: int = 1, tagging: bool = False, **layout):
     parallel_state.destroy_model_parallel()
-    reference, model = hf_parity.build_pair("bert")
-    collator = transformers.DataCollatorForLanguageModeling(_tokenizer(out_dir), mlm_probability=0.3)
-    data = _rows(samples)
+    tokenizer = _tokenizer(out_dir)
+    if tagging:
+        reference, model = hf_parity.build_pair("bert", task_model_cls=transformers.BertForTokenClassification,
+                                                num_labels=3)
+        collator, data = transformers.DataCollatorForTokenClassification(tokenizer), _tagged_rows(samples)
+    else:
+        reference, model = hf_parity.build_pair("bert")
+        collator = transformers.DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.3)
+        data = _rows(samples)
     dp = torch.distributed.get_world_size() // layout.get("tensor_parallel_size", 1)
     common = {**COMMON, "gradient_accumulation_steps": accumulate}
     ref = transformers.Trainer(reference, one_process_reference_args(
@@ -63,20 +77,22 @@ def check_run_train_weights_the_replicas() -> None:
     torch.testing.assert_close(got, want.detach(), **hf_parity.TOL)
 
 
-def masked_lm_cases() -> None:
+def encoder_head_cases() -> None:
     with tempfile.TemporaryDirectory() as out_dir:
-        for name, case in (("dp2 zero1 accumulate2", dict(batch=2, accumulate=2, zero_1=True)),
-                           ("tp2", dict(batch=4, tensor_parallel_size=2)),
+        for name, case in (("masked LM dp2 zero1 accumulate2", dict(batch=2, accumulate=2, zero_1=True)),
+                           ("masked LM tp2", dict(batch=4, tensor_parallel_size=2)),
                            # 5 samples, global batch 4: the batch of 1 leaves a replica a stand-in row
-                           ("dp2 short last batch", dict(batch=2, samples=5))):
+                           ("masked LM dp2 short last batch", dict(batch=2, samples=5)),
+                           ("token classification dp2 accumulate2", dict(batch=2, accumulate=2, tagging=True)),
+                           ("token classification tp2", dict(batch=4, tensor_parallel_size=2, tagging=True))):
             ref, ours = _run(out_dir, **case)
-            _check_training(ref, ours, f"masked LM {name}")
+            _check_training(ref, ours, name)
             assert ours.nxd_model.own_mean_loss
     check_run_train_weights_the_replicas()
 
 
-def test_masked_lm_with_random_masking_matches_trainer(ranks2):
-    ranks2.run(masked_lm_cases)
+def test_masked_lm_and_token_classification_match_trainer(ranks2):
+    ranks2.run(encoder_head_cases)
 
 
 def test_which_forwards_compute_their_own_mean_loss():

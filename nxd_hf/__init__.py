@@ -19,8 +19,8 @@ def __getattr__(name: str):
         from nxd_hf.parity import check_parity
 
         return check_parity
-    if name in ("NxDSFTTrainer", "NxDSFTConfig", "NxDDPOTrainer", "NxDDPOConfig", "parallel_trainer",
-                "parallel_arguments"):  # TRL: an optional extra
+    if name in ("NxDSFTTrainer", "NxDSFTConfig", "NxDDPOTrainer", "NxDDPOConfig", "NxDRewardTrainer",
+                "NxDRewardConfig", "parallel_trainer", "parallel_arguments"):  # TRL: an optional extra
         from nxd_hf import integrations
 
         return getattr(integrations, name)
@@ -33,7 +33,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "NxDTrainer", "NxDTrainingArguments", "NxDSFTTrainer", "NxDSFTConfig", "NxDDPOTrainer", "NxDDPOConfig",
-    "parallel_trainer", "parallel_arguments",
+    "NxDRewardTrainer", "NxDRewardConfig", "parallel_trainer", "parallel_arguments",
     "LoRAModel",
     "ModelPatch", "check_parity", "consolidate", "from_pretrained", "full_state_dict", "load_checkpoint",
     "save_checkpoint", "save_pretrained", "wait_for_checkpoint", "initialize_parallel_model",

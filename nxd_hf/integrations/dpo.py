@@ -21,7 +21,6 @@ extra, ``pip install nxd_hf[trl]``); ``nxd_hf.parallel_trainer(DPOTrainer)`` ret
 import copy
 import dataclasses
 
-import torch
 from torch import nn
 from trl import DPOConfig, DPOTrainer
 
@@ -29,8 +28,8 @@ from nxd_hf import parallel_state
 from nxd_hf.integrations import fused_head
 from nxd_hf.integrations.dpo_pipeline import PipelineDPOMixin, PipelinedReference, adapters_disabled
 from nxd_hf.integrations.model_path import load_named_model
+from nxd_hf.integrations.pairs import check_pairs_split, pair_rows
 from nxd_hf.integrations.subclass import ParallelTrainerMixin, combined_arguments
-from nxd_hf.trainer.batches import FILLER_ROWS, ROW_WEIGHT, _check_rows
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -56,30 +55,6 @@ class NxDDPOConfig(combined_arguments(DPOConfig)):
 
 # DPOTrainer's losses that are not a mean of per-pair terms
 BATCH_COUPLED_LOSSES = {"sft", "aot", "aot_unpaired"}
-
-
-def pair_rows(batch: dict) -> dict:
-    """This data-parallel replica's rows of a preference batch ``[chosen (B); rejected (B)]``: its
-    pairs' chosen rows then the same pairs' rejected rows (per-pair tensors, ``[B]``, sliced
-    alike), and the weight of its pairs in the global batch (``replica_rows``'s keys)."""
-    dp_size, dp_rank = parallel_state.get_data_parallel_size(), parallel_state.get_data_parallel_rank()
-    rows = batch["input_ids"].shape[0]
-    _check_rows(batch, rows)
-    pairs = rows // 2
-    assert 2 * pairs == rows, "DataCollatorForPreference stacks the chosen rows over the rejected ones"
-    mine = torch.arange(pairs).tensor_split(dp_size)[dp_rank]
-    if len(mine) == 0:  # a short last batch: a stand-in pair whose loss and gradients count for nothing
-        mine = torch.arange(1)
-    local = dict(batch)
-    for key, value in batch.items():
-        if torch.is_tensor(value) and value.dim() > 0 and value.shape[0] == rows:
-            local[key] = torch.cat([value[mine], value[mine + pairs]])
-        elif torch.is_tensor(value) and value.dim() > 0 and value.shape[0] == pairs:
-            local[key] = value[mine]
-    filler = len(torch.arange(pairs).tensor_split(dp_size)[dp_rank]) == 0
-    local[ROW_WEIGHT] = 0.0 if filler else len(mine) * dp_size / pairs
-    local[FILLER_ROWS] = int(filler)
-    return type(batch)(local) if isinstance(batch, dict) else local
 
 
 class _DPOInit(DPOTrainer):
@@ -154,13 +129,7 @@ class NxDDPOTrainer(PipelineDPOMixin, ParallelTrainerMixin, _DPOInit):
         return pair_rows(batch)
 
     def get_train_dataloader(self):
-        dp_size = parallel_state.get_data_parallel_size()
-        step_pairs = self.args.per_device_train_batch_size * dp_size
-        last = len(self.train_dataset) % step_pairs if hasattr(self.train_dataset, "__len__") else 0
-        if last % dp_size and not self.args.dataloader_drop_last:  # its metrics gather rows of unequal replicas
-            raise ValueError(f"the train_dataset's {len(self.train_dataset)} pairs leave a last batch of {last}, which "
-                             f"the {dp_size} data-parallel replicas cannot split evenly: set dataloader_drop_last=True, "
-                             f"or use a multiple of {dp_size} pairs in the last batch")
+        check_pairs_split(self.train_dataset, self.args)
         return super().get_train_dataloader()
 
     def _save_checkpoint(self, model, trial):

@@ -45,10 +45,15 @@ KEPT = {
     "trl.trainer.dpo_trainer.DPOTrainer.training_step": "enters activation offloading only (refused by "
                                                         "NxDDPOConfig) before Trainer's step",
     "trl.trainer.dpo_trainer.DPOTrainer._save_checkpoint": "writes a model card (NxDDPOTrainer does too)",
+    "trl.trainer.reward_trainer.RewardTrainer.training_step": "enters activation offloading only (refused by "
+                                                              "NxDRewardConfig) before Trainer's step",
+    "trl.trainer.reward_trainer.RewardTrainer._save_checkpoint": "writes a model card (NxDRewardTrainer does too)",
 }
 # trainers whose nxd_hf version needs more than the generic composition: "module.Class" -> "module:Class"
-SPECIALIZED = {"trl.trainer.dpo_trainer.DPOTrainer": "nxd_hf.integrations.dpo:NxDDPOTrainer"}
-SPECIALIZED_ARGUMENTS = {"trl.trainer.dpo_config.DPOConfig": "nxd_hf.integrations.dpo:NxDDPOConfig"}
+SPECIALIZED = {"trl.trainer.dpo_trainer.DPOTrainer": "nxd_hf.integrations.dpo:NxDDPOTrainer",
+               "trl.trainer.reward_trainer.RewardTrainer": "nxd_hf.integrations.reward:NxDRewardTrainer"}
+SPECIALIZED_ARGUMENTS = {"trl.trainer.dpo_config.DPOConfig": "nxd_hf.integrations.dpo:NxDDPOConfig",
+                         "trl.trainer.reward_config.RewardConfig": "nxd_hf.integrations.reward:NxDRewardConfig"}
 
 
 def _overrides(trainer_cls: type) -> dict[str, str]:

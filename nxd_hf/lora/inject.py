@@ -45,6 +45,24 @@ def _resolve_targets(config: peft.LoraConfig, model_type: str | None) -> peft.Lo
     return config
 
 
+# peft's task models train their heads too: get_peft_model with this task_type adds these names to
+# modules_to_save (PeftModelForSequenceClassification, ...ForTokenClassification, ...ForQuestionAnswering)
+TASK_HEADS = {"SEQ_CLS": ("classifier", "score"), "TOKEN_CLS": ("classifier", "score"), "QUESTION_ANS": ("qa_outputs",)}
+
+
+def _with_task_heads(config: peft.LoraConfig) -> peft.LoraConfig:
+    """``config`` with its task type's heads in ``modules_to_save``, as peft's task model adds them
+    (a copy: the caller's config is left alone)."""
+    heads = TASK_HEADS.get(getattr(config.task_type, "value", config.task_type), ())
+    to_save = list(config.modules_to_save or [])
+    missing = [head for head in heads if head not in to_save]
+    if not missing:
+        return config
+    config = copy.copy(config)
+    config.modules_to_save = to_save + missing
+    return config
+
+
 def _module_config(module: nn.Module, config: peft.LoraConfig, output_layer: str) -> peft.LoraConfig:
     """``config`` for one module; "all-linear" is resolved here by peft's rule (every linear
     layer, nxd_hf's included, but the output layer, which peft finds only on a whole HF model)."""
@@ -110,7 +128,7 @@ def inject_lora(model, lora_config, *, adapter_name: str = "default", model_type
     modules = list(model) if isinstance(model, (list, tuple)) else [model]
     if model_type is None:
         model_type = getattr(getattr(modules[0], "config", None), "model_type", None)
-    lora_config = _resolve_targets(lora_config, model_type)
+    lora_config = _with_task_heads(_resolve_targets(lora_config, model_type))
     if getattr(hf_model, "config", None) is not None and not any(m is hf_model for m in modules):
         lora_config = _converted_for_transformers(lora_config, hf_model)
     configs = [_module_config(m, lora_config, output_layer) for m in modules]

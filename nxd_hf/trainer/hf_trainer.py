@@ -250,7 +250,8 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
                 with smoothed_loss(self):
                     return model.run_train(**padded, num_items_in_batch=num_items_in_batch, padded_rows=padded_rows)
             # a model's own mean over its labels (mean_loss) weighs by this replica's share of them
-            weight = label_weight(inputs["labels"], filler=bool(filler_rows)) if model.own_mean_loss else None
+            own_mean = model.own_mean_loss and "labels" in inputs  # not a subclass's loss of other inputs
+            weight = label_weight(inputs["labels"], filler=bool(filler_rows)) if own_mean else None
             if num_items_in_batch is not None and self.model_accepts_loss_kwargs:  # as Trainer: no 1/accumulation
                 loss = self._nxd_loss(model, inputs, num_items_in_batch=loss_normalizer(inputs["labels"],
                                                                                         num_items_in_batch))

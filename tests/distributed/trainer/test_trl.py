@@ -385,6 +385,7 @@ def _pipeline_saving() -> None:
                 user_model.save_pretrained(f"{out}/user-lora")
                 backend.barrier()
                 assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(f"{out}/user-lora"))
+                backend.barrier()  # rank 0 leaves the loop and deletes its folder: every rank has looked
                 continue
             user_model.save_pretrained(f"{out}/user")
             trainer.save_model(f"{out}/trainer")

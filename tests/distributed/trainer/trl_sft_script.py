@@ -23,7 +23,7 @@
 
 """
 TRL 1.16's trl/scripts/sft.py (Apache-2.0, the header above), copied with only SFTTrainer and SFTConfig
-swapped for nxd_hf's (tests/distributed/trainer/test_trl_sft_script.py checks that nothing else differs and
+swapped for nxd_hf's (tests/distributed/trainer/test_trl_scripts.py checks that nothing else differs and
 that it equals the original script). Run it with torchrun and --tensor_parallel_size 2 added.
 
 # Full training

@@ -1,10 +1,12 @@
-"""TRL's own trl/scripts/sft.py and its copy with SFTTrainer/SFTConfig swapped for nxd_hf's
-(trl_sft_script.py, the only change) on the same data: every logged value at every step and
-evaluation, and the saved model or adapter, equal the plain script's on one process at tp=2
-(with LoRA, with packing), pp=2 and dp=2 with ZeRO-1. The script passes the model by name, as TRL's
+"""TRL's own trl/scripts/sft.py and reward.py, and their copies with the trainer and its config
+swapped for nxd_hf's (trl_sft_script.py, trl_reward_script.py: the only change) on the same data:
+every logged value at every step and evaluation, and the saved model or adapter, equal the plain
+script's on one process — sft.py at tp=2 (with LoRA, with packing), pp=2 and dp=2 with ZeRO-1,
+reward.py at tp=2 (with LoRA) and dp=2 with ZeRO-1. The scripts pass the model by name, as TRL's
 trainers take it."""
 
 import difflib
+import importlib
 import inspect
 import json
 import os
@@ -16,6 +18,7 @@ import torch
 import transformers
 
 from support import trl_args
+from test_dpo import preferences
 from test_trl import TINY, datasets, shared_dir
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # TRL's trainers send telemetry otherwise
@@ -28,20 +31,30 @@ UNCOMPARED = {"train_runtime", "train_samples_per_second", "train_steps_per_seco
 
 def _write_data(directory: str, kind: str) -> None:
     """The dataset as the directory the script's --dataset_name loads (train and test splits)."""
-    train, evaluation = datasets(kind)
+    train, evaluation = preferences() if kind == "preferences" else datasets(kind)
     os.makedirs(directory, exist_ok=True)
     train.to_json(f"{directory}/train.jsonl")
     evaluation.to_json(f"{directory}/test.jsonl")
 
 
-def script_case(kind: str, extra: tuple, layout: tuple, batch: int) -> None:
-    """Both scripts on ``kind`` data with ``extra`` flags, ours at ``layout``; ``batch``: rows per
-    step and replica (the plain run on one process takes the global batch)."""
-    from safetensors.torch import load_file
-    from trl.scripts import sft as plain_script
+# script: (plain module, its copy, the swapped names as plain TRL and nxd_hf spell them, the saved model's class)
+SCRIPTS = {
+    "sft": ("trl.scripts.sft", "trl_sft_script", ("SFTTrainer", "SFTConfig"), ("NxDSFTTrainer", "NxDSFTConfig"),
+            transformers.AutoModelForCausalLM),
+    "reward": ("trl.scripts.reward", "trl_reward_script", ("RewardTrainer", "RewardConfig"),
+               ("NxDRewardTrainer", "NxDRewardConfig"), transformers.AutoModelForSequenceClassification),
+}
 
-    import trl_sft_script
+
+def script_case(name: str, kind: str, extra: tuple, layout: tuple, batch: int) -> None:
+    """TRL's script ``name`` and its copy on ``kind`` data with ``extra`` flags, ours at
+    ``layout``; ``batch``: rows (or pairs) per step and replica (the plain run on one process
+    takes the global batch)."""
+    from safetensors.torch import load_file
+
     from nxd_hf import backend
+
+    plain_script, copy_script = (importlib.import_module(m) for m in SCRIPTS[name][:2])
 
     with tempfile.TemporaryDirectory() as out:
         out = shared_dir(out)
@@ -54,25 +67,25 @@ def script_case(kind: str, extra: tuple, layout: tuple, batch: int) -> None:
                  "--save_strategy", "steps", "--save_steps", str(STEPS), "--report_to", "none", "--max_length", "24",
                  "--seed", "7", "--max_grad_norm", "0.5", "--warmup_steps", "1", "--disable_tqdm", "true",
                  "--bf16", "false", *extra]
-        runs = ((plain_script, "plain", batch * dp, ()), (trl_sft_script, "nxd", batch, layout))
+        runs = ((plain_script, "plain", batch * dp, ()), (copy_script, "nxd", batch, layout))
         # Trainer.end destroys the default process group: the pool's ranks run further cases on it
         with mock.patch.object(transformers.Trainer, "end", lambda self: None):
-            for script, name, rows, parallel in runs:
-                if name == "nxd" or backend.rank() == 0:  # the plain script: one process
+            for script, run, rows, parallel in runs:
+                if run == "nxd" or backend.rank() == 0:  # the plain script: one process
                     script.main(*script.make_parser().parse_args_and_config(
-                        [*flags, "--output_dir", f"{out}/{name}", "--per_device_train_batch_size", str(rows),
+                        [*flags, "--output_dir", f"{out}/{run}", "--per_device_train_batch_size", str(rows),
                          "--per_device_eval_batch_size", str(rows), *parallel], fail_with_unknown_args=False))
                 backend.barrier()
-        case = f"trl/scripts/sft.py {kind} {extra} {layout}"
+        case = f"trl/scripts/{name}.py {kind} {extra} {layout}"
         histories = []
-        for name in ("plain", "nxd"):
-            with open(f"{out}/{name}/checkpoint-{STEPS}/trainer_state.json") as f:
+        for run in ("plain", "nxd"):
+            with open(f"{out}/{run}/checkpoint-{STEPS}/trainer_state.json") as f:
                 histories.append(json.load(f)["log_history"])
         _check_logs(*histories, case=case)
         lora = "--use_peft" in extra
         weights = "adapter_model.safetensors" if lora else "model.safetensors"
         want = load_file(f"{out}/plain/{weights}")
-        got = load_file(f"{out}/nxd/{weights}") if lora else transformers.AutoModelForCausalLM.from_pretrained(
+        got = load_file(f"{out}/nxd/{weights}") if lora else SCRIPTS[name][4].from_pretrained(
             f"{out}/nxd", dtype=torch.float32).state_dict()
         assert set(want) <= set(got), (case, sorted(set(want) - set(got)))
         for key, value in want.items():
@@ -91,35 +104,42 @@ def _check_logs(want_logs: list, got_logs: list, case: str) -> None:
                 assert got[key] == want[key], (case, key, want, got)
 
 
-def test_trl_sft_script_copy_changes_only_the_two_names():
-    from trl.scripts import sft as plain_script
-
-    import trl_sft_script
-
-    changed = [line for line in difflib.unified_diff(inspect.getsource(plain_script).splitlines(),
-                                                      inspect.getsource(trl_sft_script).splitlines(), n=0)
+@pytest.mark.parametrize("name", list(SCRIPTS))
+def test_trl_script_copy_changes_only_the_two_names(name):
+    module, copied, (trainer, config), (nxd_trainer, nxd_config), _ = SCRIPTS[name]
+    changed = [line for line in difflib.unified_diff(inspect.getsource(importlib.import_module(module)).splitlines(),
+                                                      inspect.getsource(importlib.import_module(copied)).splitlines(),
+                                                      n=0)
                if line[:1] in "+-" and line[:3] not in ("+++", "---") and line[1:].strip()]
-    assert [line for line in changed if line.startswith("-")] == [
-        "-    from trl import SFTTrainer, get_dataset, get_peft_config, get_quantization_config",
-        "-    from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, SFTConfig, TrlParser"]
-    code = [line for line in changed if line.startswith("+") and not line.lstrip("+ ").startswith(("TRL", "swapped", "that it"))]
-    assert code == ["+    from trl import get_dataset, get_peft_config, get_quantization_config",
-                    "+    from nxd_hf import NxDSFTTrainer as SFTTrainer  # nxd_hf: the one changed line (and SFTConfig's below)",
-                    "+    from trl import DatasetMixtureConfig, ModelConfig, ScriptArguments, TrlParser",
-                    "+    from nxd_hf import NxDSFTConfig as SFTConfig  # nxd_hf: the other changed line"], code
+    trl_lines = [line for line in changed if line.startswith("-")]
+    assert len(trl_lines) == 2 and f"{trainer}, " in trl_lines[0] and f", {config}, " in trl_lines[1], trl_lines
+    code = [line for line in changed if line.startswith("+")
+            and not line.lstrip("+ ").startswith(("#", "TRL", "swapped", "that it", "differs", "RewardConfig swapped"))]
+    assert code == [trl_lines[0].replace(f"{trainer}, ", "").replace("-", "+", 1),
+                    f"+    from nxd_hf import {nxd_trainer} as {trainer}  # nxd_hf: the one changed line (and "
+                    f"{config}'s below)",
+                    trl_lines[1].replace(f", {config}", "").replace("-", "+", 1),
+                    f"+    from nxd_hf import {nxd_config} as {config}  # nxd_hf: the other changed line"], code
 
 
-SCRIPT_CASES = {  # id: (data, flags of both runs, nxd_hf's layout flags, rows per step and replica)
-    "tp2-chat": ("chat", (), ("--tensor_parallel_size", "2"), 4),
-    "tp2-use-peft": ("chat", ("--use_peft", "--lora_r", "4", "--lora_alpha", "8"), ("--tensor_parallel_size", "2"), 4),
-    "tp2-packing": ("text", ("--packing",), ("--tensor_parallel_size", "2"), 2),
-    "pp2-text": ("text", (), ("--pipeline_parallel_size", "2"), 4),
-    "dp2-zero1-chat": ("chat", (), ("--zero_1", "true"), 2),
+SCRIPT_CASES = {  # id: (script, data, flags of both runs, nxd_hf's layout flags, rows per step and replica)
+    "sft-tp2-chat": ("sft", "chat", (), ("--tensor_parallel_size", "2"), 4),
+    "sft-tp2-use-peft": ("sft", "chat", ("--use_peft", "--lora_r", "4", "--lora_alpha", "8"),
+                         ("--tensor_parallel_size", "2"), 4),
+    "sft-tp2-packing": ("sft", "text", ("--packing",), ("--tensor_parallel_size", "2"), 2),
+    "sft-pp2-text": ("sft", "text", (), ("--pipeline_parallel_size", "2"), 4),
+    "sft-dp2-zero1-chat": ("sft", "chat", (), ("--zero_1", "true"), 2),
+    # AdamW's epsilon 1e-6 for the reward model: why in test_reward.py (near-zero gradients)
+    "reward-tp2": ("reward", "preferences", ("--adam_epsilon", "1e-6"), ("--tensor_parallel_size", "2"), 4),
+    "reward-tp2-use-peft": ("reward", "preferences", ("--adam_epsilon", "1e-6", "--use_peft", "--lora_r", "4",
+                                                      "--lora_alpha", "8", "--lora_task_type", "SEQ_CLS"),
+                            ("--tensor_parallel_size", "2"), 4),
+    "reward-dp2-zero1": ("reward", "preferences", ("--adam_epsilon", "1e-6"), ("--zero_1", "true"), 2),
 }
 
 
 @pytest.mark.parametrize("case", list(SCRIPT_CASES))
-def test_trl_sft_script_equals_the_plain_script(ranks2, case):
+def test_trl_script_equals_the_plain_script(ranks2, case):
     ranks2.run(script_case, *SCRIPT_CASES[case], timeout_s=600)
 
 

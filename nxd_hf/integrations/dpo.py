@@ -29,7 +29,7 @@ from nxd_hf.integrations import fused_head
 from nxd_hf.integrations.dpo_pipeline import PipelineDPOMixin, PipelinedReference, adapters_disabled
 from nxd_hf.integrations.model_path import load_named_model
 from nxd_hf.integrations.pairs import check_pairs_split, pair_rows
-from nxd_hf.integrations.subclass import ParallelTrainerMixin, combined_arguments
+from nxd_hf.integrations.subclass import ParallelTrainerMixin, combined_arguments, refuse_set_fields
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -48,9 +48,7 @@ class NxDDPOConfig(combined_arguments(DPOConfig)):
             "sequence_parallel": (self.sequence_parallel, "drop it (the preference batches are not padded to a "
                                   "multiple of tensor_parallel_size)"),
         }
-        for name, (is_set, fix) in refused.items():
-            if is_set:
-                raise ValueError(f"{name} is not supported by nxd_hf.NxDDPOTrainer: {fix}")
+        refuse_set_fields("NxDDPOTrainer", refused)
 
 
 # DPOTrainer's losses that are not a mean of per-pair terms

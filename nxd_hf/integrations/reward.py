@@ -24,7 +24,7 @@ from trl import RewardConfig, RewardTrainer
 
 from nxd_hf.integrations.model_path import load_named_model
 from nxd_hf.integrations.pairs import check_pairs_split, pair_rows
-from nxd_hf.integrations.subclass import ParallelTrainerMixin, combined_arguments
+from nxd_hf.integrations.subclass import ParallelTrainerMixin, combined_arguments, refuse_set_fields
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -43,13 +43,11 @@ class NxDRewardConfig(combined_arguments(RewardConfig)):
             "context_parallel_size": (self.context_parallel_size > 1, "use tensor and data parallelism (a reward is "
                                       "read at each row's last token)"),
         }
-        for name, (is_set, fix) in refused.items():
-            if is_set:
-                raise ValueError(f"{name} is not supported by nxd_hf.NxDRewardTrainer: {fix}")
+        refuse_set_fields("NxDRewardTrainer", refused)
 
 
 class NxDRewardTrainer(ParallelTrainerMixin, RewardTrainer):
-    """``trl.RewardTrainer`` with tensor and data parallelism (ZeRO-1, FSDP) and LoRA; ``args``:
+    """``trl.RewardTrainer`` with tensor and data parallelism (ZeRO-1) and LoRA; ``args``:
     ``NxDRewardConfig`` (module docstring)."""
 
     def __init__(self, model=None, args: NxDRewardConfig | None = None, *trainer_args, quantization_config=None,

@@ -176,6 +176,13 @@ def combined_arguments(arguments_cls: type) -> type:
     return dataclasses.dataclass(kw_only=True)(combined)
 
 
+def refuse_set_fields(trainer: str, refused: dict[str, tuple[bool, str]]) -> None:
+    """A ValueError for the first of ``refused`` (field -> (whether it is set, what to do)) that is set."""
+    for name, (is_set, fix) in refused.items():
+        if is_set:
+            raise ValueError(f"{name} is not supported by nxd_hf.{trainer}: {fix}")
+
+
 def _qualified(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 

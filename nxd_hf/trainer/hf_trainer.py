@@ -202,7 +202,7 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
         self.state.total_flos += global_flos(self.current_flos)
         self.current_flos = 0
 
-    def _nxd_replica_rows(self, batch: dict) -> dict:  # DPO's trainer keeps chosen/rejected pairs together
+    def _nxd_replica_rows(self, batch: dict) -> dict:  # the preference trainers keep chosen/rejected pairs together
         return replica_rows(batch)
 
     # -- the step

@@ -32,7 +32,8 @@ class NxDModel(nn.Module):
     count of non-ignored label tokens summed over data-parallel ranks and micro-steps — when
     accumulating; by default it is this call's count over DP ranks. ``run_train`` returns this
     call's share of the step's mean loss (micro-steps' values add up to it), the same on every
-    rank."""
+    rank. A model whose forward computes its own mean loss (BERT's heads: ``own_mean_loss``,
+    ``nxd_hf.trainer.mean_loss``) counts its labels unshifted."""
 
     def __init__(self, module: nn.Module, nxd_config: NxDConfig):
         super().__init__()

@@ -29,7 +29,7 @@ from nxd_hf.integrations import fused_head
 from nxd_hf.integrations.dpo_pipeline import PipelineDPOMixin, PipelinedReference, adapters_disabled
 from nxd_hf.integrations.model_path import load_named_model
 from nxd_hf.integrations.pairs import check_pairs_split, pair_rows
-from nxd_hf.integrations.subclass import ParallelTrainerMixin, combined_arguments, refuse_set_fields
+from nxd_hf.integrations.subclass import ParallelTrainerMixin, combined_arguments, refuse_set_fields, trl_refusals
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -39,9 +39,7 @@ class NxDDPOConfig(combined_arguments(DPOConfig)):
     def __post_init__(self):
         super().__post_init__()
         refused = {
-            "activation_offloading": (self.activation_offloading, "drop it (gradient_checkpointing checkpoints every "
-                                      "layer with nxd_hf)"),
-            "use_liger_kernel": (self.use_liger_kernel, "drop it: nxd_hf's parallel layers replace the kernels"),
+            **trl_refusals(self),
             "precompute_ref_log_probs": (self.precompute_ref_log_probs, "drop it: the reference is a frozen "
                                          "parallel copy, computed at every step"),
             "sync_ref_model": (self.sync_ref_model, "drop it (not supported with nxd_hf yet)"),

@@ -24,7 +24,7 @@ from trl import RewardConfig, RewardTrainer
 
 from nxd_hf.integrations.model_path import load_named_model
 from nxd_hf.integrations.pairs import check_pairs_split, pair_rows
-from nxd_hf.integrations.subclass import ParallelTrainerMixin, combined_arguments, refuse_set_fields
+from nxd_hf.integrations.subclass import ParallelTrainerMixin, combined_arguments, refuse_set_fields, trl_refusals
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -34,9 +34,7 @@ class NxDRewardConfig(combined_arguments(RewardConfig)):
     def __post_init__(self):
         super().__post_init__()
         refused = {
-            "activation_offloading": (self.activation_offloading, "drop it (gradient_checkpointing checkpoints every "
-                                      "layer with nxd_hf)"),
-            "use_liger_kernel": (self.use_liger_kernel, "drop it: nxd_hf's parallel layers replace the kernels"),
+            **trl_refusals(self),
             "pipeline_parallel_size": (self.pipeline_parallel_size > 1, "use tensor and data parallelism: the reward "
                                        "loss pairs each chosen row with its rejected one, which pipeline microbatches "
                                        "would separate"),

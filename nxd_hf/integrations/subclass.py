@@ -176,6 +176,15 @@ def combined_arguments(arguments_cls: type) -> type:
     return dataclasses.dataclass(kw_only=True)(combined)
 
 
+def trl_refusals(args) -> dict[str, tuple[bool, str]]:
+    """The TRL config fields no nxd_hf trainer honours, for ``refuse_set_fields``."""
+    return {
+        "activation_offloading": (args.activation_offloading, "drop it (gradient_checkpointing checkpoints every "
+                                  "layer with nxd_hf)"),
+        "use_liger_kernel": (args.use_liger_kernel, "drop it: nxd_hf's parallel layers replace the kernels"),
+    }
+
+
 def refuse_set_fields(trainer: str, refused: dict[str, tuple[bool, str]]) -> None:
     """A ValueError for the first of ``refused`` (field -> (whether it is set, what to do)) that is set."""
     for name, (is_set, fix) in refused.items():

@@ -6,9 +6,10 @@ def load_named_model(model: str, args, trainer_kwargs: dict, *, trainer: str, qu
                      architecture=None, **forced):
     """``model`` loaded with TRL's ``create_model_from_path`` (``architecture``: an auto class, else
     the one the config names) and ``args.model_init_kwargs`` (dtype float32 unless they say
-    otherwise, ``args.trust_remote_code``), then ``forced`` (RewardTrainer's ``num_labels=1``). Unlike TRL's it stays on the CPU
-    (``device_map`` None unless given): nxd_hf shards it and places each rank's part, where
-    ``device_map="auto"`` would spread every rank's whole copy over all its GPUs. Sets
+    otherwise, ``args.trust_remote_code``), then ``forced`` (RewardTrainer's ``num_labels=1``).
+    Unlike TRL's it stays on the CPU (``device_map`` None unless given): nxd_hf shards it and
+    places each rank's part, where ``device_map="auto"`` would spread every rank's whole copy over
+    all its GPUs. Sets
     ``trainer_kwargs["processing_class"]`` at the model's revision when one is given and none is."""
     from trl.trainer.utils import create_model_from_path
 

@@ -157,7 +157,8 @@ def test_a_model_by_name_loads_on_the_cpu_for_nxd_hf_to_place(monkeypatch):
     assert model.dtype == torch.bfloat16 and args.model_init_kwargs is None  # honoured, then used
     assert kwargs == {}  # no revision: SFTTrainer loads the tokenizer as for a model object
     seen = {}
-    monkeypatch.setattr(trl.trainer.utils, "create_model_from_path", lambda model_id, architecture=None, **kw: seen.update(kw))
+    monkeypatch.setattr(trl.trainer.utils, "create_model_from_path",
+                        lambda model_id, architecture=None, **kw: seen.update(kw))
     load_named_model(TINY, nxd_hf.NxDSFTConfig(output_dir="unused", report_to=[]), {}, trainer="NxDSFTTrainer")
     assert seen == {"device_map": None, "trust_remote_code": False}
     with pytest.raises(ValueError, match="quantization_config is not supported by nxd_hf's NxDSFTTrainer"):

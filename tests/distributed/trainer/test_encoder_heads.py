@@ -2,7 +2,8 @@
 process (losses and grad norms every step, final weights): BertForMaskedLM as run_mlm.py trains
 it, DataCollatorForLanguageModeling masking a random 30% of the tokens (a different number in
 every row), and BertForTokenClassification as run_ner.py does, on rows of different lengths
-padded by DataCollatorForTokenClassification. BERT's forward computes its loss inline
+padded by DataCollatorForTokenClassification (also with LoRA, ``task_type="TOKEN_CLS"``, whose
+head peft trains too). BERT's forward computes its loss inline
 (``CrossEntropyLoss()``, the mean over its own labels), so at dp>1 each replica's loss is
 weighted by its share of the labels (``nxd_hf.trainer.mean_loss``); before, the replicas' means
 were averaged (the masked LM's step-1 loss off by 3e-5 relative, growing after)."""
@@ -39,7 +40,15 @@ def _tagged_rows(n: int, seed: int = 4) -> list[dict]:
              "labels": torch.randint(0, 3, (4 + i % 7,), generator=g).tolist()} for i in range(n)]
 
 
-def _run(out_dir: str, *, batch: int, samples: int = 24, accumulate: int = 1, tagging: bool = False, **layout):
+def _lora():
+    import peft
+
+    return peft.LoraConfig(task_type="TOKEN_CLS", r=4, lora_alpha=8, target_modules=["query", "value"],
+                           lora_dropout=0.0)
+
+
+def _run(out_dir: str, *, batch: int, samples: int = 24, accumulate: int = 1, tagging: bool = False,
+         lora: bool = False, **layout):
     parallel_state.destroy_model_parallel()
     tokenizer = _tokenizer(out_dir)
     if tagging:
@@ -52,13 +61,19 @@ def _run(out_dir: str, *, batch: int, samples: int = 24, accumulate: int = 1, ta
         data = _rows(samples)
     dp = torch.distributed.get_world_size() // layout.get("tensor_parallel_size", 1)
     common = {**COMMON, "gradient_accumulation_steps": accumulate}
+    if lora:  # peft's token-classification model also trains the head (modules_to_save)
+        import peft
+
+        torch.manual_seed(11)
+        reference = peft.get_peft_model(reference, _lora())
     ref = transformers.Trainer(reference, one_process_reference_args(
         output_dir=f"{out_dir}/ref", per_device_train_batch_size=batch * dp, **common),
         train_dataset=data, data_collator=collator)
     ref.train()
+    torch.manual_seed(11)
     ours = nxd_hf.NxDTrainer(model, nxd_hf.NxDTrainingArguments(
         output_dir=f"{out_dir}/nxd", per_device_train_batch_size=batch, **common, **layout),
-        train_dataset=data, data_collator=collator)
+        train_dataset=data, data_collator=collator, peft_config=_lora() if lora else None)
     ours.train()
     return ref, ours
 
@@ -84,7 +99,8 @@ def encoder_head_cases() -> None:
                            # 5 samples, global batch 4: the batch of 1 leaves a replica a stand-in row
                            ("masked LM dp2 short last batch", dict(batch=2, samples=5)),
                            ("token classification dp2 accumulate2", dict(batch=2, accumulate=2, tagging=True)),
-                           ("token classification tp2", dict(batch=4, tensor_parallel_size=2, tagging=True))):
+                           ("token classification tp2", dict(batch=4, tensor_parallel_size=2, tagging=True)),
+                           ("token classification LoRA dp2", dict(batch=2, tagging=True, lora=True))):
             ref, ours = _run(out_dir, **case)
             _check_training(ref, ours, name)
             assert ours.nxd_model.own_mean_loss

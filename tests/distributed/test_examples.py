@@ -171,6 +171,9 @@ COVERED = {  # docstring command (as written, comment dropped) -> the test that 
     "torchrun --nproc_per_node 2 examples/dpo_trl.py --tensor_parallel_size 2 --lora": "test_dpo.py",
     "torchrun --nproc_per_node 2 examples/dpo_trl.py --tensor_parallel_size 2": "test_dpo.py",
     "torchrun --nproc_per_node 2 examples/dpo_trl.py --zero_1 true": "test_dpo.py",
+    # the LoRA command: test_reward.py runs the script; the other layout: its parity cases
+    "torchrun --nproc_per_node 2 examples/reward_trl.py --tensor_parallel_size 2 --lora": "test_reward.py",
+    "torchrun --nproc_per_node 2 examples/reward_trl.py --zero_1 true": "test_reward.py",
     "torchrun --nproc_per_node 2 examples/lightning_causal_lm.py --tp 2": "test_lightning.py (under torchrun)",
     "torchrun --nproc_per_node 2 examples/lightning_causal_lm.py --zero1 --resume lightning_out/last.ckpt":
         "test_lightning.py (under torchrun)",
@@ -187,6 +190,7 @@ CAPPED = {  # script -> what is appended to each of its commands: a few steps, o
     "make_tiny_model.py": [],  # [--out DIR] is given: the default would rewrite the bundled model
     "nnscaler_example.py": ["--steps", "4", "--gen_savedir", "{out}"],
     "parallelize_causal_lm.py": ["--steps", "4"],
+    "reward_trl.py": ["--max_steps", "4", "--output_dir", "{out}"],
     "sft_trl.py": ["--max_steps", "4", "--output_dir", "{out}"],
     "train_with_config_api.py": ["--steps", "4"],
 }

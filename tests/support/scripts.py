@@ -16,16 +16,17 @@ def _script_on_rank(script: str, args: list[str]) -> str:
     """``script`` as ``torchrun`` would start it on this rank (the pool's ranks have torchrun's
     environment: RANK, WORLD_SIZE, MASTER_ADDR...), from the repository root; the script's closing
     ``destroy_process_group`` is skipped, as the pool keeps its group. Returns what it printed."""
-    out, cwd, argv = io.StringIO(), os.getcwd(), sys.argv
+    out, cwd, argv, path = io.StringIO(), os.getcwd(), sys.argv, list(sys.path)
     try:
         os.chdir(REPO)
         sys.argv = [script, *args]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as python puts the script's folder first
         with mock.patch("torch.distributed.destroy_process_group"), contextlib.redirect_stdout(out), \
                 contextlib.redirect_stderr(io.StringIO()):
             runpy.run_path(script, run_name="__main__")
     finally:
         os.chdir(cwd)
-        sys.argv = argv
+        sys.argv, sys.path[:] = argv, path
     return out.getvalue()
 
 

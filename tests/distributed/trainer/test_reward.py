@@ -154,3 +154,24 @@ def check_refusals(out: str) -> None:
 
 def test_reward_trainer_refusals(ranks2, tmp_path):
     ranks2.run(check_refusals, str(tmp_path))
+
+
+def test_example_reward_trl(rank_pools, tmp_path):
+    """examples/reward_trl.py (capped) at tp=2 with LoRA, as torchrun starts it (on the pool's
+    ranks): the loss falls, and the adapter it saves, with the trained head, loads in plain peft
+    (the example's other layout: the parity cases above)."""
+    import json
+
+    import peft
+
+    from support.scripts import run_on_ranks
+
+    out = run_on_ranks(rank_pools, "examples/reward_trl.py", 2, "--tensor_parallel_size", "2", "--lora",
+                       "--max_steps", "12", "--logging_steps", "4", "--output_dir", str(tmp_path))
+    assert "accuracy" in out, out[-3000:]
+    with open(tmp_path / "trainer_state.json") as f:
+        losses = [h["loss"] for h in json.load(f)["log_history"] if "loss" in h]
+    assert len(losses) == 3 and losses[-1] < losses[0], losses
+    base = transformers.AutoModelForSequenceClassification.from_pretrained(TINY, num_labels=1)
+    plain = peft.PeftModel.from_pretrained(base, str(tmp_path / "final"))
+    assert any("score.modules_to_save" in n for n, _ in plain.named_parameters())

@@ -60,6 +60,22 @@ def global_eval_batch(trainer):
         args.per_device_eval_batch_size, trainer._nxd_eval_batch_scaled = per_replica, False
 
 
+def warn_single_packed_rows(trainer, batch: dict) -> None:
+    """Once per trainer: a training batch packed into one row (``DataCollatorWithFlattening``, a
+    padding-free collator: ``position_ids`` restart per sequence) cannot be split over the
+    data-parallel replicas, so all but one train on a stand-in row (exact, but their work is lost)."""
+    replicas = parallel_state.get_data_parallel_replicas()
+    ids = batch.get("input_ids")
+    if replicas == 1 or getattr(trainer, "_nxd_warned_packed", False) or "position_ids" not in batch \
+            or not torch.is_tensor(ids) or ids.dim() < 2 or ids.shape[0] != 1:
+        return
+    trainer._nxd_warned_packed = True
+    backend.warn_once(f"the training batches are single packed rows (a flattening collator such as "
+                      f"DataCollatorWithFlattening): the {replicas} data-parallel replicas cannot split them, so all "
+                      "but one train on a stand-in row each step. Give the ranks to tensor_parallel_size or "
+                      "context_parallel_size, or use a collator that keeps the rows (padding)")
+
+
 def check_dataset_size(dataset, name: str) -> None:
     """Every data-parallel replica needs a sample (the same check on every rank: same dataset)."""
     dp_size = parallel_state.get_data_parallel_replicas()

@@ -40,7 +40,7 @@ from nxd_hf.trainer.composition import check_composition
 from nxd_hf.trainer.flops import global_flos, logical_non_embedding_parameters
 from nxd_hf.trainer.batches import (
     FILLER_ROWS, ROW_WEIGHT, check_dataset_size, data_parallel_mean, global_eval_batch, pad_rows, pipeline_inputs,
-    replica_rows,
+    replica_rows, warn_single_packed_rows,
 )
 from nxd_hf.trainer.given_model import check_layout, is_parallel, place_model, resolve_auto_sizes
 from nxd_hf.trainer.hf_checkpoints import CheckpointHooks
@@ -182,6 +182,7 @@ class NxDTrainer(CheckpointHooks, transformers.Trainer):
         batches, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
         for batch in batches:
             super()._track_num_input_tokens(batch)
+            warn_single_packed_rows(self, batch)
         return [self._nxd_replica_rows(batch) for batch in batches], num_items_in_batch
 
     def _track_num_input_tokens(self, inputs):

@@ -318,3 +318,39 @@ def test_a_true_warning_once_from_rank_0_and_no_false_one(ranks2, tmp_path):
     assert bool(pin) != torch.accelerator.is_available(), rank0["warnings"]  # per DataLoader iterator under "always"
     assert len([m for m in rank0["warnings"] if "nothing to shard" in m]) == 1, rank0["warnings"]
     assert not [m for m in rank0["warnings"] if "ignored" in m], rank0["warnings"]
+
+
+def check_packed_rows(out_dir: str) -> dict:
+    """DataCollatorWithFlattening's one packed row per batch, at tp=2 and at dp=2 (where the second
+    replica can only train on a stand-in row): Trainer's training, and this rank's warnings."""
+    from test_nxd_trainer import COMMON as TRAINER_COMMON, _check_training, one_process_reference_args
+
+    g = torch.Generator().manual_seed(3)
+    rows = []
+    for i in range(24):
+        ids = torch.randint(0, hf_parity.VOCAB, (4 + i % 7,), generator=g).tolist()
+        rows.append({"input_ids": ids, "labels": list(ids)})
+    collator = transformers.DataCollatorWithFlattening()
+    caught_all = []
+    for layout in (dict(tensor_parallel_size=2), dict()):
+        parallel_state.destroy_model_parallel()
+        reference, model = hf_parity.build_pair("llama")
+        dp = 2 // layout.get("tensor_parallel_size", 1)
+        ref = transformers.Trainer(reference, one_process_reference_args(
+            output_dir=f"{out_dir}/ref", per_device_train_batch_size=4 * dp, **TRAINER_COMMON),
+            train_dataset=rows, data_collator=collator)
+        ref.train()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ours = nxd_hf.NxDTrainer(model, nxd_hf.NxDTrainingArguments(
+                output_dir=f"{out_dir}/nxd", per_device_train_batch_size=4, **TRAINER_COMMON, **layout),
+                train_dataset=rows, data_collator=collator)
+            ours.train()
+        _check_training(ref, ours, f"packed rows {layout}")
+        caught_all.append([str(w.message) for w in caught if "single packed rows" in str(w.message)])
+    return caught_all
+
+
+def test_packed_rows_train_as_under_trainer_and_warn_at_dp2(ranks2, tmp_path):
+    rank0, rank1 = ranks2.run(check_packed_rows, str(tmp_path))
+    assert rank0[0] == [] and len(rank0[1]) == 1 and rank1 == [[], []], (rank0, rank1)  # tp=2: no warning

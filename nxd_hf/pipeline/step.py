@@ -15,6 +15,7 @@ would under ``transformers.Trainer``).
 """
 
 import contextlib
+import inspect
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -129,9 +130,12 @@ class StepRunner:
         if self.pooled:
             return pooled_loss_share(original, output, labels, self.num_items)
         if self.model.is_hf:  # the model's own loss (vocab-parallel under TP) on the logits
-            shifted = {} if self.split is None else {"shift_labels": labels}  # CP shifted them before the split
-            return original.loss_function(logits=output, labels=labels, vocab_size=original.config.vocab_size,
-                                          num_items_in_batch=self.num_items, **shifted)
+            extra = {} if self.split is None else {"shift_labels": labels}  # CP shifted them before the split
+            loss_function = original.loss_function
+            if "config" in inspect.signature(loss_function).parameters:  # HF's token classification: num_labels
+                extra["config"] = original.config
+            return loss_function(logits=output, labels=labels, vocab_size=original.config.vocab_size,
+                                 num_items_in_batch=self.num_items, **extra)
         # a plain module returns its loss (picked by output_loss_value_spec), a microbatch mean
         return _select_loss(output, self.model.output_loss_value_spec) / self.model.num_microbatches
 

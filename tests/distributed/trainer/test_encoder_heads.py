@@ -3,7 +3,7 @@ process (losses and grad norms every step, final weights): BertForMaskedLM as ru
 it, DataCollatorForLanguageModeling masking a random 30% of the tokens (a different number in
 every row), and BertForTokenClassification as run_ner.py does, on rows of different lengths
 padded by DataCollatorForTokenClassification (also with LoRA, ``task_type="TOKEN_CLS"``, whose
-head peft trains too). BERT's forward computes its loss inline
+head peft trains too), at tp=2, dp=2 and pp=2. BERT's forward computes its loss inline
 (``CrossEntropyLoss()``, the mean over its own labels), so at dp>1 each replica's loss is
 weighted by its share of the labels (``nxd_hf.trainer.mean_loss``); before, the replicas' means
 were averaged (the masked LM's step-1 loss off by 3e-5 relative, growing after)."""
@@ -59,7 +59,7 @@ def _run(out_dir: str, *, batch: int, samples: int = 24, accumulate: int = 1, ta
         reference, model = hf_parity.build_pair("bert")
         collator = transformers.DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.3)
         data = _rows(samples)
-    dp = torch.distributed.get_world_size() // layout.get("tensor_parallel_size", 1)
+    dp = torch.distributed.get_world_size() // (layout.get("tensor_parallel_size", 1) * layout.get("pipeline_parallel_size", 1))
     common = {**COMMON, "gradient_accumulation_steps": accumulate}
     if lora:  # peft's token-classification model also trains the head (modules_to_save)
         import peft
@@ -100,10 +100,14 @@ def encoder_head_cases() -> None:
                            ("masked LM dp2 short last batch", dict(batch=2, samples=5)),
                            ("token classification dp2 accumulate2", dict(batch=2, accumulate=2, tagging=True)),
                            ("token classification tp2", dict(batch=4, tensor_parallel_size=2, tagging=True)),
-                           ("token classification LoRA dp2", dict(batch=2, tagging=True, lora=True))):
+                           ("token classification LoRA dp2", dict(batch=2, tagging=True, lora=True)),
+                           # the last stage applies HF's loss_function (ForMaskedLM, ForTokenClassification)
+                           ("masked LM pp2", dict(batch=4, pipeline_parallel_size=2, num_microbatches=2)),
+                           ("token classification pp2", dict(batch=4, pipeline_parallel_size=2, num_microbatches=2,
+                                                             tagging=True))):
             ref, ours = _run(out_dir, **case)
             _check_training(ref, ours, name)
-            assert ours.nxd_model.own_mean_loss
+            assert ours.nxd_model.own_mean_loss != ours.nxd_model.pipelined
     check_run_train_weights_the_replicas()
 
 

@@ -3,7 +3,8 @@ process (losses and grad norms every step, final weights): BertForMaskedLM as ru
 it, DataCollatorForLanguageModeling masking a random 30% of the tokens (a different number in
 every row), and BertForTokenClassification as run_ner.py does, on rows of different lengths
 padded by DataCollatorForTokenClassification (also with LoRA, ``task_type="TOKEN_CLS"``, whose
-head peft trains too), at tp=2, dp=2 and pp=2. BERT's forward computes its loss inline
+head peft trains too), at tp=2, dp=2 and pp=2, and BertForQuestionAnswering on answer spans (as
+run_qa.py's features) at tp=2 and dp=2. BERT's forward computes its loss inline
 (``CrossEntropyLoss()``, the mean over its own labels), so at dp>1 each replica's loss is
 weighted by its share of the labels (``nxd_hf.trainer.mean_loss``); before, the replicas' means
 were averaged (the masked LM's step-1 loss off by 3e-5 relative, growing after)."""
@@ -47,11 +48,26 @@ def _lora():
                            lora_dropout=0.0)
 
 
+def _spans(n: int, seed: int = 5) -> list[dict]:
+    """Rows of 12 tokens with an answer span (start, end), as run_qa.py's features."""
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(5, hf_parity.VOCAB, (12,), generator=g), "start_positions": torch.tensor(i % 5),
+             "end_positions": torch.tensor(5 + i % 6)} for i in range(n)]
+
+
 def _run(out_dir: str, *, batch: int, samples: int = 24, accumulate: int = 1, tagging: bool = False,
-         lora: bool = False, **layout):
+         lora: bool = False, spans: bool = False, **layout):
     parallel_state.destroy_model_parallel()
     tokenizer = _tokenizer(out_dir)
-    if tagging:
+    common = {**COMMON, "gradient_accumulation_steps": accumulate}
+    if spans:
+        reference, model = hf_parity.build_pair("bert", task_model_cls=transformers.BertForQuestionAnswering,
+                                                num_labels=2)
+        collator, data = transformers.default_data_collator, _spans(samples)
+        # the start/end logits' bias has a zero gradient in exact arithmetic (a softmax over the
+        # positions): AdamW at eps 1e-8 turns its rounding into whole updates on either side
+        common["adam_epsilon"] = 1e-6
+    elif tagging:
         reference, model = hf_parity.build_pair("bert", task_model_cls=transformers.BertForTokenClassification,
                                                 num_labels=3)
         collator, data = transformers.DataCollatorForTokenClassification(tokenizer), _tagged_rows(samples)
@@ -59,8 +75,8 @@ def _run(out_dir: str, *, batch: int, samples: int = 24, accumulate: int = 1, ta
         reference, model = hf_parity.build_pair("bert")
         collator = transformers.DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.3)
         data = _rows(samples)
-    dp = torch.distributed.get_world_size() // (layout.get("tensor_parallel_size", 1) * layout.get("pipeline_parallel_size", 1))
-    common = {**COMMON, "gradient_accumulation_steps": accumulate}
+    model_parallel = layout.get("tensor_parallel_size", 1) * layout.get("pipeline_parallel_size", 1)
+    dp = torch.distributed.get_world_size() // model_parallel
     if lora:  # peft's token-classification model also trains the head (modules_to_save)
         import peft
 
@@ -104,10 +120,13 @@ def encoder_head_cases() -> None:
                            # the last stage applies HF's loss_function (ForMaskedLM, ForTokenClassification)
                            ("masked LM pp2", dict(batch=4, pipeline_parallel_size=2, num_microbatches=2)),
                            ("token classification pp2", dict(batch=4, pipeline_parallel_size=2, num_microbatches=2,
-                                                             tagging=True))):
+                                                             tagging=True)),
+                           # no labels: start/end positions, a per-row mean weighted by the replica's rows
+                           ("question answering tp2", dict(batch=4, tensor_parallel_size=2, spans=True)),
+                           ("question answering dp2 accumulate2", dict(batch=2, accumulate=2, spans=True))):
             ref, ours = _run(out_dir, **case)
             _check_training(ref, ours, name)
-            assert ours.nxd_model.own_mean_loss != ours.nxd_model.pipelined
+            assert ours.nxd_model.own_mean_loss != ours.nxd_model.pipelined, name
     check_run_train_weights_the_replicas()
 
 
@@ -118,5 +137,6 @@ def test_masked_lm_and_token_classification_match_trainer(ranks2):
 def test_which_forwards_compute_their_own_mean_loss():
     from nxd_hf.trainer.mean_loss import computes_own_mean_loss
 
-    assert computes_own_mean_loss(transformers.BertForMaskedLM(transformers.BertConfig(**hf_parity.ENCODER_TINY["bert"][2])))
+    config = transformers.BertConfig(**hf_parity.ENCODER_TINY["bert"][2])
+    assert computes_own_mean_loss(transformers.BertForMaskedLM(config))
     assert not computes_own_mean_loss(hf_parity.build_pair("llama")[1])  # through loss_function: num_items_in_batch

@@ -110,6 +110,7 @@ class StepRunner:
         # sequence classification: the graph ends in pooled logits [b, num_labels], the loss counts rows
         self.pooled = pp_model.is_hf and takes_pooled_logits(pp_model.hf_model)
         self.split = StepSplit(pp_model.hf_model, pp_model.num_microbatches) if pp_model.cp_size > 1 else None
+        self._config_taker = (None, False)  # (loss_function, whether it takes the config), read once per function
 
     def _stage_rng(self):
         """A context for each pass of the step: this stage's stream (one draw of the default
@@ -132,7 +133,9 @@ class StepRunner:
         if self.model.is_hf:  # the model's own loss (vocab-parallel under TP) on the logits
             extra = {} if self.split is None else {"shift_labels": labels}  # CP shifted them before the split
             loss_function = original.loss_function
-            if "config" in inspect.signature(loss_function).parameters:  # HF's token classification: num_labels
+            if self._config_taker[0] is not loss_function:  # trainers may install theirs after the setup
+                self._config_taker = (loss_function, "config" in inspect.signature(loss_function).parameters)
+            if self._config_taker[1]:  # HF's token classification reads num_labels
                 extra["config"] = original.config
             return loss_function(logits=output, labels=labels, vocab_size=original.config.vocab_size,
                                  num_items_in_batch=self.num_items, **extra)

@@ -272,9 +272,8 @@ def check_tied_embeddings_world4() -> None:
                                                   num_microbatches=2)),
                                    ("gpt2", dict(tensor_parallel_size=4)),
                                    ("qwen2", dict(tensor_parallel_size=2, zero_1=True))):
-            ref, ours = _run_case(out_dir, batch=4 // (4 // layout["tensor_parallel_size"]
-                                                       // layout.get("pipeline_parallel_size", 1)),
-                                  model_type=model_type, **layout)
+            dp = 4 // (layout["tensor_parallel_size"] * layout.get("pipeline_parallel_size", 1))
+            ref, ours = _run_case(out_dir, batch=4 // dp, model_type=model_type, **layout)  # global batch 4
             _check_training(ref, ours, f"{model_type} {layout}")
 
 

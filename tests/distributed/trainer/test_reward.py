@@ -30,9 +30,7 @@ def _common(**overrides) -> dict:
     # per row, so many gradients are near zero, where Adam's first steps (g / (|g| + eps)) turn
     # fp32 rounding into whole updates; at torch's 1e-8 the tp=2 weights after 4 steps differed
     # by up to 6e-5 (also 8e-6 at dp=2, tp=1), at 1e-6 by 1.3e-6
-    fields = {"adam_epsilon": 1e-6, **trl_args.common(**overrides)}
-    fields.pop("dataset_num_proc")
-    return fields
+    return {"adam_epsilon": 1e-6, **trl_args.common(**overrides)}
 
 
 def _data(margin: bool):

@@ -18,6 +18,8 @@ from pytorch_lightning.utilities.rank_zero import rank_zero_only
 from nxd_hf import backend, parallel_state
 from nxd_hf.checkpoint import load_checkpoint, save_checkpoint, store
 from nxd_hf.lightning.callbacks import NeuronTensorBoardLogger
+from nxd_hf.lightning.module import NeuronLTModule
+from nxd_hf.lightning.plain_module import PlainModuleParallel, clip_by_global_norm
 from nxd_hf.parallel_sizes import ParallelSizes
 
 LIGHTNING_STATE = "lightning_state.pt"
@@ -65,7 +67,9 @@ class ProcessGroupEnvironment(ClusterEnvironment):
 
 class NxDStrategy(ParallelStrategy):
     """``tensor_parallel_size``/``pipeline_parallel_size`` are read from ``nxd_config`` when it is
-    given. ``save_load_xser`` is accepted for NxD's signature; nxd_hf always writes safetensors."""
+    given. ``save_load_xser`` is accepted for NxD's signature; nxd_hf always writes safetensors.
+    Besides NxD's ``NeuronLTModule``, a LightningModule of one's own trains here too (not in NxD):
+    its Hugging Face models are parallelized before ``configure_optimizers`` (``plain_module``)."""
 
     strategy_name = "nxd"
 
@@ -80,6 +84,8 @@ class NxDStrategy(ParallelStrategy):
         ParallelSizes.check_sizes(tp=tensor_parallel_size, pp=pipeline_parallel_size)
         self.nxd_config = nxd_config
         self.tensor_parallel_size, self.pipeline_parallel_size = tensor_parallel_size, pipeline_parallel_size
+        self.plain: PlainModuleParallel | None = None
+        """Set up for a LightningModule of the user's own (None for a NeuronLTModule)."""
 
     @property
     def is_distributed(self) -> bool:
@@ -126,8 +132,38 @@ class NxDStrategy(ParallelStrategy):
                     logger.log_rank0 = module.log_rank0
         super().setup_environment()
 
+    def _setup_model(self, model):
+        """After ``configure_model``, before ``configure_optimizers``: a NeuronLTModule's model is
+        nxd_hf's already; a module of the user's own gets its Hugging Face models parallelized."""
+        if not isinstance(model, NeuronLTModule) and self.plain is None:
+            if self.nxd_config is not None:
+                raise ValueError(
+                    f"NxDStrategy(nxd_config) with {type(model).__name__}, a LightningModule of its own: nxd_config "
+                    "describes the model and optimizer that NeuronLTModule builds. Pass the sizes instead, "
+                    "NxDStrategy(tensor_parallel_size=...), or build the module as a NeuronLTModule")
+            self.plain = PlainModuleParallel(model, tensor_parallel_size=self.tensor_parallel_size,
+                                             pipeline_parallel_size=self.pipeline_parallel_size)
+            model.to(self.root_device)  # parallelize placed its models; the module's own layers follow
+        return model
+
+    def setup_precision_plugin(self) -> None:
+        super().setup_precision_plugin()
+        # gradient_clip_val (by norm): the norm of the whole model, not of this rank's shards, under
+        # whichever precision plugin Lightning chose
+        self.precision_plugin.clip_grad_by_norm = clip_by_global_norm
+
+    @contextlib.contextmanager
+    def block_backward_sync(self):
+        """Lightning's accumulation micro-steps: no data-parallel mean, as DDP's ``no_sync``."""
+        with self.plain.no_sync() if self.plain is not None else contextlib.nullcontext():
+            yield
+
+    def post_backward(self, closure_loss) -> None:
+        if self.plain is not None:
+            self.plain.after_backward()
+
     def model_to_device(self) -> None:
-        pass  # initialize_parallel_model placed it
+        pass  # initialize_parallel_model or parallelize placed it
 
     def tensor_init_context(self, empty_init=None):
         return contextlib.nullcontext()  # initialize_parallel_model decides where parameters are built
@@ -173,15 +209,22 @@ class NxDStrategy(ParallelStrategy):
             raise ValueError("NxDStrategy.save_checkpoint: storage_options are not supported")
         rest = dict(checkpoint)  # its state_dict and optimizer_states are empty: nxd_hf writes those
         path, tag = os.path.split(os.path.abspath(os.fspath(filepath)))
-        module = self.lightning_module
-        save_checkpoint(path, tag, model=module.model, optimizer=_nxd_optimizer(self.optimizers),
+        optimizer = _nxd_optimizer(self.optimizers)
+        save_checkpoint(path, tag, model=self._checkpoint_model(optimizer), optimizer=optimizer,
                         side_files=lambda directory: torch.save(rest, os.path.join(directory, LIGHTNING_STATE)))
 
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
         path, tag = os.path.split(os.path.abspath(os.fspath(checkpoint_path)))
-        load_checkpoint(path, tag, model=self.lightning_module.model, optimizer=_nxd_optimizer(self.optimizers))
+        optimizer = _nxd_optimizer(self.optimizers)
+        load_checkpoint(path, tag, model=self._checkpoint_model(optimizer), optimizer=optimizer)
         # our own file, written by rank 0 of a job of this project: Lightning's loops hold plain objects
         return torch.load(os.path.join(path, tag, LIGHTNING_STATE), weights_only=False)
+
+    def _checkpoint_model(self, optimizer):
+        module = self.lightning_module
+        if self.plain is None:
+            return module.model
+        return self.plain.checkpoint_model(type(module).__name__, optimizer)
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
         pass  # load_checkpoint filled the model

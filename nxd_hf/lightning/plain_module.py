@@ -15,6 +15,7 @@ over every shard), not this rank's shards."""
 import contextlib
 
 import torch
+import torchmetrics
 from torch import nn
 
 from nxd_hf import parallel_state
@@ -119,3 +120,12 @@ def clip_by_global_norm(optimizer, clip_val: float) -> torch.Tensor:
     """Lightning's ``gradient_clip_val`` (by norm) over the whole model: every TP shard, each
     replicated tensor once."""
     return clip_grad_norm([p for group in optimizer.param_groups for p in group["params"]], clip_val)
+
+
+def sync_metrics_over_data_parallel(module: nn.Module) -> None:
+    """torchmetrics' metrics sync over the whole world by default, where the ranks of a TP group
+    (and of a pipeline stage's peers) saw the same rows: a sum counted them tp times. Over data
+    parallelism, each replica's rows count once; a metric given its own process group keeps it."""
+    for metric in module.modules():
+        if isinstance(metric, torchmetrics.Metric) and metric.process_group is None:
+            metric.process_group = parallel_state.get_data_parallel_group()

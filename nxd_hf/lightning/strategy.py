@@ -19,7 +19,7 @@ from nxd_hf import backend, parallel_state
 from nxd_hf.checkpoint import load_checkpoint, save_checkpoint, store
 from nxd_hf.lightning.callbacks import NeuronTensorBoardLogger
 from nxd_hf.lightning.module import NeuronLTModule
-from nxd_hf.lightning.plain_module import PlainModuleParallel, clip_by_global_norm
+from nxd_hf.lightning.plain_module import PlainModuleParallel, clip_by_global_norm, sync_metrics_over_data_parallel
 from nxd_hf.parallel_sizes import ParallelSizes
 
 LIGHTNING_STATE = "lightning_state.pt"
@@ -135,6 +135,7 @@ class NxDStrategy(ParallelStrategy):
     def _setup_model(self, model):
         """After ``configure_model``, before ``configure_optimizers``: a NeuronLTModule's model is
         nxd_hf's already; a module of the user's own gets its Hugging Face models parallelized."""
+        sync_metrics_over_data_parallel(model)
         if not isinstance(model, NeuronLTModule) and self.plain is None:
             if self.nxd_config is not None:
                 raise ValueError(

@@ -14,6 +14,7 @@ import os
 import pytest
 import pytorch_lightning as pl
 import torch
+import torchmetrics
 import transformers
 from torch import nn
 
@@ -59,6 +60,7 @@ class SequenceClassifier(pl.LightningModule):
         super().__init__()
         self.save_hyperparameters(ignore=["model"])
         self.model = model
+        self.val_rows = torchmetrics.SumMetric()  # synced by torchmetrics itself: the rows of every replica once
 
     def forward(self, **inputs):
         return self.model(**inputs)
@@ -72,6 +74,8 @@ class SequenceClassifier(pl.LightningModule):
         val_loss, logits = self(**batch)[:2]
         self.log("val_loss", val_loss, sync_dist=True)
         self.log("val_acc", (logits.argmax(-1) == batch["labels"]).float().mean(), sync_dist=True)
+        self.val_rows.update(len(batch["labels"]))
+        self.log("val_rows", self.val_rows, on_step=False, on_epoch=True)
 
     def configure_optimizers(self):
         no_decay = ["bias", "LayerNorm.weight"]
@@ -136,7 +140,8 @@ class Losses(pl.Callback):
         self.train.append(float(trainer.callback_metrics["loss"]))
 
     def on_validation_end(self, trainer, pl_module):
-        self.vals.append((float(trainer.callback_metrics["val_loss"]), float(trainer.callback_metrics["val_acc"])))
+        metrics = trainer.callback_metrics
+        self.vals.append((float(metrics["val_loss"]), float(metrics["val_acc"]), float(metrics["val_rows"])))
 
 
 def _fit(out: str, module, strategy, dp: int, epochs: int = EPOCHS, ckpt_path=None, n_train: int = N_TRAIN,
@@ -152,6 +157,7 @@ def _fit(out: str, module, strategy, dp: int, epochs: int = EPOCHS, ckpt_path=No
 
 def _reference(out: str, module_cls=SequenceClassifier, **kwargs):
     module = module_cls(_bert())
+    module.val_rows = torchmetrics.SumMetric(sync_on_compute=False)  # a process of its own, not the test's world
     _, losses = _fit(os.path.join(out, f"ref{backend.rank()}"), module, None, 0, **kwargs)
     return losses, {k: v.detach().clone() for k, v in module.state_dict().items()}
 
@@ -186,6 +192,19 @@ class StopAfterFirstEpoch(pl.Callback):
 
     def on_train_epoch_end(self, trainer, pl_module):
         trainer.should_stop = True
+
+
+def check_bf16_mixed(out: str) -> None:
+    """Lightning's precision="bf16-mixed" (its own plugin, autocast) at tp=2, clipping by the whole
+    norm under it: bf16 matmuls, so the losses agree to bf16's precision."""
+    out = _shared(out)
+    parallel_state.destroy_model_parallel()
+    ref_losses, _ = _reference(out, precision="bf16-mixed")
+    fp32_losses, _ = _reference(os.path.join(out, "fp32"))
+    _, losses = _fit(os.path.join(out, "nxd"), SequenceClassifier(_bert()), NxDStrategy(tensor_parallel_size=2), 1,
+                     precision="bf16-mixed")
+    torch.testing.assert_close(torch.tensor(losses.train), torch.tensor(ref_losses.train), rtol=1e-2, atol=1e-2)
+    assert losses.train != fp32_losses.train  # autocast was on
 
 
 def check_resume_resharded(out: str) -> None:
@@ -252,6 +271,10 @@ def check_refusals(out: str) -> None:
     ids=["tp2", "dp2", "dp2-accumulate", "tp2-own-head", "dp2-own-head-accumulate", "tp2-lora-in-configure_model"])
 def test_plain_lightning_module(ranks2, tmp_path, tp, module_cls, accumulate):
     ranks2.run(check_plain_module, str(tmp_path), tp, module_cls, accumulate)
+
+
+def test_plain_lightning_module_bf16_mixed(ranks2, tmp_path):
+    ranks2.run(check_bf16_mixed, str(tmp_path))
 
 
 def test_plain_lightning_module_resumes_resharded(ranks2, tmp_path):

@@ -19,6 +19,7 @@ import torchmetrics
 from torch import nn
 
 from nxd_hf import parallel_state
+from nxd_hf.checkpoint.optim_state import MASTER, set_torch_state, tensor_state
 from nxd_hf.model_state import state_of
 from nxd_hf.parallel_layers.grads import clip_grad_norm, data_parallel_mean
 from nxd_hf.parallelize import parallelize
@@ -98,22 +99,75 @@ class PlainModuleParallel:
         data_parallel_mean(params, [p.grad for p in params])
 
     def checkpoint_model(self, module_name: str, optimizer) -> nn.Module:
-        """The one Hugging Face model a checkpoint holds, with every parameter ``optimizer`` trains."""
+        """The one Hugging Face model a checkpoint holds; the rest of the module is ``outside_state``'s."""
         if len(self.models) != 1:
             raise ValueError(
                 f"NxDStrategy.save_checkpoint: {module_name} holds {len(self.models)} Hugging Face models "
                 f"({', '.join(self.models) or 'none'}): a checkpoint holds one. Save each model with "
                 "nxd_hf.save_checkpoint yourself, or keep one model in the module")
         (attr, model), = self.models.items()
-        inside = {id(p) for p in model.parameters()}
-        outside = [p for group in (optimizer.param_groups if optimizer is not None else ()) for p in group["params"]
-                   if id(p) not in inside]
-        if outside or self.extra_params:
+        known = {id(p) for p in model.parameters()} | {id(p) for p in self.extra_params}
+        if optimizer is not None and any(id(p) not in known for g in optimizer.param_groups for p in g["params"]):
             raise ValueError(
-                f"NxDStrategy.save_checkpoint: {module_name} trains parameters outside {attr} (its Hugging Face "
-                f"model; {len(self.extra_params)} tensors): an nxd_hf checkpoint holds the model and its "
-                "optimizer state. Put the extra layers inside the model, or save them yourself")
+                f"NxDStrategy.save_checkpoint: the optimizer of {module_name} trains tensors that are not the "
+                f"module's parameters: only {module_name}'s own parameters are saved; give the optimizer those")
         return model
+
+    def _outside(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """The module's state-dict tensors outside its Hugging Face models, by name (live)."""
+        inside = {id(t) for model in self.models.values() for t in [*model.parameters(), *model.buffers()]}
+        return {name: t for name, t in module.state_dict(keep_vars=True).items() if id(t) not in inside}
+
+    def outside_state(self, module: nn.Module, optimizer) -> dict:
+        """Those tensors (replicated: any rank's copy is all of it) and the optimizer's state of the
+        ones it trains."""
+        names = {id(p): name for name, p in module.named_parameters()}
+        state = optimizer.state if optimizer is not None else {}
+        moments = {names[id(p)]: {k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in state[p].items()}
+                   for p in self.extra_params if p in state}
+        return {"tensors": {name: t.detach().cpu().clone() for name, t in self._outside(module).items()},
+                "optimizer": moments}
+
+    def load_outside_state(self, module: nn.Module, optimizer, saved: dict) -> None:
+        current = self._outside(module)
+        if set(saved["tensors"]) != set(current):
+            raise ValueError(
+                f"NxDStrategy: the checkpoint's tensors outside the Hugging Face model "
+                f"({sorted(saved['tensors'])[:5]}) are not {type(module).__name__}'s ({sorted(current)[:5]}): load it "
+                "into the kind of module that saved it")
+        with torch.no_grad():
+            for name, value in saved["tensors"].items():
+                current[name].copy_(value)
+        params = dict(module.named_parameters())
+        for name, moments in saved["optimizer"].items():
+            p = params[name]  # Adam's step stays where torch keeps it (a CPU scalar)
+            optimizer.state[p] = {k: v.to(p.device) if torch.is_tensor(v) and v.dim() else v for k, v in moments.items()}
+
+
+class ModelShareOfOptimizer:
+    """The user's optimizer as nxd_hf's checkpoint sees it (``OptimizerState``): the state of the
+    Hugging Face model's parameters, in their layout; the module's own layers' state is
+    ``outside_state``'s. Hyperparameters (lr, ...) are the optimizer's own groups."""
+
+    shards_state_over_dp = False
+
+    def __init__(self, optimizer, model: nn.Module):
+        self.optimizer = optimizer
+        self._inside = {id(p) for p in model.parameters()}
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"] if id(p) in self._inside]
+
+    def param_states(self) -> dict:
+        return {id(p): (p, tensor_state(self.optimizer.state.get(p, {}))) for p in self._params()}
+
+    def load_param_states(self, states: dict) -> None:
+        set_torch_state(self.optimizer, [(p, {k: v for k, v in states.get(id(p), {}).items() if k != MASTER})
+                                         for p in self._params()])
 
 
 def clip_by_global_norm(optimizer, clip_val: float) -> torch.Tensor:

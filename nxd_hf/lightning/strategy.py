@@ -19,11 +19,15 @@ from nxd_hf import backend, parallel_state
 from nxd_hf.checkpoint import load_checkpoint, save_checkpoint, store
 from nxd_hf.lightning.callbacks import NeuronTensorBoardLogger
 from nxd_hf.lightning.module import NeuronLTModule
-from nxd_hf.lightning.plain_module import PlainModuleParallel, clip_by_global_norm, sync_metrics_over_data_parallel
+from nxd_hf.lightning.plain_module import (
+    ModelShareOfOptimizer, PlainModuleParallel, clip_by_global_norm, sync_metrics_over_data_parallel,
+)
 from nxd_hf.parallel_sizes import ParallelSizes
 
 LIGHTNING_STATE = "lightning_state.pt"
 """The rest of Lightning's checkpoint dict (loops, callbacks, schedulers), beside nxd_hf's files."""
+OUTSIDE_STATE = "nxd_hf_outside_model"
+"""In it, for a LightningModule of one's own: its tensors outside the Hugging Face model."""
 
 
 class ProcessGroupEnvironment(ClusterEnvironment):
@@ -211,21 +215,32 @@ class NxDStrategy(ParallelStrategy):
         rest = dict(checkpoint)  # its state_dict and optimizer_states are empty: nxd_hf writes those
         path, tag = os.path.split(os.path.abspath(os.fspath(filepath)))
         optimizer = _nxd_optimizer(self.optimizers)
-        save_checkpoint(path, tag, model=self._checkpoint_model(optimizer), optimizer=optimizer,
+        model, model_optimizer = self._checkpoint_parts(optimizer)
+        if self.plain is not None:
+            rest[OUTSIDE_STATE] = self.plain.outside_state(self.lightning_module, optimizer)
+        save_checkpoint(path, tag, model=model, optimizer=model_optimizer,
                         side_files=lambda directory: torch.save(rest, os.path.join(directory, LIGHTNING_STATE)))
 
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
         path, tag = os.path.split(os.path.abspath(os.fspath(checkpoint_path)))
         optimizer = _nxd_optimizer(self.optimizers)
-        load_checkpoint(path, tag, model=self._checkpoint_model(optimizer), optimizer=optimizer)
+        model, model_optimizer = self._checkpoint_parts(optimizer)
+        load_checkpoint(path, tag, model=model, optimizer=model_optimizer)
         # our own file, written by rank 0 of a job of this project: Lightning's loops hold plain objects
-        return torch.load(os.path.join(path, tag, LIGHTNING_STATE), weights_only=False)
+        state = torch.load(os.path.join(path, tag, LIGHTNING_STATE), weights_only=False)
+        outside = state.pop(OUTSIDE_STATE, {"tensors": {}, "optimizer": {}})  # a NeuronLTModule's: its model only
+        if self.plain is not None:
+            self.plain.load_outside_state(self.lightning_module, optimizer, outside)
+        return state
 
-    def _checkpoint_model(self, optimizer):
+    def _checkpoint_parts(self, optimizer):
+        """(model, optimizer) for nxd_hf's checkpoint: a NeuronLTModule's; for a module of one's own,
+        its Hugging Face model and the optimizer's share of it (the rest is ``OUTSIDE_STATE``)."""
         module = self.lightning_module
         if self.plain is None:
-            return module.model
-        return self.plain.checkpoint_model(type(module).__name__, optimizer)
+            return module.model, optimizer
+        model = self.plain.checkpoint_model(type(module).__name__, optimizer)
+        return model, None if optimizer is None else ModelShareOfOptimizer(optimizer, model)
 
     def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
         pass  # load_checkpoint filled the model

@@ -207,18 +207,20 @@ def check_bf16_mixed(out: str) -> None:
     assert losses.train != fp32_losses.train  # autocast was on
 
 
-def check_resume_resharded(out: str) -> None:
+def check_resume_resharded(out: str, module_cls_name: str) -> None:
     """The first epoch at tp=2, trainer.save_checkpoint, the second at dp=2: plain Lightning's two
-    epochs (the warmup schedule continues from the checkpoint)."""
+    epochs (the warmup schedule continues from the checkpoint; a head of the module's own, and its
+    AdamW moments, come from the checkpoint too)."""
     out = _shared(out)
+    module_cls = MODULES[module_cls_name]
     parallel_state.destroy_model_parallel()
-    ref_losses, ref_state = _reference(out)
-    trainer, first = _fit(os.path.join(out, "tp2"), SequenceClassifier(_bert()), NxDStrategy(tensor_parallel_size=2),
-                          1, callbacks=[StopAfterFirstEpoch()])
+    ref_losses, ref_state = _reference(out, module_cls)
+    trainer, first = _fit(os.path.join(out, "tp2"), module_cls(_bert()), NxDStrategy(tensor_parallel_size=2), 1,
+                          callbacks=[StopAfterFirstEpoch()])
     path = os.path.join(out, "ckpt", "epoch1.ckpt")
     trainer.save_checkpoint(path)
     parallel_state.destroy_model_parallel()
-    module = SequenceClassifier(_bert())
+    module = module_cls(_bert())
     with torch.no_grad():  # the checkpoint, not these weights, must be what trains on
         for p in module.parameters():
             p.add_(1.0)
@@ -260,9 +262,15 @@ def check_refusals(out: str) -> None:
     with pytest.raises(ValueError, match="a peft model over an unparallelized model"):
         fit(SequenceClassifier(adapted), NxDStrategy(tensor_parallel_size=2))
     parallel_state.destroy_model_parallel()
-    trainer = fit(PooledHead(_bert()), NxDStrategy(tensor_parallel_size=2))
-    with pytest.raises(ValueError, match="trains parameters outside model"):
-        trainer.save_checkpoint(os.path.join(out, "extra.ckpt"))
+
+    class FreeTensor(SequenceClassifier):
+        def configure_optimizers(self):
+            self.free = torch.zeros(3, requires_grad=True)  # not registered: nothing would save it
+            return torch.optim.AdamW([*self.parameters(), self.free])
+
+    trainer = fit(FreeTensor(_bert()), NxDStrategy(tensor_parallel_size=2))
+    with pytest.raises(ValueError, match="trains tensors that are not the module's parameters"):
+        trainer.save_checkpoint(os.path.join(out, "free.ckpt"))
 
 
 @pytest.mark.parametrize("tp, module_cls, accumulate", [
@@ -277,8 +285,9 @@ def test_plain_lightning_module_bf16_mixed(ranks2, tmp_path):
     ranks2.run(check_bf16_mixed, str(tmp_path))
 
 
-def test_plain_lightning_module_resumes_resharded(ranks2, tmp_path):
-    ranks2.run(check_resume_resharded, str(tmp_path))
+@pytest.mark.parametrize("module_cls", ["SequenceClassifier", "PooledHead"])
+def test_plain_lightning_module_resumes_resharded(ranks2, tmp_path, module_cls):
+    ranks2.run(check_resume_resharded, str(tmp_path), module_cls)
 
 
 def test_plain_lightning_module_refusals(ranks2, tmp_path):

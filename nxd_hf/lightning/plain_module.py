@@ -17,6 +17,7 @@ import contextlib
 import torch
 import torchmetrics
 from torch import nn
+from transformers import PreTrainedModel
 
 from nxd_hf import parallel_state
 from nxd_hf.checkpoint.optim_state import MASTER, set_torch_state, tensor_state
@@ -26,9 +27,7 @@ from nxd_hf.parallelize import parallelize
 
 
 def _is_hf_model(module: nn.Module) -> bool:
-    """A transformers model, or peft's wrapper of one (``peft_config``: imported by its user, not here)."""
-    from transformers import PreTrainedModel
-
+    """A transformers model, or peft's wrapper of one (known by its ``peft_config``: peft is optional)."""
     return isinstance(module, PreTrainedModel) or hasattr(module, "peft_config")
 
 

@@ -292,3 +292,16 @@ def test_plain_lightning_module_resumes_resharded(ranks2, tmp_path, module_cls):
 
 def test_plain_lightning_module_refusals(ranks2, tmp_path):
     ranks2.run(check_refusals, str(tmp_path))
+
+
+def test_own_module_example(rank_pools, tmp_path):
+    """examples/lightning_own_module.py at tp=2 (as torchrun starts it, on the pool's ranks): the
+    loss falls, rank 0 reports once, and its checkpoint is an nxd_hf checkpoint with Lightning's state."""
+    from support.scripts import loss_fell, run_on_ranks
+
+    out = run_on_ranks(rank_pools, "examples/lightning_own_module.py", 2, "--tp", "2", "--max-steps", "12",
+                       "--output-dir", str(tmp_path))
+    assert out.count("loss fell from") == 1 and "tp 2 x dp 1" in out, out[-3000:]
+    first, last = loss_fell(out)
+    assert last < first - 0.5, out[-3000:]
+    assert (tmp_path / "last.ckpt" / "lightning_state.pt").exists() and (tmp_path / "checkpoints.json").exists()

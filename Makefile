@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PYTHON) -m pip install -q --no-compile torch==2.13.0
 	$(PYTHON) -m pip install -q --no-compile -e ".[test,trl,lightning,kernel-tests,hf-examples]"
-	PYTHONDONTWRITEBYTECODE= $(PYTHON) -c "import torch.distributed.run, transformers.trainer, peft, trl, pytorch_lightning, pytest, xdist.plugin, execnet, nxd_hf"
+	PYTHONDONTWRITEBYTECODE= $(PYTHON) -c "import torch.distributed.run, transformers.trainer, peft, trl, pytorch_lightning, lightning, pytest, xdist.plugin, execnet, nxd_hf"
 	touch $@
 
 train: install

@@ -1,6 +1,6 @@
 """A LightningModule written the usual way (automatic optimization, the transformers model an
-attribute, its own configure_optimizers) trained under nxd_hf's NxDStrategy
-(pip install nxd_hf[lightning]):
+attribute, its own configure_optimizers), written with Lightning's unified package
+(``import lightning as L``; pip install lightning), trained under nxd_hf's NxDStrategy:
 
     torchrun --nproc_per_node 2 examples/lightning_own_module.py --tp 2      # tensor parallel
     torchrun --nproc_per_node 2 examples/lightning_own_module.py             # data parallel
@@ -8,13 +8,14 @@ attribute, its own configure_optimizers) trained under nxd_hf's NxDStrategy
 Nothing in the module knows about nxd_hf: the strategy parallelizes its Hugging Face model before
 configure_optimizers, averages gradients over data-parallel replicas, clips by the whole model's
 norm (gradient_clip_val) and saves OUT/last.ckpt as an nxd_hf checkpoint (loadable at any layout).
-Pipeline parallelism and ZeRO-1 need NeuronLTModule (examples/lightning_causal_lm.py).
+Pipeline parallelism and ZeRO-1 need NeuronLTModule (examples/lightning_causal_lm.py, written
+with the pytorch_lightning package: nxd_hf.lightning takes whichever the script imported first).
 """
 
 import argparse
 import os
 
-import pytorch_lightning as pl
+import lightning as L
 import torch
 import transformers
 
@@ -23,7 +24,7 @@ from nxd_hf.lightning import NxDStrategy
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 
 
-class CausalLM(pl.LightningModule):
+class CausalLM(L.LightningModule):
     def __init__(self, model_path: str, lr: float, warmup_steps: int):
         super().__init__()
         self.save_hyperparameters()
@@ -66,7 +67,7 @@ def main():
     # each data-parallel replica's share of the global batch (the strategy deals the rows out)
     train = torch.utils.data.DataLoader(blocks, batch_size=args.batch_size // (world // tp), drop_last=True)
     module = CausalLM(os.path.join(DATA, "tiny-llama"), args.lr, warmup_steps=args.max_steps // 10)
-    trainer = pl.Trainer(strategy=strategy, max_steps=args.max_steps, gradient_clip_val=1.0, logger=False,
+    trainer = L.Trainer(strategy=strategy, max_steps=args.max_steps, gradient_clip_val=1.0, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, default_root_dir=args.output_dir)
     trainer.fit(module, train)
     trainer.save_checkpoint(os.path.join(args.output_dir, "last.ckpt"))

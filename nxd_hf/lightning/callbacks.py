@@ -3,12 +3,9 @@ rank (where NxD has the loss), or global rank 0 with the module's ``log_rank0``.
 
 import contextlib
 
-from lightning_fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
-from pytorch_lightning.callbacks import TQDMProgressBar
-from pytorch_lightning.loggers import TensorBoardLogger
-from pytorch_lightning.utilities.rank_zero import rank_zero_only
 
 from nxd_hf import backend, parallel_state
+from nxd_hf.lightning.flavor import TensorBoardLogger, TQDMProgressBar, fabric_rank_zero_only, rank_zero_only
 
 
 def logging_rank(log_rank0: bool = False) -> int:

@@ -2,10 +2,10 @@
 go through ``model.run_train`` (the pipeline schedule under PP; forward and backward otherwise),
 so optimization is manual, as in NxD."""
 
-import pytorch_lightning as pl
 import torch
 
 from nxd_hf import backend, parallel_state
+from nxd_hf.lightning.flavor import pl
 from nxd_hf.trainer import initialize_parallel_model, initialize_parallel_optimizer
 
 

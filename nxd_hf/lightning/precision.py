@@ -5,9 +5,9 @@ parameters with fp32 master weights are nxd_hf's mixed precision instead: build 
 import contextlib
 
 import torch
-from pytorch_lightning.plugins.precision import Precision
 
 from nxd_hf import backend
+from nxd_hf.lightning.flavor import Precision
 
 
 class NeuronXLAPrecisionPlugin(Precision):

@@ -10,14 +10,11 @@ import shutil
 import warnings
 
 import torch
-from lightning_fabric.plugins.environments import ClusterEnvironment
-from lightning_fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
-from pytorch_lightning.strategies import ParallelStrategy
-from pytorch_lightning.utilities.rank_zero import rank_zero_only
 
 from nxd_hf import backend, parallel_state
 from nxd_hf.checkpoint import load_checkpoint, save_checkpoint, store
 from nxd_hf.lightning.callbacks import NeuronTensorBoardLogger
+from nxd_hf.lightning.flavor import ClusterEnvironment, ParallelStrategy, fabric_rank_zero_only, rank_zero_only
 from nxd_hf.lightning.module import NeuronLTModule
 from nxd_hf.lightning.plain_module import (
     ModelShareOfOptimizer, PlainModuleParallel, clip_by_global_norm, sync_metrics_over_data_parallel,

@@ -49,3 +49,23 @@ def test_checkpoint_progress_names_what_is_missing(tmp_path):
     (tmp_path / "last.ckpt").mkdir()
     torch.save({"global_step": 12, "epoch": 1, "loops": {}}, tmp_path / "last.ckpt" / "lightning_state.pt")
     assert checkpoint_progress(tmp_path / "last.ckpt") == {"global_step": 12, "epoch": 1}
+
+
+def test_flavor_follows_the_environment_then_the_program_then_what_is_installed():
+    from nxd_hf.lightning.flavor import FLAVOR, choose_flavor, pl
+
+    both = {"pytorch_lightning", "lightning"}
+    assert choose_flavor("lightning", {"pytorch_lightning"}, both) == "lightning"
+    assert choose_flavor(None, {"lightning"}, both) == "lightning"  # `import lightning as L` came first
+    assert choose_flavor(None, {"pytorch_lightning"}, both) == "pytorch_lightning"
+    assert choose_flavor(None, both, both) == "pytorch_lightning"
+    assert choose_flavor(None, set(), {"lightning"}) == "lightning"
+    with pytest.raises(ValueError, match="use 'pytorch_lightning' or 'lightning'"):
+        choose_flavor("lightning.pytorch", set(), both)
+    with pytest.raises(ValueError, match="not installed: pip install lightning"):
+        choose_flavor("lightning", set(), {"pytorch_lightning"})
+    with pytest.raises(ImportError, match=r"pip install nxd_hf\[lightning\]"):
+        choose_flavor(None, set(), set())
+    # here both are installed and neither was imported before nxd_hf.lightning
+    assert FLAVOR == "pytorch_lightning" and pl.__name__ == "pytorch_lightning"
+    assert issubclass(NxDStrategy, pl.strategies.ParallelStrategy)

@@ -295,9 +295,13 @@ def test_plain_lightning_module_refusals(ranks2, tmp_path):
 
 
 def test_own_module_example(rank_pools, tmp_path):
-    """examples/lightning_own_module.py at tp=2 (as torchrun starts it, on the pool's ranks): the
-    loss falls, rank 0 reports once, and its checkpoint is an nxd_hf checkpoint with Lightning's state."""
+    """examples/lightning_own_module.py at tp=2 (as torchrun starts it, on fresh ranks of the pool),
+    written with the unified package (``import lightning as L``, which nxd_hf.lightning then builds
+    on): the loss falls, rank 0 reports once, and its checkpoint is an nxd_hf checkpoint with
+    Lightning's state."""
     from support.scripts import loss_fell, run_on_ranks
+
+    rank_pools.close()  # ranks that imported nxd_hf.lightning on pytorch_lightning (this file's tests) go
 
     out = run_on_ranks(rank_pools, "examples/lightning_own_module.py", 2, "--tp", "2", "--max-steps", "12",
                        "--output-dir", str(tmp_path))

@@ -9,6 +9,7 @@ a module alone: at dp=2 each replica trained its own copy (nothing averaged the 
 
 import contextlib
 import io
+import functools
 import os
 
 import pytest
@@ -129,7 +130,29 @@ class Adapted(SequenceClassifier):
             self.model = nxd_hf.parallelize(self.model, tensor_parallel_size=self.tp, lora_config=config)
 
 
-MODULES = {"SequenceClassifier": SequenceClassifier, "PooledHead": PooledHead, "Adapted": Adapted}
+class Loaded(SequenceClassifier):
+    """The model read in configure_model, as Lightning suggests for large ones: by transformers'
+    from_pretrained (the reference), or by nxd_hf.from_pretrained, each rank reading its own slices."""
+
+    def __init__(self, model, tp: int | None = None, *, directory: str):
+        super().__init__(None)
+        self.tp, self.directory = tp, directory
+        if backend.rank() == 0:
+            model.save_pretrained(self.directory)
+        backend.barrier()
+
+    def configure_model(self):
+        if self.model is not None:
+            return
+        if self.tp is None:
+            self.model = transformers.AutoModelForSequenceClassification.from_pretrained(self.directory)
+        else:
+            self.model = nxd_hf.from_pretrained(self.directory, tensor_parallel_size=self.tp,
+                                                auto_class=transformers.AutoModelForSequenceClassification)
+        self.model.train()  # from_pretrained returns eval mode
+
+
+MODULES = {"SequenceClassifier": SequenceClassifier, "PooledHead": PooledHead, "Adapted": Adapted, "Loaded": Loaded}
 
 
 class Losses(pl.Callback):
@@ -177,9 +200,11 @@ def _check(losses, ref_losses, module, ref_state, steps: int) -> None:
 def check_plain_module(out: str, tp: int, module_cls_name: str, accumulate: int) -> None:
     out = _shared(out)
     module_cls = MODULES[module_cls_name]
+    if module_cls is Loaded:
+        module_cls = functools.partial(Loaded, directory=os.path.join(out, "saved"))
     parallel_state.destroy_model_parallel()
     ref_losses, ref_state = _reference(out, module_cls, accumulate_grad_batches=accumulate)
-    module = module_cls(_bert(), **({"tp": tp} if module_cls is Adapted else {}))
+    module = module_cls(_bert(), **({"tp": tp} if module_cls_name in ("Adapted", "Loaded") else {}))
     trainer, losses = _fit(os.path.join(out, "nxd"), module, NxDStrategy(tensor_parallel_size=tp), 2 // tp,
                            accumulate_grad_batches=accumulate)
     assert parallel_state.get_tensor_model_parallel_size() == tp
@@ -275,8 +300,9 @@ def check_refusals(out: str) -> None:
 
 @pytest.mark.parametrize("tp, module_cls, accumulate", [
     (2, "SequenceClassifier", 1), (1, "SequenceClassifier", 1), (1, "SequenceClassifier", 2), (2, "PooledHead", 1),
-    (1, "PooledHead", 2), (2, "Adapted", 1)],
-    ids=["tp2", "dp2", "dp2-accumulate", "tp2-own-head", "dp2-own-head-accumulate", "tp2-lora-in-configure_model"])
+    (1, "PooledHead", 2), (2, "Adapted", 1), (2, "Loaded", 1)],
+    ids=["tp2", "dp2", "dp2-accumulate", "tp2-own-head", "dp2-own-head-accumulate", "tp2-lora-in-configure_model",
+         "tp2-from_pretrained-in-configure_model"])
 def test_plain_lightning_module(ranks2, tmp_path, tp, module_cls, accumulate):
     ranks2.run(check_plain_module, str(tmp_path), tp, module_cls, accumulate)
 

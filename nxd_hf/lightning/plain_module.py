@@ -65,6 +65,12 @@ class PlainModuleParallel:
                 "nxd_hf.parallel_layers and NeuronLTModule, or use tensor_parallel_size=1 (data parallelism)")
         for attr, model in self.models.items():
             if state_of(model) is not None:  # the user parallelized it (configure_model): as it is
+                sizes = state_of(model).sizes
+                if (sizes.tp, sizes.pp) != (tensor_parallel_size, pipeline_parallel_size):
+                    raise ValueError(
+                        f"{name}.{attr} is parallelized at tensor_parallel_size={sizes.tp}, pipeline_parallel_size="
+                        f"{sizes.pp}, this NxDStrategy at {tensor_parallel_size}, {pipeline_parallel_size}: pass the "
+                        "model's sizes to NxDStrategy (a model is parallelized once; build a new one for other sizes)")
                 continue
             if hasattr(model, "peft_config"):
                 raise ValueError(

@@ -287,6 +287,12 @@ def check_refusals(out: str) -> None:
     with pytest.raises(ValueError, match="a peft model over an unparallelized model"):
         fit(SequenceClassifier(adapted), NxDStrategy(tensor_parallel_size=2))
     parallel_state.destroy_model_parallel()
+    module = SequenceClassifier(_bert())
+    fit(module, NxDStrategy(tensor_parallel_size=2))
+    with pytest.raises(ValueError, match="parallelized at tensor_parallel_size=2, pipeline_parallel_size=1, this "
+                                         "NxDStrategy at 1, 1"):
+        fit(module, NxDStrategy(tensor_parallel_size=1))  # the same module again, at other sizes
+    parallel_state.destroy_model_parallel()
 
     class FreeTensor(SequenceClassifier):
         def configure_optimizers(self):

@@ -144,7 +144,7 @@ class PlainModuleParallel:
             for name, value in saved["tensors"].items():
                 current[name].copy_(value)
         params = dict(module.named_parameters())
-        for name, moments in saved["optimizer"].items():
+        for name, moments in saved["optimizer"].items() if optimizer is not None else ():  # validate: none
             p = params[name]  # Adam's step stays where torch keeps it (a CPU scalar)
             optimizer.state[p] = {k: v.to(p.device) if torch.is_tensor(v) and v.dim() else v for k, v in moments.items()}
 

@@ -211,7 +211,9 @@ class NxDStrategy(ParallelStrategy):
             raise ValueError("NxDStrategy.save_checkpoint: storage_options are not supported")
         rest = dict(checkpoint)  # its state_dict and optimizer_states are empty: nxd_hf writes those
         path, tag = os.path.split(os.path.abspath(os.fspath(filepath)))
-        optimizer = _nxd_optimizer(self.optimizers)
+        # save_checkpoint(weights_only=True), ModelCheckpoint(save_weights_only=True): Lightning leaves
+        # the optimizer out of its dict; so does nxd_hf's checkpoint
+        optimizer = _nxd_optimizer(self.optimizers) if "optimizer_states" in checkpoint else None
         model, model_optimizer = self._checkpoint_parts(optimizer)
         if self.plain is not None:
             rest[OUTSIDE_STATE] = self.plain.outside_state(self.lightning_module, optimizer)
@@ -220,11 +222,11 @@ class NxDStrategy(ParallelStrategy):
 
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
         path, tag = os.path.split(os.path.abspath(os.fspath(checkpoint_path)))
-        optimizer = _nxd_optimizer(self.optimizers)
+        state = _lightning_state(checkpoint_path)
+        # a weights-only checkpoint: Lightning then says, as for its own, that it holds no optimizer state
+        optimizer = _nxd_optimizer(self.optimizers) if "optimizer_states" in state else None
         model, model_optimizer = self._checkpoint_parts(optimizer)
         load_checkpoint(path, tag, model=model, optimizer=model_optimizer)
-        # our own file, written by rank 0 of a job of this project: Lightning's loops hold plain objects
-        state = torch.load(os.path.join(path, tag, LIGHTNING_STATE), weights_only=False)
         outside = state.pop(OUTSIDE_STATE, {"tensors": {}, "optimizer": {}})  # a NeuronLTModule's: its model only
         if self.plain is not None:
             self.plain.load_outside_state(self.lightning_module, optimizer, outside)
@@ -258,13 +260,17 @@ def checkpoint_progress(checkpoint_path) -> dict:
     """``{"global_step", "epoch"}`` of a Lightning checkpoint that ``NxDStrategy`` saved, read on
     the host before ``fit``: Lightning's ``max_steps``/``max_epochs`` count from the run's start, so
     a resumed run that should train more sets them past these."""
+    state = _lightning_state(checkpoint_path)
+    return {"global_step": int(state["global_step"]), "epoch": int(state["epoch"])}
+
+
+def _lightning_state(checkpoint_path) -> dict:
     state_file = os.path.join(os.fspath(checkpoint_path), LIGHTNING_STATE)
     if not os.path.isfile(state_file):
         raise ValueError(f"{checkpoint_path} is not a Lightning checkpoint saved by NxDStrategy: it has no "
                          f"{LIGHTNING_STATE}; pass the path given to trainer.save_checkpoint (or a ModelCheckpoint's)")
     # our own file, written by rank 0 of a job of this project: Lightning's loops hold plain objects
-    state = torch.load(state_file, weights_only=False)
-    return {"global_step": int(state["global_step"]), "epoch": int(state["epoch"])}
+    return torch.load(state_file, weights_only=False)
 
 
 _REDUCE_OPS = {"none": "mean", "mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min"}

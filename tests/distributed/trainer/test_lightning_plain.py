@@ -8,8 +8,9 @@ Hugging Face model, and a checkpoint saved at tp=2 resumed at dp=2. Before, NxDS
 a module alone: at dp=2 each replica trained its own copy (nothing averaged the gradients)."""
 
 import contextlib
-import io
 import functools
+import io
+import json
 import os
 
 import pytest
@@ -254,6 +255,31 @@ def check_resume_resharded(out: str, module_cls_name: str) -> None:
     _check(first, ref_losses, module, ref_state, EPOCHS * N_TRAIN // GLOBAL_BATCH)
 
 
+def check_weights_only(out: str) -> None:
+    """save_checkpoint(weights_only=True) (ModelCheckpoint's save_weights_only): no optimizer state
+    in nxd_hf's files or for the module's own head; validate from it at another layout gives the
+    saving run's validation; fit from it is refused by Lightning, as from its own weights-only files."""
+    out = _shared(out)
+    parallel_state.destroy_model_parallel()
+    trainer, losses = _fit(os.path.join(out, "tp2"), PooledHead(_bert()), NxDStrategy(tensor_parallel_size=2), 1,
+                           epochs=1)
+    path = os.path.join(out, "ckpt", "weights.ckpt")
+    trainer.save_checkpoint(path, weights_only=True)
+    index = json.load(open(os.path.join(path, "index.json")))
+    assert not index["tensors"].get("optimizer") and "model" in index["tensors"], sorted(index["tensors"])
+    state = torch.load(os.path.join(path, "lightning_state.pt"), weights_only=False)
+    assert state["nxd_hf_outside_model"]["optimizer"] == {} and "classifier.weight" in state["nxd_hf_outside_model"]["tensors"]
+    parallel_state.destroy_model_parallel()
+    module = PooledHead(_bert())
+    validator, _ = _trainer(os.path.join(out, "dp2"), NxDStrategy(tensor_parallel_size=1))
+    _, val = _loaders(2)
+    with contextlib.redirect_stdout(io.StringIO()):
+        metrics = validator.validate(module, val, ckpt_path=path, verbose=False)[0]
+    torch.testing.assert_close(metrics["val_loss"], losses.vals[-1][0], **LOSS_TOL)
+    with pytest.raises(KeyError, match="contains only the model"):
+        _fit(os.path.join(out, "resume"), PooledHead(_bert()), NxDStrategy(tensor_parallel_size=1), 2, ckpt_path=path)
+
+
 def check_refusals(out: str) -> None:
     out = _shared(out)
     parallel_state.destroy_model_parallel()
@@ -320,6 +346,10 @@ def test_plain_lightning_module_bf16_mixed(ranks2, tmp_path):
 @pytest.mark.parametrize("module_cls", ["SequenceClassifier", "PooledHead"])
 def test_plain_lightning_module_resumes_resharded(ranks2, tmp_path, module_cls):
     ranks2.run(check_resume_resharded, str(tmp_path), module_cls)
+
+
+def test_plain_lightning_module_weights_only_checkpoint(ranks2, tmp_path):
+    ranks2.run(check_weights_only, str(tmp_path))
 
 
 def test_plain_lightning_module_refusals(ranks2, tmp_path):

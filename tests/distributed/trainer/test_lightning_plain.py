@@ -19,6 +19,7 @@ import torch
 import torchmetrics
 import transformers
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 import nxd_hf
 from nxd_hf import backend, parallel_state
@@ -153,7 +154,21 @@ class Loaded(SequenceClassifier):
         self.model.train()  # from_pretrained returns eval mode
 
 
-MODULES = {"SequenceClassifier": SequenceClassifier, "PooledHead": PooledHead, "Adapted": Adapted, "Loaded": Loaded}
+class Sharded(SequenceClassifier):
+    """Parallelized in configure_model with parallelize's options: ZeRO-3 (FSDP2 over the data-parallel
+    ranks: parameters, gradients and AdamW's state sharded) with activation checkpointing."""
+
+    def __init__(self, model, tp: int | None = None):
+        super().__init__(model)
+        self.tp = tp
+
+    def configure_model(self):
+        if self.tp is not None and nxd_hf.model_state.state_of(self.model) is None:
+            nxd_hf.parallelize(self.model, tensor_parallel_size=self.tp, data_parallel_sharding="zero3",
+                               activation_checkpoint_config="full")
+
+
+MODULES = {"Sharded": Sharded, "SequenceClassifier": SequenceClassifier, "PooledHead": PooledHead, "Adapted": Adapted, "Loaded": Loaded}
 
 
 class Losses(pl.Callback):
@@ -205,11 +220,13 @@ def check_plain_module(out: str, tp: int, module_cls_name: str, accumulate: int)
         module_cls = functools.partial(Loaded, directory=os.path.join(out, "saved"))
     parallel_state.destroy_model_parallel()
     ref_losses, ref_state = _reference(out, module_cls, accumulate_grad_batches=accumulate)
-    module = module_cls(_bert(), **({"tp": tp} if module_cls_name in ("Adapted", "Loaded") else {}))
+    module = module_cls(_bert(), **({"tp": tp} if module_cls_name in ("Adapted", "Loaded", "Sharded") else {}))
     trainer, losses = _fit(os.path.join(out, "nxd"), module, NxDStrategy(tensor_parallel_size=tp), 2 // tp,
                            accumulate_grad_batches=accumulate)
     assert parallel_state.get_tensor_model_parallel_size() == tp
     assert nxd_hf.model_state.state_of(module.model) is not None  # parallelized by the strategy
+    if module_cls_name == "Sharded":  # FSDP2's data-parallel shards
+        assert all(isinstance(p, DTensor) for p in module.model.parameters())
     _check(losses, ref_losses, module, ref_state, EPOCHS * N_TRAIN // GLOBAL_BATCH)
 
 
@@ -233,16 +250,19 @@ def check_bf16_mixed(out: str) -> None:
     assert losses.train != fp32_losses.train  # autocast was on
 
 
-def check_resume_resharded(out: str, module_cls_name: str) -> None:
-    """The first epoch at tp=2, trainer.save_checkpoint, the second at dp=2: plain Lightning's two
-    epochs (the warmup schedule continues from the checkpoint; a head of the module's own, and its
-    AdamW moments, come from the checkpoint too)."""
+def check_resume_resharded(out: str, module_cls_name: str, zero3_first: bool) -> None:
+    """The first epoch at tp=2 (or at dp=2 under ZeRO-3, parallelized in configure_model),
+    trainer.save_checkpoint, the second at dp=2 (or tp=2): plain Lightning's two epochs (the warmup
+    schedule continues from the checkpoint; a head of the module's own, and its AdamW moments, come
+    from the checkpoint too)."""
     out = _shared(out)
     module_cls = MODULES[module_cls_name]
     parallel_state.destroy_model_parallel()
     ref_losses, ref_state = _reference(out, module_cls)
-    trainer, first = _fit(os.path.join(out, "tp2"), module_cls(_bert()), NxDStrategy(tensor_parallel_size=2), 1,
-                          callbacks=[StopAfterFirstEpoch()])
+    first_module = Sharded(_bert(), tp=1) if zero3_first else module_cls(_bert())
+    first_tp, second_tp = (1, 2) if zero3_first else (2, 1)
+    trainer, first = _fit(os.path.join(out, "first"), first_module, NxDStrategy(tensor_parallel_size=first_tp),
+                          2 // first_tp, callbacks=[StopAfterFirstEpoch()])
     path = os.path.join(out, "ckpt", "epoch1.ckpt")
     trainer.save_checkpoint(path)
     parallel_state.destroy_model_parallel()
@@ -250,7 +270,8 @@ def check_resume_resharded(out: str, module_cls_name: str) -> None:
     with torch.no_grad():  # the checkpoint, not these weights, must be what trains on
         for p in module.parameters():
             p.add_(1.0)
-    trainer, second = _fit(os.path.join(out, "dp2"), module, NxDStrategy(tensor_parallel_size=1), 2, ckpt_path=path)
+    trainer, second = _fit(os.path.join(out, "second"), module, NxDStrategy(tensor_parallel_size=second_tp),
+                           2 // second_tp, ckpt_path=path)
     first.train, first.vals = first.train + second.train, first.vals + second.vals
     _check(first, ref_losses, module, ref_state, EPOCHS * N_TRAIN // GLOBAL_BATCH)
 
@@ -332,9 +353,10 @@ def check_refusals(out: str) -> None:
 
 @pytest.mark.parametrize("tp, module_cls, accumulate", [
     (2, "SequenceClassifier", 1), (1, "SequenceClassifier", 1), (1, "SequenceClassifier", 2), (2, "PooledHead", 1),
-    (1, "PooledHead", 2), (2, "Adapted", 1), (2, "Loaded", 1)],
+    (1, "PooledHead", 2), (2, "Adapted", 1), (2, "Loaded", 1), (1, "Sharded", 1), (1, "Sharded", 2)],
     ids=["tp2", "dp2", "dp2-accumulate", "tp2-own-head", "dp2-own-head-accumulate", "tp2-lora-in-configure_model",
-         "tp2-from_pretrained-in-configure_model"])
+         "tp2-from_pretrained-in-configure_model", "dp2-zero3-in-configure_model",
+         "dp2-zero3-accumulate"])
 def test_plain_lightning_module(ranks2, tmp_path, tp, module_cls, accumulate):
     ranks2.run(check_plain_module, str(tmp_path), tp, module_cls, accumulate)
 
@@ -343,9 +365,11 @@ def test_plain_lightning_module_bf16_mixed(ranks2, tmp_path):
     ranks2.run(check_bf16_mixed, str(tmp_path))
 
 
-@pytest.mark.parametrize("module_cls", ["SequenceClassifier", "PooledHead"])
-def test_plain_lightning_module_resumes_resharded(ranks2, tmp_path, module_cls):
-    ranks2.run(check_resume_resharded, str(tmp_path), module_cls)
+@pytest.mark.parametrize("module_cls, zero3_first", [("SequenceClassifier", False), ("PooledHead", False),
+                                                     ("SequenceClassifier", True)],
+                         ids=["tp2-to-dp2", "own-head-tp2-to-dp2", "dp2-zero3-to-tp2"])
+def test_plain_lightning_module_resumes_resharded(ranks2, tmp_path, module_cls, zero3_first):
+    ranks2.run(check_resume_resharded, str(tmp_path), module_cls, zero3_first)
 
 
 def test_plain_lightning_module_weights_only_checkpoint(ranks2, tmp_path):

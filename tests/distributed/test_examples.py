@@ -187,6 +187,7 @@ CAPPED = {  # script -> what is appended to each of its commands: a few steps, o
     "dpo_trl.py": ["--max_steps", "4", "--output_dir", "{out}"],
     "finetune_causal_lm.py": ["--max_steps", "4", "--output_dir", "{out}"],
     "lightning_causal_lm.py": ["--max-steps", "4", "--output-dir", "{out}"],
+    "lightning_own_module.py": ["--max-steps", "4", "--output-dir", "{out}"],
     "make_tiny_model.py": [],  # [--out DIR] is given: the default would rewrite the bundled model
     "nnscaler_example.py": ["--steps", "4", "--gen_savedir", "{out}"],
     "parallelize_causal_lm.py": ["--steps", "4"],

@@ -2,15 +2,16 @@
 same module under plain Lightning in one process: the module as Lightning's text-transformers
 tutorial writes one (GLUETransformer: the Hugging Face model built in ``__init__``, ``self(**batch)``,
 ``outputs[0]`` as the loss, AdamW over two parameter groups, transformers' linear warmup schedule
-over ``trainer.estimated_stepping_batches`` stepped every step), with ``gradient_clip_val``, at
-tp=2 and dp=2, with ``accumulate_grad_batches`` at dp=2, a head of the module's own outside the
-Hugging Face model, and a checkpoint saved at tp=2 resumed at dp=2. Before, NxDStrategy left such
-a module alone: at dp=2 each replica trained its own copy (nothing averaged the gradients)."""
+over ``trainer.estimated_stepping_batches`` stepped every step, a torchmetrics metric), with
+``gradient_clip_val``, at tp=2 and dp=2, with ``accumulate_grad_batches`` at dp=2, a head of the
+module's own outside the Hugging Face model, LoRA, ``from_pretrained`` or ZeRO-3 set up in
+``configure_model``, and ``precision="bf16-mixed"``; the refusals; the example under the unified
+``lightning`` package. Before, NxDStrategy left such a module alone: at dp=2 each replica trained
+its own copy (nothing averaged the gradients). Checkpoints: test_lightning_plain_checkpoints.py."""
 
 import contextlib
 import functools
 import io
-import json
 import os
 
 import pytest
@@ -230,13 +231,6 @@ def check_plain_module(out: str, tp: int, module_cls_name: str, accumulate: int)
     _check(losses, ref_losses, module, ref_state, EPOCHS * N_TRAIN // GLOBAL_BATCH)
 
 
-class StopAfterFirstEpoch(pl.Callback):
-    """A run of EPOCHS stopped after its first (the schedule spans all of them)."""
-
-    def on_train_epoch_end(self, trainer, pl_module):
-        trainer.should_stop = True
-
-
 def check_bf16_mixed(out: str) -> None:
     """Lightning's precision="bf16-mixed" (its own plugin, autocast) at tp=2, clipping by the whole
     norm under it: bf16 matmuls, so the losses agree to bf16's precision."""
@@ -248,57 +242,6 @@ def check_bf16_mixed(out: str) -> None:
                      precision="bf16-mixed")
     torch.testing.assert_close(torch.tensor(losses.train), torch.tensor(ref_losses.train), rtol=1e-2, atol=1e-2)
     assert losses.train != fp32_losses.train  # autocast was on
-
-
-def check_resume_resharded(out: str, module_cls_name: str, zero3_first: bool) -> None:
-    """The first epoch at tp=2 (or at dp=2 under ZeRO-3, parallelized in configure_model),
-    trainer.save_checkpoint, the second at dp=2 (or tp=2): plain Lightning's two epochs (the warmup
-    schedule continues from the checkpoint; a head of the module's own, and its AdamW moments, come
-    from the checkpoint too)."""
-    out = _shared(out)
-    module_cls = MODULES[module_cls_name]
-    parallel_state.destroy_model_parallel()
-    ref_losses, ref_state = _reference(out, module_cls)
-    first_module = Sharded(_bert(), tp=1) if zero3_first else module_cls(_bert())
-    first_tp, second_tp = (1, 2) if zero3_first else (2, 1)
-    trainer, first = _fit(os.path.join(out, "first"), first_module, NxDStrategy(tensor_parallel_size=first_tp),
-                          2 // first_tp, callbacks=[StopAfterFirstEpoch()])
-    path = os.path.join(out, "ckpt", "epoch1.ckpt")
-    trainer.save_checkpoint(path)
-    parallel_state.destroy_model_parallel()
-    module = module_cls(_bert())
-    with torch.no_grad():  # the checkpoint, not these weights, must be what trains on
-        for p in module.parameters():
-            p.add_(1.0)
-    trainer, second = _fit(os.path.join(out, "second"), module, NxDStrategy(tensor_parallel_size=second_tp),
-                           2 // second_tp, ckpt_path=path)
-    first.train, first.vals = first.train + second.train, first.vals + second.vals
-    _check(first, ref_losses, module, ref_state, EPOCHS * N_TRAIN // GLOBAL_BATCH)
-
-
-def check_weights_only(out: str) -> None:
-    """save_checkpoint(weights_only=True) (ModelCheckpoint's save_weights_only): no optimizer state
-    in nxd_hf's files or for the module's own head; validate from it at another layout gives the
-    saving run's validation; fit from it is refused by Lightning, as from its own weights-only files."""
-    out = _shared(out)
-    parallel_state.destroy_model_parallel()
-    trainer, losses = _fit(os.path.join(out, "tp2"), PooledHead(_bert()), NxDStrategy(tensor_parallel_size=2), 1,
-                           epochs=1)
-    path = os.path.join(out, "ckpt", "weights.ckpt")
-    trainer.save_checkpoint(path, weights_only=True)
-    index = json.load(open(os.path.join(path, "index.json")))
-    assert not index["tensors"].get("optimizer") and "model" in index["tensors"], sorted(index["tensors"])
-    state = torch.load(os.path.join(path, "lightning_state.pt"), weights_only=False)
-    assert state["nxd_hf_outside_model"]["optimizer"] == {} and "classifier.weight" in state["nxd_hf_outside_model"]["tensors"]
-    parallel_state.destroy_model_parallel()
-    module = PooledHead(_bert())
-    validator, _ = _trainer(os.path.join(out, "dp2"), NxDStrategy(tensor_parallel_size=1))
-    _, val = _loaders(2)
-    with contextlib.redirect_stdout(io.StringIO()):
-        metrics = validator.validate(module, val, ckpt_path=path, verbose=False)[0]
-    torch.testing.assert_close(metrics["val_loss"], losses.vals[-1][0], **LOSS_TOL)
-    with pytest.raises(KeyError, match="contains only the model"):
-        _fit(os.path.join(out, "resume"), PooledHead(_bert()), NxDStrategy(tensor_parallel_size=1), 2, ckpt_path=path)
 
 
 def check_refusals(out: str) -> None:
@@ -363,17 +306,6 @@ def test_plain_lightning_module(ranks2, tmp_path, tp, module_cls, accumulate):
 
 def test_plain_lightning_module_bf16_mixed(ranks2, tmp_path):
     ranks2.run(check_bf16_mixed, str(tmp_path))
-
-
-@pytest.mark.parametrize("module_cls, zero3_first", [("SequenceClassifier", False), ("PooledHead", False),
-                                                     ("SequenceClassifier", True)],
-                         ids=["tp2-to-dp2", "own-head-tp2-to-dp2", "dp2-zero3-to-tp2"])
-def test_plain_lightning_module_resumes_resharded(ranks2, tmp_path, module_cls, zero3_first):
-    ranks2.run(check_resume_resharded, str(tmp_path), module_cls, zero3_first)
-
-
-def test_plain_lightning_module_weights_only_checkpoint(ranks2, tmp_path):
-    ranks2.run(check_weights_only, str(tmp_path))
 
 
 def test_plain_lightning_module_refusals(ranks2, tmp_path):

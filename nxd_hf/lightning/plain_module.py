@@ -128,7 +128,7 @@ class PlainModuleParallel:
         ones it trains."""
         names = {id(p): name for name, p in module.named_parameters()}
         state = optimizer.state if optimizer is not None else {}
-        moments = {names[id(p)]: {k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in state[p].items()}
+        moments = {names[id(p)]: {k: v.detach().cpu().clone() for k, v in tensor_state(state[p]).items()}
                    for p in self.extra_params if p in state}
         return {"tensors": {name: t.detach().cpu().clone() for name, t in self._outside(module).items()},
                 "optimizer": moments}
@@ -143,10 +143,9 @@ class PlainModuleParallel:
         with torch.no_grad():
             for name, value in saved["tensors"].items():
                 current[name].copy_(value)
-        params = dict(module.named_parameters())
-        for name, moments in saved["optimizer"].items() if optimizer is not None else ():  # validate: none
-            p = params[name]  # Adam's step stays where torch keeps it (a CPU scalar)
-            optimizer.state[p] = {k: v.to(p.device) if torch.is_tensor(v) and v.dim() else v for k, v in moments.items()}
+        if optimizer is not None:  # validate has none
+            params = dict(module.named_parameters())
+            set_torch_state(optimizer, [(params[name], moments) for name, moments in saved["optimizer"].items()])
 
 
 class ModelShareOfOptimizer:

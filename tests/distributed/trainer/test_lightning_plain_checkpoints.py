@@ -1,7 +1,8 @@
 """Checkpoints of a LightningModule of one's own under NxDStrategy (test_lightning_plain.py's
 modules), against plain Lightning in one process: the first epoch at tp=2 (or at dp=2 under
 ZeRO-3), ``trainer.save_checkpoint``, the second epoch at another layout from it, also with a head
-of the module's own whose AdamW moments the resumed run needs; a weights-only checkpoint (no
+of the module's own whose AdamW moments the resumed run needs, each checkpoint consolidated and
+opened in plain transformers; a weights-only checkpoint (no
 optimizer state anywhere) validated at another layout, and refused by Lightning for ``fit``."""
 
 import contextlib
@@ -12,8 +13,10 @@ import os
 import pytest
 import pytorch_lightning as pl
 import torch
+import transformers
 
-from nxd_hf import parallel_state
+import nxd_hf
+from nxd_hf import backend, parallel_state
 from nxd_hf.lightning import NxDStrategy
 from test_lightning import LOSS_TOL, _shared, _trainer
 from test_lightning_plain import (
@@ -43,6 +46,7 @@ def check_resume_resharded(out: str, module_cls_name: str, zero3_first: bool) ->
                           2 // first_tp, callbacks=[StopAfterFirstEpoch()])
     path = os.path.join(out, "ckpt", "epoch1.ckpt")
     trainer.save_checkpoint(path)
+    _check_opens_in_transformers(path, first_module.model, os.path.join(out, "hf"))
     parallel_state.destroy_model_parallel()
     module = module_cls(_bert())
     with torch.no_grad():  # the checkpoint, not these weights, must be what trains on
@@ -52,6 +56,18 @@ def check_resume_resharded(out: str, module_cls_name: str, zero3_first: bool) ->
                            2 // second_tp, ckpt_path=path)
     first.train, first.vals = first.train + second.train, first.vals + second.vals
     _check(first, ref_losses, module, ref_state, EPOCHS * N_TRAIN // GLOBAL_BATCH)
+
+
+def _check_opens_in_transformers(path: str, model, hf_dir: str) -> None:
+    """The checkpoint's model, consolidated, is a plain transformers model with the weights trained."""
+    trained = nxd_hf.full_state_dict(model)
+    if backend.rank() == 0:
+        nxd_hf.consolidate(path, hf_dir)
+        loaded = getattr(transformers, type(model).__name__.removeprefix("FSDP")).from_pretrained(hf_dir)
+        state = loaded.state_dict()
+        for name, value in trained.items():
+            torch.testing.assert_close(state[name], value.cpu(), rtol=0, atol=0, msg=name)
+    backend.barrier()
 
 
 def check_weights_only(out: str) -> None:

@@ -178,10 +178,20 @@ def _check_config(model_type: str, hf_plan: dict[str, str], config) -> None:
             )
 
 
+def _with_ep_plan_experts(hf_plan: dict[str, str], config) -> dict[str, str]:
+    """``hf_plan`` plus a "moe_tp_experts" entry for each fused experts module only the config's
+    ``base_model_ep_plan`` names ("ep_dispatch_experts"): transformers 5.25 took the experts out of
+    its tensor-parallel plans; nxd_hf still shards them over TP (``nxd_hf.moe.tp_experts``)."""
+    ep_plan = getattr(config, "base_model_ep_plan", None) or {}
+    implied = {p: "moe_tp_experts" for p, s in ep_plan.items() if s == "ep_dispatch_experts" and p not in hf_plan}
+    return {**hf_plan, **implied}
+
+
 def patch_from_hf_plan(model_type: str, hf_plan: dict[str, str], *, config=None) -> ModelPatch:
     """A ``ModelPatch`` for ``model_type`` from its HF ``base_model_tp_plan`` (see module doc).
     ``config``, when given, is checked for features the plan does not cover."""
     if config is not None:
+        hf_plan = _with_ep_plan_experts(hf_plan, config)
         _check_config(model_type, hf_plan, config)
     decoder_layers, stacks = _decoder_layers(model_type, hf_plan)
     hf_plan = mla.with_implied_entries(hf_plan, decoder_layers, config)

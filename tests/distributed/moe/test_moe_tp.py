@@ -109,41 +109,41 @@ def moe_trainer_matches_hf(out_dir: str, accumulate: int = 2, steps: int = 3) ->
 
 
 def identity_experts_match(tp: int) -> int:
-    """LongCat-Flash's experts module (identity experts past the routed ones; HF style
-    "moe_identity_expert") sharded over TP by ``shard_experts``: output and every gradient (input,
-    top-k weights, gathered expert weights) equal the unsharded module's. Returns the tokens routed
-    to an identity expert."""
+    """LongCat-Flash's MoE block (identity experts past the routed ones) with its experts sharded
+    over TP by ``shard_experts``: output and every gradient (input, router, gathered expert weights)
+    equal the unsharded block's. Before transformers 5.25 the experts module itself runs the
+    identity experts, inside the TP region; from 5.25 the block adds them outside it. Returns the
+    tokens routed to an identity expert."""
     import copy
 
     from nxd_hf.moe.tp_experts import shard_experts
-    from transformers.models.longcat_flash.modeling_longcat_flash import LongcatFlashExperts
+    from transformers.models.longcat_flash.modeling_longcat_flash import LongcatFlashMoE
 
     parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     config = transformers.LongcatFlashConfig(hidden_size=16, expert_ffn_hidden_size=8, n_routed_experts=4,
-                                             zero_expert_num=2, hidden_act="silu")
+                                             zero_expert_num=2, moe_topk=2, hidden_act="silu")
     torch.manual_seed(0)
-    reference = LongcatFlashExperts(config)
+    reference = LongcatFlashMoE(config)
     with torch.no_grad():
-        reference.gate_up_proj.normal_()
-        reference.down_proj.normal_()
+        reference.experts.gate_up_proj.normal_()
+        reference.experts.down_proj.normal_()
+        reference.router.classifier.weight.normal_()
     sharded = copy.deepcopy(reference)
-    shard_experts("experts", sharded)
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(10, 16, generator=g)
-    index = torch.randint(0, 6, (10, 2), generator=g)
-    weights = torch.rand(10, 2, generator=g)
+    shard_experts("experts", sharded.experts)
+    assert sharded.experts.down_proj.shape[-1] * tp == reference.experts.down_proj.shape[-1], "sharded over TP"
+    x = torch.randn(10, 16, generator=torch.Generator().manual_seed(1))
     outs = []
     for module in (reference, sharded):
-        xi, wi = x.clone().requires_grad_(), weights.clone().requires_grad_()
-        out = module(xi, index, wi)
+        xi = x.clone().requires_grad_()
+        out = module(xi)
         (out * torch.arange(16.0)).sum().backward()
-        outs.append((out.detach(), xi.grad, wi.grad))
+        outs.append((out.detach(), xi.grad))
     for got, want in zip(outs[1], outs[0]):
         torch.testing.assert_close(got, want, **TOL)
     for name, param in sharded.named_parameters():
         torch.testing.assert_close(parity.gathered_grad(param), dict(reference.named_parameters())[name].grad, **TOL)
-    return int((index >= 4).sum())
+    return int((reference.router(x)[2] >= config.n_routed_experts).sum())
 
 
 # DeepSeek-V3's attention (MLA) stays replicated in HF's plan, so it runs without SP.
@@ -181,7 +181,7 @@ def test_nxd_trainer_tp2_accumulation_with_aux_loss_matches_trainer(ranks2, tmp_
 
 
 def test_identity_experts_count_once_over_tp(ranks2):
-    """LongCat's identity experts (HF "moe_identity_expert") inside the TP region add their input on one rank."""
+    """LongCat's identity experts add their input once over TP (inside the TP region before transformers 5.25)."""
     assert ranks2.run(identity_experts_match, 2)[0] > 0
 
 

@@ -27,6 +27,11 @@ from nxd_hf.trainer.own_model import _check_plain_tp
 TOL = hf_parity.TOL
 MAX_NORM = 0.5  # small enough that clipping is active in every step
 LORA_TARGETS = ["q", "v", "up", "down"]  # column and row layers
+# AdamW's first update is lr * g / (|g| + eps): for an entry whose gradient is near eps (one of
+# layers.3.down's is 3e-8 in step 0, 1e-8 after clipping) the default eps=1e-8 turns fp32 rounding
+# of g (which differs between the sharded sum and the one-process one, and between CPUs' kernels)
+# into a 2e-5 weight difference. eps=1e-6 bounds that amplification to lr / eps = 1e3.
+ADAMW = dict(lr=1e-3, eps=1e-6)
 
 
 def _dummy():
@@ -73,7 +78,7 @@ def _build(parallel: bool, seed=0, lora=False, **layout):
                 if "lora_" in name:
                     param.copy_(local_shard(param, adapters[name].detach()))
     trainable = [p for p in model.parameters() if p.requires_grad]
-    return model, nxd_hf.initialize_parallel_optimizer(nxd_config, torch.optim.AdamW, trainable, lr=1e-3)
+    return model, nxd_hf.initialize_parallel_optimizer(nxd_config, torch.optim.AdamW, trainable, **ADAMW)
 
 
 def _train(model, optimizer, steps) -> list[torch.Tensor]:
@@ -90,7 +95,7 @@ def _train(model, optimizer, steps) -> list[torch.Tensor]:
 def check_trains_like_one_process(parallel: bool, steps=3, lora=False, **layout) -> dict:
     reference = _reference(lora)
     trainable = [p for p in reference.parameters() if p.requires_grad]
-    ref_optimizer = torch.optim.AdamW(trainable, lr=1e-3)
+    ref_optimizer = torch.optim.AdamW(trainable, **ADAMW)
     ref_losses = []
     for step in range(steps):
         loss = reference(*own_models.batch(step))

@@ -12,7 +12,7 @@ from nxd_hf.moe.ep_dispatch import apply_expert_parallel
 from nxd_hf.parallel_layers import ParallelEmbedding
 from nxd_hf.parallel_layers.heads import HeadLayout, head_layout
 from nxd_hf.parallel_sizes import ParallelSizes
-from nxd_hf.tp.apply import apply_tensor_parallel, match_plan
+from nxd_hf.tp.apply import apply_tensor_parallel, base_prefix, match_plan
 from nxd_hf.tp.custom_modules import random_router
 from nxd_hf.tp.layouts import config_head_dim
 from nxd_hf.tp.outputs import install_output_contract
@@ -77,7 +77,23 @@ def resolve_patch(model, *, sequence_parallel: bool, pipeline_parallel_size: int
             "or it is an encoder. "
             "Use sequence_parallel=False"
         )
+    if sequence_parallel:
+        _refuse_sequence_mixers(model, patch)
     return patch
+
+
+def _refuse_sequence_mixers(model, patch: ModelPatch) -> None:
+    """Under sequence parallelism a replicated layer sees this rank's chunk of the sequence: exact
+    for position-wise layers, wrong for one that mixes positions. A causal convolution (Mamba's
+    mixer, LFM2's short conv, gated DeltaNet) is the one such layer a plan can leave replicated."""
+    prefix = base_prefix(model, patch)
+    layers = f"{prefix}.{patch.decoder_layers}." if prefix else f"{patch.decoder_layers}."
+    for name, module in model.named_modules():
+        if name.startswith(layers) and isinstance(module, nn.Conv1d) and module.kernel_size[0] > 1:
+            raise ValueError(
+                f"sequence_parallel=True is not supported for model_type {patch.model_type!r}: {name!r} is a "
+                f"convolution over the sequence (kernel {module.kernel_size[0]}) that would see only this rank's "
+                "chunk of it. Use sequence_parallel=False")
 
 
 def _refuse_random_routers(model, pipeline_parallel_size: int) -> None:

@@ -60,8 +60,9 @@ def identity_experts_of(module: nn.Module) -> int:
 def check_expert_parallel(experts: list[tuple[str, nn.Module]], ep: int) -> None:
     """ValueError, the same on every rank, when these experts cannot be split over ``ep`` ranks."""
     if not experts:
-        raise ValueError(f"expert_parallel_size={ep} but the model has no mixture-of-experts layer (HF fused experts, "
-                         "tensor-parallel style 'moe_tp_experts'): use expert_parallel_size=1")
+        raise ValueError(f"expert_parallel_size={ep} but the model has no mixture-of-experts layer (HF fused experts: "
+                         "'moe_tp_experts' in its base_model_tp_plan or 'ep_dispatch_experts' in its base_model_ep_plan): "
+                         "use expert_parallel_size=1")
     for name, module in experts:
         count = num_experts_of(name, module)
         if count % ep:

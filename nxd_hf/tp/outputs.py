@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nxd_hf import parallel_state
 from nxd_hf.parallel_layers.fused_loss import fused_linear_cross_entropy
 from nxd_hf.parallel_layers.loss_functions import parallel_cross_entropy
 from nxd_hf.parallel_layers.sharding import gather_logical
@@ -58,6 +59,18 @@ def parallel_causal_lm_loss(logits, labels, vocab_size: int, num_items_in_batch=
     if torch.is_tensor(num_items_in_batch):
         num_items_in_batch = num_items_in_batch.to(loss.device)
     return loss / num_items_in_batch
+
+
+def whole_vocab(passed: int, logits: torch.Tensor, vocab_size: int, *, fused: bool) -> int:
+    """The vocabulary size for the loss: the ``vocab_size`` an HF forward passes is
+    ``config.vocab_size``, except where it passes ``logits.shape[-1]`` (Inkling's): under TP that
+    is this rank's shard of the logits, with the fused loss the hidden size; the whole
+    vocabulary (``vocab_size``, the contract's) is meant."""
+    if isinstance(logits, torch.fx.Proxy):  # the pipeline tracer: no shapes (the stages run as traced)
+        return passed
+    if passed == logits.shape[-1] and (fused or parallel_state.get_tensor_model_parallel_size() > 1):
+        return vocab_size
+    return passed
 
 
 def _shift(labels, shift_labels, ignore_index: int):
@@ -109,7 +122,7 @@ def _set_field(config, name: str, value) -> None:
     object.__setattr__(config, name, value)
 
 
-def _install_fused_loss(model: nn.Module, head: nn.Module, armed: dict, check_labels: bool) -> None:
+def _install_fused_loss(model: nn.Module, head: nn.Module, armed: dict, check_labels: bool, whole: int) -> None:
     """In training with labels the head returns its input and the loss function takes it."""
     text_config = model.config.get_text_config()
     softcap = getattr(text_config, "final_logit_softcapping", None)
@@ -123,7 +136,8 @@ def _install_fused_loss(model: nn.Module, head: nn.Module, armed: dict, check_la
 
     def loss_function(logits, labels, vocab_size: int, **kwargs):
         if not armed["on"]:
-            return parallel_causal_lm_loss(logits, labels, vocab_size, check_labels=check_labels, **kwargs)
+            return parallel_causal_lm_loss(logits, labels, whole_vocab(vocab_size, logits, whole, fused=False),
+                                           check_labels=check_labels, **kwargs)
         returned = armed.pop("returned", None)
         found = None if torch.compiler.is_compiling() or returned is None else transform_after_head(
             logits, returned, head.bias is not None)
@@ -131,8 +145,8 @@ def _install_fused_loss(model: nn.Module, head: nn.Module, armed: dict, check_la
             raise ValueError(f"fused_loss=True: {type(model).__name__}'s forward transforms its logits between the LM "
                              f"head and the loss ({found}), which the fused loss would apply to the hidden states: "
                              "parallelize with fused_loss=False")
-        return fused_causal_lm_loss(logits, labels, head, vocab_size, check_labels=check_labels, softcap=softcap,
-                                    **kwargs)
+        return fused_causal_lm_loss(logits, labels, head, whole_vocab(vocab_size, logits, whole, fused=True),
+                                    check_labels=check_labels, softcap=softcap, **kwargs)
 
     head.forward = forward
     model.loss_function = loss_function
@@ -157,14 +171,17 @@ def install_output_contract(model: nn.Module, *, vocab_size: int, gather_logits:
     """Route the loss through ``parallel_cross_entropy`` (or, with ``fused_loss``, the hidden
     states through ``fused_linear_cross_entropy`` with ``head``) and gather logits as documented
     above; ``check_labels``: the loss checks the labels' range on the device every step."""
+    whole = vocab_size
+
     def loss_function(logits, labels, vocab_size: int, **kwargs):
-        return parallel_causal_lm_loss(logits, labels, vocab_size, check_labels=check_labels, **kwargs)
+        return parallel_causal_lm_loss(logits, labels, whole_vocab(vocab_size, logits, whole, fused=False),
+                                       check_labels=check_labels, **kwargs)
 
     model.loss_function = loss_function
     armed = {"on": False}
     if fused_loss:
         assert head is not None
-        _install_fused_loss(model, head, armed, check_labels)
+        _install_fused_loss(model, head, armed, check_labels, whole)
 
     def gather_hook(module, args, kwargs, output):
         fused, armed["on"] = armed["on"], False

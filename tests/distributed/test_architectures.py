@@ -22,6 +22,7 @@ CASES = {
     "gemma4_unified_text": ("pass", True), "gemma3n_text": ("pass", False), "doge": ("pass", False),
     "granite_swa": ("pass", True),  # attention sinks, one per query head
     "apertus1p5_text": ("pass", False),  # reads lm_head.out_features (the whole layer's, as nn.Linear's)
+    "inkling_text": ("pass", False),  # passes its loss vocab_size=logits.shape[-1], this rank's shard (hidden: fused)
 }
 
 
@@ -55,14 +56,14 @@ def _fail_on_rank0_microbatch(module, args, output):
         raise RuntimeError("injected failure in the pipeline step on rank 0")
 
 
-def architecture_case(model_type: str, sp: bool, model_cls=None, tp: int = 2, pp: int = 1):
+def architecture_case(model_type: str, sp: bool, model_cls=None, tp: int = 2, pp: int = 1, fused_loss: bool = False):
     """run_case at tp x pp (default tp=2) on a shrunk config of ``model_type``; with its wall time."""
     from nxd_hf.parity.cases import run_case
 
     transformers.logging.set_verbosity_error()
     start = time.perf_counter()
     result = run_case(_tiny(model_type), tensor_parallel_size=tp, pipeline_parallel_size=pp, sequence_parallel=sp,
-                      model_cls=model_cls)
+                      model_cls=model_cls, fused_loss=fused_loss)
     return result, time.perf_counter() - start
 
 
@@ -74,6 +75,19 @@ def test_fixed_architecture_classes(ranks2, model_type, sp):
     results = [result for result, _ in ranks2.run(architecture_case, model_type, sp)]
     assert results[0] == results[1], "the ranks must agree on the outcome"
     assert results[0].status == expected, f"{model_type} sp={sp}: {results[0].message}"
+
+
+def test_loss_vocab_from_the_logits_shape_with_the_fused_loss(ranks2):
+    """Inkling's forward passes vocab_size=logits.shape[-1]: with fused_loss=True that is the hidden size."""
+    result, _ = ranks2.run(architecture_case, "inkling_text", False, fused_loss=True)[0]
+    assert result.status == "pass", result.message
+
+
+def test_a_convolution_over_the_sequence_refuses_sequence_parallelism(ranks2):
+    """Jamba's Mamba mixer (a causal conv1d) stays replicated: exact at tp=2 (the sweep), but under
+    sequence parallelism it would see one chunk of the sequence: refused, naming it."""
+    result, _ = ranks2.run(architecture_case, "jamba", True)[0]
+    assert result.status == "refused" and "convolution over the sequence" in result.message, result.message
 
 
 # a persistent buffer (checkpoint state, no value in the config): refused on the meta device, with the fix
@@ -199,6 +213,27 @@ def test_mla_planned_by_heads_and_fused_experts_folded():
     plan = patch_from_hf_plan("mixtral", config.base_model_tp_plan, config=config).plan
     assert plan["layers.*.mlp.experts"] == Experts()
     assert not any(pattern.startswith("layers.*.mlp.experts.") for pattern in plan)  # its 3-D params are folded in
+
+
+def test_fused_experts_named_by_either_plan():
+    """transformers <5.25 names fused experts in base_model_tp_plan ("moe_tp_experts"), 5.25 only in
+    base_model_ep_plan ("ep_dispatch_experts"): either way they shard over TP as one Experts style."""
+    from nxd_hf.tp.derive import patch_from_hf_plan
+    from nxd_hf.tp.plan import Experts
+
+    config = transformers.AutoConfig.for_model("mixtral")
+    dense = {p: s for p, s in config.base_model_tp_plan.items() if ".experts" not in p}
+    in_tp_plan = {**dense, "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+                  "layers.*.mlp.experts.down_proj": "rowwise", "layers.*.mlp.experts": "moe_tp_experts"}
+    in_ep_plan = {"layers.*.mlp.experts.gate_up_proj": "grouped_gemm", "layers.*.mlp.experts.down_proj": "grouped_gemm",
+                  "layers.*.mlp.experts": "ep_dispatch_experts"}
+    for tp_plan, ep_plan in ((in_tp_plan, {}), (in_tp_plan, in_ep_plan), (dense, in_ep_plan)):
+        object.__setattr__(config, "base_model_ep_plan", ep_plan)
+        plan = patch_from_hf_plan("mixtral", tp_plan, config=config).plan
+        assert plan["layers.*.mlp.experts"] == Experts(), (tp_plan, ep_plan)
+        assert not any(pattern.startswith("layers.*.mlp.experts.") for pattern in plan)
+    object.__setattr__(config, "base_model_ep_plan", {})
+    assert "layers.*.mlp.experts" not in patch_from_hf_plan("mixtral", dense, config=config).plan
 
 
 def test_check_command_on_saved_config(tmp_path, capsys):

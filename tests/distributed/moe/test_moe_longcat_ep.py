@@ -1,6 +1,6 @@
 """Expert parallelism for LongCat-Flash (routed experts split over EP, identity experts on the
-token's own rank, gate_up_proj's identity-expert slots in the last rank's block), at
-ep=2 and tp2 x ep2, exact against HF."""
+token's own rank; before transformers 5.25 gate_up_proj's identity-expert slots in the last rank's
+block), at ep=2 and tp2 x ep2, exact against HF."""
 
 import pytest
 import torch

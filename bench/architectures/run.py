@@ -88,9 +88,9 @@ BUILD_FIXES = {
                             layer_types=["indexed_attention", "indexed_attention"]),
     "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"]),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
+    # its default indexer layers lie past the shrunk layer count; NVFP4 rounding of K/V needs head_dim % 16 == 0
     "kolibri1_1": dict(num_hidden_layers=2, layer_types=["sliding_attention", "indexed_attention"], index_layers=[1],
-                       kv_source_layers=[0, 1], head_dim=16, mlp_only_layers=[0]),  # its default indexer layers lie past the shrunk count;
-    # NVFP4 rounding of K/V needs head_dim % 16 == 0
+                       kv_source_layers=[0, 1], head_dim=16, mlp_only_layers=[0]),
     "qwen4_exp_text": dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=4,
                            indexer_compress_ratio=2),
 }

@@ -12,7 +12,7 @@ is a ``ParallelRegion`` (the MLP); ``embed_tokens`` becomes a vocab-parallel emb
 from nxd_hf.tp import mla
 from nxd_hf.tp.plan import Attention, Column, Embedding, Experts, ModelPatch, ParallelRegion, PerHeadNorm, Row
 
-Q_PROJECTIONS = {"q_proj", "query"}
+Q_PROJECTIONS = {"q_proj", "query", "q_gate_proj"}  # q_gate_proj: each query head's block followed by its gate's
 KV_PROJECTIONS = {"k_proj", "v_proj", "key", "value"}
 
 # Head-count attributes an attention module may read; set to local values where present.
@@ -51,10 +51,12 @@ def _split(pattern: str) -> tuple[str, str]:
 
 
 def _base_style(hf_style: str) -> str:
-    """HF's "local_X" variants (no DTensor wrapping) shard like "X"."""
+    """HF's "local_X" variants (no DTensor wrapping) shard like "X"; its "unit_colwise" (whole heads
+    per rank, replicated where the heads are fewer than the ranks) is how nxd_hf's head layout
+    shards any colwise K/V projection."""
     if hf_style.startswith("local_") and hf_style != "local_params":
         return hf_style[len("local_"):]
-    return hf_style
+    return "colwise" if hf_style == "unit_colwise" else hf_style
 
 
 def _colwise(parent: str, leaf: str, q_parents: set[str]) -> Column:

@@ -22,6 +22,7 @@ CASES = {
     "gemma4_unified_text": ("pass", True), "gemma3n_text": ("pass", False), "doge": ("pass", False),
     "granite_swa": ("pass", True),  # attention sinks, one per query head
     "apertus1p5_text": ("pass", False),  # reads lm_head.out_features (the whole layer's, as nn.Linear's)
+    "minicpm5_moe": ("pass", True),  # HF's "unit_colwise" K/V; a fused per-head [query; gate] q_gate_proj
     "inkling_text": ("pass", False),  # passes its loss vocab_size=logits.shape[-1], this rank's shard (hidden: fused)
 }
 

@@ -11,6 +11,8 @@ import time
 import pytest
 import torch.distributed as dist
 import transformers
+from packaging.version import Version
+from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
 from nxd_hf.testing import DistributedTestError, run_distributed
@@ -25,6 +27,10 @@ CASES = {
     "minicpm5_moe": ("pass", True),  # HF's "unit_colwise" K/V; a fused per-head [query; gate] q_gate_proj
     "inkling_text": ("pass", False),  # passes its loss vocab_size=logits.shape[-1], this rank's shard (hidden: fused)
 }
+
+
+# cases whose plan (or type) transformers 5.25 brought
+SINCE_5_25 = {"minicpm5_moe": "no such model type", "inkling_text": "refused: its plan all-reduces the shared experts"}
 
 
 def _tiny(model_type: str):
@@ -72,6 +78,8 @@ def architecture_case(model_type: str, sp: bool, model_cls=None, tp: int = 2, pp
                                            for sp in ((False, True) if with_sp else (False,))],
                          ids=lambda v: v if isinstance(v, str) else ("sequence_parallel" if v else "no_sp"))
 def test_fixed_architecture_classes(ranks2, model_type, sp):
+    if model_type in SINCE_5_25 and Version(transformers.__version__) < Version("5.25"):
+        pytest.skip(f"{model_type}: {SINCE_5_25[model_type]} before transformers 5.25")
     expected, _ = CASES[model_type]
     results = [result for result, _ in ranks2.run(architecture_case, model_type, sp)]
     assert results[0] == results[1], "the ranks must agree on the outcome"
@@ -80,15 +88,30 @@ def test_fixed_architecture_classes(ranks2, model_type, sp):
 
 def test_loss_vocab_from_the_logits_shape_with_the_fused_loss(ranks2):
     """Inkling's forward passes vocab_size=logits.shape[-1]: with fused_loss=True that is the hidden size."""
+    if Version(transformers.__version__) < Version("5.25"):
+        pytest.skip(f"inkling_text: {SINCE_5_25['inkling_text']} before transformers 5.25")
     result, _ = ranks2.run(architecture_case, "inkling_text", False, fused_loss=True)[0]
     assert result.status == "pass", result.message
 
 
+class _LlamaWithConv(transformers.LlamaForCausalLM):
+    """A user's decoder layer holding a causal depthwise convolution over the sequence (kernel 3)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        size = config.hidden_size
+        self.model.layers[0].short_conv = nn.Conv1d(size, size, 3, padding=2, groups=size)
+
+
 def test_a_convolution_over_the_sequence_refuses_sequence_parallelism(ranks2):
-    """Jamba's Mamba mixer (a causal conv1d) stays replicated: exact at tp=2 (the sweep), but under
-    sequence parallelism it would see one chunk of the sequence: refused, naming it."""
+    """A replicated conv1d over the sequence in a decoder layer would see one rank's chunk of it
+    under sequence parallelism: refused, naming it; Jamba's Mamba mixer (whose attention 5.25's plan
+    shards, so that nothing else refuses it) is refused too."""
+    result, _ = ranks2.run(architecture_case, "llama", True, _LlamaWithConv)[0]
+    assert result.status == "refused" and "'model.layers.0.short_conv' is a convolution over the sequence" in \
+        result.message, result.message
     result, _ = ranks2.run(architecture_case, "jamba", True)[0]
-    assert result.status == "refused" and "convolution over the sequence" in result.message, result.message
+    assert result.status == "refused", result.message
 
 
 # a persistent buffer (checkpoint state, no value in the config): refused on the meta device, with the fix

@@ -31,6 +31,7 @@ CASES = {
 
 # cases whose plan (or type) transformers 5.25 brought
 SINCE_5_25 = {"minicpm5_moe": "no such model type", "inkling_text": "refused: its plan all-reduces the shared experts"}
+BEFORE_5_25 = Version(transformers.__version__) < Version("5.25")
 
 
 def _tiny(model_type: str):
@@ -78,7 +79,7 @@ def architecture_case(model_type: str, sp: bool, model_cls=None, tp: int = 2, pp
                                            for sp in ((False, True) if with_sp else (False,))],
                          ids=lambda v: v if isinstance(v, str) else ("sequence_parallel" if v else "no_sp"))
 def test_fixed_architecture_classes(ranks2, model_type, sp):
-    if model_type in SINCE_5_25 and Version(transformers.__version__) < Version("5.25"):
+    if model_type in SINCE_5_25 and BEFORE_5_25:
         pytest.skip(f"{model_type}: {SINCE_5_25[model_type]} before transformers 5.25")
     expected, _ = CASES[model_type]
     results = [result for result, _ in ranks2.run(architecture_case, model_type, sp)]
@@ -88,7 +89,7 @@ def test_fixed_architecture_classes(ranks2, model_type, sp):
 
 def test_loss_vocab_from_the_logits_shape_with_the_fused_loss(ranks2):
     """Inkling's forward passes vocab_size=logits.shape[-1]: with fused_loss=True that is the hidden size."""
-    if Version(transformers.__version__) < Version("5.25"):
+    if BEFORE_5_25:
         pytest.skip(f"inkling_text: {SINCE_5_25['inkling_text']} before transformers 5.25")
     result, _ = ranks2.run(architecture_case, "inkling_text", False, fused_loss=True)[0]
     assert result.status == "pass", result.message

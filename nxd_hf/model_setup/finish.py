@@ -2,7 +2,8 @@
 (pp = 1), ``NxDPPModel`` (its local stages, however it was constructed), the config API's own
 models and ``nxd_hf.nnscaler`` call it once the model is sharded and split: it runs steps 5-10
 on this rank's modules (``local``), makes the model's ``NxDModelState`` with every field set,
-puts it on the modules that carry it as ``.nxd`` and installs the gradient hooks."""
+puts it on the modules that carry it as ``.nxd``, marks their parameters (``torch.nn.utils.clip_grad_norm_``
+on them is the whole model's: ``nxd_hf.parallel_layers.torch_clip``) and installs the gradient hooks."""
 
 from collections.abc import Callable, Sequence
 from typing import Literal
@@ -12,6 +13,7 @@ from torch import nn
 from nxd_hf import parallel_state
 from nxd_hf.model_setup.local import LocalSetup, set_up_local_modules
 from nxd_hf.model_state import NxDModelState
+from nxd_hf.parallel_layers.torch_clip import mark_parallel_model
 
 
 def finish_parallel_model(hf_model: nn.Module, local_modules: list[nn.Module], setup: LocalSetup, *,
@@ -22,6 +24,7 @@ def finish_parallel_model(hf_model: nn.Module, local_modules: list[nn.Module], s
     1-3 decided), set as ``.nxd`` of each of ``carriers`` and returned. ``hooks_on``: the module
     whose forward the gradient hooks follow (None: a pipeline, whose step reduces)."""
     policy, adapters = set_up_local_modules(local_modules, setup, layer_types=layer_types, tie=tie)
+    mark_parallel_model(p for module in local_modules for p in module.parameters())  # torch's clip_grad_norm_ too
     record = setup.record
     state = NxDModelState(sizes=parallel_state.get_parallel_sizes(), hf_model=hf_model,
                           local_modules=list(local_modules), grad_reduction=policy, wrapper=wrapper,

@@ -295,9 +295,11 @@ def _local(grad: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0, *,
+                   error_if_nonfinite: bool = False) -> torch.Tensor:
     """Scale gradients so the whole model's norm is at most ``max_norm``; returns the norm before
-    clipping (as ``torch.nn.utils.clip_grad_norm_`` does, including its 1e-6 guard)."""
+    clipping (as ``torch.nn.utils.clip_grad_norm_`` does, including its 1e-6 guard, and with
+    ``error_if_nonfinite`` its RuntimeError on a nan or inf norm, before any gradient is scaled)."""
     params = _as_list(parameters)
     groups = _whole_grads(params, norm_type)  # one grouping for the norm and the scaling
     if groups is None:
@@ -305,6 +307,10 @@ def clip_grad_norm(parameters: Iterable[torch.Tensor], max_norm: float, norm_typ
         groups = _by_device_and_dtype([_local(p.grad) for p in params if p.grad is not None])
     else:
         total = _whole_norm(groups, norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):  # the same on every rank: the norm is the whole model's
+        raise RuntimeError(f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, "
+                           "so it cannot be clipped. To disable this error and scale the gradients by the non-finite "
+                           "norm anyway, set `error_if_nonfinite=False`")
     clip_coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
     for (device, dtype), grads in groups.items():  # one kernel per group, as torch's clip_grad_norm_
         if device.type in _FOREACH_DEVICES:

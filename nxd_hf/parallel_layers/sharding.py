@@ -22,6 +22,7 @@ TP_ATTRIBUTES = (
     "num_replicas",  # int: copies of each logical row across the TP group (replicated K/V)
     "partial_grad_over_tp",  # bool: replicated param whose grad is partial per TP rank (summed over TP)
     "sequence_parallel_enabled",  # bool: NxD's name for partial_grad_over_tp (read as an alias)
+    "in_parallel_model",  # bool: a parameter of a model nxd_hf set up (torch's clip_grad_norm_: parallel_layers.torch_clip)
 )
 EP_ATTRIBUTES = (
     "expert_parallel",  # bool: a fused experts tensor split over the expert-parallel group along dim 0

@@ -1,0 +1,139 @@
+"""``torch.nn.utils.clip_grad_norm_`` called on a parallelized model's parameters, as a loop
+written for plain HF calls it, is the whole model's norm (``nxd_hf.parallel_layers.torch_clip``):
+at tp=2 (K/V replicated, vocab padded), pp=2 and ep=2 the norms, the clipped AdamW steps and the
+trained weights equal plain HF's with torch's own function; torch's own result is untouched for
+any other parameters; nan gradients raise as torch does, on every rank."""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import nxd_hf
+from nxd_hf import parallel_state
+from nxd_hf.parallel_layers import torch_clip
+from nxd_hf.parallel_layers.sharding import full_tensor
+from tests.support import hf_parity, moe_ep
+
+TOL = dict(rtol=1e-4, atol=1e-5)
+MAX_NORM = 0.1  # below every step's norm here: each step really clips (asserted)
+
+
+def _adamw(params):
+    # Adam turns the rounding of a near-zero gradient (a key bias's) into a step of ~lr; eps bounds that
+    return torch.optim.AdamW(params, lr=1e-2, eps=1e-4, weight_decay=0.1)
+
+
+def _train_alike(reference, model, step_inputs, *, norm_type=2.0, params=None, run_step=None) -> None:
+    """AdamW steps clipped by torch's ``clip_grad_norm_`` on both models: loss, norm, weights."""
+    params = list(model.parameters()) if params is None else params
+    ref_opt, opt = _adamw(reference.parameters()), _adamw(params)
+    for step, inputs in enumerate(step_inputs):
+        ref_loss = reference(**inputs).loss
+        ref_loss.backward()
+        loss = run_step(inputs) if run_step else model(**inputs).loss
+        if not run_step:
+            loss.backward()
+        torch.testing.assert_close(loss.detach(), ref_loss.detach(), **TOL, msg=lambda m: f"step {step} loss: {m}")
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM, norm_type=norm_type)
+        norm = torch.nn.utils.clip_grad_norm_(params, MAX_NORM, norm_type=norm_type)
+        assert ref_norm > MAX_NORM, (step, ref_norm)
+        torch.testing.assert_close(norm.to(ref_norm.dtype), ref_norm, **TOL, msg=lambda m: f"step {step} norm: {m}")
+        ref_opt.step(), opt.step()
+        ref_opt.zero_grad(), opt.zero_grad()
+    ref_params = dict(reference.named_parameters())
+    named = model.local_named_parameters() if hasattr(model, "local_named_parameters") else model.named_parameters()
+    for name, param in named:
+        if name in ref_params:  # the parallel experts are checked by the trained losses above
+            torch.testing.assert_close(full_tensor(param, param.detach()), ref_params[name].detach(), **TOL,
+                                       msg=lambda m: f"{name}: {m}")
+
+
+def _llama_steps(steps=3, b=2):
+    return [dict(zip(("input_ids", "labels"), hf_parity.batch(seed=10 + step, b=b))) for step in range(steps)]
+
+
+def check_tp2(norm_type) -> None:
+    reference, model = hf_parity.build_pair("llama", num_key_value_heads=1)  # kv_heads < tp: replicated K/V
+    model = nxd_hf.parallelize(model, tensor_parallel_size=2)
+    _train_alike(reference, model, _llama_steps(), norm_type=norm_type)
+
+
+def check_pp2() -> None:
+    reference, model = hf_parity.build_pair("llama", num_hidden_layers=4)
+    pp_model = nxd_hf.parallelize(model, pipeline_parallel_size=2, num_microbatches=2,
+                                  broadcast_and_average_loss=True)
+    _train_alike(reference, pp_model, _llama_steps(b=4), params=list(pp_model.parameters()),
+                 run_step=lambda inputs: pp_model.run_train(**inputs))
+
+
+def check_ep2() -> None:
+    """Both data-parallel ranks see the same batch, so the DP mean is that batch's gradient."""
+    reference, model = moe_ep.build_pair("mixtral")
+    model = nxd_hf.parallelize(model, expert_parallel_size=2)
+    steps = [dict(zip(("input_ids", "labels"), moe_ep.batch(seed=10 + step))) for step in range(3)]
+    _train_alike(reference, model, steps)
+
+
+def check_nonfinite_and_norm_types() -> None:
+    reference, model = hf_parity.build_pair("llama")
+    model = nxd_hf.parallelize(model, tensor_parallel_size=2)
+    ids, labels = hf_parity.batch()
+    model(input_ids=ids, labels=labels).loss.backward()
+    reference(input_ids=ids, labels=labels).loss.backward()
+    with warnings.catch_warnings():  # the deprecated name calls the routed one
+        warnings.simplefilter("ignore", FutureWarning)
+        deprecated = torch.nn.utils.clip_grad_norm(model.parameters(), math.inf)
+    torch.testing.assert_close(deprecated, torch.nn.utils.clip_grad_norm_(reference.parameters(), math.inf), **TOL)
+    with pytest.raises(ValueError, match="norm_type=0"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, norm_type=0)
+    sharded = model.model.layers[0].mlp.down_proj.weight  # one rank's shard only
+    if parallel_state.get_tensor_model_parallel_rank() == 1:
+        sharded.grad[0, 0] = float("nan")
+    before = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="non-finite"):  # on both ranks: the norm is the whole model's
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+    for p, b in zip(model.parameters(), before):  # nothing scaled
+        torch.testing.assert_close(p.grad, b, rtol=0, atol=0, equal_nan=True)
+    assert torch.isnan(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))  # torch's default: no error
+
+
+@pytest.mark.parametrize("norm_type", [2.0, math.inf], ids=["l2", "inf"])
+def test_torch_clip_grad_norm_tp2_trains_as_plain_hf(ranks2, norm_type):
+    ranks2.run(check_tp2, norm_type)
+
+
+def test_torch_clip_grad_norm_pp2_trains_as_plain_hf(ranks2):
+    ranks2.run(check_pp2)
+
+
+def test_torch_clip_grad_norm_ep2_trains_as_plain_hf(ranks2):
+    ranks2.run(check_ep2)
+
+
+def test_torch_clip_grad_norm_nonfinite_deprecated_and_norm_types_tp2(ranks2):
+    ranks2.run(check_nonfinite_and_norm_types)
+
+
+def test_plain_parameters_get_torchs_own_result():
+    """Parameters of no parallel model: exactly torch's function, bit for bit, and the wrapper
+    is installed once, under both of torch's names."""
+    assert torch.nn.utils.clip_grad_norm_ is torch.nn.utils.clip_grad.clip_grad_norm_
+    installed = torch.nn.utils.clip_grad_norm_
+    torch_clip.install()
+    assert torch.nn.utils.clip_grad_norm_ is installed and installed.nxd_hf_routes_parallel_models
+    torch_own = installed.__wrapped__
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(4, 3, generator=g)) for _ in range(3)]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g)
+    copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for p, c in zip(params, copies):
+        c.grad = p.grad.clone()
+    for norm_type in (2.0, 1.0, math.inf, 0.0):
+        assert torch.equal(installed(params, 0.1, norm_type), torch_own(copies, 0.1, norm_type))
+        assert all(torch.equal(p.grad, c.grad) for p, c in zip(params, copies))
+    assert torch.equal(installed(params[0], 0.1), torch_own(copies[0], 0.1))
+    with pytest.warns(UserWarning, match="empty generator"):  # torch's own warning, kept
+        installed((p for p in []), 1.0)

@@ -2,8 +2,9 @@
 (pp = 1), ``NxDPPModel`` (its local stages, however it was constructed), the config API's own
 models and ``nxd_hf.nnscaler`` call it once the model is sharded and split: it runs steps 5-10
 on this rank's modules (``local``), makes the model's ``NxDModelState`` with every field set,
-puts it on the modules that carry it as ``.nxd``, marks their parameters (``torch.nn.utils.clip_grad_norm_``
-on them is the whole model's: ``nxd_hf.parallel_layers.torch_clip``) and installs the gradient hooks."""
+puts it on the modules that carry it as ``.nxd`` (which then refuse DDP: ``nxd_hf.guards.no_ddp``),
+marks their parameters (``torch.nn.utils.clip_grad_norm_`` on them is the whole model's:
+``nxd_hf.parallel_layers.torch_clip``) and installs the gradient hooks."""
 
 from collections.abc import Callable, Sequence
 from typing import Literal
@@ -11,6 +12,7 @@ from typing import Literal
 from torch import nn
 
 from nxd_hf import parallel_state
+from nxd_hf.guards.no_ddp import refuse_ddp
 from nxd_hf.model_setup.local import LocalSetup, set_up_local_modules
 from nxd_hf.model_state import NxDModelState
 from nxd_hf.parallel_layers.torch_clip import mark_parallel_model
@@ -32,6 +34,7 @@ def finish_parallel_model(hf_model: nn.Module, local_modules: list[nn.Module], s
                           adapters=adapters)
     for carrier in carriers:
         carrier.nxd = state
+        refuse_ddp(carrier)  # DDP would broadcast rank 0's shards over every rank
     if hooks_on is not None:
         policy.install_hooks(hooks_on)
     return state

@@ -1,17 +1,24 @@
-"""``torch.nn.utils.clip_grad_norm_`` called on a parallelized model's parameters, as a loop
-written for plain HF calls it, is the whole model's norm (``nxd_hf.parallel_layers.torch_clip``):
-at tp=2 (K/V replicated, vocab padded), pp=2 and ep=2 the norms, the clipped AdamW steps and the
-trained weights equal plain HF's with torch's own function; torch's own result is untouched for
-any other parameters; nan gradients raise as torch does, on every rank."""
+"""Plain torch calls on a parallelized model, as a loop or a Trainer written for plain HF makes them.
+
+``torch.nn.utils.clip_grad_norm_`` on its parameters is the whole model's norm
+(``nxd_hf.parallel_layers.torch_clip``): at tp=2 (K/V replicated, vocab padded), pp=2 and ep=2
+the norms, the clipped AdamW steps and the trained weights equal plain HF's with torch's own
+function; torch's own result is untouched for any other parameters; nan gradients raise as torch
+does, on every rank. ``DistributedDataParallel`` (plain ``transformers.Trainer`` under torchrun,
+a loop's ``DDP(model)``) is refused with a ValueError before it overwrites a shard
+(``nxd_hf.guards.no_ddp``)."""
 
 import math
 import warnings
 
 import pytest
 import torch
+import transformers
+from torch.nn.parallel import DistributedDataParallel
 
 import nxd_hf
 from nxd_hf import parallel_state
+from nxd_hf.guards.no_ddp import MESSAGE
 from nxd_hf.parallel_layers import torch_clip
 from nxd_hf.parallel_layers.sharding import full_tensor
 from tests.support import hf_parity, moe_ep
@@ -137,3 +144,54 @@ def test_plain_parameters_get_torchs_own_result():
     assert torch.equal(installed(params[0], 0.1), torch_own(copies[0], 0.1))
     with pytest.warns(UserWarning, match="empty generator"):  # torch's own warning, kept
         installed((p for p in []), 1.0)
+
+
+def _weights(model) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def _unchanged(model, before: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+
+
+def check_ddp_refused(out_dir) -> None:
+    """Plain ``transformers.Trainer`` first (its accelerate state as torchrun gives it: several
+    CPU processes), then DDP on the model, on a peft wrapper of it and on a pipeline."""
+    _, model = hf_parity.build_pair("llama")
+    model = nxd_hf.parallelize(model, tensor_parallel_size=2)
+    before = _weights(model)
+    ids, labels = hf_parity.batch(b=8)
+    args = transformers.TrainingArguments(output_dir=out_dir, per_device_train_batch_size=2, max_steps=2,
+                                          report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True)
+    assert args.parallel_mode == transformers.training_args.ParallelMode.DISTRIBUTED  # as under torchrun
+    trainer = transformers.Trainer(model=model, args=args,
+                                   train_dataset=[dict(input_ids=i, labels=l) for i, l in zip(ids, labels)])
+    with pytest.raises(ValueError, match="use nxd_hf.NxDTrainer"):
+        trainer.train()
+    assert _unchanged(model, before)  # rank 1's shards are still its own
+    with pytest.raises(ValueError) as raised:
+        DistributedDataParallel(model)
+    assert str(raised.value) == MESSAGE
+    import peft
+
+    adapted = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    with pytest.raises(ValueError, match="do not wrap it in torch's DistributedDataParallel"):
+        DistributedDataParallel(adapted)
+    assert DistributedDataParallel(torch.nn.Linear(2, 2)).module.weight.shape == (2, 2)  # other modules: DDP as ever
+
+
+def check_ddp_refused_pp2() -> None:
+    _, model = hf_parity.build_pair("llama", num_hidden_layers=4)
+    pp_model = nxd_hf.parallelize(model, pipeline_parallel_size=2, num_microbatches=2)
+    before = _weights(pp_model)
+    with pytest.raises(ValueError, match="use nxd_hf.NxDTrainer"):
+        DistributedDataParallel(pp_model)
+    assert _unchanged(pp_model, before)
+
+
+def test_ddp_and_plain_trainer_refused_tp2(ranks2, tmp_path):
+    ranks2.run(check_ddp_refused, str(tmp_path))
+
+
+def test_ddp_refused_pp2(ranks2):
+    ranks2.run(check_ddp_refused_pp2)

@@ -5,7 +5,9 @@ loop's own ``DDP(model)``) would broadcast rank 0's parameters to every rank, re
 rank's shard with rank 0's, silently, and then average the gradients over every rank, the TP
 shards included. nxd_hf averages the gradients over the data-parallel ranks itself. DDP reads
 ``module._ddp_params_and_buffers_to_ignore`` before it touches a parameter; a parallel model's
-is ``RefuseDDP``, whose iteration raises the ValueError that says what to use instead.
+is ``RefuseDDP``, whose iteration raises the ValueError that says what to use instead. DDP reads
+it on the module it wraps only: a module that holds the parallel model (a LightningModule under
+Lightning's "ddp" strategy) is not caught here; train it with ``nxd_hf.lightning.NxDStrategy``.
 """
 
 from torch import nn

@@ -72,7 +72,9 @@ def environment() -> str:
     if importlib.util.find_spec("torch_xla") is not None:
         backends.append("xla")
     lines = [f"nxd_hf {version('nxd_hf')}", f"python {platform.python_version()} ({platform.platform()})",
-             *(f"{name} {version(name)}" for name in ("torch", "transformers", "peft", "accelerate", "safetensors")),
+             # torch's own version names its build (+cpu, +cu130), which a CUDA wheel's metadata leaves out
+             f"torch {torch.__version__}" + (f" (CUDA {torch.version.cuda})" if torch.version.cuda else ""),
+             *(f"{name} {version(name)}" for name in ("transformers", "peft", "accelerate", "safetensors")),
              f"collective backends available: {', '.join(backends) or 'none'}",
              f"backend nxd_hf would use: {backend.default_backend()} on "
              f"{backend.launch_device(backend.default_backend(), int(os.environ.get('LOCAL_RANK', 0)))}",

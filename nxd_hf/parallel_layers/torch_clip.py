@@ -37,7 +37,8 @@ def mark_parallel_model(params) -> None:
         param.in_parallel_model = True
 
 
-def _in_parallel_model(param: torch.Tensor) -> bool:
+def in_parallel_model(param: torch.Tensor) -> bool:
+    """Whether ``param`` belongs to a model nxd_hf set up (or is a sharded or expert-parallel tensor)."""
     return getattr(param, "in_parallel_model", False) or is_sharded(param) or is_expert_parallel(param)
 
 
@@ -51,7 +52,7 @@ def _clip_grad_norm_(torch_clip_grad_norm_):
             params = list(parameters)
             if not params and isinstance(parameters, types.GeneratorType):
                 parameters = (p for p in params)  # torch warns of an exhausted generator: let it
-        if not any(_in_parallel_model(p) for p in params):
+        if not any(in_parallel_model(p) for p in params):
             return torch_clip_grad_norm_(params if params else parameters, max_norm, norm_type=norm_type,
                                          error_if_nonfinite=error_if_nonfinite, foreach=foreach)
         if not float(norm_type) > 0:

@@ -6,7 +6,8 @@ the norms, the clipped AdamW steps and the trained weights equal plain HF's with
 function; torch's own result is untouched for any other parameters; nan gradients raise as torch
 does, on every rank. ``DistributedDataParallel`` (plain ``transformers.Trainer`` under torchrun,
 a loop's ``DDP(model)``) is refused with a ValueError before it overwrites a shard
-(``nxd_hf.guards.no_ddp``)."""
+(``nxd_hf.guards.no_ddp``). ``GradScaler`` skips a step on every rank when one rank's shard
+overflows, as plain HF's skips it (``nxd_hf.parallel_layers.grad_scaler``)."""
 
 import math
 import warnings
@@ -18,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import nxd_hf
 from nxd_hf import parallel_state
+from nxd_hf.backend import count_comm
 from nxd_hf.guards.no_ddp import MESSAGE
 from nxd_hf.parallel_layers import torch_clip
 from nxd_hf.parallel_layers.sharding import full_tensor
@@ -194,3 +196,44 @@ def test_ddp_and_plain_trainer_refused_tp2(ranks2, tmp_path):
 
 def test_ddp_refused_pp2(ranks2):
     ranks2.run(check_ddp_refused_pp2)
+
+
+def check_grad_scaler_skips_together() -> None:
+    """Three steps with ``torch.amp.GradScaler``, unscaled and clipped by torch's functions; at
+    step 1 one gradient element of the last TP rank's shard is inf (in the reference: the same
+    logical element). Both skip step 1 and halve the scale, on every rank; the weights agree."""
+    reference, model = hf_parity.build_pair("llama")
+    model = nxd_hf.parallelize(model, tensor_parallel_size=2)
+    ref_opt, opt = _adamw(reference.parameters()), _adamw(model.parameters())
+    ref_scaler, scaler = (torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) for _ in range(2))
+    sharded, ref_twin = model.model.layers[0].mlp.down_proj.weight, reference.model.layers[0].mlp.down_proj.weight
+    last_column = ref_twin.shape[1] - 1  # row-parallel: its columns split over TP, the last on the last rank
+    for step, inputs in enumerate(_llama_steps()):
+        ref_scaler.scale(reference(**inputs).loss).backward()
+        scaler.scale(model(**inputs).loss).backward()
+        if step == 1:
+            ref_twin.grad[0, last_column] = float("inf")
+            local = (sharded.shard_index == last_column).nonzero()
+            if len(local):
+                sharded.grad[0, local[0, 0]] = float("inf")
+        with count_comm() as ref_records:
+            ref_scaler.unscale_(ref_opt)
+        with count_comm() as records:
+            scaler.unscale_(opt)
+        assert ref_records == [] and [(r.op, r.group_size, r.payload_bytes) for r in records] == [("all_reduce", 2, 4)]
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        before = _weights(model)
+        ref_scaler.step(ref_opt), scaler.step(opt)
+        ref_scaler.update(), scaler.update()
+        assert _unchanged(model, before) == (step == 1), step  # skipped on this rank exactly when on the other
+        assert scaler.get_scale() == ref_scaler.get_scale() == 2.0 ** (9 if step >= 1 else 10), step
+        ref_opt.zero_grad(), opt.zero_grad()
+    ref_params = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(full_tensor(param, param.detach()), ref_params[name].detach(), **TOL,
+                                   msg=lambda m: f"{name}: {m}")
+
+
+def test_grad_scaler_skips_an_overflow_on_every_rank_tp2(ranks2):
+    ranks2.run(check_grad_scaler_skips_together)

@@ -34,16 +34,19 @@ def _adamw(params):
     return torch.optim.AdamW(params, lr=1e-2, eps=1e-4, weight_decay=0.1)
 
 
-def _train_alike(reference, model, step_inputs, *, norm_type=2.0, params=None, run_step=None) -> None:
+def _forward_backward(model, inputs) -> torch.Tensor:
+    loss = model(**inputs).loss
+    loss.backward()
+    return loss
+
+
+def _train_alike(reference, model, step_inputs, *, norm_type=2.0, run_step=_forward_backward) -> None:
     """AdamW steps clipped by torch's ``clip_grad_norm_`` on both models: loss, norm, weights."""
-    params = list(model.parameters()) if params is None else params
+    params = list(model.parameters())
     ref_opt, opt = _adamw(reference.parameters()), _adamw(params)
     for step, inputs in enumerate(step_inputs):
-        ref_loss = reference(**inputs).loss
-        ref_loss.backward()
-        loss = run_step(inputs) if run_step else model(**inputs).loss
-        if not run_step:
-            loss.backward()
+        ref_loss = _forward_backward(reference, inputs)
+        loss = run_step(model, inputs)
         torch.testing.assert_close(loss.detach(), ref_loss.detach(), **TOL, msg=lambda m: f"step {step} loss: {m}")
         ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM, norm_type=norm_type)
         norm = torch.nn.utils.clip_grad_norm_(params, MAX_NORM, norm_type=norm_type)
@@ -72,8 +75,7 @@ def check_pp2() -> None:
     reference, model = hf_parity.build_pair("llama", num_hidden_layers=4)
     pp_model = nxd_hf.parallelize(model, pipeline_parallel_size=2, num_microbatches=2,
                                   broadcast_and_average_loss=True)
-    _train_alike(reference, pp_model, _llama_steps(b=4), params=list(pp_model.parameters()),
-                 run_step=lambda inputs: pp_model.run_train(**inputs))
+    _train_alike(reference, pp_model, _llama_steps(b=4), run_step=lambda model, inputs: model.run_train(**inputs))
 
 
 def check_ep2() -> None:
